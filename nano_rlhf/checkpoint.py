@@ -1,0 +1,173 @@
+"""Model directories and resumable training state: safetensors for tensors, JSON for everything else.
+No pickle anywhere, so loading a checkpoint can never execute code.
+
+out_dir/
+  config.json, model.safetensors, tokenizer.json    the model (HF-loadable), each file replaced atomically
+  train_config.json, metrics.jsonl                  options of the run, one JSON object per logged step
+  state/                                            everything --resume needs:
+    model_<name>.safetensors                        weights of each trained model (our key names)
+    optim_<name>.safetensors + optim_<name>.json    optimizer tensors + param groups / scalars
+    rng_rank<r>.safetensors + rng_rank<r>.json      RNG states of every rank (torch, cuda, python, numpy)
+    meta.json                                       step, data position, KL controller, ... (script-defined)
+
+The state directory is written to `state.tmp/`, then swapped in with renames (state -> state.old,
+state.tmp -> state, delete state.old). A crash at any point leaves a complete `state/` or `state.old/`,
+and `load_state` takes whichever is complete.
+"""
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import dist
+
+
+def atomic_write_text(path, text):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path, obj):
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
+    """The model as a HF directory (config.json, model.safetensors) plus tokenizer.json; rank 0 only."""
+    if not dist.ctx().is_main:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    dist.unwrap(model).save_pretrained(out_dir, **extra_config)
+    if tokenizer is not None:
+        tmp = os.path.join(out_dir, f"tokenizer.json.tmp{os.getpid()}")
+        tokenizer.save(tmp)
+        os.replace(tmp, os.path.join(out_dir, "tokenizer.json"))
+
+
+# ---- optimizer and RNG state <-> (tensors, json) ------------------------------------------------
+
+def _optim_to_flat(opt):
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{pid}.{k}"] = v.detach().to("cpu").contiguous()
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optim_from_flat(opt, tensors, meta):
+    state = {}
+    for key, v in tensors.items():
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    for key, v in meta["scalars"].items():
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    groups = meta["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _rng_state(generators):
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = s
+    for name, g in (generators or {}).items():
+        tensors[f"gen.{name}"] = g.get_state()
+    py = random.getstate()
+    npst = np.random.get_state()
+    meta = {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])]}
+    return tensors, meta
+
+
+def _set_rng_state(tensors, meta, generators):
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda"))]
+        if states:
+            torch.cuda.set_rng_state_all(states)
+    for name, g in (generators or {}).items():
+        if f"gen.{name}" in tensors:
+            g.set_state(tensors[f"gen.{name}"])
+    p = meta["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+
+
+# ---- resumable state --------------------------------------------------------------------------
+
+def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: dict = None):
+    """Write out_dir/state atomically. Collective: every rank must call it (each saves its RNG)."""
+    ctx = dist.ctx()
+    final, tmp, old = (os.path.join(out_dir, s) for s in ("state", "state.tmp", "state.old"))
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for name, m in models.items():
+            sd = {k: v.detach().to("cpu").contiguous() for k, v in dist.unwrap(m).state_dict().items()}
+            save_file(sd, os.path.join(tmp, f"model_{name}.safetensors"))
+        for name, opt in optimizers.items():
+            tensors, ometa = _optim_to_flat(opt)
+            save_file(tensors, os.path.join(tmp, f"optim_{name}.safetensors"))
+            write_json(os.path.join(tmp, f"optim_{name}.json"), ometa)
+    dist.barrier()
+    tensors, rmeta = _rng_state(generators)
+    save_file(tensors, os.path.join(tmp, f"rng_rank{ctx.rank}.safetensors"))
+    write_json(os.path.join(tmp, f"rng_rank{ctx.rank}.json"), rmeta)
+    dist.barrier()
+    if ctx.is_main:
+        write_json(os.path.join(tmp, "meta.json"), dict(meta, world_size=ctx.world_size))  # written last
+        if os.path.isdir(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def find_state(out_dir):
+    """The newest complete state directory (state/, else state.old/ after a crash mid-swap), or None."""
+    for name in ("state", "state.old"):
+        d = os.path.join(out_dir, name)
+        if os.path.isfile(os.path.join(d, "meta.json")):
+            return d
+    return None
+
+
+def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None) -> dict:
+    """Restore models, optimizers and this rank's RNG from out_dir/state; returns meta.json."""
+    d = find_state(out_dir)
+    if d is None:
+        raise FileNotFoundError(f"{out_dir}: no saved state to resume from (expected {out_dir}/state/meta.json)")
+    with open(os.path.join(d, "meta.json")) as f:
+        meta = json.load(f)
+    for name, m in models.items():
+        dist.unwrap(m).load_state_dict(load_file(os.path.join(d, f"model_{name}.safetensors")))
+    for name, opt in optimizers.items():
+        with open(os.path.join(d, f"optim_{name}.json")) as f:
+            ometa = json.load(f)
+        _optim_from_flat(opt, load_file(os.path.join(d, f"optim_{name}.safetensors")), ometa)
+    rank = dist.ctx().rank
+    rpath = os.path.join(d, f"rng_rank{rank}.safetensors")
+    if meta.get("world_size") == dist.ctx().world_size and os.path.isfile(rpath):
+        with open(os.path.join(d, f"rng_rank{rank}.json")) as f:
+            _set_rng_state(load_file(rpath), json.load(f), generators)
+    else:
+        dist.print0(f"note: resuming with {dist.ctx().world_size} ranks from a state saved with "
+                    f"{meta.get('world_size')}: RNG streams restart (data order is unaffected)")
+    return meta

@@ -1,0 +1,129 @@
+"""Plumbing the four scripts share and that is not algorithm: input errors, optimizer groups, the LR
+schedule, the metrics log and progress line, precision contexts."""
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from . import dist
+from .data import DataError
+
+
+def fail(msg: str, code: int = 1):
+    """Print one clear line to stderr and exit non-zero (all ranks do the same)."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    dist.cleanup()
+    sys.exit(code)
+
+
+@contextlib.contextmanager
+def input_errors():
+    """Turn bad-input exceptions (DataError, missing files, bad model dirs) into a one-line exit."""
+    try:
+        yield
+    except (DataError, FileNotFoundError, ValueError) as e:
+        fail(str(e))
+
+
+def adamw(model, lr, weight_decay, betas=(0.9, 0.95), eps=1e-8):
+    """AdamW with weight decay on matrices only: biases, LayerNorm weights and the embeddings (wte is also
+    the tied output layer, wpe the positions) are not decayed (nanoGPT / GPT-2 practice)."""
+    decay, no_decay = [], []
+    for name, p in dist.unwrap(model).named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and not name.endswith(("wte.weight", "wpe.weight")) else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=True: one fused kernel per group instead of a Python loop over 50 tensors
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+
+
+def lr_at(step, max_steps, lr, warmup_steps, schedule="cosine", min_lr_ratio=0.1):
+    """Linear warm-up over warmup_steps, then cosine decay to min_lr_ratio * lr (or linear to 0, or constant)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    frac = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == "linear":
+        return lr * (1.0 - frac)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+def set_lr(optimizer, lr):
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+def autocast(device, dtype: str):
+    """bfloat16 autocast when asked (weights stay float32); a no-op for float32."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+def check_finite(value: float, step: int, out_dir: str, what="loss"):
+    if not math.isfinite(value):
+        fail(f"non-finite {what} ({value}) at step {step}; stopping. The last good checkpoint "
+             f"(if any) is in {out_dir}/state and can be resumed with --resume")
+
+
+class Logger:
+    """Appends one JSON object per logged step to out_dir/metrics.jsonl and prints a progress line;
+    rank 0 only (other ranks get a logger that does nothing, so the loop never branches on rank)."""
+
+    def __init__(self, out_dir, max_steps, resume=False):
+        self.on = dist.ctx().is_main
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.max_steps, self.t0, self.steps0 = max_steps, time.time(), None
+        if self.on:
+            os.makedirs(out_dir, exist_ok=True)
+            if not resume and os.path.exists(self.path):
+                os.remove(self.path)
+
+    def log(self, step, metrics: dict, show=("loss",)):
+        if not self.on:
+            return
+        rec = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def progress(self, step, metrics: dict, keys, tokens_per_s=None):
+        """`step 120/1000 | loss 1.234 | ... | 12,345 tok/s | eta 1m05s`."""
+        if not self.on:
+            return
+        if self.steps0 is None:
+            self.steps0, self.t0 = step - 1, time.time()
+        parts = [f"step {step}/{self.max_steps}"]
+        for k in keys:
+            if k in metrics:
+                v = metrics[k]
+                name = k.replace("train/", "").replace("/", "_")
+                parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
+        if tokens_per_s is not None:
+            parts.append(f"{tokens_per_s:,.0f} tok/s")
+        done = step - self.steps0
+        if done > 0:
+            eta = (time.time() - self.t0) / done * (self.max_steps - step)
+            parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+        print(" | ".join(parts), flush=True)
+
+
+BUILTIN_DIR = os.environ.get("NANO_RLHF_DATA", "data")
+
+
+def builtin_file(name: str) -> str:
+    """Path of a built-in task file (data/sft.jsonl, ...), generating data/ with seed 0 on first use."""
+    from . import synthetic
+    if not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # task.json is written last
+        if dist.ctx().is_main:
+            dist.print0(f"generating the built-in task into {BUILTIN_DIR}/ (python -m nano_rlhf.synthetic)")
+            synthetic.write_dataset(BUILTIN_DIR, seed=0)
+        dist.barrier()
+    return os.path.join(BUILTIN_DIR, name)

@@ -1,0 +1,332 @@
+"""JSONL data: read and validate the four data kinds, tokenize them, pad them into batches.
+
+| kind       | standard                                      | conversational (lists of {"role", "content"}) |
+|------------|-----------------------------------------------|-----------------------------------------------|
+| sft        | {"prompt", "completion"} or {"text"}          | {"messages"} or {"prompt", "completion"}      |
+| preference | {"prompt", "chosen", "rejected"} [+ "margin"] | same keys, lists of messages                  |
+| unpaired   | {"prompt", "completion", "label": bool}       | same, messages                                |
+| prompts    | {"prompt": str}                               | {"prompt": [messages]}                        |
+
+Every line is validated before anything is built; the first bad line raises DataError with the message
+`FILE:LINE: what is wrong` (scripts print it and exit with status 1). Blank lines are skipped.
+
+Over-long examples (one rule for all kinds): the prompt is truncated from the left, keeping at least one
+prompt token; if the response (with its end-of-text) still does not fit, the example is dropped. For
+{"text"} and {"messages"} SFT rows "the response" is everything from the start of the final trained
+span. Both counts are returned and logged.
+
+Padding: training batches are right-padded (real tokens first, so positions need no mask); prompts for
+generation are left-padded (so every row's next token is at the same index).
+"""
+import json
+import math
+from typing import List, Sequence
+
+import torch
+
+from .tokenizer import ROLES
+
+
+class DataError(ValueError):
+    pass
+
+
+KINDS = ("sft", "preference", "unpaired", "prompts")
+
+
+def read_jsonl(path: str) -> List[tuple]:
+    """[(line number, object)] of a JSONL file; DataError on invalid UTF-8, bad JSON, non-objects, no rows."""
+    rows = []
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}:0: cannot open ({e.strerror})") from None
+    with f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: invalid UTF-8 at byte {e.start}") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            rows.append((n, obj))
+    if not rows:
+        raise DataError(f"{path}:1: empty file (no JSON lines)")
+    return rows
+
+
+def _text(obj, key, where):
+    if key not in obj:
+        raise DataError(f"{where}: missing field '{key}'")
+    v = obj[key]
+    if not isinstance(v, str):
+        raise DataError(f"{where}: field '{key}' must be a string, got {type(v).__name__}")
+    if not v.strip():
+        raise DataError(f"{where}: field '{key}' is empty")
+    return v
+
+
+def _messages(v, key, where, need_assistant=False, only_assistant=False):
+    if not isinstance(v, list) or not v:
+        raise DataError(f"{where}: field '{key}' must be a non-empty list of messages")
+    for i, m in enumerate(v):
+        at = f"{where}: {key}[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(f"{at} must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role not in ROLES:
+            raise DataError(f"{at}.role: {role!r} is not one of {', '.join(ROLES)}")
+        _text(m, "content", f"{at}")
+        if only_assistant and role != "assistant":
+            raise DataError(f"{at}.role: must be 'assistant' (a response), got {role!r}")
+    if need_assistant and not any(m["role"] == "assistant" for m in v):
+        raise DataError(f"{where}: field '{key}' has no assistant message (nothing to train on)")
+    return v
+
+
+def _prompt_and(obj, where, keys):
+    """Validate prompt + response fields: all strings, or prompt messages + assistant-message responses."""
+    if "prompt" not in obj:
+        raise DataError(f"{where}: missing field 'prompt'")
+    if isinstance(obj["prompt"], list):
+        out = {"prompt": _messages(obj["prompt"], "prompt", where)}
+        for k in keys:
+            if k not in obj:
+                raise DataError(f"{where}: missing field '{k}'")
+            out[k] = _messages(obj[k], k, where, only_assistant=True)
+        return out
+    out = {"prompt": _text(obj, "prompt", where)}
+    for k in keys:
+        if isinstance(obj.get(k), list):
+            raise DataError(f"{where}: field '{k}' is a message list but 'prompt' is a string; use one format")
+        out[k] = _text(obj, k, where)
+    return out
+
+
+def validate(obj: dict, kind: str, where: str) -> dict:
+    """Check one record of the given kind; returns the normalised record (only the known fields)."""
+    if kind == "sft":
+        forms = [k for k in ("text", "messages", "prompt") if k in obj]
+        if len(forms) != 1:
+            raise DataError(f"{where}: an SFT row needs exactly one of 'text', 'messages' or "
+                            f"'prompt'+'completion' (found {forms or 'none'})")
+        if forms[0] == "text":
+            return {"text": _text(obj, "text", where)}
+        if forms[0] == "messages":
+            return {"messages": _messages(obj["messages"], "messages", where, need_assistant=True)}
+        return _prompt_and(obj, where, ["completion"])
+    if kind == "preference":
+        out = _prompt_and(obj, where, ["chosen", "rejected"])
+        if "margin" in obj:
+            m = obj["margin"]
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
+                raise DataError(f"{where}: field 'margin' must be a finite number, got {m!r}")
+            out["margin"] = float(m)
+        return out
+    if kind == "unpaired":
+        out = _prompt_and(obj, where, ["completion"])
+        if not isinstance(obj.get("label"), bool):
+            raise DataError(f"{where}: field 'label' must be true or false, got {obj.get('label')!r}"
+                            if "label" in obj else f"{where}: missing field 'label'")
+        out["label"] = obj["label"]
+        return out
+    if kind == "prompts":
+        if "prompt" not in obj:
+            raise DataError(f"{where}: missing field 'prompt'")
+        if isinstance(obj["prompt"], list):
+            return {"prompt": _messages(obj["prompt"], "prompt", where)}
+        return {"prompt": _text(obj, "prompt", where)}
+    raise ValueError(f"unknown data kind {kind!r} (one of {KINDS})")
+
+
+def load_records(path: str, kind: str) -> List[dict]:
+    """Read and validate a whole file; each record also carries its origin in '_where' (FILE:LINE)."""
+    out = []
+    for n, obj in read_jsonl(path):
+        rec = validate(obj, kind, f"{path}:{n}")
+        rec["_where"] = f"{path}:{n}"
+        out.append(rec)
+    return out
+
+
+# ---- tokenization with the over-long rule ------------------------------------------------------
+
+def fit_prompt(prompt_ids: List[int], response_len: int, max_len: int):
+    """Left-truncate the prompt so prompt + response fits in max_len; None if it cannot (drop)."""
+    if len(prompt_ids) + response_len <= max_len:
+        return prompt_ids
+    keep = max_len - response_len
+    if keep < 1:
+        return None
+    return prompt_ids[-keep:]
+
+
+class Stats(dict):
+    """Counts of kept / truncated / dropped examples, for the log."""
+
+    def __str__(self):
+        return ", ".join(f"{k} {v}" for k, v in self.items())
+
+
+def tokenize_sft(records, tok, max_len):
+    """-> [(ids, loss_mask)], Stats. The loss mask covers completion / assistant tokens (+ end-of-text);
+    {"text"} rows train on every token and end with end-of-text."""
+    out, st = [], Stats(kept=0, truncated=0, dropped=0)
+    for r in records:
+        if "text" in r:
+            ids = tok.encode(r["text"]) + [tok.eos_id]
+            mask, start = [1] * len(ids), 0
+        elif "messages" in r:
+            ids, mask = tok.encode_conversation(r["messages"])
+            start = _final_span_start(mask)
+        else:
+            ids, mask = tok.encode_prompt_response(r["prompt"], r["completion"])
+            start = mask.index(1)
+        if len(ids) > max_len:
+            resp = len(ids) - start
+            if resp > max_len - (1 if start > 0 else 0):
+                st["dropped"] += 1
+                continue
+            ids, mask = ids[-max_len:], mask[-max_len:]
+            st["truncated"] += 1
+        out.append((ids, mask))
+        st["kept"] += 1
+    return out, st
+
+
+def _final_span_start(mask):
+    i = len(mask) - 1
+    while i >= 0 and mask[i] == 0:
+        i -= 1
+    while i > 0 and mask[i - 1] == 1:
+        i -= 1
+    return max(i, 0)
+
+
+def tokenize_pairs(records, tok, max_len):
+    """Preference rows -> [dict(prompt, chosen, rejected, margin)] of id lists, Stats."""
+    out, st = [], Stats(kept=0, truncated=0, dropped=0)
+    for r in records:
+        p = tok.render_prompt(r["prompt"])
+        c, j = tok.encode_response(r["chosen"]), tok.encode_response(r["rejected"])
+        fp = fit_prompt(p, max(len(c), len(j)), max_len)
+        if fp is None:
+            st["dropped"] += 1
+            continue
+        st["kept"] += 1
+        st["truncated"] += len(fp) < len(p)
+        out.append({"prompt": fp, "chosen": c, "rejected": j, "margin": r.get("margin", 0.0)})
+    return out, st
+
+
+def tokenize_unpaired(records, tok, max_len):
+    """Unpaired rows -> [dict(prompt, completion, label)] of id lists, Stats."""
+    out, st = [], Stats(kept=0, truncated=0, dropped=0)
+    for r in records:
+        p, c = tok.render_prompt(r["prompt"]), tok.encode_response(r["completion"])
+        fp = fit_prompt(p, len(c), max_len)
+        if fp is None:
+            st["dropped"] += 1
+            continue
+        st["kept"] += 1
+        st["truncated"] += len(fp) < len(p)
+        out.append({"prompt": fp, "completion": c, "label": r["label"]})
+    return out, st
+
+
+def tokenize_prompts(records, tok, max_prompt_len):
+    """Prompt rows -> [dict(prompt=ids, text=the prompt as given)], Stats (left-truncated to max_prompt_len)."""
+    out, st = [], Stats(kept=0, truncated=0)
+    for r in records:
+        p = tok.render_prompt(r["prompt"])
+        if len(p) > max_prompt_len:
+            p = p[-max_prompt_len:]
+            st["truncated"] += 1
+        st["kept"] += 1
+        out.append({"prompt": p, "text": r["prompt"]})
+    return out, st
+
+
+# ---- padding ----------------------------------------------------------------------------------
+
+def pad_right(seqs: Sequence[Sequence[int]], value: int, length: int = None) -> torch.Tensor:
+    """(B, T) tensor, each row left-aligned and filled with `value` on the right."""
+    T = length or max(len(s) for s in seqs)
+    out = torch.full((len(seqs), T), value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+    return out
+
+
+def pad_left(seqs: Sequence[Sequence[int]], value: int, length: int = None) -> torch.Tensor:
+    """(B, T) tensor, each row right-aligned and filled with `value` on the left."""
+    T = length or max(len(s) for s in seqs)
+    out = torch.full((len(seqs), T), value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            out[i, T - len(s):] = torch.as_tensor(s, dtype=torch.long)
+    return out
+
+
+def collate_sft(examples, pad_id):
+    """[(ids, loss_mask)] -> input_ids, attention_mask, loss_mask, all (B, T), right-padded."""
+    ids = pad_right([e[0] for e in examples], pad_id)
+    attn = pad_right([[1] * len(e[0]) for e in examples], 0)
+    loss = pad_right([e[1] for e in examples], 0)
+    return ids, attn, loss
+
+
+def collate_prompts(prompt_ids, pad_id):
+    """Left-padded prompts for generation -> input_ids, attention_mask (B, Tp)."""
+    return pad_left(prompt_ids, pad_id), pad_left([[1] * len(p) for p in prompt_ids], 0)
+
+
+class Batches:
+    """Shuffled, rank-sharded, resumable iteration, one optimizer step at a time.
+
+    Each epoch is a fresh permutation from seed + epoch. An optimizer step takes the next
+    `global_batch` = batch_size * grad_accum * world_size examples of it; rank r takes its contiguous
+    share and splits it into grad_accum micro-batches. So the set of examples in a step does not depend
+    on how it is split across ranks and micro-batches, and N ranks follow one process's trajectory.
+    A tail shorter than a global batch is skipped. State = (epoch, position): saved for --resume.
+    """
+
+    def __init__(self, n, batch_size, grad_accum, rank=0, world_size=1, seed=0, shuffle=True):
+        self.n, self.B, self.G, self.rank, self.W = n, batch_size, grad_accum, rank, world_size
+        self.global_batch = batch_size * grad_accum * world_size
+        if n < self.global_batch:
+            raise ValueError(f"{n} examples are fewer than one global batch "
+                             f"({batch_size} x {grad_accum} grad_accum x {world_size} ranks)")
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.pos, self._perm = 0, 0, None
+
+    @property
+    def steps_per_epoch(self):
+        return self.n // self.global_batch
+
+    def _permutation(self):
+        if self._perm is None:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            self._perm = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
+        return self._perm
+
+    def next_step(self) -> List[List[int]]:
+        """This rank's grad_accum micro-batches (lists of example indices) for the next optimizer step."""
+        if self.pos + self.global_batch > self.n:
+            self.epoch, self.pos, self._perm = self.epoch + 1, 0, None
+        chunk = self._permutation()[self.pos:self.pos + self.global_batch]
+        self.pos += self.global_batch
+        mine = chunk[self.rank * self.B * self.G:(self.rank + 1) * self.B * self.G]
+        return [mine[i * self.B:(i + 1) * self.B] for i in range(self.G)]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, d):
+        self.epoch, self.pos, self._perm = d["epoch"], d["pos"], None

@@ -1,0 +1,155 @@
+"""torch.distributed helpers: set-up under torchrun, DDP wrapping, all-reduce, rank-0 printing, seeding,
+sharding, and the start-up check that every rank holds the same weights.
+
+Run as usual (`python train_x.py`) for one process, or `torchrun --nproc_per_node N train_x.py` for N.
+Backend: NCCL on CUDA, gloo on CPU (so DDP also runs, and is tested, on a laptop).
+"""
+import hashlib
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def enabled(self):
+        return self.world_size > 1
+
+
+_CTX = Dist()
+
+
+def setup(device: str = "auto") -> Dist:
+    """Initialise the process group when launched by torchrun (WORLD_SIZE > 1); choose the device."""
+    global _CTX
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+    _CTX = Dist(rank, local, world, torch.device(device))
+    return _CTX
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def ctx() -> Dist:
+    return _CTX
+
+
+def print0(*args, **kwargs):
+    if _CTX.rank == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _reduce(x, op):
+    is_tensor = torch.is_tensor(x)
+    t = x.detach().clone() if is_tensor else torch.tensor(float(x), dtype=torch.float64)
+    if dist.is_initialized():
+        backend_ok = t.to(_CTX.device) if _CTX.device.type == "cuda" else t
+        dist.all_reduce(backend_ok, op=op)
+        t = backend_ok.to(t.device)
+    return t if is_tensor else t.item()
+
+
+def all_reduce_sum(x):
+    """Sum over ranks of a tensor or a number (same type back)."""
+    return _reduce(x, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(x):
+    return _reduce(x, dist.ReduceOp.MAX)
+
+
+def all_reduce_mean(x):
+    s = all_reduce_sum(x)
+    return s / _CTX.world_size
+
+
+def seed_everything(seed: int, rank: int = 0) -> int:
+    """Seed python, numpy and torch with seed + rank-dependent offset; returns the seed used.
+    Ranks must differ (they sample different responses) but data order uses the shared seed."""
+    s = seed + 100003 * rank
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+    return s
+
+
+def shard(items, rank=None, world_size=None):
+    """This rank's share of a sequence: items[rank::world_size]."""
+    rank = _CTX.rank if rank is None else rank
+    world_size = _CTX.world_size if world_size is None else world_size
+    return items[rank::world_size]
+
+
+def wrap_ddp(model):
+    """DDP for a trainable model when distributed (a plain model otherwise)."""
+    if not _CTX.enabled:
+        return model
+    ids = [_CTX.local_rank] if _CTX.device.type == "cuda" else None
+    return DDP(model, device_ids=ids)
+
+
+def unwrap(model):
+    """The bare module under DDP / torch.compile wrappers (what gets saved: no `module.`/`_orig_mod.`)."""
+    while True:
+        if isinstance(model, DDP):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def weights_checksum(model) -> int:
+    """A 63-bit hash of every parameter and buffer, bit-exact."""
+    h = hashlib.sha256()
+    for name, t in unwrap(model).state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def check_same_weights(model, what="model"):
+    """Raise if any rank holds different weights than rank 0 (start-up check: every rank must start
+    from identical weights or DDP would average gradients of different models)."""
+    if not _CTX.enabled:
+        return
+    mine = torch.tensor([weights_checksum(model)], dtype=torch.int64)
+    if _CTX.device.type == "cuda":
+        mine = mine.to(_CTX.device)
+    gathered = [torch.zeros_like(mine) for _ in range(_CTX.world_size)]
+    dist.all_gather(gathered, mine)
+    values = [int(g.item()) for g in gathered]
+    if len(set(values)) != 1:
+        bad = [r for r, v in enumerate(values) if v != values[0]]
+        raise RuntimeError(f"{what}: weights differ across ranks (ranks {bad} differ from rank 0); "
+                           "every rank must load the same checkpoint and use the same seed for model init")

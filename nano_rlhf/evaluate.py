@@ -1,0 +1,167 @@
+"""Sample from a policy and score it.
+
+    python -m nano_rlhf.evaluate --model out/ppo --prompts data/eval_prompts.jsonl --out samples.jsonl \\
+        [--ref out/sft] [--reward_model out/rm] [--baseline out/sft/samples.jsonl] [--summary summary.json]
+
+Prints: gold reward (built-in task prompts only) as mean ± standard error, win rate against --baseline
+(gold reward, ties count one half), reward-model score, KL to --ref, mean response length, end-of-text rate.
+
+Default decoding is pure sampling at temperature 1 — the distribution RLHF optimises. Greedy decoding
+(--temperature 0) hides how much probability the policy still puts on bad answers.
+
+KL to the reference is the sequence-level estimate Σ_t [log π(y_t) − log π_ref(y_t)] over the sampled
+response tokens (end-of-text included), averaged over samples: an unbiased estimate of KL(π ‖ π_ref).
+"""
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from . import synthetic
+from .checkpoint import write_json
+from .data import DataError, collate_prompts, load_records, pad_right, tokenize_prompts
+from .model import GPT, ScoreModel
+from .tokenizer import Tokenizer
+
+
+def response_logprobs(model, ids, attn, prompt_len, temperature=1.0):
+    """log π(token) for every generated position (B, T - prompt_len), logits / temperature, float32."""
+    logits = model(ids, attn)[:, prompt_len - 1:-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    targets = ids[:, prompt_len:]
+    targets = targets.masked_fill(targets >= logits.shape[-1], 0)   # a pad id outside the vocabulary
+    return F.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def mean_se(xs):
+    n = len(xs)
+    m = sum(xs) / n
+    var = sum((x - m) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
+    return m, math.sqrt(var / n)
+
+
+@torch.no_grad()
+def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, samples_per_prompt=1, seed=0,
+                     batch_size=64, ref=None, reward_model=None, top_k=None, top_p=None):
+    """Generate for every prompt (records with "prompt") and score; returns one dict per sample."""
+    model.eval()
+    max_prompt = model.cfg.block_size - max_new_tokens
+    if max_prompt < 1:
+        raise ValueError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in block_size {model.cfg.block_size}")
+    items, _ = tokenize_prompts(prompts, tok, max_prompt)
+    work = [(i, j) for i in range(len(items)) for j in range(samples_per_prompt)]
+    gen = torch.Generator().manual_seed(seed)
+    gold_ok = all(synthetic.is_task_prompt(p["prompt"]) for p in prompts)
+    out = []
+    for s in range(0, len(work), batch_size):
+        chunk = work[s:s + batch_size]
+        ids, attn = collate_prompts([items[i]["prompt"] for i, _ in chunk], tok.pad_id)
+        seq = model.generate(ids, attn, max_new_tokens, temperature, top_k, top_p, tok.eos_id, tok.pad_id, gen)
+        Tp = ids.shape[1]
+        resp = seq[:, Tp:]
+        is_eos = resp == tok.eos_id
+        has_eos = is_eos.any(1)
+        # response length up to and including the first end-of-text; positions after it are padding
+        length = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
+        rmask = (torch.arange(resp.shape[1])[None] < length[:, None]).long()
+        full_attn = torch.cat([attn, rmask], 1)
+        kl = None
+        if ref is not None:
+            lp = response_logprobs(model, seq, full_attn, Tp, temperature)
+            rlp = response_logprobs(ref, seq, full_attn, Tp, temperature)
+            kl = ((lp - rlp) * rmask).sum(1)
+        score = None
+        if reward_model is not None:
+            _, score = reward_model(seq, full_attn)
+        for b, (i, j) in enumerate(chunk):
+            text = tok.decode(resp[b, :length[b]].tolist())
+            rec = {"prompt": prompts[i]["prompt"], "completion": text, "sample": j,
+                   "length": int(length[b]), "eos": bool(has_eos[b])}
+            if gold_ok:
+                rec["gold_reward"] = synthetic.gold_reward(prompts[i]["prompt"], text)
+            if score is not None:
+                rec["rm_score"] = float(score[b])
+            if kl is not None:
+                rec["kl"] = float(kl[b])
+            out.append(rec)
+    return out
+
+
+def summarize(samples, baseline=None):
+    """Aggregate figures of a list of sample records (and win rate against baseline records)."""
+    s = {"n": len(samples), "length": sum(r["length"] for r in samples) / len(samples),
+         "eos_rate": sum(r["eos"] for r in samples) / len(samples)}
+    for key in ("gold_reward", "rm_score", "kl"):
+        if samples and key in samples[0]:
+            s[key], s[key + "_se"] = mean_se([r[key] for r in samples])
+    if baseline is not None and "gold_reward" in s:
+        if len(baseline) != len(samples) or any(a["prompt"] != b["prompt"] for a, b in zip(samples, baseline)):
+            raise ValueError("--baseline samples must come from the same prompts file and --samples_per_prompt")
+        wins = [1.0 if a["gold_reward"] > b["gold_reward"] else 0.5 if a["gold_reward"] == b["gold_reward"] else 0.0
+                for a, b in zip(samples, baseline)]
+        s["win_rate"], s["win_rate_se"] = mean_se(wins)
+    return s
+
+
+def format_summary(name, s):
+    cols = [name]
+    if "gold_reward" in s:
+        cols.append(f"gold {s['gold_reward']:+.3f} ± {s['gold_reward_se']:.3f}")
+    if "win_rate" in s:
+        cols.append(f"win {100 * s['win_rate']:.1f}%")
+    if "rm_score" in s:
+        cols.append(f"rm {s['rm_score']:+.3f}")
+    if "kl" in s:
+        cols.append(f"kl {s['kl']:.3f}")
+    cols += [f"len {s['length']:.1f}", f"eos {100 * s['eos_rate']:.1f}%"]
+    return " | ".join(cols)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="policy directory (HF GPT-2 layout + tokenizer.json)")
+    p.add_argument("--prompts", default="", help="prompts JSONL (default: the built-in task's eval prompts)")
+    p.add_argument("--out", default="", help="samples.jsonl to write (default: MODEL/samples.jsonl)")
+    p.add_argument("--ref", default="", help="reference policy directory for the KL column")
+    p.add_argument("--reward_model", default="", help="reward model directory for the RM-score column")
+    p.add_argument("--baseline", default="", help="samples.jsonl of a baseline policy for the win-rate column")
+    p.add_argument("--summary", default="", help="also write the summary figures to this JSON file")
+    p.add_argument("--name", default="", help="row label in the printed table (default: the model directory)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens only")
+    p.add_argument("--top_p", type=float, default=None, help="nucleus sampling threshold")
+    p.add_argument("--samples_per_prompt", type=int, default=1, help="samples per prompt")
+    p.add_argument("--max_new_tokens", type=int, default=48, help="longest response")
+    p.add_argument("--batch_size", type=int, default=64, help="prompts per generation batch")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    a = p.parse_args(argv)
+    try:
+        from .common import builtin_file
+        prompts = load_records(a.prompts or builtin_file("eval_prompts.jsonl"), "prompts")
+        tok = Tokenizer.from_file(f"{a.model}/tokenizer.json")
+        model = GPT.from_pretrained(a.model, dropout=0.0).eval()
+        ref = GPT.from_pretrained(a.ref, dropout=0.0).eval() if a.ref else None
+        rm = ScoreModel.from_pretrained(a.reward_model, dropout=0.0).eval() if a.reward_model else None
+        baseline = [json.loads(line) for line in open(a.baseline)] if a.baseline else None
+        samples = sample_and_score(model, tok, prompts, a.max_new_tokens, a.temperature, a.samples_per_prompt,
+                                   a.seed, a.batch_size, ref, rm, a.top_k, a.top_p)
+        summary = summarize(samples, baseline)
+    except (DataError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    out = a.out or f"{a.model}/samples.jsonl"
+    with open(out, "w") as f:
+        for r in samples:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    if a.summary:
+        write_json(a.summary, dict(summary, model=a.model, temperature=a.temperature))
+    print(format_summary(a.name or a.model, summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from nano_rlhf.model import GPT, GPTConfig  # noqa: E402
+from nano_rlhf.tokenizer import Tokenizer  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+WORDS = ("the motor is great and the screen is bad i love this blender phone battery review write a short "
+         "of it was fine nice terrible quiet loud").split()
+
+
+def tiny_texts(n=300, seed=0):
+    import random
+    r = random.Random(seed)
+    return [" ".join(r.choice(WORDS) for _ in range(r.randint(3, 12))) + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tok():
+    texts = tiny_texts() + ["User: hi\nAssistant: hello\nSystem: be nice\n"] * 5
+    return Tokenizer.train(texts, vocab_size=300)
+
+
+def tiny_config(tok=None, **kw):
+    d = dict(vocab_size=tok.vocab_size if tok else 300, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    d.update(kw)
+    cfg = GPTConfig(**d)
+    if tok is not None:
+        cfg.eos_token_id, cfg.pad_token_id = tok.eos_id, tok.pad_id
+    return cfg
+
+
+def tiny_model(tok=None, seed=0, **kw):
+    torch.manual_seed(seed)
+    return GPT(tiny_config(tok, **kw)).eval()
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def sft_rows(n=64, seed=0):
+    import random
+    r = random.Random(seed)
+    return [{"prompt": f"write a short review of the {r.choice(['blender', 'phone'])}.",
+             "completion": " " + " ".join(r.choice(WORDS) for _ in range(r.randint(2, 8))) + "."} for _ in range(n)]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args, nproc=1, cwd=ROOT, check=True, env=None):
+    """Run a script (list of args after the script path) as a subprocess, optionally under torchrun."""
+    e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1" if nproc > 1 else "2", **(env or {}))
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port())] + args
+    else:
+        cmd = [sys.executable] + args
+    p = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p

@@ -1,0 +1,206 @@
+"""train_sft.py: the loss against float64, masking, global token-mean, DDP, resume, crash-safe saves."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import run, sft_rows, tiny_model, write_jsonl
+from nano_rlhf import checkpoint
+from train_sft import sft_nll
+
+
+class FakeLM:
+    """Stands in for the model: returns rows of a given logits tensor at the selected positions."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def __call__(self, ids, attn, select=None):
+        return self.logits if select is None else self.logits[select]
+
+
+def test_sft_loss_equals_float64_hand_computation():
+    torch.manual_seed(0)
+    B, T, V = 3, 7, 11
+    ids = torch.randint(0, V, (B, T))
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0],     # response of 3 tokens, then padding
+                              [0, 1, 1, 1, 1, 1, 1],     # the first response token follows one prompt token
+                              [0, 0, 0, 0, 0, 0, 1]])    # a single response token (the end-of-text)
+    logits = torch.randn(B, T, V, dtype=torch.float64)
+    nll, n = sft_nll(FakeLM(logits.float().requires_grad_()), ids, torch.ones_like(ids), loss_mask)
+    want, count = 0.0, 0
+    for b in range(B):
+        for t in range(1, T):                          # token t is predicted by position t-1
+            if loss_mask[b, t]:
+                row = logits[b, t - 1]
+                want += -(row[ids[b, t]] - torch.logsumexp(row, 0)).item()
+                count += 1
+    assert n == count == 10
+    assert abs(nll.item() - want) < 1e-4
+
+
+def test_prompt_and_padding_positions_get_zero_gradient():
+    torch.manual_seed(1)
+    ids = torch.randint(0, 9, (2, 6))
+    loss_mask = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])
+    logits = torch.randn(2, 6, 9, requires_grad=True)
+    nll, _ = sft_nll(FakeLM(logits), ids, torch.ones_like(ids), loss_mask)
+    nll.backward()
+    scored = F.pad(loss_mask[:, 1:], (0, 1)).bool()      # positions that predict a response token
+    assert (logits.grad[~scored] == 0).all()
+    assert (logits.grad[scored].abs().sum(-1) > 0).all()
+
+
+def test_all_masked_batch_gives_zero_not_nan():
+    ids = torch.randint(0, 9, (2, 5))
+    nll, n = sft_nll(FakeLM(torch.randn(2, 5, 9)), ids, torch.ones_like(ids), torch.zeros_like(ids))
+    assert n == 0 and nll.item() == 0.0
+
+
+def test_real_model_loss_matches_full_logits(tok):
+    m = tiny_model(tok)
+    ex = [tok.encode_prompt_response("write a short review", " the motor is great."),
+          tok.encode_prompt_response("review of the phone", " bad.")]
+    from nano_rlhf.data import collate_sft
+    ids, attn, lm = collate_sft(ex, tok.pad_id)
+    nll, n = sft_nll(m, ids, attn, lm)
+    logits = m(ids, attn).double()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    want = -(lp * lm[:, 1:]).sum()
+    assert n == int(lm[:, 1:].sum()) and abs(nll.item() - want.item()) < 1e-4
+
+
+# ---- the script end to end -------------------------------------------------------------------------
+
+def sft_args(tmp_path, out, *extra, steps=4, seed=0):
+    data = tmp_path / "sft.jsonl"
+    if not data.exists():
+        write_jsonl(data, sft_rows(96, seed=seed))
+    return ["train_sft.py", "--data", str(data), "--out_dir", str(tmp_path / out), "--max_steps", str(steps),
+            "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--vocab_size", "300", "--log_interval", "1",
+            "--eval_interval", "0", "--warmup_steps", "1", *extra]
+
+
+def weights(d):
+    return load_file(os.path.join(d, "model.safetensors"))
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_global_token_mean_across_accumulation_and_ranks(tmp_path):
+    """1 micro-batch of 4 == 4 micro-batches of 1 == 2 ranks x 2 micro-batches of 1 (variable lengths)."""
+    run(sft_args(tmp_path, "a", "--batch_size", "4", "--grad_accum", "1"))
+    tk = str(tmp_path / "a" / "tokenizer.json")
+    run(sft_args(tmp_path, "b", "--batch_size", "1", "--grad_accum", "4", "--tokenizer", tk))
+    p = run(sft_args(tmp_path, "c", "--batch_size", "1", "--grad_accum", "2", "--tokenizer", tk), nproc=2)
+    assert "on all 2 rank(s)" in p.stdout           # end-of-run checksum check passed on both ranks
+    a, b, c = weights(tmp_path / "a"), weights(tmp_path / "b"), weights(tmp_path / "c")
+    assert max_diff(a, b) < 1e-5 and max_diff(a, c) < 1e-5
+    la = [json.loads(x)["train/loss"] for x in open(tmp_path / "a" / "metrics.jsonl")]
+    lc = [json.loads(x)["train/loss"] for x in open(tmp_path / "c" / "metrics.jsonl")]
+    assert la == pytest.approx(lc, abs=1e-5)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    args = ["--batch_size", "4", "--dropout", "0.1"]          # dropout: RNG state must be restored too
+    run(sft_args(tmp_path, "straight", *args, steps=6))
+    run(sft_args(tmp_path, "split", *args, "--stop_at", "3", steps=6))
+    run(sft_args(tmp_path, "split", *args, "--resume", steps=6))
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "split")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert len(open(tmp_path / "split" / "metrics.jsonl").readlines()) == 6
+
+
+def test_end_to_end_loads_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    p = run(sft_args(tmp_path, "out", "--batch_size", "8", steps=5))
+    assert "step 5/5" in p.stdout and "tok/s" in p.stdout
+    out = tmp_path / "out"
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "train_config.json", "metrics.jsonl"):
+        assert (out / f).exists(), f
+    from nano_rlhf.model import GPT
+    ours = GPT.from_pretrained(str(out)).eval()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    ids = torch.randint(2, ours.cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-5)
+    cfg = json.loads((out / "train_config.json").read_text())
+    assert cfg["max_steps"] == 5 and cfg["lr"] > 0
+
+
+def test_nonfinite_loss_stops_with_message(tmp_path):
+    p = run(sft_args(tmp_path, "nan", "--batch_size", "8", "--lr", "1e30", "--grad_clip", "0",
+                     "--save_interval", "1", steps=20), check=False)
+    assert p.returncode != 0 and "non-finite" in p.stderr
+    assert checkpoint.find_state(str(tmp_path / "nan")) is not None      # the last good state survives
+
+
+def test_help_lists_every_option_with_default():
+    p = run(["train_sft.py", "--help"])
+    from train_sft import Options
+    import dataclasses
+    for f in dataclasses.fields(Options):
+        assert f"--{f.name}" in p.stdout
+    assert "(default: 0.002)" in p.stdout and "peak learning rate" in p.stdout
+
+
+# ---- crash-safe checkpoints -------------------------------------------------------------------------
+
+def _state(tmp_path, value):
+    m = torch.nn.Linear(3, 2)
+    torch.nn.init.constant_(m.weight, value)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    m, opt = _state(tmp_path, 1.0)
+    checkpoint.save_state(str(tmp_path), {"m": m}, {"m": opt}, {"step": 1})
+    m2, opt2 = _state(tmp_path, 2.0)
+    calls = {"n": 0}
+    real = checkpoint.save_file
+
+    def crash(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed mid-save")
+        return real(*a, **k)
+    monkeypatch.setattr(checkpoint, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_state(str(tmp_path), {"m": m2}, {"m": opt2}, {"step": 2})
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    m3, opt3 = _state(tmp_path, 9.0)
+    meta = checkpoint.load_state(str(tmp_path), {"m": m3}, {"m": opt3})
+    assert meta["step"] == 1 and torch.equal(m3.weight, m.weight)
+    assert torch.equal(opt3.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_crash_between_renames_falls_back_to_old(tmp_path, monkeypatch):
+    m, opt = _state(tmp_path, 1.0)
+    checkpoint.save_state(str(tmp_path), {"m": m}, {"m": opt}, {"step": 1})
+    real = os.replace
+
+    def crash(src, dst):
+        if str(src).endswith("state.tmp"):
+            raise KeyboardInterrupt("killed between renames")
+        return real(src, dst)
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_state(str(tmp_path), {"m": m}, {"m": opt}, {"step": 2})
+    monkeypatch.setattr(checkpoint.os, "replace", real)
+    assert checkpoint.find_state(str(tmp_path)).endswith("state.old")
+    assert checkpoint.load_state(str(tmp_path), {"m": m}, {"m": opt})["step"] == 1
+
+
+def test_no_pickle_in_state(tmp_path):
+    m, opt = _state(tmp_path, 1.0)
+    checkpoint.save_state(str(tmp_path), {"m": m}, {"m": opt}, {"step": 1})
+    files = os.listdir(tmp_path / "state")
+    assert files and all(f.endswith((".safetensors", ".json")) for f in files)
