@@ -18,16 +18,17 @@ Simplifications: no sequence packing (each row is one example, right-padded); no
 """
 import contextlib
 import os
-import random
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist
 from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import Logger, adamw, autocast, builtin_file, check_finite, fail, input_errors, lr_at, set_lr
+from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, fail, input_errors, lr_at, set_lr,
+                              split_off)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_sft, load_records, tokenize_sft
 from nano_rlhf.model import GPT, GPTConfig
@@ -140,11 +141,7 @@ def main(argv=None):
         if opts.eval_data or not opts.data:
             eval_records = load_records(opts.eval_data or builtin_file("sft_eval.jsonl"), "sft")
         else:
-            order = list(range(len(records)))
-            random.Random(opts.seed).shuffle(order)
-            n_eval = max(1, int(len(records) * opts.eval_fraction))
-            eval_records = [records[i] for i in order[:n_eval]]
-            records = [records[i] for i in order[n_eval:]]
+            records, eval_records = split_off(records, opts.eval_fraction, opts.seed)
         tok = make_tokenizer(opts, records, ctx)
 
         # ---- model: identical on every rank (same seed before init, same checkpoint) ----
@@ -239,6 +236,7 @@ def main(argv=None):
     dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout + tokenizer.json); "
                 f"weights checksum {dist.weights_checksum(model):016x} on all {ctx.world_size} rank(s)")
     dist.cleanup()
+    return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 
 
 if __name__ == "__main__":

@@ -127,3 +127,21 @@ def builtin_file(name: str) -> str:
             synthetic.write_dataset(BUILTIN_DIR, seed=0)
         dist.barrier()
     return os.path.join(BUILTIN_DIR, name)
+
+
+def load_tokenizer(tokenizer_path: str, model_dir: str):
+    """--tokenizer if given, else the tokenizer.json saved beside the model."""
+    from .tokenizer import Tokenizer
+    path = tokenizer_path or os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: missing; pass --tokenizer (the tokenizer.json the model was trained with)")
+    return Tokenizer.from_file(path)
+
+
+def split_off(records, fraction, seed):
+    """Deterministically split records into (train, held-out) with `fraction` held out (at least one)."""
+    import random
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n = max(1, int(len(records) * fraction))
+    return [records[i] for i in order[n:]], [records[i] for i in order[:n]]

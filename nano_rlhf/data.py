@@ -282,6 +282,20 @@ def collate_sft(examples, pad_id):
     return ids, attn, loss
 
 
+def collate_pairs(pairs, pad_id):
+    """Preference pairs -> one right-padded batch of 2B sequences, chosen rows first then rejected
+    (one forward for both halves), with attention mask, response mask (B2, T) and margins (B,)."""
+    seqs, resp = [], []
+    for key in ("chosen", "rejected"):
+        for p in pairs:
+            seqs.append(p["prompt"] + p[key])
+            resp.append([0] * len(p["prompt"]) + [1] * len(p[key]))
+    ids = pad_right(seqs, pad_id)
+    attn = pad_right([[1] * len(s) for s in seqs], 0)
+    margin = torch.tensor([float(p.get("margin", 0.0)) for p in pairs])
+    return ids, attn, pad_right(resp, 0), margin
+
+
 def collate_prompts(prompt_ids, pad_id):
     """Left-padded prompts for generation -> input_ids, attention_mask (B, Tp)."""
     return pad_left(prompt_ids, pad_id), pad_left([[1] * len(p) for p in prompt_ids], 0)

@@ -77,3 +77,34 @@ def run(args, nproc=1, cwd=ROOT, check=True, env=None):
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
+
+
+def pref_rows(n=64, seed=0):
+    import random
+    r = random.Random(seed)
+    good, bad = ["great", "nice", "quiet", "fine"], ["bad", "terrible", "loud"]
+    rows = []
+    for _ in range(n):
+        item = r.choice(["blender", "phone", "motor", "screen"])
+        rows.append({"prompt": f"write a short review of the {item}.",
+                     "chosen": f" the {item} is {r.choice(good)}" + " and great" * r.randint(0, 2) + ".",
+                     "rejected": f" the {item} is {r.choice(bad)}" + " and loud" * r.randint(0, 3) + "."})
+    return rows
+
+
+def unpaired_rows(n=64, seed=0):
+    rows = []
+    for i, p in enumerate(pref_rows(n, seed)):
+        good = i % 2 == 0
+        rows.append({"prompt": p["prompt"], "completion": p["chosen"] if good else p["rejected"], "label": good})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def sft_dir(tmp_path_factory, tok):
+    """A tiny random policy saved like train_sft.py's output (model + tokenizer.json)."""
+    d = tmp_path_factory.mktemp("sft")
+    m = tiny_model(tok, seed=0)
+    m.save_pretrained(str(d))
+    tok.save(str(d / "tokenizer.json"))
+    return str(d)
