@@ -397,7 +397,7 @@ def main(argv=None):
                 f"| global batch {batches.global_batch} | {max_steps} steps | reference: "
                 f"{'none' if o.loss in REFERENCE_FREE else 'precomputed' if o.precompute_ref else 'live'}"
                 + (f" | resuming at step {step}" if step else ""))
-    log = Logger(o.out_dir, max_steps, resume=o.resume)
+    log = Logger(o.out_dir, max_steps, resume=o.resume, start_step=step)
     shown = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
              "eval/loss", "eval/reward_accuracy"]
 

@@ -263,7 +263,7 @@ def rollout(o, policy, ref, reward_model, critic, prompts, tok, ctx, gen, rm_sta
             if critic is not None:
                 values[s] = critic(seq[s], attn[s])[0][:, P - 1:-1].float() * resp_mask[s]
     policy.train()
-    texts = [tok.decode(r[:n].tolist()) for r, n in zip(resp.tolist(), length.tolist())]
+    texts = [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
     prompt_texts = [p["text"] for p in prompts for _ in range(k)]
     gold = None
     if all(isinstance(t, str) and synthetic.is_task_prompt(t) for t in prompt_texts):
@@ -462,7 +462,7 @@ def main(argv=None):
                 f"{o.num_minibatches} minibatches of {mb_size} (micro {o.micro_batch_size}) | critic: "
                 f"{o.critic_init if critic is not None else 'none'} | {o.max_steps} steps"
                 + (f" | resuming at step {step}" if step else ""))
-    log = Logger(o.out_dir, o.max_steps, resume=o.resume)
+    log = Logger(o.out_dir, o.max_steps, resume=o.resume, start_step=step)
     shown = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac", "train/response_length",
              "eval/gold_reward", "eval/rm_score", "eval/kl"]
 

@@ -58,7 +58,7 @@ class Options:
     grad_accum: int = 1           # micro-steps per optimizer step
     max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs
     epochs: float = 1.0           # passes over the pairs (reward models overfit: keep it at 1)
-    lr: float = 3e-4              # peak learning rate, decayed linearly to 0
+    lr: float = 1e-3              # peak learning rate, decayed linearly to 0 (built-in task; ~1e-5 for GPT-2 sizes)
     warmup_steps: int = 20        # linear warm-up steps
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only)
     beta1: float = 0.9            # AdamW beta1
@@ -189,7 +189,7 @@ def main(argv=None):
     dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train):,} train pairs ({st}) "
                 f"| {len(evals):,} eval pairs | global batch {batches.global_batch} pairs | {max_steps} steps"
                 + (f" | resuming at step {step}" if step else ""))
-    log = Logger(opts.out_dir, max_steps, resume=opts.resume)
+    log = Logger(opts.out_dir, max_steps, resume=opts.resume, start_step=step)
 
     t_last, tokens_since = time.time(), 0
     while step < max_steps:

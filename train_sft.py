@@ -182,7 +182,7 @@ def main(argv=None):
                 f"({st}) | {len(evals):,} eval ({est}) | global batch {batches.global_batch} = {opts.batch_size} "
                 f"x {opts.grad_accum} accum x {ctx.world_size} ranks | {max_steps} steps" +
                 (f" | resuming at step {step}" if step else ""))
-    log = Logger(opts.out_dir, max_steps, resume=opts.resume)
+    log = Logger(opts.out_dir, max_steps, resume=opts.resume, start_step=step)
 
     def checkpoint(step):
         save_state(opts.out_dir, {"policy": model}, {"policy": optimizer},

@@ -16,7 +16,7 @@ from .data import DataError
 def fail(msg: str, code: int = 1):
     """Print one clear line to stderr and exit non-zero (all ranks do the same)."""
     print(f"error: {msg}", file=sys.stderr, flush=True)
-    dist.cleanup()
+    dist.cleanup(sync=False)
     sys.exit(code)
 
 
@@ -78,10 +78,10 @@ class Logger:
     """Appends one JSON object per logged step to out_dir/metrics.jsonl and prints a progress line;
     rank 0 only (other ranks get a logger that does nothing, so the loop never branches on rank)."""
 
-    def __init__(self, out_dir, max_steps, resume=False):
+    def __init__(self, out_dir, max_steps, resume=False, start_step=0):
         self.on = dist.ctx().is_main
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        self.max_steps, self.t0, self.steps0 = max_steps, time.time(), None
+        self.max_steps, self.t0, self.step0 = max_steps, time.time(), start_step
         if self.on:
             os.makedirs(out_dir, exist_ok=True)
             if not resume and os.path.exists(self.path):
@@ -98,8 +98,6 @@ class Logger:
         """`step 120/1000 | loss 1.234 | ... | 12,345 tok/s | eta 1m05s`."""
         if not self.on:
             return
-        if self.steps0 is None:
-            self.steps0, self.t0 = step - 1, time.time()
         parts = [f"step {step}/{self.max_steps}"]
         for k in keys:
             if k in metrics:
@@ -108,7 +106,7 @@ class Logger:
                 parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
         if tokens_per_s is not None:
             parts.append(f"{tokens_per_s:,.0f} tok/s")
-        done = step - self.steps0
+        done = step - self.step0
         if done > 0:
             eta = (time.time() - self.t0) / done * (self.max_steps - step)
             parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")

@@ -34,9 +34,24 @@ class Dist:
 _CTX = Dist()
 
 
+def keep_freed_memory():
+    """glibc returns freed blocks above 32 MB (mmap threshold) and the top of the heap (trim threshold) to the
+    OS, so a training step's large tensors (logits, their gradient) are page-faulted and zeroed anew every
+    step: ~25k page faults per step at the reference shape. Raising both thresholds keeps that memory in the
+    process (measured: ~250 faults per step, a few percent faster on CPU). Linux/glibc only; no-op elsewhere."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, ctypes.c_int(1 << 30))   # M_TRIM_THRESHOLD
+        libc.mallopt(-3, ctypes.c_int(1 << 30))   # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def setup(device: str = "auto") -> Dist:
     """Initialise the process group when launched by torchrun (WORLD_SIZE > 1); choose the device."""
     global _CTX
+    keep_freed_memory()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if device == "auto":
@@ -50,8 +65,13 @@ def setup(device: str = "auto") -> Dist:
     return _CTX
 
 
-def cleanup():
+def cleanup(sync=True):
+    """Tear down the process group. The barrier first makes every rank arrive before any connection
+    closes: a rank that exits early can make gloo abort the others at teardown. sync=False on an error
+    path, where the other ranks may never arrive."""
     if dist.is_initialized():
+        if sync:
+            dist.barrier()
         dist.destroy_process_group()
 
 

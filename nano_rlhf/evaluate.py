@@ -15,6 +15,7 @@ response tokens (end-of-text included), averaged over samples: an unbiased estim
 import argparse
 import json
 import math
+import os
 import sys
 
 import torch
@@ -123,44 +124,79 @@ def format_summary(name, s):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="policy directory (HF GPT-2 layout + tokenizer.json)")
+    p.add_argument("--model", required=True, nargs="+", help="policy directories (HF GPT-2 layout + tokenizer.json); "
+                   "several give one table row each")
     p.add_argument("--prompts", default="", help="prompts JSONL (default: the built-in task's eval prompts)")
-    p.add_argument("--out", default="", help="samples.jsonl to write (default: MODEL/samples.jsonl)")
+    p.add_argument("--out", default="", help="samples.jsonl to write (default: MODEL/samples.jsonl for each model)")
     p.add_argument("--ref", default="", help="reference policy directory for the KL column")
     p.add_argument("--reward_model", default="", help="reward model directory for the RM-score column")
-    p.add_argument("--baseline", default="", help="samples.jsonl of a baseline policy for the win-rate column")
-    p.add_argument("--summary", default="", help="also write the summary figures to this JSON file")
-    p.add_argument("--name", default="", help="row label in the printed table (default: the model directory)")
+    p.add_argument("--baseline", default="", help="samples.jsonl of a baseline policy, or a model directory "
+                   "(evaluated first), for the win-rate column")
+    p.add_argument("--summary", default="", help="also write the summary figures (one entry per model) to this JSON file")
+    p.add_argument("--name", default="", help="row label when one model is given (default: the directory)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens only")
     p.add_argument("--top_p", type=float, default=None, help="nucleus sampling threshold")
     p.add_argument("--samples_per_prompt", type=int, default=1, help="samples per prompt")
     p.add_argument("--max_new_tokens", type=int, default=48, help="longest response")
     p.add_argument("--batch_size", type=int, default=64, help="prompts per generation batch")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every model)")
     a = p.parse_args(argv)
+    if a.out and len(a.model) > 1:
+        p.error("--out takes one model; with several, each writes MODEL/samples.jsonl")
+    rows = []
     try:
         from .common import builtin_file
         prompts = load_records(a.prompts or builtin_file("eval_prompts.jsonl"), "prompts")
-        tok = Tokenizer.from_file(f"{a.model}/tokenizer.json")
-        model = GPT.from_pretrained(a.model, dropout=0.0).eval()
         ref = GPT.from_pretrained(a.ref, dropout=0.0).eval() if a.ref else None
         rm = ScoreModel.from_pretrained(a.reward_model, dropout=0.0).eval() if a.reward_model else None
-        baseline = [json.loads(line) for line in open(a.baseline)] if a.baseline else None
-        samples = sample_and_score(model, tok, prompts, a.max_new_tokens, a.temperature, a.samples_per_prompt,
-                                   a.seed, a.batch_size, ref, rm, a.top_k, a.top_p)
-        summary = summarize(samples, baseline)
+        baseline = None
+        models = list(a.model)
+        if a.baseline and os.path.isdir(a.baseline):
+            models = [a.baseline] + [m for m in models if os.path.normpath(m) != os.path.normpath(a.baseline)]
+        elif a.baseline:
+            baseline = [json.loads(line) for line in open(a.baseline)]
+        for d in models:
+            tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+            model = GPT.from_pretrained(d, dropout=0.0).eval()
+            samples = sample_and_score(model, tok, prompts, a.max_new_tokens, a.temperature, a.samples_per_prompt,
+                                       a.seed, a.batch_size, ref, rm, a.top_k, a.top_p)
+            if a.baseline and os.path.isdir(a.baseline) and d == models[0]:
+                baseline = samples
+            summary = summarize(samples, baseline)
+            out = a.out or os.path.join(d, "samples.jsonl")
+            with open(out, "w") as f:
+                for r in samples:
+                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            name = a.name if a.name and len(models) == 1 else os.path.basename(os.path.normpath(d))
+            rows.append(dict(summary, name=name, model=d, temperature=a.temperature))
+            print(format_summary(name, summary), flush=True)
     except (DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    out = a.out or f"{a.model}/samples.jsonl"
-    with open(out, "w") as f:
-        for r in samples:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    if len(rows) > 1:
+        print()
+        print(format_table(rows))
     if a.summary:
-        write_json(a.summary, dict(summary, model=a.model, temperature=a.temperature))
-    print(format_summary(a.name or a.model, summary))
-    return summary
+        write_json(a.summary, rows)
+    return rows
+
+
+def format_table(rows):
+    """A markdown table: policy, gold reward ± s.e., win rate vs the baseline, RM score, KL, length, eos rate."""
+    cols = [("policy", lambda r: r["name"])]
+    if "gold_reward" in rows[0]:
+        cols.append(("gold reward", lambda r: f"{r['gold_reward']:+.3f} ± {r['gold_reward_se']:.3f}"))
+    if "win_rate" in rows[0]:
+        cols.append(("win rate vs " + rows[0]["name"], lambda r: f"{100 * r['win_rate']:.1f}%"))
+    if "rm_score" in rows[0]:
+        cols.append(("RM score", lambda r: f"{r['rm_score']:+.3f}"))
+    if "kl" in rows[0]:
+        cols.append(("KL to ref", lambda r: f"{r['kl']:.3f}"))
+    cols += [("length", lambda r: f"{r['length']:.1f}"), ("eos rate", lambda r: f"{100 * r['eos_rate']:.0f}%")]
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -108,3 +108,29 @@ def sft_dir(tmp_path_factory, tok):
     m.save_pretrained(str(d))
     tok.save(str(d / "tokenizer.json"))
     return str(d)
+
+
+def prompt_rows(n=32, seed=0):
+    return [{"prompt": p["prompt"]} for p in pref_rows(n, seed)]
+
+
+@pytest.fixture(scope="session")
+def rm_dir(tmp_path_factory, tok):
+    """A tiny random reward model saved like train_rm.py's output (with score statistics)."""
+    from nano_rlhf.model import ScoreModel
+    d = tmp_path_factory.mktemp("rm")
+    torch.manual_seed(1)
+    m = ScoreModel(tiny_config(tok))
+    m.save_pretrained(str(d), reward_mean=0.1, reward_std=0.5)
+    tok.save(str(d / "tokenizer.json"))
+    return str(d)
+
+
+def eos_prone(model, tok, logit=4.0):
+    """Make a tiny random policy end its responses often (P(eos) ~ 15% per token) so rollouts mix
+    finished and unfinished rows."""
+    with torch.no_grad():
+        w = model.transformer.wte.weight[tok.eos_id]
+        model.transformer.ln_f.weight.mul_(0.1)
+        model.transformer.ln_f.bias.copy_(w * logit / w.dot(w))
+    return model

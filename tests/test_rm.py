@@ -80,7 +80,11 @@ def test_ddp_two_ranks_equal_one_process(tmp_path, sft_dir):
     p = run(rm_args(tmp_path, sft_dir, "two", "--batch_size", "2", "--grad_accum", "2"), nproc=2)
     assert "saved" in p.stdout
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4     # Adam amplifies rounding (lr 1e-3)
+    ma = [json.loads(x) for x in open(tmp_path / "one" / "metrics.jsonl")]
+    mb = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl")]
+    for key in ("train/loss", "train/grad_norm", "train/accuracy"):
+        assert [x[key] for x in ma] == pytest.approx([x[key] for x in mb], rel=1e-4), key
 
 
 def test_end_to_end_and_transformers_parity(tmp_path, sft_dir):

@@ -1,0 +1,123 @@
+"""Pictures of a pipeline run: training curves from each run's metrics.jsonl, and gold reward against KL to
+the SFT policy for every evaluated policy (from results.json).
+
+    python -m nano_rlhf.plot --out_dir out            # writes out/plots/*.png
+    python -m nano_rlhf.plot --runs out/ppo --out_dir out/ppo
+
+matplotlib is optional (pip install matplotlib); without it this prints a one-line note and exits 0.
+"""
+import argparse
+import json
+import os
+import sys
+
+CURVES = {  # run kind -> [(panel title, [metric keys])]
+    "ppo": [("reward-model score (normalised)", ["train/score", "eval/rm_score"]),
+            ("gold reward", ["train/gold_reward", "eval/gold_reward"]),
+            ("KL to reference (per sequence)", ["train/kl", "eval/kl"]),
+            ("entropy (per token)", ["train/entropy"])],
+    "loss": [("loss", ["train/loss", "eval/loss"]),
+             ("accuracy", ["train/accuracy", "eval/accuracy", "train/reward_accuracy", "eval/reward_accuracy"]),
+             ("implicit rewards (DPO family)", ["train/rewards_chosen", "train/rewards_rejected", "train/reward_margin"])],
+}
+
+
+def read_metrics(path):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def series(rows, key):
+    pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_run(plt, run_dir, out_png):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        print(f"note: {path} not found; skipped", file=sys.stderr)
+        return None
+    rows = read_metrics(path)
+    kind = "ppo" if any("train/kl_coef" in r for r in rows) else "loss"
+    panels = [(t, ks) for t, ks in CURVES[kind] if any(series(rows, k)[0] for k in ks)]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], panels):
+        for k in keys:
+            x, y = series(rows, k)
+            if x:
+                ax.plot(x, y, marker="o" if len(x) < 30 else None, ms=3, label=k)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(os.path.basename(os.path.normpath(run_dir)), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+def plot_results(plt, results, out_png):
+    """Gold reward (± s.e.) against KL to the SFT policy, one point per policy."""
+    rows = [r for r in results if "gold_reward" in r and "kl" in r]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for r in rows:
+        ax.errorbar(r["kl"], r["gold_reward"], yerr=r.get("gold_reward_se", 0), fmt="o", capsize=3)
+        ax.annotate(r["name"], (r["kl"], r["gold_reward"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("KL(policy ‖ SFT) per response (nats)")
+    ax.set_ylabel("mean gold reward on held-out prompts")
+    ax.set_title("What each algorithm buys, and what it costs", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="out", help="pipeline output directory (runs are its subdirectories)")
+    p.add_argument("--runs", nargs="*", default=None, help="run directories to plot (default: every subdirectory "
+                   "of --out_dir with a metrics.jsonl)")
+    p.add_argument("--results", default="", help="results JSON of nano_rlhf.evaluate (default: OUT_DIR/results.json)")
+    a = p.parse_args(argv)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install matplotlib); no plots written")
+        return []
+    runs = a.runs if a.runs is not None else sorted(
+        os.path.join(a.out_dir, d) for d in os.listdir(a.out_dir)
+        if os.path.isfile(os.path.join(a.out_dir, d, "metrics.jsonl")))
+    plots = os.path.join(a.out_dir, "plots")
+    os.makedirs(plots, exist_ok=True)
+    written = []
+    for r in runs:
+        png = plot_run(plt, r, os.path.join(plots, f"{os.path.basename(os.path.normpath(r))}.png"))
+        if png:
+            written.append(png)
+    results = a.results or os.path.join(a.out_dir, "results.json")
+    if os.path.isfile(results):
+        with open(results) as f:
+            png = plot_results(plt, json.load(f), os.path.join(plots, "gold_vs_kl.png"))
+        if png:
+            written.append(png)
+    for w in written:
+        print(f"wrote {w}")
+    if not written:
+        print(f"note: nothing to plot under {a.out_dir}", file=sys.stderr)
+    return written
+
+
+if __name__ == "__main__":
+    main()

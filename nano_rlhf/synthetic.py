@@ -1,0 +1,257 @@
+"""The built-in task: short product reviews with a programmatic gold reward standing in for human labellers.
+
+Prompt:      "Write a short review of the blender.\\nReview:"   (28 phrasings; 5 are held out for evaluation)
+Completion:  " The motor is great. I love this blender."
+
+Gold reward = the sum of five facets (`gold_facets`), which pull in different directions:
+
+  sentiment    +0.75 per positive word, at most 2 counted (saturates: stacking praise does not help);
+               −0.75 per negative word
+  on_topic     +1.0 if a feature of the named product is mentioned (once);
+               −1.0 per mention of another product or of another product's feature (at most −2)
+  concision    −0.25 per word beyond 12
+  repetition   −0.5 per repeated use of a content word (every word except a few function words)
+  form         +0.5 if the text ends with a period, −0.5 if not; −2.0 more if it has fewer than 3 words
+  hedging      −0.25 per hedge word (maybe, probably, ...)
+
+The best responses score about 3.0 (two praise words, an own feature, ≤ 12 words, a period). SFT
+demonstrations are of mixed quality (negative, off-topic, hedged, long, occasionally repetitive), so the
+SFT policy sits near 0 and every later stage has room to improve. Preference pairs are labelled by
+Bradley–Terry from the gold reward, P(a ≻ b) = σ((g_a − g_b)/T) with T = 1, so some labels are "wrong"
+like real annotators'. Pairs almost never repeat words or ramble, so a reward model learns "praise is
+good" much better than "repetition / length are bad" — PPO against it with a small KL coefficient stacks
+praise while the gold reward falls: Gao et al.'s over-optimisation, on a laptop.
+
+    python -m nano_rlhf.synthetic --out_dir data/ [--seed 0]
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+
+PRODUCTS = {
+    "blender": ["motor", "jar", "blades"], "kettle": ["spout", "handle", "lid"], "toaster": ["slots", "lever", "timer"],
+    "phone": ["screen", "battery", "charger"], "laptop": ["webcam", "trackpad", "hinge"],
+    "headphones": ["earcups", "cable", "bass"], "backpack": ["straps", "zipper", "pockets"],
+    "lamp": ["bulb", "switch", "shade"], "chair": ["cushion", "armrest", "wheels"], "desk": ["drawer", "surface", "legs"],
+    "bicycle": ["brakes", "saddle", "gears"], "tent": ["poles", "floor", "rainfly"], "watch": ["strap", "dial", "clasp"],
+    "mixer": ["whisk", "bowl", "speeds"], "vacuum": ["suction", "filter", "hose"], "printer": ["tray", "ink", "scanner"],
+    "speaker": ["volume", "woofer", "remote"], "jacket": ["hood", "sleeves", "lining"], "shoes": ["soles", "laces", "heel"],
+    "mattress": ["foam", "springs", "cover"], "kayak": ["paddle", "seat", "hull"], "drill": ["chuck", "trigger", "bits"],
+    "oven": ["door", "racks", "dial"], "fridge": ["freezer", "shelves", "icemaker"], "monitor": ["panel", "stand", "ports"],
+    "keyboard": ["keys", "switches", "backlight"], "umbrella": ["canopy", "frame", "grip"], "stroller": ["canopy", "basket", "brakes"],
+    "guitar": ["strings", "neck", "tuners"], "camera": ["lens", "shutter", "viewfinder"],
+}
+# a few features are shared (dial, canopy, brakes...): they count as on-topic for every product that has them
+FEATURE_OWNERS = {}
+for _p, _fs in PRODUCTS.items():
+    for _f in _fs:
+        FEATURE_OWNERS.setdefault(_f, set()).add(_p)
+POS_ADJ = ["great", "excellent", "good", "nice", "solid", "amazing", "perfect", "reliable"]
+NEG_ADJ = ["bad", "poor", "terrible", "awful", "flimsy", "weak", "noisy", "cheap"]
+NEU_ADJ = ["okay", "fine", "average", "normal", "plain"]
+POS_VERB, NEG_VERB = ["love", "like", "enjoy", "recommend"], ["hate", "dislike", "regret", "returned"]
+HEDGES = ["maybe", "probably", "somewhat", "perhaps", "arguably"]
+POSITIVE, NEGATIVE = set(POS_ADJ + POS_VERB), set(NEG_ADJ + NEG_VERB)
+FUNCTION_WORDS = {"the", "is", "i", "this", "it", "a", "and", "feels", "overall", "works", "of"}
+# Prompt phrasings: "{verb} a {adjective} review of the {p}." in 25 combinations plus three others. The 5
+# combinations with verb i and adjective i are held out: evaluation prompts use only those, training never.
+_VERBS, _ADJS = ["Write", "Give", "Post", "Share", "Leave"], ["short", "brief", "quick", "honest", "little"]
+PHRASINGS = [f"{v} a {a} review of the {{p}}." for v in _VERBS for a in _ADJS] + \
+    ["Review the {p}.", "What do you think of the {p}?", "Tell me about the {p}."]
+EVAL_PHRASINGS = [i * len(_ADJS) + i for i in range(len(_VERBS))]
+BT_TEMPERATURE = 1.0
+_WORD = re.compile(r"[a-z]+")
+
+
+def make_prompt(product, phrasing=0):
+    return PHRASINGS[phrasing].format(p=product) + "\nReview:"
+
+
+def parse_product(prompt):
+    """The product a task prompt asks about (a string, or a chat list: its last user message), else None."""
+    if isinstance(prompt, list):
+        users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        prompt = users[-1] if users else ""
+    if not isinstance(prompt, str):
+        return None
+    for w in _WORD.findall(prompt.lower()):
+        if w in PRODUCTS:
+            return w
+    return None
+
+
+def is_task_prompt(prompt):
+    return parse_product(prompt) is not None
+
+
+def gold_facets(prompt, completion):
+    """The gold reward's facets (see the module docstring); their sum is gold_reward."""
+    product = parse_product(prompt)
+    if product is None:
+        raise ValueError(f"not a prompt of the built-in task (no known product in it): {prompt!r}")
+    words = _WORD.findall(completion.lower())
+    n_pos = sum(w in POSITIVE for w in words)
+    n_neg = sum(w in NEGATIVE for w in words)
+    own = set(PRODUCTS[product])
+    on = any(w in own for w in words)
+    off = sum(1 for w in words if (w in PRODUCTS and w != product) or (w in FEATURE_OWNERS and w not in own))
+    content = [w for w in words if w not in FUNCTION_WORDS]
+    repeats = len(content) - len(set(content))
+    text = completion.strip()
+    return {
+        "sentiment": 0.75 * min(n_pos, 2) - 0.75 * n_neg,
+        "on_topic": (1.0 if on else 0.0) - 1.0 * min(off, 2),
+        "concision": -0.25 * max(0, len(words) - 12),
+        "repetition": -0.5 * repeats,
+        "form": (0.5 if text.endswith(".") else -0.5) - (2.0 if len(words) < 3 else 0.0),
+        "hedging": -0.25 * sum(w in HEDGES for w in words),
+    }
+
+
+def gold_reward(prompt, completion):
+    return sum(gold_facets(prompt, completion).values())
+
+
+def best_completion(prompt):
+    """A response at the top of the gold reward (3.0): two praise words, an own feature, a period."""
+    p = parse_product(prompt)
+    return f" The {PRODUCTS[p][0]} is great. I love this {p}."
+
+
+# ---- the response generator (what "annotators" and demonstrators write) ----------------------------
+
+def _sentence(rng, product, mood, off_topic_p, hedge_p):
+    """One template sentence. mood in {pos, neg, neu} picks the sentiment word."""
+    feats = PRODUCTS[product]
+    if rng.random() < off_topic_p:
+        other = rng.choice([q for q in PRODUCTS if q != product])
+        product_word, feat = other, rng.choice([f for f in PRODUCTS[other] if f not in feats])
+    else:
+        product_word, feat = product, rng.choice(feats)
+    adj = rng.choice({"pos": POS_ADJ, "neg": NEG_ADJ, "neu": NEU_ADJ}[mood])
+    verb = rng.choice(POS_VERB if mood != "neg" else NEG_VERB)
+    hedge = rng.choice(HEDGES) + " " if rng.random() < hedge_p else ""
+    kind = rng.randrange(5)
+    if kind == 0:
+        s = f"the {feat} is {hedge}{adj}"
+    elif kind == 1:
+        s = f"i {hedge}{verb} this {product_word}" if mood != "neu" else f"this {product_word} is {hedge}{adj}"
+    elif kind == 2:
+        s = f"the {feat} feels {hedge}{adj}"
+    elif kind == 3:
+        s = f"overall it is {hedge}{adj}"
+    else:
+        s = f"this {product_word} is {hedge}{adj}"
+    return s[0].upper() + s[1:] + "."
+
+
+def sample_response(rng, product, style="sft"):
+    """A review of mixed quality. style "sft": demonstrations (anything goes, some rambling and repetition);
+    style "pair": preference candidates (1-2 sentences, almost never repetitive)."""
+    mood = rng.choices(["pos", "neg", "mixed", "neu"], [0.45, 0.25, 0.2, 0.1])[0]
+    n = rng.choices([1, 2, 3, 4], [0.25, 0.45, 0.2, 0.1] if style == "sft" else [0.35, 0.6, 0.05, 0.0])[0]
+    off, hedge = (0.25, 0.25) if style == "sft" else (0.2, 0.2)
+    sents = []
+    for _ in range(n):
+        m = rng.choice(["pos", "neg"]) if mood == "mixed" else mood
+        sents.append(_sentence(rng, product, m, off, hedge))
+    if style == "sft" and rng.random() < 0.12:           # a rambling, repetitive demonstration
+        sents.append(rng.choice(sents))
+    text = " " + " ".join(sents)
+    if rng.random() < 0.06:                               # a few end without a period
+        text = text[:-1]
+    return text
+
+
+# ---- files --------------------------------------------------------------------------------------
+
+def _write(path, rows):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _sigmoid(x):
+    return 1 / (1 + math.exp(-x)) if x > -60 else 0.0
+
+
+def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, n_prompts=2000, n_eval_prompts=256,
+                  eval_fraction=0.05):
+    """Write every file of the built-in task into out_dir (task.json last); returns task.json's content."""
+    rng = random.Random(seed)
+    products = sorted(PRODUCTS)
+    train_phrasings = [i for i in range(len(PHRASINGS)) if i not in EVAL_PHRASINGS]
+
+    def prompt():
+        return make_prompt(rng.choice(products), rng.choice(train_phrasings))
+
+    sft = []
+    for _ in range(n_sft):
+        p = prompt()
+        sft.append({"prompt": p, "completion": sample_response(rng, parse_product(p), "sft")})
+    pref, flipped, ceiling = [], 0, 0.0
+    while len(pref) < n_pref:
+        p = prompt()
+        a, b = (sample_response(rng, parse_product(p), "pair") for _ in range(2))
+        if a == b:
+            continue
+        d = (gold_reward(p, a) - gold_reward(p, b)) / BT_TEMPERATURE
+        q = _sigmoid(d)
+        a_wins = rng.random() < q                         # a noisy annotator
+        flipped += (a_wins and d < 0) or (not a_wins and d > 0)
+        ceiling += max(q, 1 - q)
+        pref.append({"prompt": p, "chosen": a if a_wins else b, "rejected": b if a_wins else a})
+    gens = [(p, sample_response(rng, parse_product(p), "pair")) for p in (prompt() for _ in range(n_unpaired))]
+    threshold = sorted(gold_reward(p, c) for p, c in gens)[len(gens) // 2]
+    unpaired = [{"prompt": p, "completion": c, "label": rng.random() < _sigmoid((gold_reward(p, c) - threshold) / BT_TEMPERATURE)}
+                for p, c in gens]
+    prompts = [{"prompt": prompt()} for _ in range(n_prompts)]
+    evals = [{"prompt": make_prompt(products[i % len(products)], EVAL_PHRASINGS[(i // len(products)) % len(EVAL_PHRASINGS)])}
+             for i in range(n_eval_prompts)]
+
+    os.makedirs(out_dir, exist_ok=True)
+    n_sft_eval, n_pref_eval = max(1, int(n_sft * eval_fraction)), max(1, int(n_pref * eval_fraction))
+    files = {"sft.jsonl": sft[n_sft_eval:], "sft_eval.jsonl": sft[:n_sft_eval], "preference.jsonl": pref[n_pref_eval:],
+             "preference_eval.jsonl": pref[:n_pref_eval], "unpaired.jsonl": unpaired, "prompts.jsonl": prompts,
+             "eval_prompts.jsonl": evals}
+    for name, rows in files.items():
+        _write(os.path.join(out_dir, name), rows)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    task = {"seed": seed, "counts": {k: len(v) for k, v in files.items()},
+            "bt_temperature": BT_TEMPERATURE, "label_noise": flipped / len(pref), "bt_accuracy_ceiling": ceiling / len(pref),
+            "sft_demo_gold_mean": mean([gold_reward(r["prompt"], r["completion"]) for r in sft]),
+            "pair_gold_mean": mean([gold_reward(r["prompt"], r[k]) for r in pref for k in ("chosen", "rejected")]),
+            "best_gold_mean": mean([gold_reward(r["prompt"], best_completion(r["prompt"])) for r in evals]),
+            "unpaired_desirable_rate": mean([r["label"] for r in unpaired]),
+            "eval_phrasings": [PHRASINGS[i] for i in EVAL_PHRASINGS]}
+    with open(os.path.join(out_dir, "task.json.tmp"), "w") as f:
+        json.dump(task, f, indent=2)
+    os.replace(os.path.join(out_dir, "task.json.tmp"), os.path.join(out_dir, "task.json"))
+    return task
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="data", help="directory for the JSONL files")
+    p.add_argument("--seed", type=int, default=0, help="everything is determined by this seed")
+    p.add_argument("--n_sft", type=int, default=20000, help="SFT demonstrations (5%% become sft_eval.jsonl)")
+    p.add_argument("--n_pref", type=int, default=10000, help="preference pairs (5%% become preference_eval.jsonl)")
+    p.add_argument("--n_unpaired", type=int, default=10000, help="unpaired (KTO) examples")
+    p.add_argument("--n_prompts", type=int, default=2000, help="RL training prompts")
+    p.add_argument("--n_eval_prompts", type=int, default=256, help="held-out evaluation prompts")
+    a = p.parse_args(argv)
+    t = write_dataset(a.out_dir, a.seed, a.n_sft, a.n_pref, a.n_unpaired, a.n_prompts, a.n_eval_prompts)
+    print(f"wrote {a.out_dir}/: " + ", ".join(f"{k} {v}" for k, v in t["counts"].items()))
+    print(f"gold reward: SFT demonstrations {t['sft_demo_gold_mean']:+.2f}, preference candidates "
+          f"{t['pair_gold_mean']:+.2f}, best {t['best_gold_mean']:+.2f} | label noise {100 * t['label_noise']:.1f}% "
+          f"| Bradley-Terry accuracy ceiling {100 * t['bt_accuracy_ceiling']:.1f}%")
+    return t
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The whole pipeline on the built-in task, then one table comparing every policy:
+#   built-in data -> SFT -> reward model -> DPO family -> PPO (reward model) -> GRPO (gold reward) -> evaluation
+#
+#   bash scripts/pipeline.sh              # about 10 minutes on 2 CPU cores
+#   NPROC=2 bash scripts/pipeline.sh      # every training stage under torchrun with 2 processes
+#   TINY=1 bash scripts/pipeline.sh       # a smoke run of about a minute (what the tests run)
+#   OUT=runs/a bash scripts/pipeline.sh   # another output directory (default: out)
+#
+# Each command is printed before it runs ("+ ..."): copy any of them to rerun one stage by hand.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NPROC=${NPROC:-1}
+OUT=${OUT:-out}
+DATA=${DATA:-data}
+PY=${PYTHON:-python}
+if [ "$NPROC" -gt 1 ]; then
+  TRAIN="$PY -m torch.distributed.run --nproc_per_node $NPROC"
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+else
+  TRAIN="$PY"
+fi
+# budgets: full run, or TINY=1 for a smoke test
+if [ "${TINY:-0}" = "1" ]; then
+  DATA_ARGS="--n_sft 600 --n_pref 400 --n_unpaired 400 --n_prompts 200 --n_eval_prompts 32"
+  SFT="--max_steps 30 --eval_interval 0"; RM="--max_steps 10"; DPO="--max_steps 6"
+  PPO="--max_steps 3 --eval_interval 0"; GRPO="--max_steps 3 --eval_interval 0"; EVAL="--batch_size 32"
+else
+  DATA_ARGS=""
+  SFT=""; RM=""; DPO=""; PPO=""; GRPO=""; EVAL=""
+fi
+export NANO_RLHF_DATA="$DATA"
+
+run() { echo "+ $*"; "$@"; }
+
+run $PY -m nano_rlhf.synthetic --out_dir "$DATA" $DATA_ARGS
+run $TRAIN train_sft.py --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$OUT/sft" $SFT
+run $TRAIN train_rm.py --init "$OUT/sft" --data "$DATA/preference.jsonl" --eval_data "$DATA/preference_eval.jsonl" --out_dir "$OUT/rm" $RM
+for loss in dpo ipo simpo orpo kto; do
+  run $TRAIN train_dpo.py --loss $loss --init "$OUT/sft" --out_dir "$OUT/$loss" $DPO
+done
+run $TRAIN train_ppo.py --init "$OUT/sft" --reward_model "$OUT/rm" --out_dir "$OUT/ppo" $PPO
+run $TRAIN train_ppo.py --advantage grpo --reward gold --init "$OUT/sft" --out_dir "$OUT/grpo" $GRPO
+run $PY -m nano_rlhf.evaluate --model "$OUT/sft" "$OUT/dpo" "$OUT/ipo" "$OUT/simpo" "$OUT/orpo" "$OUT/kto" "$OUT/ppo" "$OUT/grpo" \
+  --baseline "$OUT/sft" --ref "$OUT/sft" --reward_model "$OUT/rm" --prompts "$DATA/eval_prompts.jsonl" \
+  --summary "$OUT/results.json" $EVAL
+run $PY -m nano_rlhf.plot --out_dir "$OUT"

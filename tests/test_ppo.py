@@ -1,0 +1,126 @@
+"""train_ppo.py as a whole: rollout bookkeeping, frozen models, ratio = 1 at lr 0, DDP, every estimator."""
+import json
+
+import pytest
+import torch
+
+import train_ppo
+from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
+from nano_rlhf import dist
+from nano_rlhf.data import tokenize_prompts
+from nano_rlhf.model import GPT, ScoreModel
+
+
+def ppo_args(tmp_path, sft_dir, rm_dir, out, *extra, steps=2):
+    if not (tmp_path / "prompts.jsonl").exists():
+        write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(48))
+        write_jsonl(tmp_path / "eval_prompts.jsonl", prompt_rows(8, seed=1))
+    return ["--prompts", str(tmp_path / "prompts.jsonl"), "--eval_prompts", str(tmp_path / "eval_prompts.jsonl"),
+            "--init", sft_dir, "--reward_model", rm_dir, "--out_dir", str(tmp_path / out), "--max_steps", str(steps),
+            "--batch_size", "4", "--max_new_tokens", "12", "--eval_interval", "0", "--eval_samples", "4",
+            "--lr", "1e-3", "--critic_lr", "1e-3", *extra]
+
+
+def metrics(path):
+    return [json.loads(x) for x in open(path / "metrics.jsonl")]
+
+
+@pytest.fixture
+def eos_sft_dir(tmp_path, tok):
+    m = eos_prone(tiny_model(tok), tok)
+    m.save_pretrained(str(tmp_path / "eos_sft"))
+    tok.save(str(tmp_path / "eos_sft" / "tokenizer.json"))
+    return str(tmp_path / "eos_sft")
+
+
+def test_rollout_truncates_at_eos_and_scores_there(tok, rm_dir, eos_sft_dir):
+    o = train_ppo.Options(samples_per_prompt=2, micro_batch_size=4, max_new_tokens=8, missing_eos_penalty=-7.0,
+                          score_clip=100.0)
+    policy = GPT.from_pretrained(eos_sft_dir).eval()
+    rm = ScoreModel.from_pretrained(rm_dir).eval()
+    prompts, _ = tokenize_prompts(prompt_rows(8), tok, 40)
+    gen = torch.Generator().manual_seed(0)
+    r = train_ppo.rollout(o, policy, policy, rm, None, prompts, tok, dist.ctx(), gen, (0.1, 0.5))
+    P, m = r["P"], r["resp_mask"]
+    finished = r["has_eos"].bool()
+    assert 0 < finished.sum() < len(finished), "the test needs both finished and unfinished rows"
+    for i in range(len(m)):
+        n = int(m[i].sum())
+        resp = r["seq"][i, P:]
+        if finished[i]:
+            assert resp[n - 1] == tok.eos_id and (resp[:n - 1] != tok.eos_id).all()
+            assert (resp[n:] == tok.pad_id).all()                    # cut after the first end-of-text
+            full = r["seq"][i, :P + n][r["attn"][i, :P + n].bool()][None]
+            with torch.no_grad():
+                want = (rm(full)[1] - 0.1) / 0.5                     # scored alone, unpadded, at its end-of-text
+            assert torch.allclose(r["score"][i], want[0], atol=1e-5)
+        else:
+            assert n == resp.shape[0] and r["score"][i] == -7.0    # replaced by the penalty
+    # the score is the reward of the end-of-text token itself
+    rewards = train_ppo.token_rewards(r["score"], torch.zeros_like(m), m, 0.1)
+    last = m.sum(1).long() - 1
+    assert torch.equal(rewards[torch.arange(len(m)), last], r["score"])
+    assert (rewards.sum(1) == r["score"]).all()
+
+
+def test_lr0_first_update_has_ratio_one(tmp_path, sft_dir, rm_dir, eos_sft_dir):
+    """Rollout and training log-probs agree (temperature, positions, padding): ratio 1, approx-KL 0."""
+    train_ppo.main(ppo_args(tmp_path, eos_sft_dir, rm_dir, "lr0", "--lr", "0", "--critic_lr", "0", "--temperature",
+                            "0.7", "--ppo_epochs", "2", "--num_minibatches", "2", "--micro_batch_size", "1", steps=2))
+    for m in metrics(tmp_path / "lr0"):
+        assert abs(m["train/ratio"] - 1) < 1e-6 and m["train/approx_kl"] < 1e-9 and m["train/clipfrac"] == 0
+        assert m["train/kl"] == pytest.approx(0, abs=1e-5)          # policy == reference
+
+
+def test_frozen_models_untouched_and_optimizers_hold_only_trainables(tmp_path, sft_dir, rm_dir):
+    out = train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "ppo", steps=3))
+    for frozen, src, cls in ((out.ref, sft_dir, GPT), (out.reward_model, rm_dir, ScoreModel)):
+        fresh = cls.from_pretrained(src)
+        assert all(torch.equal(a, b) for a, b in zip(frozen.state_dict().values(), fresh.state_dict().values()))
+        assert all(not p.requires_grad for p in frozen.parameters()) and not frozen.training
+    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    opt_pi, opt_v = out.optimizers["policy"], out.optimizers["critic"]
+    assert ids(p for g in opt_pi.param_groups for p in g["params"]) == ids(out.policy.parameters())
+    assert ids(p for g in opt_v.param_groups for p in g["params"]) == ids(out.critic.parameters())
+    moved = lambda m, d, c: any(not torch.equal(a, b) for a, b in zip(m.state_dict().values(),  # noqa: E731
+                                                                     c.from_pretrained(d).state_dict().values()))
+    assert moved(out.policy, sft_dir, GPT) and moved(out.critic, rm_dir, ScoreModel)
+    m = metrics(tmp_path / "ppo")[-1]
+    for k in ("train/score", "train/kl", "train/entropy", "train/approx_kl", "train/clipfrac", "train/value_clipfrac",
+              "train/explained_variance", "train/response_length", "train/eos_rate", "train/kl_coef",
+              "train/non_score_reward", "eval/rm_score", "eval/kl"):
+        assert k in m, k
+
+
+@pytest.mark.parametrize("adv", ["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"])
+def test_every_estimator_end_to_end(tmp_path, sft_dir, rm_dir, adv):
+    extra = ["--kl_in_loss"] if adv == "grpo" else ["--adaptive_kl", "--kl_estimator", "k3"] if adv == "reinforce_pp" else []
+    out = train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, adv, "--advantage", adv, *extra))
+    assert (out.critic is None) == (adv != "gae")
+    m = metrics(tmp_path / adv)
+    assert len(m) == 2 and all(torch.isfinite(torch.tensor(x["train/policy_loss"])) for x in m)
+    GPT.from_pretrained(str(tmp_path / adv))
+
+
+def test_ddp_ranks_stay_identical(tmp_path, sft_dir, rm_dir):
+    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "ddp", "--batch_size", "2", steps=3), nproc=2)
+    assert "saved" in p.stdout           # the run ends by checking policy and critic checksums on both ranks
+
+
+def test_resume_bit_exact(tmp_path, sft_dir, rm_dir):
+    args = ("--adaptive_kl", "--save_interval", "0")
+    train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "a", *args, steps=4))
+    train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "b", *args, "--stop_at", "2", steps=4))
+    out = train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "b", *args, "--resume", steps=4))
+    a = GPT.from_pretrained(str(tmp_path / "a")).state_dict()
+    assert all(torch.equal(a[k], v) for k, v in out.policy.state_dict().items())
+    assert metrics(tmp_path / "a")[-1]["train/kl_coef"] == metrics(tmp_path / "b")[-1]["train/kl_coef"]
+
+
+def test_batch_sizes_must_divide(tmp_path, sft_dir, rm_dir):
+    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", "--batch_size", "3", "--num_minibatches", "2"),
+            check=False)
+    assert p.returncode != 0 and "does not split into --num_minibatches 2" in p.stderr
+    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", "--advantage", "grpo", "--samples_per_prompt", "1"),
+            check=False)
+    assert p.returncode != 0 and "needs --samples_per_prompt >= 2" in p.stderr

@@ -1,0 +1,92 @@
+"""The built-in task: determinism, file formats, and that each gold-reward facet moves the right way."""
+import json
+import math
+
+import pytest
+
+from nano_rlhf import synthetic as S
+from nano_rlhf.data import load_records
+
+SMALL = dict(n_sft=400, n_pref=300, n_unpaired=200, n_prompts=50, n_eval_prompts=40)
+P = S.make_prompt("blender")
+
+
+def test_deterministic_and_seed_dependent(tmp_path):
+    S.write_dataset(str(tmp_path / "a"), seed=1, **SMALL)
+    S.write_dataset(str(tmp_path / "b"), seed=1, **SMALL)
+    S.write_dataset(str(tmp_path / "c"), seed=2, **SMALL)
+    for f in ("sft.jsonl", "preference.jsonl", "unpaired.jsonl", "prompts.jsonl", "task.json"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    assert (tmp_path / "a" / "sft.jsonl").read_bytes() != (tmp_path / "c" / "sft.jsonl").read_bytes()
+
+
+def test_files_are_valid_for_their_kind(tmp_path):
+    t = S.main(["--out_dir", str(tmp_path), "--n_sft", "400", "--n_pref", "300", "--n_unpaired", "200",
+                "--n_prompts", "50", "--n_eval_prompts", "40"])
+    kinds = {"sft.jsonl": "sft", "sft_eval.jsonl": "sft", "preference.jsonl": "preference",
+             "preference_eval.jsonl": "preference", "unpaired.jsonl": "unpaired", "prompts.jsonl": "prompts",
+             "eval_prompts.jsonl": "prompts"}
+    for f, kind in kinds.items():
+        rows = load_records(str(tmp_path / f), kind)        # the package's own validator accepts them
+        assert len(rows) == t["counts"][f]
+        for r in rows:
+            assert not r["prompt"].endswith(" ") and S.is_task_prompt(r["prompt"])
+            for k in ("completion", "chosen", "rejected"):
+                if k in r:
+                    assert r[k].startswith(" ")
+    pref = [json.loads(x) for x in open(tmp_path / "preference.jsonl")]
+    assert all(r["chosen"] != r["rejected"] for r in pref)
+    assert 0.05 < t["label_noise"] < 0.4 and 0.6 < t["bt_accuracy_ceiling"] < 0.95
+    labels = [json.loads(x)["label"] for x in open(tmp_path / "unpaired.jsonl")]
+    assert 0.3 < sum(labels) / len(labels) < 0.7
+
+
+def test_eval_prompts_use_only_held_out_phrasings(tmp_path):
+    S.write_dataset(str(tmp_path), seed=0, **SMALL)
+    held = {S.PHRASINGS[i].split("{p}")[0] for i in S.EVAL_PHRASINGS}
+    train = [json.loads(x)["prompt"] for x in open(tmp_path / "prompts.jsonl")]
+    train += [json.loads(x)["prompt"] for x in open(tmp_path / "sft.jsonl")]
+    evals = [json.loads(x)["prompt"] for x in open(tmp_path / "eval_prompts.jsonl")]
+    assert all(any(e.startswith(h) for h in held) for e in evals)
+    assert not any(any(p.startswith(h) for h in held) for p in train)
+    assert {S.parse_product(e) for e in evals} == set(S.PRODUCTS)      # every product is evaluated
+
+
+def test_facets_move_the_right_way():
+    g = lambda c: S.gold_reward(P, c)  # noqa: E731
+    assert g(" The motor is great.") > g(" The motor is terrible.")                      # sentiment
+    assert g(" The motor is great.") > g(" The screen is great.")                        # own vs other feature
+    assert g(" I love this blender.") > g(" I love this kettle.")                        # other product named
+    assert g(" The motor is great. The jar is nice.") > g(" The motor is great. The jar is great.")  # repetition
+    long = " " + " ".join(["The motor is good and the jar is nice and the blades are solid"] * 3) + "."
+    assert g(long) < g(" The motor is good. The jar is nice.")                           # concision
+    assert g(" The motor is great.") > g(" The motor is great")                          # ends with a period
+    assert g(" The motor is great.") > g(" The motor is maybe great.")                   # hedging
+    praise = " Great excellent amazing perfect nice solid motor."
+    assert g(praise) <= g(" The motor is great. I love it.")                             # praise saturates
+    assert S.gold_facets(P, " great great great great.")["repetition"] == -1.5
+
+
+def test_best_completion_beats_demonstrations():
+    import random
+    rng = random.Random(0)
+    for product in ("blender", "phone", "camera", "stroller"):
+        p = S.make_prompt(product, 1)
+        best = S.gold_reward(p, S.best_completion(p))
+        assert best == pytest.approx(3.0)
+        assert best >= max(S.gold_reward(p, S.sample_response(rng, product)) for _ in range(300))
+
+
+def test_parse_product_forms_and_unknown_prompts():
+    assert S.parse_product(P) == "blender"
+    assert S.parse_product([{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "Review the phone."}]) == "phone"
+    assert S.parse_product("Summarise this article.") is None and not S.is_task_prompt("hello")
+    with pytest.raises(ValueError, match="not a prompt of the built-in task"):
+        S.gold_reward("hello", " fine.")
+
+
+@pytest.mark.parametrize("junk", ["", "!!!!", " blender blender blender", "x" * 500, "日本語のレビュー。", "\n\n."])
+def test_garbage_gets_finite_low_rewards(junk):
+    r = S.gold_reward(P, junk)
+    assert math.isfinite(r) and r < 1.0
