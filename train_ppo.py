@@ -55,6 +55,11 @@ from nano_rlhf.model import GPT, ScoreModel
 GROUP = ("rloo", "grpo", "dr_grpo")
 
 
+def gold_reward(prompts, completions):
+    """--reward gold: the built-in task's programmatic reward (a verifiable reward; swap in your own)."""
+    return [synthetic.gold_reward(p, c) for p, c in zip(prompts, completions)]
+
+
 @dataclass
 class Options:
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
@@ -72,7 +77,7 @@ class Options:
     max_new_tokens: int = 40      # response length limit (also Dr. GRPO's constant normaliser)
     temperature: float = 1.0      # sampling temperature; log-probs use logits / temperature everywhere
     max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = block_size − max_new_tokens
-    kl_coef: float = 0.05         # β, the KL penalty coefficient (initial value when adaptive)
+    kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference
     kl_estimator: Literal["k1", "k3"] = "k1"  # per-token KL estimate in the reward
     adaptive_kl: bool = False     # adapt β towards --kl_target (Ziegler et al. 2019)
     kl_target: float = 1.0        # target KL per sequence for the adaptive controller
@@ -236,8 +241,13 @@ class AdaptiveKL:
 # ---- rollout ---------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def rollout(o, policy, ref, reward_model, critic, prompts, tok, ctx, gen, rm_stats):
-    """Sample, truncate, score and compute everything the update needs. Tensors are (B, ...), B = prompts × k."""
+def rollout(o, policy, ref, reward, critic, prompts, tok, ctx, gen, rm_stats=(0.0, 1.0)):
+    """Sample, truncate, score and compute everything the update needs. Tensors are (B, ...), B = prompts × k.
+
+    reward: the reward model (a ScoreModel: its score at the end-of-text, normalised with rm_stats and clipped),
+    or any Python function (prompt texts, completion texts) -> list of floats (a verifiable reward, e.g. the
+    built-in task's gold reward), used as is.
+    """
     k = o.samples_per_prompt
     q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
     q_ids, q_mask = q_ids.to(ctx.device), q_mask.to(ctx.device)
@@ -253,13 +263,18 @@ def rollout(o, policy, ref, reward_model, critic, prompts, tok, ctx, gen, rm_sta
     attn = torch.cat([q_mask, resp_mask.long()], 1)
     B = seq.shape[0]
     old_logp, ref_logp, values = (torch.zeros_like(resp_mask) for _ in range(3))
+    # One update on the rollout it was sampled from, and no KL: π_old is the current policy, so its log-probs
+    # come from the update's own forward (detached) and this extra forward is skipped (as TRL's GRPO does).
+    skip_old = ref is None and o.ppo_epochs == 1 and o.num_minibatches == 1
     mb = o.micro_batch_size
     policy.eval()
     for i in range(0, B, mb):
         s = slice(i, i + mb)
         with autocast(ctx.device, o.dtype):
-            old_logp[s] = response_logprobs(policy, seq[s], attn[s], resp_mask[s], o.temperature)
-            ref_logp[s] = response_logprobs(ref, seq[s], attn[s], resp_mask[s], o.temperature)
+            if not skip_old:
+                old_logp[s] = response_logprobs(policy, seq[s], attn[s], resp_mask[s], o.temperature)
+            if ref is not None:
+                ref_logp[s] = response_logprobs(ref, seq[s], attn[s], resp_mask[s], o.temperature)
             if critic is not None:
                 values[s] = critic(seq[s], attn[s])[0][:, P - 1:-1].float() * resp_mask[s]
     policy.train()
@@ -268,16 +283,19 @@ def rollout(o, policy, ref, reward_model, critic, prompts, tok, ctx, gen, rm_sta
     gold = None
     if all(isinstance(t, str) and synthetic.is_task_prompt(t) for t in prompt_texts):
         gold = torch.tensor([synthetic.gold_reward(p, t) for p, t in zip(prompt_texts, texts)], device=seq.device)
-    if o.reward == "gold":
-        raw = gold.clone()
+    if not isinstance(reward, torch.nn.Module):
+        raw = torch.tensor(reward(prompt_texts, texts), dtype=torch.float32, device=seq.device)
         score = raw
     else:
-        raw = torch.cat([reward_model(seq[i:i + mb], attn[i:i + mb])[1].float() for i in range(0, B, mb)])
+        raw = torch.cat([reward(seq[i:i + mb], attn[i:i + mb])[1].float() for i in range(0, B, mb)])
         score = (raw - rm_stats[0]) / rm_stats[1] if o.normalize_score else raw
         score = score.clamp(-o.score_clip, o.score_clip)
     if o.missing_eos_penalty is not None:
         score = torch.where(has_eos, score, torch.full_like(score, o.missing_eos_penalty))   # replace, not add
-    return dict(seq=seq, attn=attn, resp_mask=resp_mask, old_logp=old_logp, ref_logp=ref_logp, values=values,
+    if ref is None:          # no KL term at all (β = 0): the reference is not even built
+        ref_logp = None
+    return dict(seq=seq, attn=attn, resp_mask=resp_mask, old_logp=None if skip_old else old_logp,
+                ref_logp=ref_logp, values=values,
                 score=score, raw_score=raw, gold=gold, has_eos=has_eos.float(), length=length.float(),
                 texts=texts, prompt_texts=prompt_texts, P=P)
 
@@ -285,8 +303,12 @@ def rollout(o, policy, ref, reward_model, critic, prompts, tok, ctx, gen, rm_sta
 def advantages(o, r, beta):
     """Token-level advantages (B, R) (and returns for the critic) from a rollout, per --advantage."""
     m = r["resp_mask"]
-    kl = kl_estimate(r["old_logp"], r["ref_logp"], o.kl_estimator) * m
-    r["kl_seq"] = kl_estimate(r["old_logp"], r["ref_logp"], "k1").mul(m).sum(1)   # Σ_t k1: the sequence KL
+    if r["ref_logp"] is None:
+        kl = torch.zeros_like(m)
+    else:
+        kl = kl_estimate(r["old_logp"], r["ref_logp"], o.kl_estimator) * m
+    r["kl_seq"] = kl.sum(1) if o.kl_estimator == "k1" else (
+        kl_estimate(r["old_logp"], r["ref_logp"], "k1").mul(m).sum(1))   # Σ_t k1: the sequence KL
     if o.advantage in ("gae", "reinforce_pp"):
         rewards = token_rewards(r["score"], kl if not o.kl_in_loss else torch.zeros_like(kl), m, beta)
         r["non_score_reward"] = (rewards.sum(1) - r["score"])
@@ -332,14 +354,15 @@ def update(o, r, adv, ret, policy_ddp, critic_ddp, opt_pi, opt_v, params_pi, par
                 with (policy_ddp.no_sync() if ctx.enabled and not last else contextlib.nullcontext()):
                     with autocast(ctx.device, o.dtype):
                         logp, ent = response_logprobs(policy_ddp, seq, attn, m, o.temperature, with_entropy=True)
-                    pg, ratio = policy_loss(logp, r["old_logp"][i], adv[i], o.clip_eps,
+                    old = logp.detach() if r["old_logp"] is None else r["old_logp"][i]
+                    pg, ratio = policy_loss(logp, old, adv[i], o.clip_eps,
                                             o.clip_high if o.clip_high is not None else o.clip_eps)
                     per_tok = pg - o.entropy_coef * ent
-                    if o.kl_in_loss:
+                    if o.kl_in_loss and r["ref_logp"] is not None:
                         per_tok = per_tok + beta * kl_estimate(logp, r["ref_logp"][i], "k3")
                     ((per_tok * m).sum() * ctx.world_size / max(norm, 1)).backward()
                 with torch.no_grad():
-                    logratio = logp - r["old_logp"][i]
+                    logratio = logp - old
                     st += torch.tensor([m.sum().item(), (pg * m).sum().item(), 0.0, (ent * m).sum().item(),
                                         ((ratio - 1 - logratio) * m).sum().item(),    # k3 estimate of KL(old‖new)
                                         (((ratio - 1).abs() > o.clip_eps).float() * m).sum().item(),
@@ -404,7 +427,9 @@ def main(argv=None):
             raise ValueError("--reward gold scores the built-in task only; these prompts are not the task's")
         tok = load_tokenizer(o.tokenizer, o.init)
         policy = GPT.from_pretrained(o.init, dropout=0.0)        # dropout off: rollout log-probs must be reproducible
-        ref = GPT.from_pretrained(o.ref or o.init, dropout=0.0).requires_grad_(False).eval()
+        ref = None
+        if o.kl_coef > 0 or o.adaptive_kl:   # with β = 0 no KL is ever computed: no reference model
+            ref = GPT.from_pretrained(o.ref or o.init, dropout=0.0).requires_grad_(False).eval()
         reward_model = critic = None
         rm_stats = (0.0, 1.0)
         if o.reward == "model":
@@ -470,7 +495,8 @@ def main(argv=None):
         t0 = time.time()
         set_lr(opt_pi, lr_at(step, o.max_steps, o.lr, o.warmup_steps, "constant"))
         batch = [prompts[i] for i in prompt_batches.next_step()[0]]
-        r = rollout(o, policy, ref, reward_model, critic, batch, tok, ctx, gen, rm_stats)
+        r = rollout(o, policy, ref, reward_model if o.reward == "model" else gold_reward, critic, batch, tok, ctx, gen,
+                    rm_stats)
         t_gen = time.time() - t0
         beta = kl_ctl.beta
         adv, ret = advantages(o, r, beta)

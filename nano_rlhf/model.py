@@ -346,8 +346,11 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p        # keep the smallest prefix reaching top_p
         logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # inverse-CDF sampling: one uniform number per row. torch.multinomial draws an exponential per vocabulary
+    # entry (4096 per row), which costs more than the whole forward pass of a small model's decode step.
+    cdf = logits.softmax(-1).cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
 class ScoreModel(_Pretrained):
