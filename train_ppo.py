@@ -287,7 +287,7 @@ def rollout(o, policy, ref, reward, critic, prompts, tok, ctx, gen, rm_stats=(0.
         raw = torch.tensor(reward(prompt_texts, texts), dtype=torch.float32, device=seq.device)
         score = raw
     else:
-        raw = torch.cat([reward(seq[i:i + mb], attn[i:i + mb])[1].float() for i in range(0, B, mb)])
+        raw = torch.cat([reward(seq[i:i + mb], attn[i:i + mb], end_only=True)[1].float() for i in range(0, B, mb)])
         score = (raw - rm_stats[0]) / rm_stats[1] if o.normalize_score else raw
         score = score.clamp(-o.score_clip, o.score_clip)
     if o.missing_eos_penalty is not None:

@@ -93,8 +93,9 @@ def reward_loss(r_chosen, r_rejected, margin, center_coef=0.0, l2_coef=0.0):
 
 def pair_scores(model, ids, attn):
     """One forward over [chosen; rejected] rows -> (r_chosen, r_rejected), each (B,), read at the last
-    real token of each row (the response's end-of-text)."""
-    _, end = model(ids, attn)
+    real token of each row (the response's end-of-text). end_only: the last block computes that one
+    position per row, since nothing else reaches the loss."""
+    _, end = model(ids, attn, end_only=True)
     return end.float().chunk(2)
 
 

@@ -77,7 +77,7 @@ def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, sa
             kl = ((lp - rlp) * rmask).sum(1)
         score = None
         if reward_model is not None:
-            _, score = reward_model(seq, full_attn)
+            _, score = reward_model(seq, full_attn, end_only=True)
         for b, (i, j) in enumerate(chunk):
             text = tok.decode(resp[b, :length[b]].tolist())
             rec = {"prompt": prompts[i]["prompt"], "completion": text, "sample": j,

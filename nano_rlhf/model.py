@@ -48,8 +48,17 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, attn_mask=None, cache=None, cache_pos=0):
+    def forward(self, x, attn_mask=None, cache=None, cache_pos=0, query_index=None):
         B, T, C = x.shape
+        if query_index is not None:   # one query per row, at query_index, over every key (see Transformer)
+            w, b = self.c_attn.weight, self.c_attn.bias
+            q = F.linear(x[torch.arange(B, device=x.device), query_index], w[:C], None if b is None else b[:C])
+            k, v = F.linear(x, w[C:], None if b is None else b[C:]).split(C, dim=2)
+            q = q.view(B, 1, self.n_head, C // self.n_head).transpose(1, 2)
+            k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (k, v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                               dropout_p=self.dropout if self.training else 0.0)
+            return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, 1, C)))
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         if cache is not None:  # write this step's keys/values into the preallocated cache, attend to all so far
@@ -83,8 +92,12 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, attn_mask=None, cache=None, cache_pos=0):
-        x = x + self.attn(self.ln_1(x), attn_mask, cache, cache_pos)
+    def forward(self, x, attn_mask=None, cache=None, cache_pos=0, query_index=None):
+        if query_index is not None:   # keys/values from every position, output only at query_index: (B, 1, C)
+            x_q = x[torch.arange(x.shape[0], device=x.device), query_index][:, None]
+            x = x_q + self.attn(self.ln_1(x), attn_mask, query_index=query_index)
+        else:
+            x = x + self.attn(self.ln_1(x), attn_mask, cache, cache_pos)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -122,7 +135,11 @@ class Transformer(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, bias=cfg.bias)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, cache_pos=0):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, cache_pos=0, last_index=None):
+        """-> hidden states (B, T, C). With last_index (B,), the last block computes only the output at that
+        position of each row, (B, 1, C): all a reward model's end score needs. The last block's queries,
+        output projection and MLP then run on one token instead of T (a fifth of the trunk at 4 layers);
+        its keys and values still come from every position, so the result is exact."""
         B, T = input_ids.shape
         if cache_pos + T > self.cfg.block_size:
             raise ValueError(f"sequence of {cache_pos + T} tokens exceeds block_size {self.cfg.block_size}")
@@ -140,7 +157,13 @@ class Transformer(nn.Module):
             position_ids = torch.arange(cache_pos, cache_pos + T, device=input_ids.device)[None]
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         for i, block in enumerate(self.h):
-            x = block(x, attn_mask, None if cache is None else cache[i], cache_pos)
+            if last_index is not None and i == len(self.h) - 1:
+                keys = torch.arange(T, device=x.device)[None] <= last_index[:, None]      # causal for that query
+                if attention_mask is not None:
+                    keys = keys & attention_mask.bool()
+                x = block(x, keys[:, None, None, :], query_index=last_index)
+            else:
+                x = block(x, attn_mask, None if cache is None else cache[i], cache_pos)
         return self.ln_f(x)
 
 
@@ -370,10 +393,16 @@ class ScoreModel(_Pretrained):
         # N(0, 1/sqrt(d+1)) keeps initial rewards O(1) whatever the width (lm-human-preferences)
         nn.init.normal_(self.score.weight, 0.0, 1.0 / math.sqrt(self.cfg.n_embd + 1))
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, end_only=False):
+        """-> (per-token scores (B, T), end scores (B,)); end_only=True computes only the end scores (the
+        reward model's case) and returns (None, end scores), skipping most of the last block."""
+        last = last_token_index(input_ids, attention_mask)
+        if end_only:
+            h = self.transformer(input_ids, attention_mask, position_ids, last_index=last)   # (B, 1, C)
+            return None, self.score(h).view(-1)
         h = self.transformer(input_ids, attention_mask, position_ids)
         scores = self.score(h).squeeze(-1)                               # (B, T)
-        return scores, scores.gather(1, last_token_index(input_ids, attention_mask)[:, None]).squeeze(1)
+        return scores, scores.gather(1, last[:, None]).squeeze(1)
 
     def hf_config(self, **extra):
         d = super().hf_config(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, num_labels=1)

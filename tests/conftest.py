@@ -134,3 +134,12 @@ def eos_prone(model, tok, logit=4.0):
         model.transformer.ln_f.weight.mul_(0.1)
         model.transformer.ln_f.bias.copy_(w * logit / w.dot(w))
     return model
+
+
+def weights_close(a, b):
+    """Two runs' weights agree up to float rounding. Adam divides by sqrt(v): a gradient element that is
+    ~0 up to rounding can move by up to lr in either run, so single elements may differ by ~lr; the mean
+    absolute difference stays tiny unless the runs really differ (a real bug moves most weights by ~lr)."""
+    n = sum(v.numel() for v in a.values())
+    mean = sum((a[k] - b[k]).abs().sum().item() for k in a) / n
+    return mean < 1e-6

@@ -273,3 +273,27 @@ def test_pad_id_outside_vocab_is_accepted():
         assert torch.allclose(out[1, 4:], m(ids[1:, 4:])[0], atol=1e-5)
     gen = m.generate(padded, mask, 5, temperature=0, eos_token_id=0, pad_token_id=97)
     assert gen.shape == (2, 15)
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_end_only_scores_equal_full_scores_with_gradients(padding):
+    torch.manual_seed(0)
+    m1 = ScoreModel(tiny_config(vocab_size=97, n_layer=3))
+    m2 = ScoreModel(tiny_config(vocab_size=97, n_layer=3))
+    m2.load_state_dict(m1.state_dict())
+    ids = torch.randint(2, 97, (4, 12))
+    mask = None
+    if padding != "none":
+        mask = torch.ones_like(ids)
+        for i, n in enumerate([12, 7, 3, 10]):
+            if padding == "right":
+                mask[i, n:] = 0
+            else:
+                mask[i, :12 - n] = 0
+    _, full = m1(ids, mask)
+    none, end = m2(ids, mask, end_only=True)
+    assert none is None and torch.allclose(full, end, atol=1e-5)
+    full.sum().backward()
+    end.sum().backward()
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5), n
