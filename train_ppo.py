@@ -183,10 +183,13 @@ def reward_to_go(rewards, resp_mask, gamma=1.0):
 def masked_whiten(x, mask, eps=1e-8):
     """(x − mean)/sqrt(var + eps) over the valid tokens of all ranks (sums all-reduced), variance with
     Bessel's correction; 0 on padding."""
-    s = dist.all_reduce_sum(torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()]).double())
-    n, mean = s[0], s[1] / s[0].clamp(min=1)
-    var = (s[2] / s[0].clamp(min=1) - mean ** 2) * n / (n - 1).clamp(min=1)
-    return ((x - mean.float()) * torch.rsqrt(var.float().clamp(min=0) + eps)) * mask
+    # Two passes in float64: the one-pass E[x²] − mean² cancels catastrophically when |mean| ≫ std, as it is
+    # for un-centred reward-to-go (REINFORCE++). One more scalar all-reduce is nothing next to a forward.
+    xd, md = x.double(), mask.double()
+    n, total = dist.all_reduce_sum(torch.stack([md.sum(), (xd * md).sum()]))
+    mean = total / n.clamp(min=1)
+    var = dist.all_reduce_sum(((xd - mean) ** 2 * md).sum()) / (n - 1).clamp(min=1)
+    return ((xd - mean) * torch.rsqrt(var + eps) * md).to(x.dtype)
 
 
 def rloo_advantages(R, k):
@@ -303,12 +306,12 @@ def rollout(o, policy, ref, reward, critic, prompts, tok, ctx, gen, rm_stats=(0.
 def advantages(o, r, beta):
     """Token-level advantages (B, R) (and returns for the critic) from a rollout, per --advantage."""
     m = r["resp_mask"]
-    if r["ref_logp"] is None:
-        kl = torch.zeros_like(m)
+    if r["ref_logp"] is None:                 # β = 0: no reference, no KL
+        kl = r["kl_seq_k1"] = torch.zeros_like(m)
     else:
         kl = kl_estimate(r["old_logp"], r["ref_logp"], o.kl_estimator) * m
-    r["kl_seq"] = kl.sum(1) if o.kl_estimator == "k1" else (
-        kl_estimate(r["old_logp"], r["ref_logp"], "k1").mul(m).sum(1))   # Σ_t k1: the sequence KL
+        r["kl_seq_k1"] = kl_estimate(r["old_logp"], r["ref_logp"], "k1") * m
+    r["kl_seq"] = r["kl_seq_k1"].sum(1)       # Σ_t k1: the sequence KL (logged, and folded into R_i below)
     if o.advantage in ("gae", "reinforce_pp"):
         rewards = token_rewards(r["score"], kl if not o.kl_in_loss else torch.zeros_like(kl), m, beta)
         r["non_score_reward"] = (rewards.sum(1) - r["score"])
@@ -324,10 +327,13 @@ def advantages(o, r, beta):
 
 # ---- update ----------------------------------------------------------------------------------------
 
-def update(o, r, adv, ret, policy_ddp, critic_ddp, opt_pi, opt_v, params_pi, params_v, ptx, tok, ctx, beta, gen):
+def update(o, r, adv, ret, policy_ddp, critic_ddp, opt_pi, opt_v, params_pi, params_v, ptx, tok, ctx, beta, gen,
+           step=0):
     """--ppo_epochs over shuffled minibatches; returns summed statistics (see the end)."""
     B = r["seq"].shape[0]
     mb_size = B // o.num_minibatches
+    clip_high = o.clip_high if o.clip_high is not None else o.clip_eps
+    clipped = lambda ratio: (ratio < 1 - o.clip_eps) | (ratio > 1 + clip_high)  # noqa: E731  (clip fraction)
     st = torch.zeros(9, dtype=torch.float64)  # tokens, pg_loss, v_loss, entropy, approx_kl, clipfrac, vclipfrac, ratio, grad
     for epoch in range(o.ppo_epochs):
         order = torch.randperm(B, generator=gen, device="cpu").to(r["seq"].device)
@@ -355,8 +361,7 @@ def update(o, r, adv, ret, policy_ddp, critic_ddp, opt_pi, opt_v, params_pi, par
                     with autocast(ctx.device, o.dtype):
                         logp, ent = response_logprobs(policy_ddp, seq, attn, m, o.temperature, with_entropy=True)
                     old = logp.detach() if r["old_logp"] is None else r["old_logp"][i]
-                    pg, ratio = policy_loss(logp, old, adv[i], o.clip_eps,
-                                            o.clip_high if o.clip_high is not None else o.clip_eps)
+                    pg, ratio = policy_loss(logp, old, adv[i], o.clip_eps, clip_high)
                     per_tok = pg - o.entropy_coef * ent
                     if o.kl_in_loss and r["ref_logp"] is not None:
                         per_tok = per_tok + beta * kl_estimate(logp, r["ref_logp"][i], "k3")
@@ -365,7 +370,7 @@ def update(o, r, adv, ret, policy_ddp, critic_ddp, opt_pi, opt_v, params_pi, par
                     logratio = logp - old
                     st += torch.tensor([m.sum().item(), (pg * m).sum().item(), 0.0, (ent * m).sum().item(),
                                         ((ratio - 1 - logratio) * m).sum().item(),    # k3 estimate of KL(old‖new)
-                                        (((ratio - 1).abs() > o.clip_eps).float() * m).sum().item(),
+                                        (clipped(ratio).float() * m).sum().item(),
                                         0.0, (ratio * m).sum().item(), 0.0], dtype=torch.float64)
                 if critic_ddp is not None:
                     with (critic_ddp.no_sync() if ctx.enabled and not last else contextlib.nullcontext()):
@@ -376,12 +381,13 @@ def update(o, r, adv, ret, policy_ddp, critic_ddp, opt_pi, opt_v, params_pi, par
                     st[2] += (vl * m).sum().item()
                     st[6] += (vclipped.float() * m).sum().item()
             gn = torch.nn.utils.clip_grad_norm_(params_pi, o.grad_clip or float("inf")).item()
-            check_finite(gn, -1, o.out_dir, "policy gradient norm")
+            check_finite(gn, step, o.out_dir, "policy gradient norm")
             st[8] += gn
             opt_pi.step()
             opt_pi.zero_grad(set_to_none=True)
             if critic_ddp is not None:
-                torch.nn.utils.clip_grad_norm_(params_v, o.grad_clip or float("inf"))
+                check_finite(torch.nn.utils.clip_grad_norm_(params_v, o.grad_clip or float("inf")).item(), step,
+                             o.out_dir, "critic gradient norm")
                 opt_v.step()
                 opt_v.zero_grad(set_to_none=True)
     return st
@@ -408,6 +414,22 @@ def main(argv=None):
     rollout_size = o.batch_size * o.samples_per_prompt
     if o.advantage in GROUP and o.samples_per_prompt < 2:
         fail(f"--advantage {o.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)")
+    for name, value in (("batch_size", o.batch_size), ("samples_per_prompt", o.samples_per_prompt),
+                        ("num_minibatches", o.num_minibatches), ("ppo_epochs", o.ppo_epochs),
+                        ("max_new_tokens", o.max_new_tokens)):
+        if value < 1:
+            fail(f"--{name} must be at least 1 (got {value})")
+    if o.micro_batch_size < 0:
+        fail(f"--micro_batch_size must be at least 1, or 0 for the whole minibatch (got {o.micro_batch_size})")
+    if not o.temperature > 0:
+        fail(f"--temperature must be > 0 (got {o.temperature}): log-probs are computed from logits / temperature")
+    if o.adaptive_kl and not (o.kl_coef > 0 and o.kl_target > 0 and o.kl_horizon > 0):
+        fail("--adaptive_kl needs --kl_coef, --kl_target and --kl_horizon > 0 (β is adapted multiplicatively)")
+    if bool(o.ptx_data) != (o.ptx_coef > 0):
+        fail("the PTX term needs both --ptx_data FILE and --ptx_coef > 0")
+    if o.advantage in GROUP and o.kl_estimator != "k1" and not o.kl_in_loss:
+        fail(f"--advantage {o.advantage} folds the sequence KL Σk1 into its reward; --kl_estimator k3 applies only "
+             "with --kl_in_loss (which always uses k3) or with gae / reinforce_pp")
     if rollout_size % o.num_minibatches:
         fail(f"the rollout of {rollout_size} sequences per device (--batch_size {o.batch_size} x --samples_per_prompt "
              f"{o.samples_per_prompt}) does not split into --num_minibatches {o.num_minibatches}")
@@ -491,6 +513,21 @@ def main(argv=None):
     shown = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac", "train/response_length",
              "eval/gold_reward", "eval/rm_score", "eval/kl"]
 
+    def evaluate():
+        """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps); rank 0 only."""
+        out = {}
+        if ctx.is_main:
+            samples = sample_and_score(dist.unwrap(policy), tok, eval_prompts, o.max_new_tokens, 1.0, 1, seed=1234,
+                                       ref=ref, reward_model=reward_model)
+            out = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
+            for smp in samples[:3]:
+                dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}"
+                            + (f" | gold {smp['gold_reward']:+.2f}" if "gold_reward" in smp else ""))
+        dist.barrier()
+        return out
+
+    if step == 0 and o.eval_interval:       # the starting point of the eval curves
+        log.log(0, evaluate())
     while step < o.max_steps:
         t0 = time.time()
         set_lr(opt_pi, lr_at(step, o.max_steps, o.lr, o.warmup_steps, "constant"))
@@ -501,7 +538,7 @@ def main(argv=None):
         beta = kl_ctl.beta
         adv, ret = advantages(o, r, beta)
         st = update(o, r, adv, ret, policy_ddp, critic_ddp, opt_pi, opt_v, params_pi, params_v, ptx, tok, ctx, beta,
-                    shuffle_gen)
+                    shuffle_gen, step + 1)
         n_seq = dist.all_reduce_sum(float(r["seq"].shape[0]))
         seq_sums = dist.all_reduce_sum(torch.tensor([r["score"].sum(), r["raw_score"].sum(), r["kl_seq"].sum(),
                                                      r["non_score_reward"].sum(), r["length"].sum(), r["has_eos"].sum(),
@@ -528,14 +565,7 @@ def main(argv=None):
                       "train/explained_variance": explained_variance(r["values"], ret, r["resp_mask"])})
         check_finite(m["train/policy_loss"], step, o.out_dir, "policy loss")
         if (o.eval_interval and step % o.eval_interval == 0) or step == o.max_steps:
-            if ctx.is_main:
-                samples = sample_and_score(dist.unwrap(policy), tok, eval_prompts, o.max_new_tokens, 1.0, 1, seed=1234,
-                                           ref=ref, reward_model=reward_model)
-                m.update({f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"})
-                for smp in samples[:3]:
-                    dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}"
-                                + (f" | gold {smp['gold_reward']:+.2f}" if "gold_reward" in smp else ""))
-            dist.barrier()
+            m.update(evaluate())
         if step % o.log_interval == 0 or step == o.max_steps:
             log.log(step, m)
             log.progress(step, m, shown, None)

@@ -124,3 +124,64 @@ def test_batch_sizes_must_divide(tmp_path, sft_dir, rm_dir):
     p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", "--advantage", "grpo", "--samples_per_prompt", "1"),
             check=False)
     assert p.returncode != 0 and "needs --samples_per_prompt >= 2" in p.stderr
+
+
+def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir):
+    """An independent path: each sampled row alone, left padding stripped, a plain full forward, log-softmax of
+    logits / τ. Equal to the batched, left-padded, position-shifted, select=... gather the rollout stores."""
+    o = train_ppo.Options(samples_per_prompt=2, micro_batch_size=3, max_new_tokens=8, temperature=0.7)
+    policy = GPT.from_pretrained(eos_sft_dir).eval()
+    rows = prompt_rows(6)
+    rows[0]["prompt"] = "review"                                       # prompts of very different lengths
+    prompts, _ = tokenize_prompts(rows, tok, 40)
+    r = train_ppo.rollout(o, policy, policy, lambda p, c: [0.0] * len(c), None, prompts, tok, dist.ctx(),
+                          torch.Generator().manual_seed(3))
+    P, m = r["P"], r["resp_mask"]
+    assert len({int(a[:P].sum()) for a in r["attn"]}) > 1, "the test needs left padding"
+    for i in range(len(m)):
+        n = int(m[i].sum())
+        ids = r["seq"][i, :P + n][r["attn"][i, :P + n].bool()][None]  # unpadded prompt + response
+        with torch.no_grad():
+            logp = torch.log_softmax(policy(ids)[0].double() / 0.7, -1)
+        plen = ids.shape[1] - n
+        want = logp[plen - 1:-1].gather(-1, ids[0, plen:, None]).squeeze(-1)
+        assert torch.allclose(r["old_logp"][i, :n].double(), want, atol=1e-5)
+        assert (r["old_logp"][i, n:] == 0).all()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--ptx_coef", "0.5"], "needs both --ptx_data FILE and --ptx_coef > 0"),
+    (["--advantage", "grpo", "--kl_estimator", "k3"], "applies only with --kl_in_loss"),
+    (["--adaptive_kl", "--kl_coef", "0"], "--adaptive_kl needs --kl_coef"),
+    (["--num_minibatches", "0"], "--num_minibatches must be at least 1"),
+])
+def test_bad_options_exit_before_training(tmp_path, sft_dir, rm_dir, extra, message):
+    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
+    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("extra", [
+    ["--ptx_data", "SFT", "--ptx_coef", "0.5", "--clip_high", "0.28", "--entropy_coef", "0.01"],
+    ["--critic_init", "policy", "--kl_coef", "0", "--kl_estimator", "k3", "--missing_eos_penalty", "none"],
+    ["--advantage", "rloo", "--reward", "gold", "--prompts", "BUILTIN"],
+], ids=["ptx-cliphigh-entropy", "critic-from-policy-no-ref", "rloo-gold"])
+def test_option_paths_end_to_end(tmp_path, sft_dir, rm_dir, extra):
+    from nano_rlhf import synthetic
+    if "SFT" in extra:
+        write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "review the phone", "completion": " great screen"}] * 16)
+    if "BUILTIN" in extra:
+        synthetic.main(["--out_dir", str(tmp_path / "task"), "--n_sft", "50", "--n_pref", "20", "--n_unpaired", "20",
+                        "--n_prompts", "40", "--n_eval_prompts", "8"])
+    extra = [str(tmp_path / "sft.jsonl") if x == "SFT" else str(tmp_path / "task" / "prompts.jsonl")
+             if x == "BUILTIN" else x for x in extra]
+    args = ppo_args(tmp_path, sft_dir, rm_dir, "run", *extra)
+    if "gold" in extra:
+        args += ["--eval_prompts", str(tmp_path / "task" / "eval_prompts.jsonl")]
+    out = train_ppo.main(args)
+    m = metrics(tmp_path / "run")
+    assert len(m) == 2 and all(torch.isfinite(torch.tensor(x["train/policy_loss"])) for x in m)
+    assert (out.ref is None) == ("--kl_coef" in extra)
+    if "gold" in extra:
+        assert "train/gold_reward" in m[-1] and "eval/gold_reward" in m[-1]
