@@ -12,7 +12,7 @@ import os
 import sys
 
 CURVES = {  # run kind -> [(panel title, [metric keys])]
-    "ppo": [("reward-model score (normalised)", ["train/score", "eval/rm_score"]),
+    "ppo": [("reward-model score (raw)", ["train/rm_score_raw", "eval/rm_score"]),
             ("gold reward", ["train/gold_reward", "eval/gold_reward"]),
             ("KL to reference (per sequence)", ["train/kl", "eval/kl"]),
             ("entropy (per token)", ["train/entropy"])],
@@ -82,6 +82,33 @@ def plot_results(plt, results, out_png):
     return out_png
 
 
+def plot_overoptimization(plt, run_dir, out_png):
+    """Gao et al. (2023), Fig. 1 in small: proxy (reward-model) score and gold reward on held-out prompts
+    against the KL the policy has moved from its start, from a PPO run's periodic evaluations."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    rows = [r for r in read_metrics(path) if "eval/rm_score" in r and "eval/gold_reward" in r]
+    if len(rows) < 3:
+        return None
+    kl = [max(r.get("eval/kl", 0.0), 0.0) ** 0.5 for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(kl, [r["eval/rm_score"] for r in rows], "o-", color="tab:orange", label="reward-model score (proxy)")
+    ax.plot(kl, [r["eval/gold_reward"] for r in rows], "s-", color="tab:blue", label="gold reward")
+    for r, x in zip(rows[::max(1, len(rows) // 6)], kl[::max(1, len(rows) // 6)]):
+        ax.annotate(f"step {r['step']}", (x, r["eval/gold_reward"]), textcoords="offset points", xytext=(3, -12),
+                    fontsize=7, color="gray")
+    ax.set_xlabel("sqrt(KL(policy ‖ SFT)) per response")
+    ax.set_ylabel("mean score on held-out prompts")
+    ax.set_title(f"Reward-model over-optimisation ({os.path.basename(os.path.normpath(run_dir))})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="out", help="pipeline output directory (runs are its subdirectories)")
@@ -106,6 +133,12 @@ def main(argv=None):
         png = plot_run(plt, r, os.path.join(plots, f"{os.path.basename(os.path.normpath(r))}.png"))
         if png:
             written.append(png)
+    for r in runs:
+        name = os.path.basename(os.path.normpath(r))
+        if name.startswith("ppo"):
+            png = plot_overoptimization(plt, r, os.path.join(plots, f"overoptimization_{name}.png"))
+            if png:
+                written.append(png)
     results = a.results or os.path.join(a.out_dir, "results.json")
     if os.path.isfile(results):
         with open(results) as f:

@@ -26,9 +26,11 @@ if [ "${TINY:-0}" = "1" ]; then
   DATA_ARGS="--n_sft 600 --n_pref 400 --n_unpaired 400 --n_prompts 200 --n_eval_prompts 32"
   SFT="--max_steps 30 --eval_interval 0"; RM="--max_steps 10"; DPO="--max_steps 6"
   PPO="--max_steps 3 --eval_interval 0"; GRPO="--max_steps 3 --eval_interval 0"; EVAL="--batch_size 32"
+  OVEROPT="--max_steps 3 --eval_interval 0"
 else
   DATA_ARGS=""
-  SFT=""; RM=""; DPO=""; PPO=""; GRPO=""; EVAL=""
+  SFT=""; RM=""; DPO="--max_steps 200"; PPO=""; GRPO=""; EVAL=""
+  OVEROPT="--max_steps 150 --eval_interval 10"
 fi
 export NANO_RLHF_DATA="$DATA"
 
@@ -42,7 +44,9 @@ for loss in dpo ipo simpo orpo kto; do
 done
 run $TRAIN train_ppo.py --init "$OUT/sft" --reward_model "$OUT/rm" --out_dir "$OUT/ppo" $PPO
 run $TRAIN train_ppo.py --advantage grpo --reward gold --init "$OUT/sft" --out_dir "$OUT/grpo" $GRPO
-run $PY -m nano_rlhf.evaluate --model "$OUT/sft" "$OUT/dpo" "$OUT/ipo" "$OUT/simpo" "$OUT/orpo" "$OUT/kto" "$OUT/ppo" "$OUT/grpo" \
+# the same PPO with a 5x smaller KL coefficient, for longer: the reward model gets over-optimised
+run $TRAIN train_ppo.py --init "$OUT/sft" --reward_model "$OUT/rm" --out_dir "$OUT/ppo_overopt" --kl_coef 0.02 $OVEROPT
+run $PY -m nano_rlhf.evaluate --model "$OUT/sft" "$OUT/dpo" "$OUT/ipo" "$OUT/simpo" "$OUT/orpo" "$OUT/kto" "$OUT/ppo" "$OUT/grpo" "$OUT/ppo_overopt" \
   --baseline "$OUT/sft" --ref "$OUT/sft" --reward_model "$OUT/rm" --prompts "$DATA/eval_prompts.jsonl" \
   --summary "$OUT/results.json" $EVAL
 run $PY -m nano_rlhf.plot --out_dir "$OUT"
