@@ -1,0 +1,63 @@
+"""The README's main command, on a tiny budget: every stage produces a loadable model and the table prints.
+Also the plot command."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def test_pipeline_tiny_end_to_end(tmp_path):
+    env = dict(os.environ, TINY="1", OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"), PYTHON=sys.executable,
+               OMP_NUM_THREADS="2")
+    p = subprocess.run(["bash", "scripts/pipeline.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    from nano_rlhf.model import GPT, ScoreModel
+    out = tmp_path / "out"
+    policies = ["sft", "dpo", "ipo", "simpo", "orpo", "kto", "ppo", "grpo", "ppo_overopt"]
+    for name in policies:
+        GPT.from_pretrained(str(out / name))
+        assert (out / name / "tokenizer.json").exists() and (out / name / "metrics.jsonl").exists()
+    ScoreModel.from_pretrained(str(out / "rm"))
+    # the printed table has a row per policy, and results.json the same figures
+    table = [ln for ln in p.stdout.splitlines() if ln.startswith("| ")]
+    assert table[0].startswith("| policy | gold reward | win rate vs sft")
+    assert [ln.split(" | ")[0][2:] for ln in table[1:]] == policies
+    results = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in results] == policies and results[0]["win_rate"] == 0.5
+    # every command was echoed so a user can copy it
+    assert sum(ln.startswith("+ ") for ln in p.stdout.splitlines()) == 13
+
+
+def test_plot_writes_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "ppo"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for s in range(1, 6):
+            f.write(json.dumps({"step": s, "train/rm_score_raw": s * 0.1, "train/kl": s * 0.2, "train/entropy": 1.0,
+                                "train/kl_coef": 0.1, "train/gold_reward": 1.0 - s * 0.1, "eval/rm_score": s * 0.2,
+                                "eval/gold_reward": 1.0 - s * 0.2, "eval/kl": s * 0.5}) + "\n")
+    (tmp_path / "results.json").write_text(json.dumps([
+        {"name": "sft", "gold_reward": 0.1, "gold_reward_se": 0.1, "kl": 0.0},
+        {"name": "ppo", "gold_reward": 1.5, "gold_reward_se": 0.1, "kl": 2.0}]))
+    p = subprocess.run([sys.executable, "-m", "nano_rlhf.plot", "--out_dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for png in ("ppo.png", "gold_vs_kl.png", "overoptimization_ppo.png"):
+        data = (tmp_path / "plots" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+
+
+def test_plot_without_matplotlib_is_a_note_not_a_crash(tmp_path):
+    code = ("import sys, builtins; real = builtins.__import__\n"
+            "def fake(name, *a, **k):\n"
+            "    if name.startswith('matplotlib'): raise ImportError(name)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = fake\n"
+            "from nano_rlhf import plot; sys.exit(0 if plot.main(['--out_dir', %r]) == [] else 1)" % str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "matplotlib is not installed" in p.stdout
