@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 from nano_rlhf import dist, synthetic
 from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, fail, input_errors, load_tokenizer,
-                              lr_at, set_lr)
+from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
+                              load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft
 from nano_rlhf.evaluate import sample_and_score, summarize
@@ -449,6 +449,7 @@ def main(argv=None):
             raise ValueError("--reward gold scores the built-in task only; these prompts are not the task's")
         tok = load_tokenizer(o.tokenizer, o.init)
         policy = GPT.from_pretrained(o.init, dropout=0.0)        # dropout off: rollout log-probs must be reproducible
+        check_vocab(tok, policy.cfg, o.init)
         ref = None
         if o.kl_coef > 0 or o.adaptive_kl:   # with β = 0 no KL is ever computed: no reference model
             ref = GPT.from_pretrained(o.ref or o.init, dropout=0.0).requires_grad_(False).eval()
@@ -456,6 +457,7 @@ def main(argv=None):
         rm_stats = (0.0, 1.0)
         if o.reward == "model":
             reward_model = ScoreModel.from_pretrained(o.reward_model, dropout=0.0).requires_grad_(False).eval()
+            check_vocab(tok, reward_model.cfg, o.reward_model)     # it scores the policy's token ids
             stats = reward_model.extra_config
             if o.normalize_score and "reward_mean" not in stats:
                 dist.print0(f"note: {o.reward_model}/config.json has no reward_mean/reward_std; scores are not normalised")

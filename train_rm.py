@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from nano_rlhf import dist, synthetic
 from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, fail, input_errors, load_tokenizer,
-                              lr_at, set_lr, split_off)
+from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
+                              load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_pairs, load_records, tokenize_pairs
 from nano_rlhf.model import GPTConfig, ScoreModel
@@ -106,8 +106,10 @@ def evaluate(model, pairs, tok, opts, ctx):
     model.eval()
     mine = dist.shard(pairs)
     gold = all("text" in p for p in pairs)
-    # n, Σloss, Σcorrect, Σ(r_w - r_l), Σr, Σr², Σg, Σg², Σrg   (r over chosen and rejected rows)
-    sums = torch.zeros(9, dtype=torch.float64)
+    # n, Σloss, Σcorrect, Σ(r_w - r_l), Σr, Σr², Σg, Σg², Σrg (r over chosen and rejected rows), the
+    # accuracy of the gold reward itself on these (noisy) labels, ties counting ½: the ceiling for any RM,
+    # and Σr_w, Σr_l (the train-side chosen/rejected score metrics)
+    sums = torch.zeros(12, dtype=torch.float64)
     for i in range(0, len(mine), opts.batch_size):
         chunk = mine[i:i + opts.batch_size]
         ids, attn, _, margin = (t.to(ctx.device) for t in collate_pairs(chunk, tok.pad_id))
@@ -117,16 +119,22 @@ def evaluate(model, pairs, tok, opts, ctx):
         r = torch.cat([rw, rl]).double().cpu()
         g = torch.tensor([synthetic.gold_reward(p["text"], p[k]) for k in ("chosen_text", "rejected_text")
                           for p in chunk], dtype=torch.float64) if gold else torch.zeros_like(r)
+        gw, gl = g.chunk(2)
+        rwd, rld = r.chunk(2)
         sums += torch.tensor([len(chunk), loss.sum().item(), (rw > rl).sum().item(), (rw - rl).sum().item(),
-                              r.sum(), (r * r).sum(), g.sum(), (g * g).sum(), (r * g).sum()], dtype=torch.float64)
+                              r.sum(), (r * r).sum(), g.sum(), (g * g).sum(), (r * g).sum(),
+                              ((gw > gl).double() + 0.5 * (gw == gl).double()).sum(), rwd.sum(), rld.sum()],
+                             dtype=torch.float64)
     model.train()
-    n, loss, correct, margin, sr, srr, sg, sgg, srg = dist.all_reduce_sum(sums).tolist()
+    n, loss, correct, margin, sr, srr, sg, sgg, srg, gold_correct, srw, srl = dist.all_reduce_sum(sums).tolist()
     k = 2 * n
     var_r, var_g = srr / k - (sr / k) ** 2, sgg / k - (sg / k) ** 2
     out = {"eval/loss": loss / n, "eval/accuracy": correct / n, "eval/margin": margin / n,
+           "eval/chosen_score": srw / n, "eval/rejected_score": srl / n,
            "eval/score_mean": sr / k, "eval/score_std": math.sqrt(max(var_r, 0.0) * k / max(k - 1, 1))}
     if gold and var_r > 0 and var_g > 0:
         out["eval/gold_corr"] = (srg / k - sr / k * sg / k) / math.sqrt(var_r * var_g)
+        out["eval/gold_ranker_accuracy"] = gold_correct / n
     return out
 
 
@@ -163,6 +171,7 @@ def main(argv=None):
         else:
             model = ScoreModel(GPTConfig(vocab_size=tok.vocab_size, block_size=opts.block_size, n_layer=opts.n_layer,
                                          n_head=opts.n_head, n_embd=opts.n_embd, dropout=opts.dropout))
+        check_vocab(tok, model.cfg, opts.init or "--tokenizer")
         model.cfg.eos_token_id, model.cfg.pad_token_id = tok.eos_id, tok.pad_id
         train, st = tokenize_pairs(records, tok, model.cfg.block_size)
         evals, est = tokenize_pairs(eval_records, tok, model.cfg.block_size)
@@ -192,7 +201,7 @@ def main(argv=None):
                 + (f" | resuming at step {step}" if step else ""))
     log = Logger(opts.out_dir, max_steps, resume=opts.resume, start_step=step)
 
-    t_last, tokens_since = time.time(), 0
+    t_last, tokens_since, ev, ev_step = time.time(), 0, None, -1
     while step < max_steps:
         lr = lr_at(step, max_steps, opts.lr, opts.warmup_steps, "linear")
         set_lr(optimizer, lr)
@@ -226,7 +235,8 @@ def main(argv=None):
                  "train/chosen_score": sums[3].item(), "train/rejected_score": sums[4].item(), "train/lr": lr,
                  "train/grad_norm": grad_norm, "train/tokens_per_s": tps}
             if (opts.eval_interval and step % opts.eval_interval == 0) or step == max_steps:
-                m.update(evaluate(model, evals, tok, opts, ctx))
+                ev, ev_step = evaluate(model, evals, tok, opts, ctx), step
+                m.update(ev)
             log.log(step, m)
             log.progress(step, m, ["train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "eval/gold_corr"], tps)
             t_last, tokens_since = time.time(), 0
@@ -234,19 +244,25 @@ def main(argv=None):
             log.log(step, evaluate(model, evals, tok, opts, ctx))
         if (opts.save_interval and step % opts.save_interval == 0) or step in (max_steps, opts.stop_at):
             save_state(opts.out_dir, {"rm": model}, {"rm": optimizer}, {"step": step, "data": batches.state_dict()})
-            save_model_dir(opts.out_dir, model, tok)
+            # the final model directory is written once, below, with its score statistics: a model saved
+            # here at the last step without reward_mean/std would make PPO skip normalisation if the run
+            # died before that save (a --resume at max_steps then only evaluates and saves)
+            if step != max_steps:
+                save_model_dir(opts.out_dir, model, tok)
         if step == opts.stop_at:
             dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
             break
 
     if step == max_steps:
-        # score statistics on the eval set, for PPO's reward normalisation (OpenRLHF normalize_reward)
-        ev = evaluate(model, evals, tok, opts, ctx)
+        # score statistics on the eval set, for PPO's reward normalisation (OpenRLHF normalize_reward);
+        # the last logged step already evaluated these weights unless this run resumed at max_steps
+        ev = ev if ev_step == step else evaluate(model, evals, tok, opts, ctx)
         save_model_dir(opts.out_dir, model, tok, reward_mean=ev["eval/score_mean"], reward_std=ev["eval/score_std"])
         dist.check_same_weights(model, "reward model")
         dist.print0(f"saved {opts.out_dir} (HF GPT2ForSequenceClassification layout) | eval accuracy "
                     f"{ev['eval/accuracy']:.3f} | scores mean {ev['eval/score_mean']:+.3f} std {ev['eval/score_std']:.3f}"
-                    + (f" | correlation with gold reward {ev['eval/gold_corr']:.3f}" if "eval/gold_corr" in ev else ""))
+                    + (f" (the gold reward itself: {ev['eval/gold_ranker_accuracy']:.3f}) | correlation with gold "
+                       f"reward {ev['eval/gold_corr']:.3f}" if "eval/gold_corr" in ev else ""))
     dist.cleanup()
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 

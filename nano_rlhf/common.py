@@ -119,11 +119,13 @@ BUILTIN_DIR = os.environ.get("NANO_RLHF_DATA", "data")
 def builtin_file(name: str) -> str:
     """Path of a built-in task file (data/sft.jsonl, ...), generating data/ with seed 0 on first use."""
     from . import synthetic
-    if not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # task.json is written last
-        if dist.ctx().is_main:
-            dist.print0(f"generating the built-in task into {BUILTIN_DIR}/ (python -m nano_rlhf.synthetic)")
-            synthetic.write_dataset(BUILTIN_DIR, seed=0)
-        dist.barrier()
+    # Only rank 0 looks and writes; then EVERY rank meets at the barrier. If each rank decided by itself
+    # whether to wait, a rank starting after rank 0 wrote task.json would skip a barrier the others are in,
+    # and every later collective would pair with the wrong call (a hang). Callers call this on all ranks.
+    if dist.ctx().is_main and not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # written last
+        dist.print0(f"generating the built-in task into {BUILTIN_DIR}/ (python -m nano_rlhf.synthetic)")
+        synthetic.write_dataset(BUILTIN_DIR, seed=0)
+    dist.barrier()                                                   # a no-op in a single process
     return os.path.join(BUILTIN_DIR, name)
 
 
@@ -134,6 +136,15 @@ def load_tokenizer(tokenizer_path: str, model_dir: str):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: missing; pass --tokenizer (the tokenizer.json the model was trained with)")
     return Tokenizer.from_file(path)
+
+
+def check_vocab(tok, cfg, where: str):
+    """Stop with one line if the tokenizer makes ids the model has no embedding for (a tokenizer.json from
+    another model): an id >= vocab_size would index past wte (an IndexError on CPU, a device assert on
+    CUDA) long after start-up. A pad id outside the tokenizer's vocabulary is fine: the model masks it."""
+    if tok.vocab_size > cfg.vocab_size:
+        fail(f"{where}: the tokenizer has {tok.vocab_size} tokens but the model's vocabulary only "
+             f"{cfg.vocab_size}; pass the tokenizer.json the model was trained with (--tokenizer)")
 
 
 def split_off(records, fraction, seed):

@@ -215,7 +215,8 @@ def _atomic(path, write):
 def read_hf_dir(model_dir):
     """Read config.json and model.safetensors of a HF GPT-2 directory (or ours) -> (GPTConfig, raw config,
     state dict in our layout). Accepts keys with or without the `transformer.` prefix, an extra
-    `lm_head.weight` (tied, ignored) and stale `attn.bias`/`attn.masked_bias` buffers (ignored)."""
+    `lm_head.weight` (tied, ignored; an untied one that differs from wte is an error) and stale
+    `attn.bias`/`attn.masked_bias` buffers (ignored)."""
     cpath, wpath = os.path.join(model_dir, "config.json"), os.path.join(model_dir, "model.safetensors")
     for p in (cpath, wpath):
         if not os.path.isfile(p):
@@ -237,13 +238,24 @@ def read_hf_dir(model_dir):
                     dropout=raw.get("resid_pdrop", 0.1), bias=raw.get("nano_rlhf", {}).get("bias", True),
                     layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5),
                     eos_token_id=raw.get("eos_token_id", 50256), pad_token_id=raw.get("pad_token_id"))
-    sd = {}
+    sd, lm_head = {}, None
     for k, v in load_file(wpath).items():
-        if k == "lm_head.weight" or k.endswith((".attn.bias", ".attn.masked_bias")):
+        if k == "lm_head.weight":
+            lm_head = v
+            continue
+        if k.endswith((".attn.bias", ".attn.masked_bias")):
             continue
         if not k.startswith(("transformer.", "score.")):
             k = "transformer." + k          # original OpenAI layout: wte.weight, h.0..., ln_f...
         sd[k] = v.t() if k.endswith(_CONV1D) else v
+    # our GPT ties the output layer to wte, so lm_head.weight is dropped; that is exact only if it equals
+    # wte (HF itself ties them unless tie_word_embeddings is false). An untied head would load silently
+    # as the wrong output layer.
+    wte = sd.get("transformer.wte.weight")
+    if (raw.get("tie_word_embeddings", True) is False and lm_head is not None
+            and (wte is None or not torch.equal(lm_head, wte))):
+        raise ValueError(f"{model_dir}: tie_word_embeddings is false and lm_head.weight differs from the "
+                         "embedding (wte); this GPT ties them, so the untied output layer cannot be loaded")
     if not cfg.bias:
         sd = {k: v for k, v in sd.items() if not (k.endswith(".bias") and not v.any())}
     return cfg, raw, sd

@@ -12,12 +12,12 @@ from nano_rlhf.model import GPT, GPTConfig, ScoreModel, sample_token
 transformers = pytest.importorskip("transformers")
 
 
-def hf_lm(cfg, seed=0):
+def hf_lm(cfg, seed=0, cls="GPT2LMHeadModel", **kw):
     torch.manual_seed(seed)
     c = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
                                 n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                                attn_pdrop=0.0, eos_token_id=0, bos_token_id=0, pad_token_id=1)
-    m = transformers.GPT2LMHeadModel(c).eval()
+                                attn_pdrop=0.0, eos_token_id=0, bos_token_id=0, pad_token_id=1, **kw)
+    m = getattr(transformers, cls)(c).eval()
     with torch.no_grad():   # HF zero-inits biases and LayerNorms: randomise everything so no term hides
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -113,6 +113,24 @@ def test_reads_the_three_hf_variants(tmp_path):
         assert torch.allclose(m(ids), want, atol=1e-5), name
 
 
+def test_untied_lm_head_is_refused_unless_equal_to_wte(tmp_path):
+    """tie_word_embeddings false: our GPT would silently use wte as the output layer, so a different
+    lm_head.weight must be an error naming the directory; an lm_head equal to wte loads exactly."""
+    cfg = tiny_config(vocab_size=97)
+    hf = hf_lm(cfg, tie_word_embeddings=False)
+    assert not torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)
+    hf.save_pretrained(tmp_path / "untied")
+    assert "lm_head.weight" in load_file(tmp_path / "untied" / "model.safetensors")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'untied'}.*tie_word_embeddings"):
+        GPT.from_pretrained(tmp_path / "untied")
+    with torch.no_grad():
+        hf.lm_head.weight.copy_(hf.transformer.wte.weight)
+    hf.save_pretrained(tmp_path / "equal")
+    ids = torch.randint(2, 97, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(GPT.from_pretrained(tmp_path / "equal").eval()(ids), hf(ids).logits, atol=1e-5)
+
+
 def test_written_layout_is_canonical(tmp_path):
     m = tiny_model(vocab_size=97, n_layer=2)
     m.save_pretrained(tmp_path)
@@ -123,18 +141,26 @@ def test_written_layout_is_canonical(tmp_path):
     assert cfg["architectures"] == ["GPT2LMHeadModel"] and cfg["n_positions"] == 64
 
 
+@pytest.mark.parametrize("direction", ["hf_to_ours", "ours_to_hf"])
 @pytest.mark.parametrize("padding", ["right", "left"])
-def test_score_model_matches_hf_sequence_classification(tmp_path, padding):
-    lm = tiny_model(vocab_size=97)
-    lm.cfg.pad_token_id, lm.cfg.eos_token_id = 1, 0
-    lm.save_pretrained(tmp_path / "lm")
-    torch.manual_seed(3)
-    ours = ScoreModel.from_pretrained(tmp_path / "lm", new_head=True).eval()
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ours.save_pretrained(tmp_path / "rm")
-    hf = transformers.GPT2ForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+def test_score_model_matches_hf_sequence_classification(tmp_path, padding, direction):
+    """HF finds each row's last real token from pad_token_id (= 1 here; real ids are >= 2), ours from the
+    mask: both read the same position whichever side the padding is on."""
+    if direction == "hf_to_ours":
+        hf = hf_lm(tiny_config(vocab_size=97), seed=3, cls="GPT2ForSequenceClassification", num_labels=1)
+        hf.save_pretrained(tmp_path / "rm")
+        ours = ScoreModel.from_pretrained(tmp_path / "rm").eval()
+    else:
+        lm = tiny_model(vocab_size=97)
+        lm.cfg.pad_token_id, lm.cfg.eos_token_id = 1, 0
+        lm.save_pretrained(tmp_path / "lm")
+        torch.manual_seed(3)
+        ours = ScoreModel.from_pretrained(tmp_path / "lm", new_head=True).eval()
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        ours.save_pretrained(tmp_path / "rm")
+        hf = transformers.GPT2ForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
     ids = torch.randint(2, 97, (3, 14))
     mask = torch.ones_like(ids)
     lens = [14, 9, 4]

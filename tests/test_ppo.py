@@ -102,9 +102,35 @@ def test_every_estimator_end_to_end(tmp_path, sft_dir, rm_dir, adv):
     GPT.from_pretrained(str(tmp_path / adv))
 
 
-def test_ddp_ranks_stay_identical(tmp_path, sft_dir, rm_dir):
-    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "ddp", "--batch_size", "2", steps=3), nproc=2)
-    assert "saved" in p.stdout           # the run ends by checking policy and critic checksums on both ranks
+SPY = """import hashlib, json, os, sys
+import train_ppo
+texts, real = [], train_ppo.rollout
+def spy(*a, **k):                        # record what this rank sampled
+    r = real(*a, **k)
+    texts.append(r["texts"])
+    return r
+train_ppo.rollout = spy
+out = train_ppo.main(sys.argv[1:])
+digest = lambda m: hashlib.sha256(b"".join(t.numpy().tobytes() for t in m.state_dict().values())).hexdigest()
+with open(os.path.join(os.environ["SPY_DIR"], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({"texts": texts, "policy": digest(out.policy), "critic": digest(out.critic)}, f)
+"""
+
+
+def test_ddp_ranks_stay_identical_though_they_sample_differently(tmp_path, sft_dir, rm_dir):
+    """Same prompts on both ranks (one repeated prompt), so only the per-rank sampling seed differs: the ranks
+    sample different responses of different lengths, and still hold bit-identical weights after 3 updates."""
+    (tmp_path / "spy.py").write_text(SPY)
+    write_jsonl(tmp_path / "prompts.jsonl", [prompt_rows(1)[0]] * 16)
+    write_jsonl(tmp_path / "eval_prompts.jsonl", prompt_rows(4, seed=1))
+    run([str(tmp_path / "spy.py")] + ppo_args(tmp_path, sft_dir, rm_dir, "ddp", "--batch_size", "2", steps=3),
+        nproc=2, env={"SPY_DIR": str(tmp_path)})
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert len(r0["texts"]) == len(r1["texts"]) == 3
+    assert r0["texts"] != r1["texts"]                          # different samples...
+    assert r0["policy"] == r1["policy"] and r0["critic"] == r1["critic"]   # ...one update applied everywhere
+    moved = GPT.from_pretrained(sft_dir).state_dict()
+    assert any(not torch.equal(moved[k], v) for k, v in GPT.from_pretrained(str(tmp_path / "ddp")).state_dict().items())
 
 
 def test_resume_bit_exact(tmp_path, sft_dir, rm_dir):

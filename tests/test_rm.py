@@ -1,14 +1,17 @@
 """train_rm.py: score index, one concatenated forward, DDP, end to end with transformers parity."""
 import json
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import weights_close, pref_rows, run, tiny_model, write_jsonl
+from nano_rlhf import dist
 from nano_rlhf.data import collate_pairs, tokenize_pairs
 from nano_rlhf.model import ScoreModel
-from train_rm import pair_scores, reward_loss
+from train_rm import evaluate, pair_scores, reward_loss
 
 
 def score_model(tok, seed=0):
@@ -65,6 +68,40 @@ def test_one_concatenated_forward_equals_two(tok):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), n
 
 
+def alone_scores(model, pairs, key):
+    """float64 end scores of each pair's prompt + `key` response, each sequence scored alone and unpadded
+    through ScoreModel.forward (no batching, no mask, no pair_scores)."""
+    with torch.no_grad():
+        return torch.tensor([model(torch.tensor([p["prompt"] + p[key]]))[1].item() for p in pairs],
+                            dtype=torch.float64)
+
+
+@pytest.mark.parametrize("use_margin,c,lam", [(False, 0.0, 0.0), (True, 0.0, 0.0), (True, 0.01, 0.001),
+                                              (False, 0.05, 0.3)])
+def test_evaluate_equals_float64_hand_computation(tok, use_margin, c, lam):
+    rows = pref_rows(7, seed=3)
+    rows.append(dict(rows[0], rejected=rows[0]["chosen"]))         # an exact tie: not a correct ranking
+    for i, r in enumerate(rows):
+        r["margin"] = [0.0, 0.5, -0.3, 1.0][i % 4]
+    ps, _ = tokenize_pairs(rows, tok, 64)
+    m = score_model(tok)
+    rw, rl = alone_scores(m, ps, "chosen"), alone_scores(m, ps, "rejected")
+    assert rw[-1] == rl[-1] and ((rw - rl)[:-1].abs() > 1e-4).all()   # the accuracy below is unambiguous
+    mg = torch.tensor([r["margin"] for r in rows], dtype=torch.float64) * use_margin
+    d = rw - rl - mg
+    loss = torch.logaddexp(torch.zeros_like(d), -d) + c * (rw + rl) ** 2 + lam / 2 * (rw ** 2 + rl ** 2)
+    r = torch.cat([rw, rl])
+    want = {"eval/loss": loss.mean(), "eval/accuracy": (rw > rl).double().mean(), "eval/margin": (rw - rl).mean(),
+            "eval/chosen_score": rw.mean(), "eval/rejected_score": rl.mean(), "eval/score_mean": r.mean(),
+            "eval/score_std": r.std()}                               # Bessel-corrected, as documented
+    # batch_size 3 over 8 pairs: two full chunks and a ragged one, each right-padded to its own width
+    opts = SimpleNamespace(batch_size=3, dtype="float32", use_margin=use_margin, center_coef=c, l2_coef=lam)
+    got = evaluate(m, ps, tok, opts, dist.ctx())
+    assert 0 < want["eval/accuracy"] < 1                             # right and wrong rankings both occur
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v.item(), abs=1e-5), k
+
+
 def rm_args(tmp_path, sft_dir, out, *extra, steps=4):
     data = tmp_path / "pref.jsonl"
     if not data.exists():
@@ -105,8 +142,14 @@ def test_end_to_end_and_transformers_parity(tmp_path, sft_dir):
     ids, attn, _, _ = collate_pairs(tokenize_pairs(pref_rows(4, seed=2), tok, 64)[0], tok.pad_id)
     with torch.no_grad():
         assert torch.allclose(ours(ids, attn)[1], hf(ids, attention_mask=attn).logits.squeeze(-1), atol=1e-5)
-    # the eval statistics recorded for PPO are those of the final model
-    assert abs(ours.extra_config["reward_mean"] - metrics[-1]["eval/score_mean"]) < 1e-6
+    # the statistics recorded for PPO are those of the saved model on the eval set: every eval chosen and
+    # rejected sequence scored alone, mean and Bessel-corrected std in float64
+    evals, _ = tokenize_pairs(pref_rows(16, seed=1), tok, ours.cfg.block_size)
+    r = torch.cat([alone_scores(ours, evals, "chosen"), alone_scores(ours, evals, "rejected")])
+    assert len(r) == 32
+    assert cfg["reward_mean"] == pytest.approx(r.mean().item(), abs=1e-5)
+    assert cfg["reward_std"] == pytest.approx(r.std().item(), rel=1e-4)
+    assert metrics[-1]["eval/chosen_score"] == pytest.approx(r[:16].mean().item(), abs=1e-5)
 
 
 def test_resume_bit_exact(tmp_path, sft_dir):
@@ -115,9 +158,53 @@ def test_resume_bit_exact(tmp_path, sft_dir):
     run(rm_args(tmp_path, sft_dir, "b", "--batch_size", "8", "--resume", steps=6))
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # a crash after the last state save but before the final model save: the model directory is written
+    # only once, with the score statistics, and --resume at max_steps writes it without training further
+    want = json.loads((tmp_path / "b" / "config.json").read_text())
+    for f in ("config.json", "model.safetensors"):
+        os.remove(tmp_path / "b" / f)
+    run(rm_args(tmp_path, sft_dir, "b", "--batch_size", "8", "--resume", steps=6))
+    b = load_file(tmp_path / "b" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    got = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert got["reward_mean"] == want["reward_mean"] and got["reward_std"] == want["reward_std"]
+
+
+def test_final_model_dir_written_once_with_statistics(tmp_path, sft_dir, monkeypatch):
+    """No model directory without reward_mean/std is written after the last state save: a crash between
+    the two would leave a final-looking model that PPO would use unnormalised."""
+    import train_rm
+    events = []
+    real_state, real_model_dir = train_rm.save_state, train_rm.save_model_dir
+
+    def save_state(*a, **k):
+        events.append(("state", a[3]["step"]))
+        real_state(*a, **k)
+
+    def save_model_dir(*a, **k):
+        events.append(("model", "reward_mean" in k))
+        real_model_dir(*a, **k)
+
+    monkeypatch.setattr(train_rm, "save_state", save_state)
+    monkeypatch.setattr(train_rm, "save_model_dir", save_model_dir)
+    train_rm.main(rm_args(tmp_path, sft_dir, "rm", "--batch_size", "8", "--save_interval", "1", steps=2)[1:])
+    assert events == [("state", 1), ("model", False), ("state", 2), ("model", True)]
 
 
 def test_bad_input_exits_with_file_line(tmp_path, sft_dir):
     bad = write_jsonl(tmp_path / "bad.jsonl", [pref_rows(1)[0], {"prompt": "p", "chosen": " a"}])
     p = run(["train_rm.py", "--data", bad, "--init", sft_dir, "--out_dir", str(tmp_path / "o")], check=False)
     assert p.returncode != 0 and p.stderr.strip().endswith(f"{bad}:2: missing field 'rejected'")
+
+
+def test_tokenizer_larger_than_model_vocab_exits(tmp_path, tok):
+    """A tokenizer.json from another model: ids past the embedding must stop at start-up with one line."""
+    small = tmp_path / "small"
+    tiny_model(tok, vocab_size=tok.vocab_size - 10).save_pretrained(str(small))
+    tok.save(str(small / "tokenizer.json"))
+    data = write_jsonl(tmp_path / "pref.jsonl", pref_rows(8))
+    p = run(["train_rm.py", "--data", data, "--init", str(small), "--out_dir", str(tmp_path / "o")], check=False)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: {small}: the tokenizer has {tok.vocab_size} tokens but the model's vocabulary only "
+        f"{tok.vocab_size - 10}; pass the tokenizer.json the model was trained with (--tokenizer)")
