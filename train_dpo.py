@@ -15,7 +15,7 @@ u = S_θ − S_ref (the implicit reward / β), h = u_w − u_l (w = chosen, l = 
                  logodds(y) = Ā_θ(y) − log(1 − exp(Ā_θ(y)))
   --loss kto     unpaired data; z₀ = max(0, detached mean of S_θ − S_ref on mismatched (x, y′));
                  desirable λ_D(1 − σ(β(u − z₀))), undesirable λ_U(1 − σ(β(z₀ − u)))  Ethayarajh et al. 2024, eq. 8
-  --nll_coef α   adds α·NLL(y_w) to any of them (RPO, Pang et al. 2024)
+  --nll_coef α   adds α·NLL(y_w) to any pair loss (RPO, Pang et al. 2024); kto has no y_w
 
 NLL(y_w) is the token-mean cross-entropy over all chosen-response tokens of the optimizer step (the prompt
 excluded; TRL's ORPO includes it). Pair losses are averaged over all pairs of the step, on all ranks.
@@ -49,27 +49,29 @@ import torch.nn.functional as F
 
 from nano_rlhf import dist
 from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, fail, input_errors, load_tokenizer,
-                              lr_at, set_lr, split_off)
+from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
+                              load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_pairs, load_records, pad_right, tokenize_pairs, tokenize_unpaired
 from nano_rlhf.model import GPT
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
-DEFAULT_BETA = {"simpo": 2.0}      # everything else 0.1 (SimPO's reward is a per-token mean: larger scale)
+# β defaults: 0.1, except SimPO (its reward is a per-token mean, so it needs a larger scale, as in the paper)
+# and IPO (τ sets the target margin 1/(2τ) of the per-token log-ratio: 0.1 would ask for 5 nats per token)
+DEFAULT_BETA = {"simpo": 2.0, "ipo": 0.5}
 
 
 @dataclass
 class Options:
     loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo", "kto"] = "dpo"  # which loss
-    beta: Optional[float] = None  # β (ipo: τ); none = 0.1, or 2.0 for simpo
-    label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust)
+    beta: Optional[float] = None  # β (ipo: τ); none = 0.1, or 2.0 for simpo, 0.5 for ipo
+    label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust; an error elsewhere)
     gamma: float = 0.5            # SimPO target margin γ
     alpha: Optional[float] = None # rdpo: length coefficient (none = 0.01); cpo: NLL weight (none = 1.0)
     lam: float = 0.1              # ORPO weight λ of the odds-ratio term
     desirable_weight: float = 1.0     # KTO λ_D
     undesirable_weight: float = 1.0   # KTO λ_U
-    nll_coef: float = 0.0         # add this × NLL(chosen) to the loss (RPO); cpo/orpo add their own
+    nll_coef: float = 0.0         # add this × NLL(chosen) to the loss (RPO); cpo/orpo add their own; not kto
     precompute_ref: bool = False  # compute the reference log-probs once before training, then drop the reference
     data: str = ""                # preference JSONL (unpaired JSONL for kto); empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
@@ -83,7 +85,7 @@ class Options:
     grad_accum: int = 1           # micro-steps per optimizer step
     max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs
     epochs: float = 1.0           # passes over the data when --max_steps is 0
-    lr: float = 5e-5              # peak learning rate
+    lr: float = 1e-4              # peak learning rate (built-in task; ~5e-7 for GPT-2 sizes)
     warmup_steps: int = 10        # linear warm-up steps
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only)
     beta1: float = 0.9            # AdamW beta1
@@ -152,9 +154,14 @@ def cpo_loss(s_w, s_l, beta):
 
 def log_odds(s, length):
     """log(p / (1 − p)) with log p = Ā = S/|y| ≤ 0, computed stably: log(1 − e^a) is log(−expm1(a)) near
-    0 and log1p(−e^a) far below it (Mächler 2012); a is kept just below 0 so p = 1 cannot give inf."""
+    0 and log1p(−e^a) far below it (Mächler 2012); a is kept just below 0 so p = 1 cannot give inf.
+    Each branch gets an input clamped to its own safe domain ("double where"): torch.where's backward
+    multiplies the unselected branch's gradient by 0, and 0·inf = NaN — e.g. log1p(−e^a) at a = −1e-10,
+    where e^a rounds to 1 in float32. The selected branch sees a unchanged, so the value is exact."""
     a = (s / length.clamp(min=1)).clamp(max=-1e-12)
-    log1mexp = torch.where(a > -math.log(2), torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+    near = a > -math.log(2)
+    log1mexp = torch.where(near, torch.log(-torch.expm1(a.clamp(min=-math.log(2)))),
+                           torch.log1p(-torch.exp(a.clamp(max=-math.log(2)))))
     return a - log1mexp
 
 
@@ -299,13 +306,19 @@ def step_losses(o, policy, ref, batch, tok, dev, n_items, n_chosen_tokens, world
     return total, stats, int(attn.sum())
 
 
-def reduce_stats(stats_list, n_items, n_chosen_tokens):
-    """Sum the micro-batch stats over the step and ranks, then turn sums into means."""
-    keys = list(stats_list[0])
-    local = torch.stack([sum(s[k].detach().double().cpu() for s in stats_list) for k in keys])
+# the stats step_losses returns, as sums over a micro-batch
+PAIR_STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
+              "logps_rejected", "nll")
+KTO_STATS = ("loss", "kl", "rewards_desirable", "rewards_undesirable", "n_desirable", "logps")
+
+
+def reduce_stats(stats_list, keys, n_items, n_chosen_tokens):
+    """Sum the micro-batch stats over the step and ranks, then turn sums into means. An empty list (a
+    rank whose eval shard is empty) contributes zeros, so that rank still joins the all-reduce."""
+    local = torch.tensor([sum(float(s[k].detach()) for s in stats_list) for k in keys], dtype=torch.float64)
     tot = dict(zip(keys, dist.all_reduce_sum(local).tolist()))
-    out = {k: v / n_items for k, v in tot.items() if k not in ("nll", "n_desirable", "rewards_desirable",
-                                                                "rewards_undesirable")}
+    out = {k: v / max(n_items, 1) for k, v in tot.items() if k not in ("nll", "n_desirable", "rewards_desirable",
+                                                                        "rewards_undesirable")}
     if "nll" in tot:
         out["nll"] = tot["nll"] / max(n_chosen_tokens, 1)
     if "n_desirable" in tot:
@@ -313,6 +326,10 @@ def reduce_stats(stats_list, n_items, n_chosen_tokens):
         out["rewards_desirable"] = tot["rewards_desirable"] / max(nd, 1)
         out["rewards_undesirable"] = tot["rewards_undesirable"] / max(n_items - nd, 1)
     return out
+
+
+def stat_keys(o):
+    return KTO_STATS if o.loss == "kto" else PAIR_STATS
 
 
 def chosen_tokens(batch, o):
@@ -329,7 +346,7 @@ def evaluate(o, policy, ref, examples, tok, ctx):
     stats = [step_losses(o, policy, ref, mine[i:i + o.batch_size], tok, ctx.device, n_items, n_tok, 1, sync=False)[1]
              for i in range(0, len(mine), o.batch_size)]
     policy.train()
-    return {f"eval/{k}": v for k, v in reduce_stats(stats, n_items, n_tok).items()}
+    return {f"eval/{k}": v for k, v in reduce_stats(stats, stat_keys(o), n_items, n_tok).items()}
 
 
 def main(argv=None):
@@ -341,6 +358,11 @@ def main(argv=None):
     o.out_dir = o.out_dir or f"out/{o.loss}"
     if not 0 <= o.label_smoothing < 0.5:
         fail(f"--label_smoothing must be in [0, 0.5), got {o.label_smoothing}")
+    # flags a loss would silently ignore are errors, not no-ops
+    if o.label_smoothing and o.loss not in ("dpo", "robust"):
+        fail(f"--label_smoothing applies only to --loss dpo or robust, not {o.loss}")
+    if o.nll_coef and o.loss == "kto":
+        fail("--nll_coef is not supported with --loss kto (unpaired data has no chosen response)")
     ctx = dist.setup(o.device)
     if o.resume and find_state(o.out_dir) is None:
         fail(f"{o.out_dir}: --resume given but there is no saved state in it")
@@ -355,6 +377,7 @@ def main(argv=None):
             records, eval_records = split_off(records, o.eval_fraction, o.seed)
         tok = load_tokenizer(o.tokenizer, o.init)
         policy = GPT.from_pretrained(o.init, dropout=o.dropout)
+        check_vocab(tok, policy.cfg, o.init)
         ref = None
         if o.loss not in REFERENCE_FREE:   # frozen: no grad, eval mode, never in DDP or the optimizer
             ref = GPT.from_pretrained(o.ref or o.init, dropout=0.0).requires_grad_(False).eval()
@@ -416,7 +439,7 @@ def main(argv=None):
                 total.backward()
             stats.append(s)
             tokens_since += n
-        m = {f"train/{k}": v for k, v in reduce_stats(stats, n_items, n_tok).items()}
+        m = {f"train/{k}": v for k, v in reduce_stats(stats, stat_keys(o), n_items, n_tok).items()}
         check_finite(m["train/loss"], step, o.out_dir)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.grad_clip or float("inf")).item()
         check_finite(grad_norm, step, o.out_dir, "gradient norm")

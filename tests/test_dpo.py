@@ -92,8 +92,32 @@ def test_kto_ddp_z0_is_all_reduced(tmp_path, sft_dir):
     run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "one", "kto", "--batch_size", "4"))
     run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "two", "kto", "--batch_size", "2"), nproc=2)
     la, lb = metrics(tmp_path / "one"), metrics(tmp_path / "two")
-    # z0 is estimated per micro-batch: the same 4 examples on one rank or split over two give the same z0
-    assert [x["train/kl"] for x in la] == pytest.approx([x["train/kl"] for x in lb], abs=1e-5)
+    # z0 = 0 at step 1 (policy = reference); it must be > 0 on some later step, or the clamp max(0, .) would
+    # hide a per-rank z0 and this test would prove nothing
+    assert any(x["train/kl"] > 0.05 for x in la), [x["train/kl"] for x in la]
+    # z0 is estimated per micro-batch: the same 4 examples on one rank or split over two give the same z0.
+    # The logged kl is a mean of z0 over ranks, so a per-rank z0 barely moves it; the loss and the gradient
+    # norm see each rank's z0 in every example's term and pin it
+    for key in ("train/kl", "train/loss", "train/grad_norm"):
+        assert [x[key] for x in la] == pytest.approx([x[key] for x in lb], rel=1e-4, abs=1e-6), key
+
+
+def test_ddp_orpo_global_nll_token_mean_and_empty_eval_shard(tmp_path, sft_dir):
+    """ORPO's NLL is a token mean over all chosen tokens of the step, on all ranks: two ranks must equal one
+    process with the same global batch. One eval example on two ranks leaves rank 1 an empty eval shard,
+    which must contribute zeros to the all-reduced sums (not crash and hang rank 0)."""
+    one_eval = write_jsonl(tmp_path / "one_eval.jsonl", pref_rows(1, seed=1))
+    args = lambda out, b: dpo_args(tmp_path, sft_dir, out, "orpo", "--batch_size", b, "--grad_accum", "2",
+                                   "--eval_data", one_eval)
+    run(["train_dpo.py"] + args("one", "4"))
+    run(["train_dpo.py"] + args("two", "2"), nproc=2)
+    assert weights_close(load_file(tmp_path / "one" / "model.safetensors"),
+                         load_file(tmp_path / "two" / "model.safetensors"))
+    la, lb = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for key in ("train/loss", "train/nll", "train/grad_norm"):
+        assert [x[key] for x in la] == pytest.approx([x[key] for x in lb], rel=1e-4), key
+    for key in ("eval/loss", "eval/nll", "eval/reward_accuracy"):
+        assert la[-1][key] == pytest.approx(lb[-1][key], rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.parametrize("loss", ["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo", "kto"])
@@ -105,7 +129,7 @@ def test_every_loss_end_to_end(tmp_path, sft_dir, loss):
     assert "eval/loss" in m[-1]
     GPT.from_pretrained(str(tmp_path / loss))
     assert json.loads((tmp_path / loss / "train_config.json").read_text())["loss"] == loss
-    assert out.options.beta == (2.0 if loss == "simpo" else 0.1)
+    assert out.options.beta == {"simpo": 2.0, "ipo": 0.5}.get(loss, 0.1)
 
 
 def test_bad_input_exits_with_file_line(tmp_path, sft_dir):
@@ -113,3 +137,14 @@ def test_bad_input_exits_with_file_line(tmp_path, sft_dir):
     p = run(["train_dpo.py", "--loss", "kto", "--data", bad, "--init", sft_dir, "--out_dir", str(tmp_path / "o")],
             check=False)
     assert p.returncode != 0 and p.stderr.strip().endswith(f"{bad}:2: field 'label' must be true or false, got 'yes'")
+
+
+@pytest.mark.parametrize("loss,flag,msg", [
+    ("kto", "--nll_coef", "--nll_coef is not supported with --loss kto"),
+    ("orpo", "--label_smoothing", "--label_smoothing applies only to --loss dpo or robust, not orpo"),
+])
+def test_flags_a_loss_would_ignore_are_errors(tmp_path, sft_dir, loss, flag, msg):
+    p = run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "o", loss, flag, "0.1"), check=False)
+    assert p.returncode != 0, p.stdout
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith(f"error: {msg}"), p.stderr
+    assert not (tmp_path / "o").exists()              # before any model or output directory
