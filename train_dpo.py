@@ -79,6 +79,8 @@ class Options:
     init: str = "out/sft"         # policy to start from (an SFT model directory)
     ref: str = ""                 # reference model directory; empty = --init
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init
+    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
+    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
     out_dir: str = ""             # output directory; empty = out/<loss>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible)
     batch_size: int = 16          # pairs (kto: examples) per device per micro-step
@@ -375,7 +377,7 @@ def main(argv=None):
             eval_records = load_records(o.eval_data or builtin_file("preference_eval.jsonl"), kind)
         else:
             records, eval_records = split_off(records, o.eval_fraction, o.seed)
-        tok = load_tokenizer(o.tokenizer, o.init)
+        tok = load_tokenizer(o.tokenizer, o.init, o.eos_token, o.pad_token)
         policy = GPT.from_pretrained(o.init, dropout=o.dropout)
         check_vocab(tok, policy.cfg, o.init)
         ref = None

@@ -71,6 +71,8 @@ class Options:
     prompts: str = ""             # RL prompts JSONL {"prompt": ...}; empty = built-in task
     eval_prompts: str = ""        # held-out prompts for periodic evaluation; empty = built-in task's
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init
+    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
+    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
     out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
     batch_size: int = 16          # prompts per device per step
     samples_per_prompt: Optional[int] = None  # k; none = 1 for gae/reinforce_pp, 4 for rloo/grpo/dr_grpo
@@ -447,7 +449,7 @@ def main(argv=None):
         if o.reward == "gold" and not all(isinstance(p["prompt"], str) and synthetic.is_task_prompt(p["prompt"])
                                           for p in prompt_records):
             raise ValueError("--reward gold scores the built-in task only; these prompts are not the task's")
-        tok = load_tokenizer(o.tokenizer, o.init)
+        tok = load_tokenizer(o.tokenizer, o.init, o.eos_token, o.pad_token)
         policy = GPT.from_pretrained(o.init, dropout=0.0)        # dropout off: rollout log-probs must be reproducible
         check_vocab(tok, policy.cfg, o.init)
         ref = None

@@ -48,6 +48,8 @@ class Options:
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given
     init: str = "out/sft"         # SFT (or reward model) directory for the trunk; empty = from scratch
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init
+    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
+    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
     out_dir: str = "out/rm"       # where the reward model, metrics and state go
     n_layer: int = 4              # layers (from scratch only)
     n_head: int = 4               # attention heads (from scratch only)
@@ -160,9 +162,9 @@ def main(argv=None):
         else:
             records, eval_records = split_off(records, opts.eval_fraction, opts.seed)
         if opts.init:
-            tok = load_tokenizer(opts.tokenizer, opts.init)
+            tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
         elif opts.tokenizer:
-            tok = load_tokenizer(opts.tokenizer, "")
+            tok = load_tokenizer(opts.tokenizer, "", opts.eos_token, opts.pad_token)
         else:
             raise ValueError("a reward model from scratch needs --tokenizer (or --init with a tokenizer.json)")
         torch.manual_seed(opts.seed)

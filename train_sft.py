@@ -42,6 +42,8 @@ class Options:
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given
     init: str = ""                # model directory to start from (HF GPT-2 layout); empty = from scratch
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init, or train one on the data
+    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
+    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
     out_dir: str = "out/sft"      # where the model, tokenizer, metrics and state go
     n_layer: int = 4              # layers (from scratch only)
     n_head: int = 4               # attention heads (from scratch only)
@@ -86,16 +88,17 @@ def sft_nll(model, input_ids, attention_mask, loss_mask):
 
 
 def make_tokenizer(opts, records, ctx):
+    names = (opts.eos_token or None, opts.pad_token or None)
     if opts.tokenizer:
-        return Tokenizer.from_file(opts.tokenizer)
+        return Tokenizer.from_file(opts.tokenizer, *names)
     if opts.init:
         path = os.path.join(opts.init, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: missing; pass --tokenizer with the tokenizer.json of {opts.init}")
-        return Tokenizer.from_file(path)
+        return Tokenizer.from_file(path, *names)
     path = os.path.join(opts.out_dir, "tokenizer.json")
     if opts.resume and os.path.isfile(path):
-        return Tokenizer.from_file(path)
+        return Tokenizer.from_file(path, *names)
     if ctx.is_main:  # rank 0 trains it, the others load the very same file
         def texts():
             for r in records:
@@ -110,7 +113,7 @@ def make_tokenizer(opts, records, ctx):
         os.makedirs(opts.out_dir, exist_ok=True)
         Tokenizer.train(texts(), opts.vocab_size).save(path)
     dist.barrier()
-    return Tokenizer.from_file(path)
+    return Tokenizer.from_file(path, *names)
 
 
 @torch.no_grad()

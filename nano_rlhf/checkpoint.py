@@ -2,7 +2,8 @@
 No pickle anywhere, so loading a checkpoint can never execute code.
 
 out_dir/
-  config.json, model.safetensors, tokenizer.json    the model (HF-loadable), each file replaced atomically
+  config.json, model.safetensors                   the model (HF-loadable), each file replaced atomically
+  tokenizer.json, tokenizer_config.json             the tokenizer and the names of its special tokens
   train_config.json, metrics.jsonl                  options of the run, one JSON object per logged step
   state/                                            everything --resume needs:
     model_<name>.safetensors                        weights of each trained model (our key names)
@@ -46,9 +47,7 @@ def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     os.makedirs(out_dir, exist_ok=True)
     dist.unwrap(model).save_pretrained(out_dir, **extra_config)
     if tokenizer is not None:
-        tmp = os.path.join(out_dir, f"tokenizer.json.tmp{os.getpid()}")
-        tokenizer.save(tmp)
-        os.replace(tmp, os.path.join(out_dir, "tokenizer.json"))
+        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))     # + tokenizer_config.json, each atomic
 
 
 # ---- optimizer and RNG state <-> (tensors, json) ------------------------------------------------

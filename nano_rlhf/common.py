@@ -129,13 +129,14 @@ def builtin_file(name: str) -> str:
     return os.path.join(BUILTIN_DIR, name)
 
 
-def load_tokenizer(tokenizer_path: str, model_dir: str):
-    """--tokenizer if given, else the tokenizer.json saved beside the model."""
+def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad_token: str = ""):
+    """--tokenizer if given, else the tokenizer.json saved beside the model; --eos_token / --pad_token name
+    the special tokens when neither a tokenizer_config.json nor the usual names give them."""
     from .tokenizer import Tokenizer
     path = tokenizer_path or os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: missing; pass --tokenizer (the tokenizer.json the model was trained with)")
-    return Tokenizer.from_file(path)
+    return Tokenizer.from_file(path, eos_token or None, pad_token or None)
 
 
 def check_vocab(tok, cfg, where: str):

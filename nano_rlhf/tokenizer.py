@@ -21,6 +21,7 @@ Seam rule. Prompt and response are tokenized *separately* and their ids concaten
 is never re-tokenized, so a BPE merge can never straddle the boundary and shift the loss mask (TRL#1679).
 """
 import json
+import os
 from typing import List, Sequence, Tuple, Union
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -43,8 +44,11 @@ class Tokenizer:
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
         eos_token = eos_token or next((n for n in EOS_NAMES if n in vocab), None)
         if eos_token is None or eos_token not in vocab:
-            raise ValueError(f"no end-of-text token found (tried {EOS_NAMES}); name it with --eos_token")
+            raise ValueError(f"no end-of-text token {eos_token!r} in the tokenizer" if eos_token else
+                             f"no end-of-text token found (tried {EOS_NAMES}); name it with --eos_token")
         self.eos_token, self.eos_id = eos_token, vocab[eos_token]
+        if pad_token and pad_token not in vocab:
+            raise ValueError(f"no pad token {pad_token!r} in the tokenizer")
         pad_token = pad_token or next((n for n in PAD_NAMES if n in vocab), None)
         self.pad_token = pad_token
         self.pad_id = vocab[pad_token] if pad_token in vocab else self.vocab_size  # outside the vocabulary
@@ -66,14 +70,39 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str, eos_token: str = None, pad_token: str = None) -> "Tokenizer":
+        """Load a tokenizer.json. Special tokens not named here (--eos_token / --pad_token) are taken from a
+        tokenizer_config.json beside it (HF's convention; save() writes one), else found by their usual names."""
         try:
             tk = HFTokenizer.from_file(path)
         except Exception as e:  # tokenizers raises a bare Exception with a long message
             raise ValueError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
+        cfg_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            try:
+                with open(cfg_path) as f:
+                    cfg = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+            name = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731  (HF: str or AddedToken)
+            cfg_eos, cfg_pad = name(cfg.get("eos_token")), name(cfg.get("pad_token"))
+            eos_token = eos_token or cfg_eos
+            # many HF configs set pad = eos; nano_rlhf needs a distinct pad, so such a pad is not taken
+            if not pad_token and cfg_pad and cfg_pad != eos_token:
+                pad_token = cfg_pad
         return cls(tk, eos_token, pad_token)
 
     def save(self, path: str):
-        self.tk.save(path)
+        """Write tokenizer.json and, beside it, tokenizer_config.json naming the special tokens (so later stages,
+        and transformers' AutoTokenizer, know them without options). Each file is replaced atomically."""
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token, "bos_token": self.eos_token,
+               "pad_token": self.pad_token if self.pad_id < self.vocab_size else None}
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        for target, write in ((path, self.tk.save),
+                              (os.path.join(os.path.dirname(path), "tokenizer_config.json"),
+                               lambda p: open(p, "w").write(json.dumps(cfg, indent=2) + "\n"))):
+            tmp = f"{target}.tmp{os.getpid()}"
+            write(tmp)
+            os.replace(tmp, target)
 
     # ---- plain text ---------------------------------------------------------------------------
     def encode(self, text: str) -> List[int]:

@@ -82,3 +82,59 @@ def test_missing_eos_and_bad_file(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="bad.json"):
         Tokenizer.from_file(str(tmp_path / "bad.json"))
+
+
+def custom_tokenizer_file(path, specials=("<end>", "<blank>")):
+    """A byte-level BPE whose special tokens have names nano_rlhf does not guess."""
+    from tokenizers import decoders, trainers
+    tk = HFTokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["the motor is great and the screen is bad"] * 50,
+                           trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tk.save(str(path))
+    return str(path)
+
+
+def test_special_token_names_from_options_persist_in_tokenizer_config(tmp_path):
+    path = custom_tokenizer_file(tmp_path / "src" / "tokenizer.json")
+    with pytest.raises(ValueError, match="name it with --eos_token"):
+        Tokenizer.from_file(path)
+    with pytest.raises(ValueError, match="no pad token '<nope>'"):
+        Tokenizer.from_file(path, "<end>", "<nope>")
+    tok = Tokenizer.from_file(path, "<end>", "<blank>")
+    assert (tok.eos_id, tok.pad_id) == (0, 1)
+    tok.save(str(tmp_path / "out" / "tokenizer.json"))
+    again = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))   # no names: read from the config
+    assert (again.eos_token, again.eos_id, again.pad_token, again.pad_id) == ("<end>", 0, "<blank>", 1)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert (hf.eos_token, hf.pad_token, hf.pad_token_id) == ("<end>", "<blank>", 1)
+
+
+def test_hf_config_with_pad_equal_to_eos_keeps_a_distinct_pad(tmp_path):
+    """Many HF tokenizer_config.json files set pad = eos; nano_rlhf then pads with an id outside the vocab."""
+    path = custom_tokenizer_file(tmp_path / "tokenizer.json", specials=("<|endoftext|>",))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "<|endoftext|>"}, "pad_token": "<|endoftext|>"}))
+    tok = Tokenizer.from_file(path)
+    assert tok.eos_id == 0 and tok.pad_id == tok.vocab_size
+
+
+def test_scripts_take_eos_and_pad_names(tmp_path):
+    from conftest import run, sft_rows, write_jsonl
+    path = custom_tokenizer_file(tmp_path / "src" / "tokenizer.json")
+    write_jsonl(tmp_path / "sft.jsonl", sft_rows(32))
+    args = ["train_sft.py", "--data", str(tmp_path / "sft.jsonl"), "--tokenizer", path, "--max_steps", "2",
+            "--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--vocab_size", "300", "--eval_interval", "0",
+            "--batch_size", "8"]
+    p = run(args + ["--out_dir", str(tmp_path / "bad")], check=False)
+    assert p.returncode != 0 and "name it with --eos_token" in p.stderr and "Traceback" not in p.stderr
+    run(args + ["--out_dir", str(tmp_path / "sft"), "--eos_token", "<end>", "--pad_token", "<blank>"])
+    cfg = json.loads((tmp_path / "sft" / "tokenizer_config.json").read_text())
+    assert (cfg["eos_token"], cfg["pad_token"]) == ("<end>", "<blank>")
+    from nano_rlhf.model import GPT
+    m = GPT.from_pretrained(str(tmp_path / "sft"))
+    assert (m.cfg.eos_token_id, m.cfg.pad_token_id) == (0, 1)
