@@ -69,9 +69,16 @@ def plot_results(plt, results, out_png):
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 4))
+    xs, ys = [r["kl"] for r in rows], [r["gold_reward"] for r in rows]
+    dx, dy = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    placed = []
     for r in rows:
         ax.errorbar(r["kl"], r["gold_reward"], yerr=r.get("gold_reward_se", 0), fmt="o", capsize=3)
-        ax.annotate(r["name"], (r["kl"], r["gold_reward"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        # a label near an earlier one goes below its point instead of above, so two close policies stay legible
+        near = sum(abs(r["kl"] - x) < 0.12 * dx and abs(r["gold_reward"] - y) < 0.06 * dy for x, y in placed)
+        ax.annotate(r["name"], (r["kl"], r["gold_reward"]), textcoords="offset points",
+                    xytext=(5, 4 - 12 * near), fontsize=8)
+        placed.append((r["kl"], r["gold_reward"]))
     ax.set_xlabel("KL(policy ‖ SFT) per response (nats)")
     ax.set_ylabel("mean gold reward on held-out prompts")
     ax.set_title("What each algorithm buys, and what it costs", fontsize=10)
@@ -95,9 +102,12 @@ def plot_overoptimization(plt, run_dir, out_png):
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(kl, [r["eval/rm_score"] for r in rows], "o-", color="tab:orange", label="reward-model score (proxy)")
     ax.plot(kl, [r["eval/gold_reward"] for r in rows], "s-", color="tab:blue", label="gold reward")
-    for r, x in zip(rows[::max(1, len(rows) // 6)], kl[::max(1, len(rows) // 6)]):
-        ax.annotate(f"step {r['step']}", (x, r["eval/gold_reward"]), textcoords="offset points", xytext=(3, -12),
-                    fontsize=7, color="gray")
+    last_x = None
+    for r, x in zip(rows, kl):                    # label a few steps, never two that would overlap
+        if last_x is None or x - last_x > 0.12 * (kl[-1] - kl[0] or 1.0):
+            ax.annotate(f"step {r['step']}", (x, r["eval/gold_reward"]), textcoords="offset points", xytext=(3, -12),
+                        fontsize=7, color="gray")
+            last_x = x
     ax.set_xlabel("sqrt(KL(policy ‖ SFT)) per response")
     ax.set_ylabel("mean score on held-out prompts")
     ax.set_title(f"Reward-model over-optimisation ({os.path.basename(os.path.normpath(run_dir))})", fontsize=10)
