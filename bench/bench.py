@@ -43,12 +43,22 @@ def timeit(fn, warmup, steps):
     return statistics.median(ts), ts
 
 
-def flops_per_token(seq_len, training=True, cfg=SHAPE):
-    """6·N (forward + backward) or 2·N (forward) per token, N = matmul parameters (tied head once, positions
-    excluded), plus attention 12·L·d·T (6·L·d·T forward-only): nanoGPT's estimate_mfu / PaLM appendix B."""
+def step_flops(tokens, seq_len, training=True, head_positions=None, end_rows=0, cfg=SHAPE):
+    """Model FLOPs of one pass over `tokens` tokens in sequences of `seq_len` (nanoGPT's estimate_mfu / PaLM
+    appendix B): 2·N per token forward, 6·N forward + backward, N = the matmul parameters a token passes
+    through (positions excluded), plus attention 4·L·d·T per token forward (12·L·d·T with backward).
+    head_positions: rows that go through the output layer (None = every token; 0 = none, a reward model).
+    end_rows: the reward model's end_only pass, whose last block computes keys/values for every token but
+    queries, projection and MLP for one position per row."""
     d, L, V = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"]
-    n = 12 * L * d * d + V * d
-    return (6 * n + 12 * L * d * seq_len) if training else (2 * n + 4 * L * d * seq_len)
+    m = 3 if training else 1
+    if end_rows:
+        trunk = 12 * (L - 1) * d * d * tokens + 2 * d * d * tokens + 10 * d * d * end_rows
+        attn = 2 * (L - 1) * d * seq_len * tokens
+    else:
+        trunk, attn = 12 * L * d * d * tokens, 2 * L * d * seq_len * tokens
+    head = V * d * (tokens if head_positions is None else head_positions)
+    return 2 * m * (trunk + head + attn)
 
 
 # ---- workers: each runs in its own process and prints one JSON line -----------------------------------
@@ -90,7 +100,7 @@ def w_sft(a):
         opt.step()
         opt.zero_grad(set_to_none=True)
     t, _ = timeit(step, 3, a.steps)
-    return {"s_per_step": t, "tokens_per_step": 2048, "flops_per_step": 2048 * flops_per_token(128)}
+    return {"s_per_step": t, "tokens_per_step": 2048, "flops_per_step": step_flops(2048, 128)}
 
 
 def _pairs(n_pairs, prompt, completion, vocab=4096, seed=0):
@@ -119,7 +129,8 @@ def w_rm(a):
         opt.step()
         opt.zero_grad(set_to_none=True)
     t, _ = timeit(step, 3, a.steps)
-    return {"s_per_step": t, "tokens_per_step": 16 * 128, "pairs_per_step": 8}
+    return {"s_per_step": t, "tokens_per_step": 16 * 128, "pairs_per_step": 8,
+            "flops_per_step": step_flops(2048, 128, head_positions=0, end_rows=16)}
 
 
 def w_dpo(a, precompute=False):
@@ -148,7 +159,11 @@ def w_dpo(a, precompute=False):
         opt.step()
         opt.zero_grad(set_to_none=True)
     t, _ = timeit(step, 3, a.steps)
-    return {"s_per_step": t, "tokens_per_step": 16 * 128, "pairs_per_step": 8}
+    n_resp = int(resp.sum())             # the output layer runs only where a response token is predicted
+    flops = step_flops(2048, 128, head_positions=n_resp)
+    if not precompute:
+        flops += step_flops(2048, 128, training=False, head_positions=n_resp)
+    return {"s_per_step": t, "tokens_per_step": 16 * 128, "pairs_per_step": 8, "flops_per_step": flops}
 
 
 def w_dpo_pre(a):
@@ -164,7 +179,10 @@ def w_gen(a, use_cache=True):
                                      use_cache=use_cache), 2, a.steps // 2 if use_cache else 3)
     if a.save_model:
         m.save_pretrained(a.save_model)
-    return {"s_per_call": t, "new_tokens_per_s": 16 * 64 / t}
+    # prefill of 16 x 32 tokens (output layer at the last position only), then 64 decode steps of 16 rows
+    flops = step_flops(16 * 32, 32, False, head_positions=16) + sum(
+        step_flops(16, 32 + i, False) for i in range(1, 64))
+    return {"s_per_call": t, "new_tokens_per_s": 16 * 64 / t, "flops_per_step": flops}
 
 
 def w_gen_nocache(a):
@@ -224,8 +242,11 @@ def _rl(a, advantage):
         train_ppo.update(o, r, adv, ret, policy, critic, opt_pi, opt_v, list(policy.parameters()), params_v, None,
                          tok, ctx, kl, shuffle)
     t, _ = timeit(step, 3, max(5, a.steps // 2))
-    return {"s_per_step": t, "completions_per_step": 16, "completions_per_s": 16 / t,
-            "rollout_s": statistics.median(times["gen"][3:])}
+    rollout = statistics.median(times["gen"][3:])
+    out = {"s_per_step": t, "completions_per_step": 16, "completions_per_s": 16 / t, "rollout_s": rollout}
+    if advantage == "grpo":   # the update: one forward + backward of 16 x 96 tokens, output layer on the 64 responses
+        out["update_flops"] = step_flops(16 * 96, 96, head_positions=16 * 64)
+    return out
 
 
 def w_grpo(a):
@@ -333,6 +354,10 @@ def main():
     print(f"float32 matmul throughput (median of training-shaped products): {ceiling['gflops']:.0f} GFLOP/s", flush=True)
     table = []
 
+    def frac(o):
+        """Share of the matmul throughput measured above that the row's model FLOPs reach."""
+        return o["flops_per_step"] / o.get("s_per_step", o.get("s_per_call")) / 1e9 / ceiling["gflops"]
+
     def add(row, unit, ours_val, peer_vals, target=None, extra=""):
         table.append((row, unit, ours_val, peer_vals, target, extra))
         ratios = " | ".join(f"{n}: {v:,.1f} -> {ours_val / v:.2f}x" for n, v in peer_vals if v)
@@ -340,7 +365,7 @@ def main():
 
     if "sft" in rows:
         o = ours("sft", a)
-        mfu = o["flops_per_step"] / o["s_per_step"] / 1e9 / ceiling["gflops"]
+        mfu = frac(o)
         peers = []
         if a.peers:
             for name, fn, kw in (("TRL SFTTrainer", "trl_sft", {}), ("HF bare loop", "hf_bare_loop", {})):
@@ -355,8 +380,9 @@ def main():
         if row in rows:
             o = ours(fn, a)
             peers = [("TRL", (peer(peer_fn, a, **peer_kw) or {}).get("pairs_per_s"))] if a.peers else []
-            add(title, "pairs/s", o["pairs_per_step"] / o["s_per_step"], peers)
-            res[row] = dict(o, peers=peers)
+            add(title, "pairs/s", o["pairs_per_step"] / o["s_per_step"], peers,
+                extra=f" | {100 * frac(o):.0f}% of matmul throughput")
+            res[row] = dict(o, matmul_fraction=frac(o), peers=peers)
     if "gen" in rows:
         import tempfile
         a.save_model = tempfile.mkdtemp()
@@ -365,14 +391,18 @@ def main():
         peers = [("HF generate", (peer("hf_generate", a, model_dir=a.save_model) or {}).get("new_tokens_per_s"))] \
             if a.peers else []
         peers.append(("nano_rlhf without cache", nc["new_tokens_per_s"]))
-        add("generate, 16 x (32 + 64), T=1", "new tok/s", o["new_tokens_per_s"], peers)
-        res["gen"] = dict(o, nocache=nc, peers=peers)
+        add("generate, 16 x (32 + 64), T=1", "new tok/s", o["new_tokens_per_s"], peers,
+            extra=f" | {100 * frac(o):.0f}% of (training-shaped) matmul throughput")
+        res["gen"] = dict(o, matmul_fraction=frac(o), nocache=nc, peers=peers)
         a.save_model = ""
     if "grpo" in rows:
         o = ours("grpo", a)
         peers = [("TRL GRPOTrainer", (peer("trl_grpo", a) or {}).get("completions_per_s"))] if a.peers else []
+        upd = o["update_flops"] / (o["s_per_step"] - o["rollout_s"]) / 1e9 / ceiling["gflops"]
         add("GRPO step, 4 prompts x 4, 32 + 64", "compl/s", o["completions_per_s"], peers,
-            extra=f" | rollout {o['rollout_s']:.3f} s of {o['s_per_step']:.3f} s")
+            extra=f" | rollout {o['rollout_s']:.3f} s of {o['s_per_step']:.3f} s; update at {100 * upd:.0f}% of matmul "
+                  "throughput")
+        o["update_matmul_fraction"] = upd
         res["grpo"] = dict(o, peers=peers)
     if "ppo" in rows:
         o = ours("ppo", a)
