@@ -83,9 +83,9 @@ def _model(cls=None):
     return (cls or GPT)(GPTConfig(**SHAPE, eos_token_id=0, pad_token_id=1))
 
 
-def w_sft(a):
+def w_sft(a, dtype="float32"):
     import torch
-    from nano_rlhf.common import adamw
+    from nano_rlhf.common import adamw, autocast
     from train_sft import sft_nll
     m = _model().train()
     opt = adamw(m, 1e-4, 0.01)
@@ -94,13 +94,18 @@ def w_sft(a):
     mask = torch.ones_like(ids)                       # plain text: every token trained, as TRL's SFT row
 
     def step():
-        nll, n = sft_nll(m, ids, mask, mask)
+        with autocast(torch.device("cpu"), dtype):        # what --dtype does in the scripts
+            nll, n = sft_nll(m, ids, mask, mask)
         (nll / n).backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     t, _ = timeit(step, 3, a.steps)
     return {"s_per_step": t, "tokens_per_step": 2048, "flops_per_step": step_flops(2048, 128)}
+
+
+def w_sft_bf16(a):
+    return w_sft(a, "bfloat16")
 
 
 def _pairs(n_pairs, prompt, completion, vocab=4096, seed=0):
@@ -329,7 +334,7 @@ def peer(name, a, **kw):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="", help="comma-separated rows: sft,rm,dpo,dpo_pre,gen,grpo,ppo,ddp")
+    p.add_argument("--only", default="", help="comma-separated rows: sft,sft_bf16,rm,dpo,dpo_pre,gen,grpo,ppo,ddp")
     p.add_argument("--quick", action="store_true", help="fewer steps (noisier)")
     p.add_argument("--no-peers", dest="peers", action="store_false", help="measure nano_rlhf only")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
@@ -341,7 +346,7 @@ def main():
     a.steps = a.steps or (8 if a.quick else 20)
     if a.worker:
         return worker_main(a)
-    rows = a.only.split(",") if a.only else ["sft", "rm", "dpo", "dpo_pre", "gen", "grpo", "ppo", "ddp"]
+    rows = a.only.split(",") if a.only else ["sft", "sft_bf16", "rm", "dpo", "dpo_pre", "gen", "grpo", "ppo", "ddp"]
     import platform
     import torch
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
@@ -374,6 +379,12 @@ def main():
         add("SFT step, 16 x 128 tokens", "tok/s", o["tokens_per_step"] / o["s_per_step"], peers,
             extra=f" | {100 * mfu:.0f}% of matmul throughput")
         res["sft"] = dict(o, matmul_fraction=mfu, peers=peers)
+    if "sft_bf16" in rows:   # a different precision: both sides at their bf16 settings, never mixed with float32
+        o = ours("sft_bf16", a)
+        peers = [("TRL SFTTrainer, its CPU defaults (bf16 + grad ckpt)",
+                  (peer("trl_sft", a, trl_defaults=True) or {}).get("tokens_per_s"))] if a.peers else []
+        add("SFT step, bf16 autocast", "tok/s", o["tokens_per_step"] / o["s_per_step"], peers)
+        res["sft_bf16"] = dict(o, peers=peers)
     for row, fn, peer_fn, peer_kw, title in (("rm", "rm", "trl_reward", {}, "reward-model step, 8 pairs x 128"),
                                              ("dpo", "dpo", "trl_dpo", {"precompute_ref": False}, "DPO step, 8 pairs, live reference"),
                                              ("dpo_pre", "dpo_pre", "trl_dpo", {"precompute_ref": True}, "DPO step, 8 pairs, precomputed ref")):
