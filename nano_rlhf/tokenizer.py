@@ -97,9 +97,12 @@ class Tokenizer:
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token, "bos_token": self.eos_token,
                "pad_token": self.pad_token if self.pad_id < self.vocab_size else None}
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+        def write_config(p):
+            with open(p, "w") as f:
+                f.write(json.dumps(cfg, indent=2) + "\n")
         for target, write in ((path, self.tk.save),
-                              (os.path.join(os.path.dirname(path), "tokenizer_config.json"),
-                               lambda p: open(p, "w").write(json.dumps(cfg, indent=2) + "\n"))):
+                              (os.path.join(os.path.dirname(path), "tokenizer_config.json"), write_config)):
             tmp = f"{target}.tmp{os.getpid()}"
             write(tmp)
             os.replace(tmp, target)
