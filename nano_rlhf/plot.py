@@ -139,16 +139,13 @@ def main(argv=None):
     plots = os.path.join(a.out_dir, "plots")
     os.makedirs(plots, exist_ok=True)
     written = []
-    for r in runs:
-        png = plot_run(plt, r, os.path.join(plots, f"{os.path.basename(os.path.normpath(r))}.png"))
-        if png:
-            written.append(png)
+    # every run gets its curves; a run with periodic proxy and gold evaluations (RL against a reward model on
+    # the built-in task) also gets the Gao et al. plot (plot_overoptimization returns None for the others)
     for r in runs:
         name = os.path.basename(os.path.normpath(r))
-        if name.startswith("ppo"):
-            png = plot_overoptimization(plt, r, os.path.join(plots, f"overoptimization_{name}.png"))
-            if png:
-                written.append(png)
+        written += [png for png in (plot_run(plt, r, os.path.join(plots, f"{name}.png")),
+                                    plot_overoptimization(plt, r, os.path.join(plots, f"overoptimization_{name}.png")))
+                    if png]
     results = a.results or os.path.join(a.out_dir, "results.json")
     if os.path.isfile(results):
         with open(results) as f:
