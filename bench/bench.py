@@ -4,6 +4,7 @@
     python bench/bench.py --quick            # fewer steps
     python bench/bench.py --only sft,gen     # some rows
     python bench/bench.py --no-peers         # nano_rlhf only (no transformers / trl needed)
+    python bench/bench.py --profile rm       # where one row's step time goes (torch profiler)
 
 Reference shape (../shared/reference/PEER_BENCH.md): GPT-2 with 4 layers, 4 heads, width 256, vocab 4096,
 256 positions, dropout 0, float32, 2 threads. Every measurement runs in its own fresh process (so allocator
@@ -32,6 +33,9 @@ sys.path.insert(0, ROOT)
 SHAPE = dict(vocab_size=4096, block_size=256, n_layer=4, n_head=4, n_embd=256)
 
 
+PROFILE = {}   # --profile: filled by the worker's timeit with where a step's time goes
+
+
 def timeit(fn, warmup, steps):
     for _ in range(warmup):
         fn()
@@ -40,7 +44,23 @@ def timeit(fn, warmup, steps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
+    if PROFILE.get("on") and "ops" not in PROFILE:
+        PROFILE["ops"] = profile_ops(fn)
     return statistics.median(ts), ts
+
+
+def profile_ops(fn, calls=3):
+    """Share of CPU time per operator over a few calls of fn (torch profiler, self time), largest first,
+    with matrix products (mm, addmm, bmm, ...) also summed into one line."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(ops.values())
+    shares = sorted(((k, v / total) for k, v in ops.items()), key=lambda kv: -kv[1])
+    matmul = sum(v for k, v in shares if k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"))
+    return {"matrix products": matmul, **dict(shares[:12])}
 
 
 def step_flops(tokens, seq_len, training=True, head_positions=None, end_rows=0, cfg=SHAPE):
@@ -187,7 +207,7 @@ def w_gen(a, use_cache=True):
     # prefill of 16 x 32 tokens (output layer at the last position only), then 64 decode steps of 16 rows
     flops = step_flops(16 * 32, 32, False, head_positions=16) + sum(
         step_flops(16, 32 + i, False) for i in range(1, 64))
-    return {"s_per_call": t, "new_tokens_per_s": 16 * 64 / t, "flops_per_step": flops}
+    return {"s_per_call": t, "new_tokens_per_s": 16 * 64 / t, "flops_per_call": flops}
 
 
 def w_gen_nocache(a):
@@ -295,7 +315,10 @@ def worker_main(a):
     torch.set_num_threads(a.threads)
     from nano_rlhf.dist import keep_freed_memory
     keep_freed_memory()                  # what every nano_rlhf script does at start-up
+    PROFILE["on"] = a.profile_worker
     out = WORKERS[a.worker](a)
+    if out is not None and "ops" in PROFILE:
+        out["profile"] = PROFILE["ops"]
     if out is not None:
         print("RESULT " + json.dumps(out), flush=True)
 
@@ -317,7 +340,8 @@ def ours(name, a, threads=None, nproc=1):
     threads = threads or a.threads
     extra = ["--save_model", a.save_model] if name == "gen" and a.save_model else []
     return spawn([os.path.abspath(__file__), "--worker", name, "--threads", str(threads), "--steps", str(a.steps)]
-                 + (["--quick"] if a.quick else []) + extra, nproc=nproc, threads=threads)
+                 + (["--quick"] if a.quick else []) + (["--profile_worker"] if a.profile else []) + extra,
+                 nproc=nproc, threads=threads)
 
 
 def peer(name, a, **kw):
@@ -340,12 +364,20 @@ def main():
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
     p.add_argument("--steps", type=int, default=0, help="timed steps per row (default 20, 8 with --quick)")
     p.add_argument("--json", default="", help="also write every figure to this JSON file")
+    p.add_argument("--profile", default="", help="print where one row's step time goes (torch profiler), e.g. rm, gen")
+    p.add_argument("--profile_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--save_model", default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.steps = a.steps or (8 if a.quick else 20)
     if a.worker:
         return worker_main(a)
+    if a.profile:
+        o = ours(a.profile, a)
+        print(f"{a.profile}: share of CPU time per operator (torch profiler, self time, 3 calls after timing)")
+        for op, share in o["profile"].items():
+            print(f"  {100 * share:5.1f}%  {op}")
+        return o
     rows = a.only.split(",") if a.only else ["sft", "sft_bf16", "rm", "dpo", "dpo_pre", "gen", "grpo", "ppo", "ddp"]
     import platform
     import torch
@@ -357,20 +389,17 @@ def main():
     ceiling = ours("matmul", a)
     res["matmul"] = ceiling
     print(f"float32 matmul throughput (median of training-shaped products): {ceiling['gflops']:.0f} GFLOP/s", flush=True)
-    table = []
+    def frac(flops, seconds):
+        """Share of the matmul throughput measured above that `flops` model FLOPs in `seconds` reach."""
+        return flops / seconds / 1e9 / ceiling["gflops"]
 
-    def frac(o):
-        """Share of the matmul throughput measured above that the row's model FLOPs reach."""
-        return o["flops_per_step"] / o.get("s_per_step", o.get("s_per_call")) / 1e9 / ceiling["gflops"]
-
-    def add(row, unit, ours_val, peer_vals, target=None, extra=""):
-        table.append((row, unit, ours_val, peer_vals, target, extra))
+    def add(row, unit, ours_val, peer_vals, extra=""):
         ratios = " | ".join(f"{n}: {v:,.1f} -> {ours_val / v:.2f}x" for n, v in peer_vals if v)
         print(f"{row:<34} nano_rlhf {ours_val:,.1f} {unit}" + (f" | {ratios}" if ratios else "") + extra, flush=True)
 
     if "sft" in rows:
         o = ours("sft", a)
-        mfu = frac(o)
+        mfu = frac(o["flops_per_step"], o["s_per_step"])
         peers = []
         if a.peers:
             for name, fn, kw in (("TRL SFTTrainer", "trl_sft", {}), ("HF bare loop", "hf_bare_loop", {})):
@@ -391,9 +420,10 @@ def main():
         if row in rows:
             o = ours(fn, a)
             peers = [("TRL", (peer(peer_fn, a, **peer_kw) or {}).get("pairs_per_s"))] if a.peers else []
+            share = frac(o["flops_per_step"], o["s_per_step"])
             add(title, "pairs/s", o["pairs_per_step"] / o["s_per_step"], peers,
-                extra=f" | {100 * frac(o):.0f}% of matmul throughput")
-            res[row] = dict(o, matmul_fraction=frac(o), peers=peers)
+                extra=f" | {100 * share:.0f}% of matmul throughput")
+            res[row] = dict(o, matmul_fraction=share, peers=peers)
     if "gen" in rows:
         import tempfile
         a.save_model = tempfile.mkdtemp()
@@ -402,14 +432,15 @@ def main():
         peers = [("HF generate", (peer("hf_generate", a, model_dir=a.save_model) or {}).get("new_tokens_per_s"))] \
             if a.peers else []
         peers.append(("nano_rlhf without cache", nc["new_tokens_per_s"]))
+        share = frac(o["flops_per_call"], o["s_per_call"])
         add("generate, 16 x (32 + 64), T=1", "new tok/s", o["new_tokens_per_s"], peers,
-            extra=f" | {100 * frac(o):.0f}% of (training-shaped) matmul throughput")
-        res["gen"] = dict(o, matmul_fraction=frac(o), nocache=nc, peers=peers)
+            extra=f" | {100 * share:.0f}% of (training-shaped) matmul throughput")
+        res["gen"] = dict(o, matmul_fraction=share, nocache=nc, peers=peers)
         a.save_model = ""
     if "grpo" in rows:
         o = ours("grpo", a)
         peers = [("TRL GRPOTrainer", (peer("trl_grpo", a) or {}).get("completions_per_s"))] if a.peers else []
-        upd = o["update_flops"] / (o["s_per_step"] - o["rollout_s"]) / 1e9 / ceiling["gflops"]
+        upd = frac(o["update_flops"], o["s_per_step"] - o["rollout_s"])
         add("GRPO step, 4 prompts x 4, 32 + 64", "compl/s", o["completions_per_s"], peers,
             extra=f" | rollout {o['rollout_s']:.3f} s of {o['s_per_step']:.3f} s; update at {100 * upd:.0f}% of matmul "
                   "throughput")

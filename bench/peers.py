@@ -17,6 +17,8 @@ import warnings
 
 import torch
 
+from bench import timeit    # bench/bench.py: warm-up, then the median of timed calls (same rule for both sides)
+
 CFG = dict(n_layer=4, n_head=4, n_embd=256, n_positions=256, vocab_size=4096)
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -199,14 +201,7 @@ def hf_generate(model_dir=None, sampling=True, use_cache=True, calls=8, threads=
     def call():
         with torch.no_grad():
             model.generate(ids, **kw)
-    for _ in range(2):
-        call()
-    ts = []
-    for _ in range(calls if use_cache else 2):
-        t = time.perf_counter()
-        call()
-        ts.append(time.perf_counter() - t)
-    t = statistics.median(ts)
+    t, _ = timeit(call, 2, calls if use_cache else 2)
     return {"s_per_call": t, "new_tokens_per_s": 16 * 64 / t}
 
 
@@ -225,14 +220,7 @@ def hf_bare_loop(variant="default", steps=30, threads=2):
         model(input_ids=b, labels=b).loss.backward()
         opt.step()
         opt.zero_grad()
-    for _ in range(3):
-        step()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t)
-    t = statistics.median(ts)
+    t, _ = timeit(step, 3, steps)
     return {"s_per_step": t, "tokens_per_s": 16 * 128 / t, "variant": variant}
 
 
