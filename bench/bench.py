@@ -6,7 +6,7 @@
     python bench/bench.py --no-peers         # nano_rlhf only (no transformers / trl needed)
     python bench/bench.py --profile rm       # where one row's step time goes (torch profiler)
 
-Reference shape (../shared/reference/PEER_BENCH.md): GPT-2 with 4 layers, 4 heads, width 256, vocab 4096,
+Reference shape (the one the peers' published CPU figures use; settings in bench/peers.py): GPT-2 with 4 layers, 4 heads, width 256, vocab 4096,
 256 positions, dropout 0, float32, 2 threads. Every measurement runs in its own fresh process (so allocator
 state, thread pools and warm caches never leak from one row into another), reports the median step time
 after warm-up steps, and the ratios are computed from figures measured in this same run.

@@ -1,10 +1,10 @@
-"""The peers, measured as ../shared/reference/PEER_BENCH.md describes: TRL 1.16 trainers, a bare HF
+"""The peers, measured with the settings written below: TRL 1.16 trainers, a bare HF
 transformers training loop and HF generate, on the reference GPT-2 shape, float32, CPU.
 
 Each function builds its own model and data, runs warm-up + timed steps and returns a dict with the median
 step time and throughput. bench/bench.py calls each in a fresh process, back to back with nano_rlhf's rows.
 Trainer step times are taken between consecutive `on_step_end` callbacks (collation and bookkeeping
-included), as in PEER_BENCH.md. Settings that differ from TRL's defaults (and why): float32 and no gradient
+included). Settings that differ from TRL's defaults (and why): float32 and no gradient
 checkpointing (TRL defaults to bf16 + checkpointing even on CPU; the comparison is float32 on both sides),
 constant LR 1e-4, no logging / saving / eval, torch AdamW fused, weight decay 0.01.
 """
