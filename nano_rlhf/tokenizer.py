@@ -129,18 +129,24 @@ class Tokenizer:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def train(cls, texts, vocab_size: int = 1024, min_frequency: int = 2) -> "Tokenizer":
-        """Train a byte-level BPE (GPT-2 style) with <|endoftext|> = 0 and <|pad|> = 1. The trainer sees at
-        most TRAIN_MAX_CHARS characters of each text, and runs longer than TRAIN_MAX_WORD characters cut
-        into pieces: BPE training time grows with the square of a word's length."""
+    def train(cls, texts, vocab_size: int = 1024, min_frequency: int = 2, chat_template: str = "plain",
+              date_string: str = None) -> "Tokenizer":
+        """Train a byte-level BPE (GPT-2 style) with <|endoftext|> = 0 and <|pad|> = 1, then the special tokens
+        of `chat_template` ("auto" = plain). The trainer sees at most TRAIN_MAX_CHARS characters of each text,
+        with runs longer than TRAIN_MAX_WORD characters cut into pieces: BPE training time grows with the
+        square of a word's length, and one 10-MB single-word line never finished."""
+        if chat_template not in CHAT_TEMPLATES:   # before the (possibly long) training
+            raise ValueError(f"unknown chat template {chat_template!r} (one of {', '.join(CHAT_TEMPLATES)})")
+        variant = "plain" if chat_template == "auto" else chat_template
+        extra = chat.TOKENS.get(variant, ()) + (("<|begin_of_text|>",) if variant == "llama3" else ())
         tk = HFTokenizer(models.BPE())
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tk.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                      special_tokens=["<|endoftext|>", "<|pad|>"],
+                                      special_tokens=["<|endoftext|>", "<|pad|>", *extra],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tk.train_from_iterator(_for_training(texts), trainer)
-        return cls(tk, "<|endoftext|>", "<|pad|>", "plain")
+        return cls(tk, "<|endoftext|>", "<|pad|>", variant, date_string)
 
     @classmethod
     def from_file(cls, path: str, eos_token: str = None, pad_token: str = None, chat_template: str = "auto",
