@@ -56,8 +56,18 @@ _CHATML_LITERALS = {"<|im_start|>", "<|im_end|>", "\n", "<|im_end|>\n", "<|im_st
                     "content", "system", "user", "assistant", ""}
 
 
+# ... and every name: a bos_token, a trim filter, a loop.first default would all change the rendering
+_CHATML_NAMES = {"for", "in", "endfor", "if", "endif", "message", "messages", "add_generation_prompt"}
+
+
 def _literals(text: str) -> set:
     return {(a or b).replace("\\n", "\n") for a, b in _LITERAL.findall(text)}
+
+
+def _names(text: str) -> set:
+    """Names used in the template's {{ }} and {% %} blocks (string literals removed)."""
+    blocks = re.findall(r"\{\{(.*?)\}\}|\{%(.*?)%\}", _LITERAL.sub("''", text), re.S)
+    return set(re.findall(r"[A-Za-z_]\w*", " ".join(a or b for a, b in blocks)))
 
 
 def detect(text: str) -> Tuple[Optional[str], Optional[str]]:
@@ -80,7 +90,7 @@ def detect(text: str) -> Tuple[Optional[str], Optional[str]]:
     if SMOLLM2_SYSTEM in text:
         return "smollm2", None
     lit = _literals(text)
-    if "<|im_start|>assistant\n" in lit and lit <= _CHATML_LITERALS:
+    if "<|im_start|>assistant\n" in lit and lit <= _CHATML_LITERALS and _names(text) <= _CHATML_NAMES:
         return "chatml", None
     return None, None
 

@@ -99,6 +99,25 @@ def test_detects_each_real_template():
         "llama3.1": ("llama3", "26 Jul 2024"), "llama3.2": ("llama3", None)}
 
 
+# the ChatML template of transformers' chat-template documentation
+GENERIC_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                  "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                  "{% endif %}")
+
+
+def test_generic_chatml_is_recognised_only_without_extra_rules():
+    tk = tiny_hf_tokenizer(CHATML_SPECIALS)
+    tok = Tokenizer(tk, "<|im_end|>", template_text=GENERIC_CHATML)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, chat_template=GENERIC_CHATML, eos_token="<|im_end|>")
+    assert tok.chat_template == "chatml"
+    for msgs in CONVERSATIONS.values():
+        assert tok.render_text(msgs, True) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    # a bos, a trim, or any other text would change the rendering: not taken as ChatML
+    for other in ("{{ bos_token }}" + GENERIC_CHATML, GENERIC_CHATML.replace("message['content']", "message['content']|trim"),
+                  GENERIC_CHATML.replace("{% for", "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% for")):
+        assert chat.detect(other) == (None, None)
+
+
 def test_loaded_tokenizer_knows_its_template_and_special_tokens(family):
     name, tok, _ = family
     variant = FAMILIES[name][0]
