@@ -5,13 +5,14 @@ recognises the family by the text (`detect`) and renders conversations with a Py
 rules (`render`), which the tests check against transformers' `apply_chat_template` on the real template
 texts. Only system / user / assistant messages are rendered (no tools), as the data format allows.
 
-| variant   | models           | shape of a turn                                                   | quirks                     |
-|-----------|------------------|-------------------------------------------------------------------|----------------------------|
-| `chatml`  | any ChatML       | `<|im_start|>{role}\\n{content}<|im_end|>\\n`                       | none                       |
-| `smollm2` | SmolLM2-Instruct | ChatML                                                            | default system prompt      |
-| `qwen2.5` | Qwen2.5-Instruct | ChatML                                                            | default system prompt      |
-| `qwen3`   | Qwen3            | ChatML                                                            | thinking blocks (below)    |
-| `llama3`  | Llama 3.1 / 3.2  | `<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>` | bos + dated system header  |
+| variant   | models           | turn                                                | quirks                    |
+|-----------|------------------|-----------------------------------------------------|---------------------------|
+| `chatml`  | any ChatML       | `<|im_start|>{role}\\n{content}<|im_end|>\\n`         | none                      |
+| `smollm2` | SmolLM2-Instruct | ChatML                                              | default system prompt     |
+| `qwen2.5` | Qwen2.5-Instruct | ChatML                                              | default system prompt     |
+| `qwen3`   | Qwen3            | ChatML                                              | thinking blocks (below)   |
+| `llama3`  | Llama 3.1 / 3.2  | `<|start_header_id|>{role}<|end_header_id|>\\n\\n`    | bos, dated system header  |
+|           |                  | `{content}<|eot_id|>`                               |                           |
 
 A rendering is a list of segments (text, trainable). Trainable segments are what the model must write
 after the generation prompt: an assistant turn's content and the end-of-turn token that closes it
@@ -189,29 +190,41 @@ def _with_default_system(text):
             + "<|im_end|>\\n' }}{%- endif %}" + _CHATML_LOOP)
 
 
-_QWEN3 = """{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}
+_QWEN3 = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}
 {%- set ns = namespace(last_query_index=messages|length - 1, found=false) %}
 {%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}
-{%- if not ns.found and message.role == 'user' and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-{%- set ns.found = true %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}
+    {%- if not ns.found and message.role == 'user' and not (message.content.startswith('<tool_response>')
+        and message.content.endswith('</tool_response>')) %}
+        {%- set ns.found = true %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}
 {%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- elif message.role == 'assistant' %}{%- set content = message.content %}{%- set reasoning_content = '' %}
-{%- if message.reasoning_content is defined and message.reasoning_content is not none %}{%- set reasoning_content = message.reasoning_content %}
-{%- elif '</think>' in message.content %}{%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}
-{%- set reasoning_content = message.content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}{%- endif %}
-{%- if loop.index0 > ns.last_query_index and (loop.last or (not loop.last and reasoning_content)) %}
-{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
-{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}
-{%- endif %}{%- endfor %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}{%- set content = message.content %}{%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in message.content %}
+            {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}
+            {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\\n')
+                .split('<think>')[-1].lstrip('\\n') %}{%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or (not loop.last and reasoning_content)) %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'
+                + content.lstrip('\\n') }}
+        {%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}{%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
 
 _LLAMA3 = """{{- bos_token }}
 {%- if not date_string is defined %}{%- set date_string = "DATE" %}{%- endif %}
-{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}{%- set messages = messages[1:] %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}{%- set messages = messages[1:] %}
 {%- else %}{%- set system_message = "" %}{%- endif %}
-{{- "<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: " + date_string + "\\n\\n" + system_message + "<|eot_id|>" }}
-{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content']|trim + '<|eot_id|>' }}{%- endfor %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: "
+    + date_string + "\\n\\n" + system_message + "<|eot_id|>" }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content']|trim + '<|eot_id|>' }}
+{%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"""
 
 

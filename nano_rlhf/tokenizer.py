@@ -160,7 +160,8 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception with a long message
             raise ValueError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
         folder = os.path.dirname(path)
-        cfg_path, jinja_path = os.path.join(folder, "tokenizer_config.json"), os.path.join(folder, "chat_template.jinja")
+        cfg_path = os.path.join(folder, "tokenizer_config.json")
+        jinja_path = os.path.join(folder, "chat_template.jinja")
         cfg = {}
         if os.path.isfile(cfg_path):
             try:

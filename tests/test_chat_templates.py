@@ -113,7 +113,8 @@ def test_generic_chatml_is_recognised_only_without_extra_rules():
     for msgs in CONVERSATIONS.values():
         assert tok.render_text(msgs, True) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     # a bos, a trim, or any other text would change the rendering: not taken as ChatML
-    for other in ("{{ bos_token }}" + GENERIC_CHATML, GENERIC_CHATML.replace("message['content']", "message['content']|trim"),
+    trim = GENERIC_CHATML.replace("message['content']", "message['content']|trim")
+    for other in ("{{ bos_token }}" + GENERIC_CHATML, trim,
                   GENERIC_CHATML.replace("{% for", "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% for")):
         assert chat.detect(other) == (None, None)
 
@@ -162,7 +163,8 @@ def test_loss_mask_is_assistant_content_and_end_of_turn(family, conv):
     for k in range(len(ids)):   # every trained span ends with end-of-turn, and what follows it carries no loss
         if mask[k] and (k + 1 == len(ids) or not mask[k + 1]):
             assert ids[k] == tok.eot_id
-            assert k + 1 == len(ids) or tok.tk.decode(ids[k + 1:k + 2], skip_special_tokens=False) in ("\n", "<|start_header_id|>")
+            after = tok.tk.decode(ids[k + 1:k + 2], skip_special_tokens=False)
+            assert k + 1 == len(ids) or after in ("\n", "<|start_header_id|>")
     if FAMILIES[name][0] != "llama3":   # ChatML writes "\n" after <|im_end|>, untrained
         assert ids[-1] == tok.encode("\n")[0] and mask[-1] == 0 and ids[-2] == tok.eot_id and mask[-2] == 1
 
