@@ -185,14 +185,16 @@ class Tokenizer:
         if os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 text = f.read()
-        add_bos = cfg.get("add_bos_token")
+        add_bos, saved_date = cfg.get("add_bos_token"), cfg.get("date_string")
+        # the date a Llama 3 run rendered with (save() keeps it), so later stages render the same header
+        date_string = date_string or (saved_date if isinstance(saved_date, str) else None)
         return cls(tk, eos_token, pad_token, chat_template, date_string, template_text=text,
                    bos_token=name(cfg.get("bos_token")), add_bos_token=add_bos if isinstance(add_bos, bool) else None)
 
     def save(self, path: str):
         """Write tokenizer.json and, beside it, tokenizer_config.json naming the special tokens and holding the
-        chat template text (the tokenizer's own, or one that renders like the chosen variant; none for plain),
-        so later stages, and transformers' AutoTokenizer and its apply_chat_template, know them without
+        chat template text (the tokenizer's own, or one that renders like the chosen variant; none for plain)
+        and a Llama 3 `date_string`, so later stages, and transformers' AutoTokenizer and its apply_chat_template, know them without
         options. Each file is replaced atomically; a chat_template.jinja beside it (which would take
         precedence) is removed."""
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token,
@@ -200,6 +202,8 @@ class Tokenizer:
                "pad_token": self.pad_token if self.pad_id < self.vocab_size else None}
         if self._add_bos_cfg is not None:
             cfg["add_bos_token"] = self._add_bos_cfg
+        if self.date_string:
+            cfg["date_string"] = self.date_string
         if self.chat_template != "plain":
             cfg["chat_template"] = self.template_text or chat.template_text(self.chat_template, self.date_string)
         folder = os.path.dirname(path)

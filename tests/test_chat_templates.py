@@ -263,8 +263,8 @@ def test_chat_template_list_form_and_jinja_file(tmp_path):
 @pytest.mark.parametrize("variant", ["chatml", "smollm2", "qwen2.5", "qwen3", "llama3"])
 @pytest.mark.parametrize("from_text", [True, False])
 def test_save_load_roundtrip_and_autotokenizer(tmp_path, variant, from_text):
-    """The saved directory keeps the variant, the special tokens and a template text (the loaded one, or ours
-    for a variant named by option) that AutoTokenizer's apply_chat_template renders exactly as we do."""
+    """The saved directory keeps the variant, the special tokens, the date and a template text (the loaded one,
+    or ours for a variant named by option) that AutoTokenizer's apply_chat_template renders exactly as we do."""
     llama = variant == "llama3"
     tk = tiny_hf_tokenizer(LLAMA_SPECIALS if llama else CHATML_SPECIALS)
     text = template({"chatml": "smollm2", "llama3": "llama3.2"}.get(variant, variant)) if from_text else None
@@ -275,8 +275,8 @@ def test_save_load_roundtrip_and_autotokenizer(tmp_path, variant, from_text):
                     bos_token="<|begin_of_text|>" if llama else None)
     assert tok.chat_template == variant
     tok.save(str(tmp_path / "out" / "tokenizer.json"))
-    again = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"), date_string=DATE if llama else None)
-    assert again.info() == tok.info()
+    again = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))   # Llama 3: the saved date too
+    assert again.info() == tok.info() and again.date_string == (DATE if llama else None)
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     assert (hf.eos_token, hf.pad_token, hf.bos_token) == (tok.eos_token, tok.pad_token, tok.bos_token)
     kw = {"date_string": DATE} if llama and from_text else {}   # our own text already defaults to tok.date_string
