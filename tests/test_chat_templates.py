@@ -287,3 +287,21 @@ def test_save_load_roundtrip_and_autotokenizer(tmp_path, variant, from_text):
     qwen3_think = [U1, {"role": "assistant", "content": "<think>x</think>A."}, U2, A2]
     if variant == "qwen3":
         assert hf.apply_chat_template(qwen3_think, tokenize=False) == tok.render_text(qwen3_think)
+
+
+@pytest.mark.parametrize("content", ["  Two\nlines.  ", "ends with newlines\n\n", "Ünïcödé ✓ 123456",
+                                     "\nstarts with a newline"])
+def test_whitespace_and_unicode_content(family, content):
+    """Llama trims contents, ChatML keeps them: texts always equal apply_chat_template's. Ids too, except at
+    the seam rule's one visible cost: a ChatML assistant content that starts with a newline is tokenized apart
+    from the generation prompt's newline (apply_chat_template may merge the two into one token)."""
+    name, tok, hf = family
+    msgs = [{"role": "system", "content": " sys "}, {"role": "user", "content": "  spaced  "},
+            {"role": "assistant", "content": content}]
+    assert tok.render_text(msgs) == hf_render(hf, name, msgs, False)
+    ids = tok.encode_conversation(msgs)[0]
+    assert tok.tk.decode(ids, skip_special_tokens=False) == hf_render(hf, name, msgs, False)
+    if not (content.startswith("\n") and name in ("smollm2", "qwen2.5")):
+        assert ids == hf_render(hf, name, msgs, False, tokenize=True)
+    else:
+        assert ids[:len(tok.render_prompt(msgs[:2]))] == tok.render_prompt(msgs[:2])
