@@ -194,9 +194,9 @@ class Tokenizer:
     def save(self, path: str):
         """Write tokenizer.json and, beside it, tokenizer_config.json naming the special tokens and holding the
         chat template text (the tokenizer's own, or one that renders like the chosen variant; none for plain)
-        and a Llama 3 `date_string`, so later stages, and transformers' AutoTokenizer and its apply_chat_template, know them without
-        options. Each file is replaced atomically; a chat_template.jinja beside it (which would take
-        precedence) is removed."""
+        and a Llama 3 `date_string`, so later stages, and transformers' AutoTokenizer and its
+        apply_chat_template, know them without options. Each file is replaced atomically; a
+        chat_template.jinja beside it (which would take precedence) is removed."""
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token,
                "bos_token": self.bos_token,
                "pad_token": self.pad_token if self.pad_id < self.vocab_size else None}
