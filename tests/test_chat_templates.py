@@ -71,13 +71,10 @@ def tiny_hf_tokenizer(specials, bos=None):
     return tk
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
+def build(name, d):
     """(name, our Tokenizer loaded from a HF-style directory, transformers tokenizer with the same template)."""
-    name = request.param
     variant, specials, cfg = FAMILIES[name]
     tk = tiny_hf_tokenizer(specials, cfg["bos_token"] if variant == "llama3" else None)
-    d = tmp_path_factory.mktemp(name)
     tk.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps(
         dict(cfg, tokenizer_class="PreTrainedTokenizerFast", chat_template=template(name))))
@@ -85,6 +82,11 @@ def family(request, tmp_path_factory):
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, chat_template=template(name),
                                               **{k: v for k, v in cfg.items() if v})
     return name, ours, hf
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    return build(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def hf_render(hf, name, msgs, gen, tokenize=False):
@@ -189,10 +191,8 @@ def test_prompt_response_split_is_the_whole_rendering(family, prompt, response):
         assert mask == [0] * len(p) + [1] * (len(ids) - len(p))
 
 
-def test_qwen3_strips_thinking_from_earlier_turns_and_adds_it_to_the_last(family):
-    name, tok, hf = family
-    if name != "qwen3":
-        pytest.skip("Qwen3 only")
+def test_qwen3_strips_thinking_from_earlier_turns_and_adds_it_to_the_last(tmp_path):
+    name, tok, hf = build("qwen3", tmp_path)
     msgs = [U1, {"role": "assistant", "content": "<think>\nthe screen is big\n</think>\n\nThe screen is great."},
             U2, {"role": "assistant", "content": "<think>loud?</think>Quiet."}]
     for gen, conv in ((False, msgs), (True, msgs[:3])):
@@ -305,3 +305,17 @@ def test_whitespace_and_unicode_content(family, content):
         assert ids == hf_render(hf, name, msgs, False, tokenize=True)
     else:
         assert ids[:len(tok.render_prompt(msgs[:2]))] == tok.render_prompt(msgs[:2])
+
+
+def test_explicit_variant_overrides_the_tokenizers_template(tmp_path):
+    """--chat_template chatml on a Qwen3 directory: no thinking blocks, no default system prompt, and the saved
+    directory holds a template that renders like chatml (not Qwen3's own text)."""
+    _, qwen3, _ = build("qwen3", tmp_path / "src")
+    tok = Tokenizer.from_file(str(tmp_path / "src" / "tokenizer.json"), chat_template="chatml")
+    assert tok.chat_template == "chatml" and tok.template_text is None and tok.stop_ids == qwen3.stop_ids
+    msgs = CONVERSATIONS["multi_turn"]
+    assert "<think>" in qwen3.render_text(msgs) and "<think>" not in tok.render_text(msgs)
+    tok.save(str(tmp_path / "out" / "tokenizer.json"))
+    saved = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
+    assert saved == chat.template_text("chatml") and chat.detect(saved) == ("chatml", None)
+    assert Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).chat_template == "chatml"
