@@ -75,6 +75,7 @@ def build(name, d):
     """(name, our Tokenizer loaded from a HF-style directory, transformers tokenizer with the same template)."""
     variant, specials, cfg = FAMILIES[name]
     tk = tiny_hf_tokenizer(specials, cfg["bos_token"] if variant == "llama3" else None)
+    d.mkdir(parents=True, exist_ok=True)
     tk.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps(
         dict(cfg, tokenizer_class="PreTrainedTokenizerFast", chat_template=template(name))))
