@@ -122,7 +122,8 @@ class Tokenizer:
         vocab = self.tk.get_vocab(with_added_tokens=True)
         for t in chat.TOKENS.get(chat_template, ()):
             if t not in vocab or self.encode(t) != [vocab[t]]:
-                raise ValueError(f"chat template {chat_template}: {t} is not a special token of the tokenizer")
+                raise ValueError(f"chat template {chat_template}: {t} is not a special token of the tokenizer "
+                                 "(--chat_template plain renders without it)")
         self.eot_token = chat.END_OF_TURN.get(chat_template, self.eos_token)
         self.eot_id = vocab[self.eot_token]
         self.stop_ids = sorted({self.eos_id, self.eot_id})

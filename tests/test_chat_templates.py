@@ -4,6 +4,7 @@ that have each family's special tokens."""
 import datetime
 import json
 import os
+import re
 
 import pytest
 from tokenizers import Regex
@@ -244,7 +245,7 @@ def test_unknown_template_falls_back_to_plain_with_a_notice(capsys):
 
 def test_explicit_variant_needs_the_family_tokens():
     tk = tiny_hf_tokenizer(["<|endoftext|>"])
-    with pytest.raises(ValueError, match="chat template llama3: <|start_header_id|> is not a special token"):
+    with pytest.raises(ValueError, match=re.escape("chat template llama3: <|start_header_id|> is not a special")):
         Tokenizer(tk, chat_template="llama3")
     with pytest.raises(ValueError, match="unknown chat template 'chatml3'"):
         Tokenizer(tk, chat_template="chatml3")
