@@ -1,44 +1,83 @@
-"""Tokenizer: a thin wrapper over `tokenizers.Tokenizer` with the one chat template nano_rlhf uses.
+"""Tokenizer: a thin wrapper over `tokenizers.Tokenizer` with the chat templates nano_rlhf renders.
 
-Special tokens. End-of-text closes every response (and every assistant turn) and is what generation
-stops on. Pad is a *different* id, used only to fill batches and always masked: if pad were the
-end-of-text id, masking pads would also mask the real end-of-text and the model would never learn to
-stop (huggingface/trl#1623). A tokenizer trained here has `<|endoftext|>` = 0 and `<|pad|>` = 1. A
-loaded tokenizer.json without a pad token (GPT-2's) gets pad id = vocabulary size, an id outside the
-vocabulary that the model replaces before its embedding lookup, so no embedding is resized.
+Special tokens. End-of-text (eos) closes every plain-text response and is what generation stops on. Pad
+is a *different* id, used only to fill batches and always masked: if pad were the end-of-text id, masking
+pads would also mask the real end-of-text and the model would never learn to stop (huggingface/trl#1623).
+A tokenizer trained here has `<|endoftext|>` = 0 and `<|pad|>` = 1. A loaded tokenizer.json without a pad
+token (GPT-2's) gets pad id = vocabulary size, an id outside the vocabulary that the model replaces before
+its embedding lookup, so no embedding is resized. A HF tokenizer directory's tokenizer_config.json names
+bos / eos / pad (and `add_bos_token`); a pad equal to eos there is not taken.
 
-Chat template (conversational data). Each message is rendered as
+Chat templates (conversational data), chosen with `chat_template`:
+- `plain` (models without a template; a trained tokenizer): each message is rendered as
 
-    system:     "System: {content}\\n"
-    user:       "User: {content}\\n"
-    assistant:  "Assistant:" + " {content}" + <|endoftext|>
+      system:     "System: {content}\\n"
+      user:       "User: {content}\\n"
+      assistant:  "Assistant:" + " {content}" + <|endoftext|>
 
-Only " {content}" + <|endoftext|> of assistant turns carries loss; a prompt for generation ends with
-"Assistant:" and the model continues with " {content}<|endoftext|>". The template is plain text, so it
-works with any tokenizer.json, GPT-2's included.
+  Only " {content}" + <|endoftext|> of assistant turns carries loss; a prompt for generation ends with
+  "Assistant:". The template is plain text, so it works with any tokenizer.json, GPT-2's included.
+- `chatml`, `smollm2`, `qwen2.5`, `qwen3`, `llama3`: rendered exactly as transformers' apply_chat_template
+  renders those families' own templates (nano_rlhf/chat.py). The template's end-of-turn token
+  (`<|im_end|>`, `<|eot_id|>`) closes each assistant turn and carries its last loss; ChatML's "\\n" after
+  it carries none. Generation stops on `stop_ids` (eos and end-of-turn).
+- `auto` (default): the variant recognised from the tokenizer's own template text (tokenizer_config.json
+  `chat_template`, or chat_template.jinja beside it); an unrecognised template falls back to `plain`
+  with a one-line notice; no template at all is `plain`.
 
 Seam rule. Prompt and response are tokenized *separately* and their ids concatenated; the joined string
 is never re-tokenized, so a BPE merge can never straddle the boundary and shift the loss mask (TRL#1679).
+A response in conversational form starts right after the generation prompt and ends with the end-of-turn
+token; a plain-text response ends with eos.
 """
 import json
 import os
+import re
+import sys
 from typing import List, Sequence, Tuple, Union
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from . import chat
+
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
-PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
+PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>")
 ROLES = ("system", "user", "assistant")
 ROLE_HEADER = {"system": "System: ", "user": "User: "}
 ASSISTANT_HEADER = "Assistant:"
+CHAT_TEMPLATES = chat.VARIANTS
+# BPE training cost grows with the square of a pre-tokenized word's length: a 10-MB single-word line
+# never finishes. So the trainer sees at most TRAIN_MAX_CHARS of each text, with runs of non-space (or
+# of space) cut into pieces of at most TRAIN_MAX_WORD characters.
+TRAIN_MAX_CHARS = 100_000
+TRAIN_MAX_WORD = 256
+_LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (TRAIN_MAX_WORD + 1, TRAIN_MAX_WORD + 1))
 
 Messages = List[dict]
 Text = Union[str, Messages]
 
 
+def _for_training(texts):
+    """What the BPE trainer sees of `texts`: each capped and its over-long runs split (see TRAIN_MAX_*)."""
+    for t in texts:
+        t, start = t[:TRAIN_MAX_CHARS], 0
+        for m in _LONG_RUN.finditer(t):
+            if m.start() > start:
+                yield t[start:m.start()]
+            for i in range(m.start(), m.end(), TRAIN_MAX_WORD):
+                yield t[i:min(i + TRAIN_MAX_WORD, m.end())]
+            start = m.end()
+        if start < len(t):
+            yield t[start:] if start else t
+
+
 class Tokenizer:
-    def __init__(self, tk: HFTokenizer, eos_token: str = None, pad_token: str = None):
+    def __init__(self, tk: HFTokenizer, eos_token: str = None, pad_token: str = None, chat_template: str = "auto",
+                 date_string: str = None, *, template_text: str = None, bos_token: str = None,
+                 add_bos_token: bool = None):
+        """`template_text`: the tokenizer's own Jinja chat template (kept and saved when its variant is used);
+        `add_bos_token`: whether plain text starts with bos (None: as the tokenizer.json post-processor does)."""
         self.tk = tk
         vocab = tk.get_vocab(with_added_tokens=True)
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
@@ -54,81 +93,199 @@ class Tokenizer:
         self.pad_id = vocab[pad_token] if pad_token in vocab else self.vocab_size  # outside the vocabulary
         if self.pad_id == self.eos_id:
             raise ValueError("pad and end-of-text must be different tokens")
+        self._init_template(chat_template, template_text, date_string)
+        if self.chat_template == "llama3" and bos_token is None and "<|begin_of_text|>" in vocab:
+            bos_token = "<|begin_of_text|>"
+        self.bos_token = bos_token if bos_token in vocab else None
+        self.bos_id = vocab.get(self.bos_token)
+        self._add_bos_cfg = add_bos_token
+        if add_bos_token is None and self.bos_id is not None:   # what the tokenizer's post-processor does
+            add_bos_token = tk.encode("a", add_special_tokens=True).ids[:1] == [self.bos_id] != \
+                tk.encode("a", add_special_tokens=False).ids[:1]
+        self.add_bos = bool(add_bos_token) and self.bos_id is not None
+
+    def _init_template(self, chat_template, text, date_string):
+        if chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"unknown chat template {chat_template!r} (one of {', '.join(CHAT_TEMPLATES)})")
+        found, default_date = chat.detect(text) if text else (None, None)
+        if chat_template == "auto":
+            if text and not found:
+                print("note: the tokenizer's chat template is not one nano_rlhf renders (chatml, smollm2, qwen2.5, "
+                      "qwen3, llama3); using the plain template (--chat_template names one)", file=sys.stderr)
+            chat_template = found or "plain"
+        self.chat_template = chat_template
+        # the loaded text is kept (and saved) only when it is the template we render
+        self.template_text = text if found == chat_template else None
+        self.date_string = None
+        if chat_template == "llama3":
+            self.date_string = date_string or (default_date if self.template_text else None) or chat.today()
+        vocab = self.tk.get_vocab(with_added_tokens=True)
+        for t in chat.TOKENS.get(chat_template, ()):
+            if t not in vocab or self.encode(t) != [vocab[t]]:
+                raise ValueError(f"chat template {chat_template}: {t} is not a special token of the tokenizer "
+                                 "(--chat_template plain renders without it)")
+        self.eot_token = chat.END_OF_TURN.get(chat_template, self.eos_token)
+        self.eot_id = vocab[self.eot_token]
+        self.stop_ids = sorted({self.eos_id, self.eot_id})
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def train(cls, texts, vocab_size: int = 1024, min_frequency: int = 2) -> "Tokenizer":
-        """Train a byte-level BPE (GPT-2 style) with <|endoftext|> = 0 and <|pad|> = 1."""
+    def train(cls, texts, vocab_size: int = 1024, min_frequency: int = 2, chat_template: str = "plain",
+              date_string: str = None) -> "Tokenizer":
+        """Train a byte-level BPE (GPT-2 style) with <|endoftext|> = 0 and <|pad|> = 1, then the special tokens
+        of `chat_template` ("auto" = plain). The trainer sees at most TRAIN_MAX_CHARS characters of each text,
+        with runs longer than TRAIN_MAX_WORD characters cut into pieces: BPE training time grows with the
+        square of a word's length, and one 10-MB single-word line never finished."""
+        if chat_template not in CHAT_TEMPLATES:   # before the (possibly long) training
+            raise ValueError(f"unknown chat template {chat_template!r} (one of {', '.join(CHAT_TEMPLATES)})")
+        variant = "plain" if chat_template == "auto" else chat_template
+        extra = chat.TOKENS.get(variant, ()) + (("<|begin_of_text|>",) if variant == "llama3" else ())
         tk = HFTokenizer(models.BPE())
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tk.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                      special_tokens=["<|endoftext|>", "<|pad|>"],
+                                      special_tokens=["<|endoftext|>", "<|pad|>", *extra],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tk.train_from_iterator(texts, trainer)
-        return cls(tk, "<|endoftext|>", "<|pad|>")
+        tk.train_from_iterator(_for_training(texts), trainer)
+        return cls(tk, "<|endoftext|>", "<|pad|>", variant, date_string)
 
     @classmethod
-    def from_file(cls, path: str, eos_token: str = None, pad_token: str = None) -> "Tokenizer":
-        """Load a tokenizer.json. Special tokens not named here (--eos_token / --pad_token) are taken from a
-        tokenizer_config.json beside it (HF's convention; save() writes one), else found by their usual names."""
+    def from_file(cls, path: str, eos_token: str = None, pad_token: str = None, chat_template: str = "auto",
+                  date_string: str = None) -> "Tokenizer":
+        """Load a tokenizer.json. Beside it, a tokenizer_config.json (HF's convention; save() writes one) names
+        the special tokens not named here (--eos_token / --pad_token; else they are found by their usual
+        names) and may hold the chat template (`chat_template`: a string, or a list of {name, template} of
+        which "default" is taken); a chat_template.jinja beside it takes precedence, as in transformers."""
         try:
             tk = HFTokenizer.from_file(path)
         except Exception as e:  # tokenizers raises a bare Exception with a long message
             raise ValueError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
-        cfg_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        folder = os.path.dirname(path)
+        cfg_path = os.path.join(folder, "tokenizer_config.json")
+        jinja_path = os.path.join(folder, "chat_template.jinja")
+        cfg = {}
         if os.path.isfile(cfg_path):
             try:
-                with open(cfg_path) as f:
+                with open(cfg_path, encoding="utf-8") as f:
                     cfg = json.load(f)
             except (OSError, ValueError) as e:
                 raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-            name = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731  (HF: str or AddedToken)
-            cfg_eos, cfg_pad = name(cfg.get("eos_token")), name(cfg.get("pad_token"))
-            eos_token = eos_token or cfg_eos
-            # many HF configs set pad = eos; nano_rlhf needs a distinct pad, so such a pad is not taken
-            if not pad_token and cfg_pad and cfg_pad != eos_token:
-                pad_token = cfg_pad
-        return cls(tk, eos_token, pad_token)
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+        name = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731  (HF: str or AddedToken)
+        cfg_eos, cfg_pad = name(cfg.get("eos_token")), name(cfg.get("pad_token"))
+        eos_token = eos_token or cfg_eos
+        # many HF configs set pad = eos; nano_rlhf needs a distinct pad, so such a pad is not taken
+        if not pad_token and cfg_pad and cfg_pad != eos_token:
+            pad_token = cfg_pad
+        text = cfg.get("chat_template")
+        if isinstance(text, list):
+            text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"), None)
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{cfg_path}: 'chat_template' must be a string or a list of {{name, template}}")
+        if os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                text = f.read()
+        add_bos, saved_date = cfg.get("add_bos_token"), cfg.get("date_string")
+        # the date a Llama 3 run rendered with (save() keeps it), so later stages render the same header
+        date_string = date_string or (saved_date if isinstance(saved_date, str) else None)
+        return cls(tk, eos_token, pad_token, chat_template, date_string, template_text=text,
+                   bos_token=name(cfg.get("bos_token")), add_bos_token=add_bos if isinstance(add_bos, bool) else None)
 
     def save(self, path: str):
-        """Write tokenizer.json and, beside it, tokenizer_config.json naming the special tokens (so later stages,
-        and transformers' AutoTokenizer, know them without options). Each file is replaced atomically."""
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token, "bos_token": self.eos_token,
+        """Write tokenizer.json and, beside it, tokenizer_config.json naming the special tokens and holding the
+        chat template text (the tokenizer's own, or one that renders like the chosen variant; none for plain)
+        and a Llama 3 `date_string`, so later stages, and transformers' AutoTokenizer and its
+        apply_chat_template, know them without options. Each file is replaced atomically; a
+        chat_template.jinja beside it (which would take precedence) is removed."""
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token,
+               "bos_token": self.bos_token,
                "pad_token": self.pad_token if self.pad_id < self.vocab_size else None}
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if self._add_bos_cfg is not None:
+            cfg["add_bos_token"] = self._add_bos_cfg
+        if self.date_string:
+            cfg["date_string"] = self.date_string
+        if self.chat_template != "plain":
+            cfg["chat_template"] = self.template_text or chat.template_text(self.chat_template, self.date_string)
+        folder = os.path.dirname(path)
+        os.makedirs(folder or ".", exist_ok=True)
 
         def write_config(p):
-            with open(p, "w") as f:
+            with open(p, "w", encoding="utf-8") as f:
                 f.write(json.dumps(cfg, indent=2) + "\n")
-        for target, write in ((path, self.tk.save),
-                              (os.path.join(os.path.dirname(path), "tokenizer_config.json"), write_config)):
+        for target, write in ((path, self.tk.save), (os.path.join(folder, "tokenizer_config.json"), write_config)):
             tmp = f"{target}.tmp{os.getpid()}"
             write(tmp)
             os.replace(tmp, target)
+        stale = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(stale):
+            os.remove(stale)
 
     # ---- plain text ---------------------------------------------------------------------------
     def encode(self, text: str) -> List[int]:
         return self.tk.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ids up to (not including) the first end-of-text; pads dropped."""
+        """Text of ids up to (not including) the first stop id (eos or end-of-turn); pads dropped."""
         ids = list(ids)
-        if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
-        return self.tk.decode([i for i in ids if i != self.pad_id and i < self.vocab_size],
+        cut = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return self.tk.decode([i for i in ids[:cut] if i != self.pad_id and i < self.vocab_size],
                               skip_special_tokens=False)
 
+    def _with_bos(self, ids: List[int]) -> List[int]:
+        """Plain text starts with bos when the tokenizer adds one (never twice)."""
+        return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
+
+    def encode_text(self, text: str) -> List[int]:
+        """A whole training document ({"text"} rows): [bos] + text + eos."""
+        return self._with_bos(self.encode(text)) + [self.eos_id]
+
     # ---- chat template ------------------------------------------------------------------------
+    def _segments(self, messages: Messages, add_generation_prompt: bool):
+        return chat.render(self.chat_template, messages, add_generation_prompt, self.bos_token or "",
+                           self.date_string)
+
+    def _encode_segments(self, segs) -> Tuple[List[int], List[int]]:
+        """Consecutive segments with the same loss flag are tokenized as one string (as apply_chat_template
+        tokenizes the whole text; special tokens split it anyway), a change of flag is a seam."""
+        ids, mask, i = [], [], 0
+        while i < len(segs):
+            j = i
+            while j < len(segs) and segs[j][1] == segs[i][1]:
+                j += 1
+            part = self.encode("".join(s for s, _ in segs[i:j]))
+            ids += part
+            mask += [int(segs[i][1])] * len(part)
+            i = j
+        return ids, mask
+
+    def render_text(self, messages: Messages, add_generation_prompt: bool = False) -> str:
+        """The rendered conversation as text (what apply_chat_template(tokenize=False) gives)."""
+        if self.chat_template == "plain":
+            ids, _ = self.encode_conversation(messages)
+            return self.tk.decode(ids + (self.encode(ASSISTANT_HEADER) if add_generation_prompt else []),
+                                  skip_special_tokens=False)
+        return "".join(s for s, _ in self._segments(messages, add_generation_prompt))
+
     def render_prompt(self, prompt: Text) -> List[int]:
-        """Ids of a prompt: a string as is; a message list through the template plus "Assistant:"."""
+        """Ids of a prompt: a string as is (after bos if the tokenizer adds one); a message list through the
+        template plus the generation prompt ("Assistant:" for plain)."""
         if isinstance(prompt, str):
-            return self.encode(prompt)
+            return self._with_bos(self.encode(prompt))
+        if self.chat_template != "plain":
+            return self._encode_segments(self._segments(prompt, True))[0]
         ids, _ = self.encode_conversation(prompt)
         return ids + self.encode(ASSISTANT_HEADER)
 
     def encode_conversation(self, messages: Messages) -> Tuple[List[int], List[int]]:
-        """Ids and loss mask of a whole conversation; the mask is 1 on assistant content + end-of-text."""
+        """Ids and loss mask of a whole conversation; the mask is 1 on assistant content + end-of-turn."""
+        if self.chat_template != "plain":
+            return self._encode_segments(self._segments(messages, False))
+        ids, mask = self._plain(messages)
+        bos = self._with_bos([])
+        return bos + ids, [0] * len(bos) + mask
+
+    def _plain(self, messages: Messages) -> Tuple[List[int], List[int]]:
         ids, mask = [], []
         for m in messages:
             if m["role"] == "assistant":
@@ -142,32 +299,51 @@ class Tokenizer:
                 mask += [0] * len(seg)
         return ids, mask
 
+    def _response(self, response: Messages) -> Tuple[List[int], List[int]]:
+        """Ids and mask of assistant messages following a prompt: from after the generation prompt to the
+        last end-of-turn. Rendered after a stand-in user turn, so rules that look at the position (Qwen3's
+        final-turn thinking block, Llama's system header) apply as after a real prompt."""
+        if self.chat_template == "plain":
+            ids, mask = self._plain(response)
+            if response and response[0]["role"] == "assistant":  # the prompt already ends with "Assistant:"
+                head = len(self.encode(ASSISTANT_HEADER))
+                ids, mask = ids[head:], mask[head:]
+            return ids, mask
+        user = [{"role": "user", "content": "?"}]
+        segs = self._segments(user + response, False)
+        k = len(self._segments(user, True))
+        head = "".join(s for s, _ in self._segments(user, True))
+        if "".join(s for s, _ in segs[:k]) != head:   # the generation prompt must be a prefix of the turn
+            raise ValueError(f"chat template {self.chat_template}: a prompt's rendering is not a prefix of the "
+                             "conversation's rendering")
+        segs = segs[k:]
+        while segs and not segs[-1][1]:                # the response ends with its end-of-turn token
+            segs = segs[:-1]
+        return self._encode_segments(segs)
+
     def encode_response(self, response: Text) -> List[int]:
-        """Ids of a response (a string, or a list of assistant messages), ending with end-of-text."""
+        """Ids of a response: a string + eos; a list of assistant messages as rendered after the generation
+        prompt, ending with the end-of-turn token."""
         if isinstance(response, str):
             return self.encode(response) + [self.eos_id]
-        ids, _ = self.encode_conversation(response)
-        # the prompt already ends with "Assistant:"; drop that header from the first assistant turn
-        head = len(self.encode(ASSISTANT_HEADER))
-        return ids[head:] if response and response[0]["role"] == "assistant" else ids
+        return self._response(response)[0]
 
     def encode_prompt_response(self, prompt: Text, response: Text) -> Tuple[List[int], List[int]]:
-        """ids = prompt ids + response ids (+ end-of-text), tokenized separately (the seam rule);
-        mask = 0 on the prompt, 1 on the response and its end-of-text (for a multi-message response,
-        1 on assistant content only)."""
+        """ids = prompt ids + response ids, tokenized separately (the seam rule); mask = 0 on the prompt, 1 on
+        the response and its closing eos / end-of-turn (for a multi-message response, 1 on assistant content
+        + end-of-turn only)."""
         p = self.render_prompt(prompt)
         if isinstance(response, str):
             r = self.encode_response(response)
             return p + r, [0] * len(p) + [1] * len(r)
-        ids, mask = self.encode_conversation(response)
-        if response and response[0]["role"] == "assistant":
-            head = len(self.encode(ASSISTANT_HEADER))
-            ids, mask = ids[head:], mask[head:]
+        ids, mask = self._response(response)
         return p + ids, [0] * len(p) + mask
 
     def info(self) -> dict:
         return {"vocab_size": self.vocab_size, "eos_token": self.eos_token, "eos_id": self.eos_id,
-                "pad_token": self.pad_token, "pad_id": self.pad_id}
+                "pad_token": self.pad_token, "pad_id": self.pad_id, "bos_token": self.bos_token,
+                "chat_template": self.chat_template, "eot_token": self.eot_token, "stop_ids": self.stop_ids,
+                "date_string": self.date_string}
 
     def __repr__(self):
         return f"Tokenizer({json.dumps(self.info())})"

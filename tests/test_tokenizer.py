@@ -138,3 +138,68 @@ def test_scripts_take_eos_and_pad_names(tmp_path):
     from nano_rlhf.model import GPT
     m = GPT.from_pretrained(str(tmp_path / "sft"))
     assert (m.cfg.eos_token_id, m.cfg.pad_token_id) == (0, 1)
+
+
+def test_training_on_one_huge_word_finishes(tmp_path):
+    """Issue 11: BPE training time grows with the square of a word's length, and a 10-MB single-word line
+    hung. The trainer now sees capped texts with long runs cut; a 2-MB word must train in seconds."""
+    from nano_rlhf.tokenizer import TRAIN_MAX_CHARS, TRAIN_MAX_WORD, _for_training
+    word = "".join("abcdefghij"[(i * 7 + i // 3) % 10] for i in range(2_000_000))
+    pieces = list(_for_training([word]))
+    assert max(map(len, pieces)) <= TRAIN_MAX_WORD and "".join(pieces) == word[:TRAIN_MAX_CHARS]
+    long_runs = "a " + "x" * 300 + " " * 600 + "y"
+    assert list(_for_training([long_runs])) == ["a ", "x" * 256, "x" * 44, " " * 256, " " * 256, " " * 88, "y"]
+    assert list(_for_training(["the motor is great.\n"])) == ["the motor is great.\n"]   # normal text untouched
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from nano_rlhf.tokenizer import Tokenizer; "
+              "w = ''.join('abcdefghij'[(i * 7 + i // 3) % 10] for i in range(2_000_000)); "
+              "t = Tokenizer.train([w, 'the motor is great'], vocab_size=300); print(t.vocab_size)")
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and int(p.stdout) > 256, p.stderr
+
+
+def test_bad_tokenizer_config_is_one_line_error_naming_it(tmp_path):
+    path = custom_tokenizer_file(tmp_path / "tokenizer.json", specials=("<|endoftext|>",))
+    for text, what in (("{not json", "not valid JSON"), ("[1, 2]", "expected a JSON object, got list"),
+                       ('{"chat_template": 3}', "'chat_template' must be a string")):
+        (tmp_path / "tokenizer_config.json").write_text(text)
+        with pytest.raises(ValueError) as e:
+            Tokenizer.from_file(path)
+        msg = str(e.value)
+        assert msg.startswith(str(tmp_path / "tokenizer_config.json")) and what in msg and "\n" not in msg
+
+
+def test_bos_for_plain_text_when_the_tokenizer_adds_one(tmp_path):
+    """A tokenizer.json whose post-processor prepends bos (Llama 3's): plain-text prompts and documents start
+    with bos, never twice; responses never; tokenizer_config.json's add_bos_token overrides."""
+    from tokenizers import processors
+    path = custom_tokenizer_file(tmp_path / "tokenizer.json", specials=("<|begin_of_text|>", "<|end_of_text|>"))
+    tk = HFTokenizer.from_file(path)
+    tk.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                      special_tokens=[("<|begin_of_text|>", 0)])
+    tk.save(path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>"}))
+    tok = Tokenizer.from_file(path)
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (0, 1, True)
+    p = tok.encode("the motor")
+    assert tok.render_prompt("the motor") == [0] + p and tok.render_prompt("<|begin_of_text|>the motor") == [0] + p
+    assert tok.encode_prompt_response("the motor", " is great")[0] == [0] + p + tok.encode(" is great") + [1]
+    assert tok.encode_text("the motor") == [0] + p + [1]
+    ids, mask = tok.encode_conversation([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    assert ids[0] == 0 and ids.count(0) == 1 and mask[0] == 0
+    assert tok.encode_response([{"role": "assistant", "content": "yo"}]) == tok.encode(" yo") + [1]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                                "add_bos_token": False}))
+    assert Tokenizer.from_file(path).render_prompt("the motor") == p
+
+
+def test_trained_tokenizer_with_a_chat_template_has_its_tokens():
+    t = Tokenizer.train(["the motor is great"] * 20, vocab_size=300, chat_template="chatml")
+    assert t.chat_template == "chatml" and t.stop_ids == [0, t.eot_id] and t.encode("<|im_end|>") == [t.eot_id]
+    ids, mask = t.encode_prompt_response([{"role": "user", "content": "hi"}], [{"role": "assistant", "content": "ok"}])
+    assert ids[-1] == t.eot_id and mask[-1] == 1
+    with pytest.raises(ValueError, match="unknown chat template 'nope'"):
+        Tokenizer.train(["x"], chat_template="nope")

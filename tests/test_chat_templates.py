@@ -1,0 +1,323 @@
+"""Chat templates of real model families: our Python rendering (text, ids, loss mask) against transformers'
+apply_chat_template on the real template texts (tests/fixtures/chat_templates/), with tiny BPE tokenizers
+that have each family's special tokens."""
+import datetime
+import json
+import os
+import re
+
+import pytest
+from tokenizers import Regex
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from nano_rlhf import chat
+from nano_rlhf.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("jinja2")
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "chat_templates")
+# Llama 3 / Qwen pre-tokenizer regex: splits differ from GPT-2's around newlines, so the seams are tested
+SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+         r"\s*[\r\n]+|\s+(?!\S)|\s+")
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                  "<|finetune_right_pad_id|>"]
+FAMILIES = {  # fixture -> (variant, special tokens, tokenizer_config special tokens as the real models have them)
+    "smollm2": ("smollm2", CHATML_SPECIALS, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                             "pad_token": "<|im_end|>"}),
+    "qwen2.5": ("qwen2.5", CHATML_SPECIALS, {"bos_token": None, "eos_token": "<|im_end|>",
+                                             "pad_token": "<|endoftext|>"}),
+    "qwen3": ("qwen3", CHATML_SPECIALS, {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "llama3.1": ("llama3", LLAMA_SPECIALS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    "llama3.2": ("llama3", LLAMA_SPECIALS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+}
+DATE = "05 Mar 2025"
+
+SYS = {"role": "system", "content": "You review products."}
+U1 = {"role": "user", "content": "Review the phone?"}
+A1 = {"role": "assistant", "content": "The screen is great."}
+U2 = {"role": "user", "content": "And the motor?"}
+A2 = {"role": "assistant", "content": "Quiet, and it is 42 days old."}
+CONVERSATIONS = {
+    "user_only": [U1],
+    "system_user_assistant": [SYS, U1, A1],
+    "multi_turn": [U1, A1, U2, A2],
+    "system_multi_turn": [SYS, U1, A1, U2, A2],
+    "multi_turn_open": [SYS, U1, A1, U2],
+}
+
+
+def template(name):
+    with open(os.path.join(FIXTURES, f"{name}.jinja")) as f:
+        return f.read()
+
+
+def tiny_hf_tokenizer(specials, bos=None):
+    """A byte-level BPE with the family's special tokens (and Qwen3's <think> tokens as added ones), trained on
+    text that looks like renderings so that merges exist around the template's words and newlines."""
+    tk = HFTokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLIT), "isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    corpus = ["system\n\nuser\n\nassistant\n\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n",
+              "You are a helpful assistant. Review the phone? The screen is great. And the motor? Quiet."] * 20
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.add_tokens(["<think>", "</think>"])
+    if bos:  # like Llama 3's tokenizer.json: encode(add_special_tokens=True) prepends bos
+        tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                          special_tokens=[(bos, tk.token_to_id(bos))])
+    return tk
+
+
+def build(name, d):
+    """(name, our Tokenizer loaded from a HF-style directory, transformers tokenizer with the same template)."""
+    variant, specials, cfg = FAMILIES[name]
+    tk = tiny_hf_tokenizer(specials, cfg["bos_token"] if variant == "llama3" else None)
+    d.mkdir(parents=True, exist_ok=True)
+    tk.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        dict(cfg, tokenizer_class="PreTrainedTokenizerFast", chat_template=template(name))))
+    ours = Tokenizer.from_file(str(d / "tokenizer.json"), date_string=DATE if name == "llama3.2" else None)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, chat_template=template(name),
+                                              **{k: v for k, v in cfg.items() if v})
+    return name, ours, hf
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    return build(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def hf_render(hf, name, msgs, gen, tokenize=False):
+    kw = {"date_string": DATE} if name == "llama3.2" else {}
+    out = hf.apply_chat_template(msgs, tokenize=tokenize, add_generation_prompt=gen, **kw)
+    return out["input_ids"] if tokenize and not isinstance(out, list) else out
+
+
+def test_detects_each_real_template():
+    assert {n: chat.detect(template(n)) for n in FAMILIES} == {
+        "smollm2": ("smollm2", None), "qwen2.5": ("qwen2.5", None), "qwen3": ("qwen3", None),
+        "llama3.1": ("llama3", "26 Jul 2024"), "llama3.2": ("llama3", None)}
+
+
+# the ChatML template of transformers' chat-template documentation
+GENERIC_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                  "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                  "{% endif %}")
+
+
+def test_generic_chatml_is_recognised_only_without_extra_rules():
+    tk = tiny_hf_tokenizer(CHATML_SPECIALS)
+    tok = Tokenizer(tk, "<|im_end|>", template_text=GENERIC_CHATML)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, chat_template=GENERIC_CHATML, eos_token="<|im_end|>")
+    assert tok.chat_template == "chatml"
+    for msgs in CONVERSATIONS.values():
+        assert tok.render_text(msgs, True) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    # a bos, a trim, or any other text would change the rendering: not taken as ChatML
+    trim = GENERIC_CHATML.replace("message['content']", "message['content']|trim")
+    for other in ("{{ bos_token }}" + GENERIC_CHATML, trim,
+                  GENERIC_CHATML.replace("{% for", "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% for")):
+        assert chat.detect(other) == (None, None)
+
+
+def test_loaded_tokenizer_knows_its_template_and_special_tokens(family):
+    name, tok, _ = family
+    variant = FAMILIES[name][0]
+    eot = "<|eot_id|>" if variant == "llama3" else "<|im_end|>"
+    assert tok.chat_template == variant and tok.info()["chat_template"] == variant
+    assert tok.eot_id == tok.tk.token_to_id(eot) and tok.stop_ids == sorted({tok.eos_id, tok.eot_id})
+    assert tok.pad_id != tok.eos_id
+    if name == "qwen2.5":   # eos <|im_end|> and pad <|endoftext|> from the config: stop on <|im_end|> only
+        assert tok.stop_ids == [tok.tk.token_to_id("<|im_end|>")] and tok.pad_token == "<|endoftext|>"
+    assert tok.date_string == {"llama3.1": "26 Jul 2024", "llama3.2": DATE}.get(name)
+
+
+@pytest.mark.parametrize("conv", list(CONVERSATIONS))
+@pytest.mark.parametrize("gen", [True, False])
+def test_rendering_equals_apply_chat_template(family, conv, gen):
+    name, tok, hf = family
+    msgs = CONVERSATIONS[conv]
+    assert tok.render_text(msgs, add_generation_prompt=gen) == hf_render(hf, name, msgs, gen)
+    ids = tok.render_prompt(msgs) if gen else tok.encode_conversation(msgs)[0]
+    assert ids == hf_render(hf, name, msgs, gen, tokenize=True)
+    if FAMILIES[name][0] == "llama3":   # bos once, from the template, although the post-processor adds one too
+        assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+
+
+def expected_trained_text(name, msgs):
+    """What carries loss: each assistant turn's content + end-of-turn (Qwen3: the final turn after the last
+    user message with its empty thinking block)."""
+    variant = FAMILIES[name][0]
+    eot = "<|eot_id|>" if variant == "llama3" else "<|im_end|>"
+    assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    return "".join(("<think>\n\n</think>\n\n" if variant == "qwen3" and i == len(msgs) - 1 else "")
+                   + msgs[i]["content"] + eot for i in assistants)
+
+
+@pytest.mark.parametrize("conv", ["system_user_assistant", "multi_turn", "system_multi_turn"])
+def test_loss_mask_is_assistant_content_and_end_of_turn(family, conv):
+    name, tok, _ = family
+    msgs = CONVERSATIONS[conv]
+    ids, mask = tok.encode_conversation(msgs)
+    trained = tok.tk.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert trained == expected_trained_text(name, msgs)
+    for k in range(len(ids)):   # every trained span ends with end-of-turn, and what follows it carries no loss
+        if mask[k] and (k + 1 == len(ids) or not mask[k + 1]):
+            assert ids[k] == tok.eot_id
+            after = tok.tk.decode(ids[k + 1:k + 2], skip_special_tokens=False)
+            assert k + 1 == len(ids) or after in ("\n", "<|start_header_id|>")
+    if FAMILIES[name][0] != "llama3":   # ChatML writes "\n" after <|im_end|>, untrained
+        assert ids[-1] == tok.encode("\n")[0] and mask[-1] == 0 and ids[-2] == tok.eot_id and mask[-2] == 1
+
+
+@pytest.mark.parametrize("prompt,response", [([SYS, U1], [A1]), ([U1, A1, U2], [A2]), ([U1], [A1, A2])],
+                         ids=["system", "multi_turn", "two_assistant_messages"])
+def test_prompt_response_split_is_the_whole_rendering(family, prompt, response):
+    """prompt + generation prompt is a prefix of the whole rendering; the response starts right after it and
+    ends with end-of-turn (ChatML's trailing "\\n" left out, so the reward model scores the end-of-turn)."""
+    name, tok, hf = family
+    msgs = prompt + response
+    full_text, full_ids = hf_render(hf, name, msgs, False), hf_render(hf, name, msgs, False, tokenize=True)
+    assert full_text.startswith(hf_render(hf, name, prompt, True))
+    ids, mask = tok.encode_prompt_response(prompt, response)
+    p = tok.render_prompt(prompt)
+    assert ids == full_ids[:len(ids)] and tok.tk.decode(full_ids[len(ids):]) in ("", "\n")
+    assert ids[:len(p)] == p and mask[:len(p) + 1] == [0] * len(p) + [1]
+    assert ids[len(p):] == tok.encode_response(response) and ids[-1] == tok.eot_id and mask[-1] == 1
+    trained = tok.tk.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert trained == expected_trained_text(name, [U1] + response)
+    if len(response) == 1:
+        assert mask == [0] * len(p) + [1] * (len(ids) - len(p))
+
+
+def test_qwen3_strips_thinking_from_earlier_turns_and_adds_it_to_the_last(tmp_path):
+    name, tok, hf = build("qwen3", tmp_path)
+    msgs = [U1, {"role": "assistant", "content": "<think>\nthe screen is big\n</think>\n\nThe screen is great."},
+            U2, {"role": "assistant", "content": "<think>loud?</think>Quiet."}]
+    for gen, conv in ((False, msgs), (True, msgs[:3])):
+        assert tok.render_text(conv, gen) == hf_render(hf, name, conv, gen)
+    assert "the screen is big" not in tok.render_text(msgs)
+    assert tok.render_text(msgs).endswith("<|im_start|>assistant\n<think>\nloud?\n</think>\n\nQuiet.<|im_end|>\n")
+    ids, mask = tok.encode_conversation(msgs)
+    assert ids == hf_render(hf, name, msgs, False, tokenize=True)
+    assert tok.tk.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == \
+        "The screen is great.<|im_end|><think>\nloud?\n</think>\n\nQuiet.<|im_end|>"
+
+
+def test_llama_date_defaults(tmp_path):
+    """3.1 renders its fixed 26 Jul 2024 unless a date is given; 3.2 today's date (fixed when the tokenizer is
+    built, recorded as tok.date_string); both take date_string."""
+    tk = tiny_hf_tokenizer(LLAMA_SPECIALS)
+    for name, default in (("llama3.1", "26 Jul 2024"), ("llama3.2", datetime.datetime.now().strftime("%d %b %Y"))):
+        tok = Tokenizer(tk, "<|eot_id|>", template_text=template(name), bos_token="<|begin_of_text|>")
+        assert tok.date_string == default and f"Today Date: {default}\n\n" in tok.render_text([U1])
+        hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, chat_template=template(name),
+                                                  bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        assert tok.render_text([U1], True) == hf.apply_chat_template([U1], tokenize=False, add_generation_prompt=True)
+        dated = Tokenizer(tk, "<|eot_id|>", date_string=DATE, template_text=template(name))
+        assert dated.render_text([SYS, U1]) == hf.apply_chat_template([SYS, U1], tokenize=False, date_string=DATE)
+
+
+def test_plain_text_rows_end_with_eos_and_decode_stops_at_end_of_turn(family):
+    name, tok, _ = family
+    ids, mask = tok.encode_prompt_response("Review the phone?", " Great.")
+    assert ids[-1] == tok.eos_id and mask[-1] == 1
+    resp = tok.encode(" Great.") + [tok.eot_id] + tok.encode(" junk")
+    assert tok.decode(resp) == " Great."
+
+
+def test_unknown_template_falls_back_to_plain_with_a_notice(capsys):
+    tk = tiny_hf_tokenizer(CHATML_SPECIALS)
+    zephyr = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    other_chatml = template("smollm2").replace(chat.SMOLLM2_SYSTEM, "You are a pirate.")
+    for text in (zephyr, other_chatml):
+        tok = Tokenizer(tk, "<|im_end|>", template_text=text)
+        assert tok.chat_template == "plain" and tok.eot_id == tok.eos_id and tok.stop_ids == [tok.eos_id]
+        assert "note: " in capsys.readouterr().err
+    tok = Tokenizer(tk, "<|im_end|>")                    # no template at all: plain, silently
+    assert tok.chat_template == "plain" and capsys.readouterr().err == ""
+    assert Tokenizer(tk, "<|im_end|>", chat_template="chatml", template_text=zephyr).chat_template == "chatml"
+
+
+def test_explicit_variant_needs_the_family_tokens():
+    tk = tiny_hf_tokenizer(["<|endoftext|>"])
+    with pytest.raises(ValueError, match=re.escape("chat template llama3: <|start_header_id|> is not a special")):
+        Tokenizer(tk, chat_template="llama3")
+    with pytest.raises(ValueError, match="unknown chat template 'chatml3'"):
+        Tokenizer(tk, chat_template="chatml3")
+
+
+def test_chat_template_list_form_and_jinja_file(tmp_path):
+    tk = tiny_hf_tokenizer(CHATML_SPECIALS)
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": [
+        {"name": "tool_use", "template": template("qwen3")}, {"name": "default", "template": template("qwen2.5")}]}))
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).chat_template == "qwen2.5"
+    (tmp_path / "chat_template.jinja").write_text(template("smollm2"))   # takes precedence, as in transformers
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).chat_template == "smollm2"
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json"), chat_template="plain").chat_template == "plain"
+
+
+@pytest.mark.parametrize("variant", ["chatml", "smollm2", "qwen2.5", "qwen3", "llama3"])
+@pytest.mark.parametrize("from_text", [True, False])
+def test_save_load_roundtrip_and_autotokenizer(tmp_path, variant, from_text):
+    """The saved directory keeps the variant, the special tokens, the date and a template text (the loaded one,
+    or ours for a variant named by option) that AutoTokenizer's apply_chat_template renders exactly as we do."""
+    llama = variant == "llama3"
+    tk = tiny_hf_tokenizer(LLAMA_SPECIALS if llama else CHATML_SPECIALS)
+    text = template({"chatml": "smollm2", "llama3": "llama3.2"}.get(variant, variant)) if from_text else None
+    if variant == "chatml" and from_text:
+        text = chat.template_text("chatml")
+    tok = Tokenizer(tk, "<|eot_id|>" if llama else "<|im_end|>", None if llama else "<|endoftext|>",
+                    "auto" if from_text else variant, DATE if llama else None, template_text=text,
+                    bos_token="<|begin_of_text|>" if llama else None)
+    assert tok.chat_template == variant
+    tok.save(str(tmp_path / "out" / "tokenizer.json"))
+    again = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))   # Llama 3: the saved date too
+    assert again.info() == tok.info() and again.date_string == (DATE if llama else None)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert (hf.eos_token, hf.pad_token, hf.bos_token) == (tok.eos_token, tok.pad_token, tok.bos_token)
+    kw = {"date_string": DATE} if llama and from_text else {}   # our own text already defaults to tok.date_string
+    for msgs in CONVERSATIONS.values():
+        for gen in (True, False):
+            assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw) == \
+                tok.render_text(msgs, gen)
+    qwen3_think = [U1, {"role": "assistant", "content": "<think>x</think>A."}, U2, A2]
+    if variant == "qwen3":
+        assert hf.apply_chat_template(qwen3_think, tokenize=False) == tok.render_text(qwen3_think)
+
+
+@pytest.mark.parametrize("content", ["  Two\nlines.  ", "ends with newlines\n\n", "Ünïcödé ✓ 123456",
+                                     "\nstarts with a newline"])
+def test_whitespace_and_unicode_content(family, content):
+    """Llama trims contents, ChatML keeps them: texts always equal apply_chat_template's. Ids too, except at
+    the seam rule's one visible cost: a ChatML assistant content that starts with a newline is tokenized apart
+    from the generation prompt's newline (apply_chat_template may merge the two into one token)."""
+    name, tok, hf = family
+    msgs = [{"role": "system", "content": " sys "}, {"role": "user", "content": "  spaced  "},
+            {"role": "assistant", "content": content}]
+    assert tok.render_text(msgs) == hf_render(hf, name, msgs, False)
+    ids = tok.encode_conversation(msgs)[0]
+    assert tok.tk.decode(ids, skip_special_tokens=False) == hf_render(hf, name, msgs, False)
+    if not (content.startswith("\n") and name in ("smollm2", "qwen2.5")):
+        assert ids == hf_render(hf, name, msgs, False, tokenize=True)
+    else:
+        assert ids[:len(tok.render_prompt(msgs[:2]))] == tok.render_prompt(msgs[:2])
+
+
+def test_explicit_variant_overrides_the_tokenizers_template(tmp_path):
+    """--chat_template chatml on a Qwen3 directory: no thinking blocks, no default system prompt, and the saved
+    directory holds a template that renders like chatml (not Qwen3's own text)."""
+    _, qwen3, _ = build("qwen3", tmp_path / "src")
+    tok = Tokenizer.from_file(str(tmp_path / "src" / "tokenizer.json"), chat_template="chatml")
+    assert tok.chat_template == "chatml" and tok.template_text is None and tok.stop_ids == qwen3.stop_ids
+    msgs = CONVERSATIONS["multi_turn"]
+    assert "<think>" in qwen3.render_text(msgs) and "<think>" not in tok.render_text(msgs)
+    tok.save(str(tmp_path / "out" / "tokenizer.json"))
+    saved = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
+    assert saved == chat.template_text("chatml") and chat.detect(saved) == ("chatml", None)
+    assert Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).chat_template == "chatml"
