@@ -18,6 +18,7 @@ Module names are HF's (model.py's convention: transformer.h.0.attn.c_attn for GP
 model.layers.0.self_attn.q_proj for the Llama family), so PEFT key names are our names with a prefix.
 """
 import contextlib
+import copy
 import json
 import math
 import os
@@ -213,6 +214,12 @@ def merge_lora(model):
     if hasattr(model, "lora_trainable"):
         del model.lora_trainable
     return model
+
+
+def merged_copy(model):
+    """A merged plain copy for a checkpoint during training (the adapters stay in `model`):
+    `merged_copy(policy).save_pretrained(out_dir)`. Costs one extra copy of the model while it exists."""
+    return merge_lora(copy.deepcopy(dist.unwrap(model)))
 
 
 def save_peft_adapter(model, out_dir, base_model_name_or_path, task_type="CAUSAL_LM"):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import tiny_config, tiny_model
 
 from nano_rlhf.lora import (LoRALinear, adapter_state_dict, adapters_disabled, apply_lora, lora_modules,
-                            lora_parameters, merge_lora, save_peft_adapter)
+                            lora_parameters, merge_lora, merged_copy, save_peft_adapter)
 from nano_rlhf.model import ScoreModel
 
 R, ALPHA = 4, 8.0
@@ -123,6 +123,17 @@ def test_merge_is_exact():
         assert type(mod) is nn.Linear and torch.equal(mod.weight, w), n
     assert all(p.requires_grad for p in model.parameters())
     assert torch.allclose(model(x), adapted, atol=1e-5)
+
+
+def test_merged_copy_leaves_adapters():
+    model = tiny_model()
+    apply_lora(model, R, ALPHA)
+    randomize_adapters(model)
+    x = ids()
+    adapted = model(x)
+    plain = merged_copy(model)
+    assert not lora_modules(plain) and len(lora_modules(model)) == 8
+    assert torch.equal(model(x), adapted) and torch.allclose(plain(x), adapted, atol=1e-5)
 
 
 def test_merged_model_loads_in_transformers(tmp_path):
