@@ -1,0 +1,260 @@
+"""LoRA: low-rank adapters on frozen linear layers (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large
+Language Models", eq. 3):
+
+    h = W x + (alpha / r) * B A x          W (out, in) frozen;  A (r, in), B (out, r) trained
+
+A starts Kaiming-uniform and B at zero (as in PEFT), so BA = 0 and the adapted model is exactly the base
+model at step 0. Only A and B (plus any modules named in `trainable`, e.g. a reward model's score head)
+receive gradients, so the optimizer state shrinks from 2 x |W| to 2 x (|A| + |B|) per layer.
+
+Switching the adapters off gives the base model back, bit for bit: DPO's and PPO's reference policy can be
+"the same model under `adapters_disabled`" instead of a second copy in memory.
+
+Export: `merge_lora` folds W' = W + (alpha / r) B A into each layer and restores plain nn.Linear modules, so
+`save_pretrained` writes an ordinary HF checkpoint; `save_peft_adapter` writes the adapter alone in PEFT's
+layout (adapter_config.json + adapter_model.safetensors) for `peft.PeftModel.from_pretrained`.
+
+Module names are HF's (model.py's convention: transformer.h.0.attn.c_attn for GPT-2,
+model.layers.0.self_attn.q_proj for the Llama family), so PEFT key names are our names with a prefix.
+"""
+import contextlib
+import copy
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from . import dist
+
+# Attention and MLP projections of the two model families; targets=None adapts those the model has.
+GPT2_TARGETS = ("c_attn", "c_proj", "c_fc")
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# HF's GPT-2 stores these as Conv1D ([in, out] weights): PEFT then needs fan_in_fan_out=true to merge them.
+_HF_CONV1D = ("c_attn", "c_proj", "c_fc", "q_attn")
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + (alpha / r) * dropout(x) A^T B^T, with `base` (an nn.Linear) frozen.
+
+    The adapters are kept in float32 whatever the base's dtype (PEFT does the same): bf16 would round
+    away most of each small update to A and B.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        if r < 1:
+            raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
+        self.base = base
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=dev, dtype=torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=dev, dtype=torch.float32))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))     # nn.Linear's own init, as PEFT uses
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True
+        for p in base.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def in_features(self):
+        return self.base.in_features
+
+    @property
+    def out_features(self):
+        return self.base.out_features
+
+    def delta_weight(self):
+        """(alpha / r) B A, (out, in) float32: what merging adds to the base weight."""
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+    @property
+    def weight(self):
+        """The effective weight W + (alpha / r) B A (W alone when disabled). Code that reads `.weight`
+        directly instead of calling the module (the trunk's one-query path for end scores slices the
+        fused q|k|v matrix) then still sees the adapted layer; dropout is not applied on that path."""
+        w = self.base.weight
+        return w + self.delta_weight().to(w.dtype) if self.enabled else w
+
+    @property
+    def bias(self):
+        return self.base.bias
+
+    def forward(self, x):
+        y = self.base(x)
+        if not self.enabled:
+            return y
+        # same order of operations as PEFT (B(A(dropout(x))) * scaling), so logits agree to rounding
+        lora = F.linear(F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scaling
+        return y + lora.to(y.dtype)
+
+    def extra_repr(self):
+        return f"r={self.r}, alpha={self.alpha}, enabled={self.enabled}"
+
+
+def _last(name):
+    return name.rsplit(".", 1)[-1]
+
+
+def lora_modules(model):
+    """[(name, LoRALinear)] in module order (names as in the unwrapped model)."""
+    return [(n, m) for n, m in dist.unwrap(model).named_modules() if isinstance(m, LoRALinear)]
+
+
+def apply_lora(model, r: int, alpha: float, dropout: float = 0.0, targets=None, trainable=()):
+    """Replace every nn.Linear whose last name component is in `targets` by a LoRALinear, in place.
+
+    targets=None adapts the attention and MLP projections the model has (GPT-2: c_attn c_proj c_fc;
+    Llama family: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj). Every other parameter is
+    frozen except those of the modules named in `trainable` (matched on the last name component too:
+    `trainable=("score",)` for a reward model or critic, whose freshly initialised head must be trained).
+    Returns the names of the adapted modules. A target or trainable name that matches nothing is a
+    ValueError naming it.
+    """
+    model = dist.unwrap(model)
+    if lora_modules(model):
+        raise ValueError("apply_lora: the model already has LoRA adapters")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    available = sorted({_last(n) for n in linears})
+    if targets is None:
+        targets = [t for t in GPT2_TARGETS + LLAMA_TARGETS if t in available]
+        if not targets:
+            raise ValueError(f"apply_lora: no known attention/MLP projection in the model; pass targets "
+                             f"(nn.Linear names: {', '.join(available)})")
+    targets, trainable = tuple(targets), tuple(trainable)
+    for t in targets:
+        if t not in available:
+            raise ValueError(f"LoRA target {t!r} matches no nn.Linear module (nn.Linear names: {', '.join(available)})")
+    module_names = {_last(n) for n, _ in model.named_modules() if n}
+    for t in trainable:
+        if t not in module_names:
+            raise ValueError(f"trainable module {t!r} matches no module of the model")
+        if t in targets:
+            raise ValueError(f"{t!r} is both a LoRA target and a fully trainable module; choose one")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapted = []
+    for name, lin in linears.items():
+        if _last(name) in targets:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, LoRALinear(lin, r, alpha, dropout))
+            adapted.append(name)
+    for name, mod in model.named_modules():
+        if _last(name) in trainable:
+            for p in mod.parameters():
+                p.requires_grad_(True)
+    model.lora_trainable = trainable      # remembered for lora_parameters / adapter export
+    return adapted
+
+
+def _trainable_modules(model):
+    names = getattr(model, "lora_trainable", ())
+    return [(n, m) for n, m in model.named_modules() if n and _last(n) in names]
+
+
+def lora_parameters(model):
+    """The parameters to optimise: every adapter's A and B, then the modules kept trainable."""
+    model = dist.unwrap(model)
+    params = [p for _, m in lora_modules(model) for p in (m.lora_A, m.lora_B)]
+    return params + [p for _, m in _trainable_modules(model) for p in m.parameters()]
+
+
+def adapter_state_dict(model):
+    """Everything that differs from the base model, in our key names (`...c_attn.lora_A`, `score.weight`):
+    a few MB to keep instead of a full checkpoint."""
+    model = dist.unwrap(model)
+    sd = {}
+    for name, m in lora_modules(model):
+        sd[f"{name}.lora_A"] = m.lora_A.detach().cpu().contiguous()
+        sd[f"{name}.lora_B"] = m.lora_B.detach().cpu().contiguous()
+    for name, m in _trainable_modules(model):
+        for pname, p in m.named_parameters():
+            sd[f"{name}.{pname}"] = p.detach().cpu().contiguous()
+    return sd
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Run the base model: `with adapters_disabled(policy): ref_logits = policy(ids)` is the frozen
+    reference without a second copy. Modules kept fully trainable (a score head) are not reverted: a
+    reference made this way is the initial model only when they are absent. A model without adapters is a
+    ValueError, so a script can never silently use the trained policy as its own reference."""
+    mods = [m for _, m in lora_modules(model)]
+    if not mods:
+        raise ValueError("adapters_disabled: the model has no LoRA adapters")
+    before = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, e in zip(mods, before):
+            m.enabled = e
+
+
+@torch.no_grad()
+def merge_lora(model):
+    """Fold each adapter into its base weight, W' = W + (B A) (alpha / r) computed in float32, and put the
+    plain nn.Linear back, in place; every parameter requires grad again (a plain model). Returns the model,
+    which `save_pretrained` then writes as an ordinary HF checkpoint. Disabled adapters are merged too
+    (merging is about the trained weights, not the current switch)."""
+    model = dist.unwrap(model)
+    for name, m in lora_modules(model):
+        w = m.base.weight
+        w.copy_((w.float() + (m.lora_B @ m.lora_A) * m.scaling).to(w.dtype))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, m.base)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if hasattr(model, "lora_trainable"):
+        del model.lora_trainable
+    return model
+
+
+def merged_copy(model):
+    """A merged plain copy for a checkpoint during training (the adapters stay in `model`):
+    `merged_copy(policy).save_pretrained(out_dir)`. Costs one extra copy of the model while it exists."""
+    return merge_lora(copy.deepcopy(dist.unwrap(model)))
+
+
+def save_peft_adapter(model, out_dir, base_model_name_or_path, task_type="CAUSAL_LM"):
+    """Write the adapters in PEFT's layout: adapter_config.json + adapter_model.safetensors with keys
+    `base_model.model.<HF module name>.lora_{A,B}.weight` (A: (r, in), B: (out, r), for Conv1D modules
+    too) and the fully trainable modules' weights under `base_model.model.<name>.<param>` (PEFT's
+    `modules_to_save`). Each file is replaced atomically. task_type: "CAUSAL_LM" for the policy,
+    "SEQ_CLS" for a reward model / critic."""
+    model = dist.unwrap(model)
+    mods = lora_modules(model)
+    if not mods:
+        raise ValueError("save_peft_adapter: the model has no LoRA adapters")
+    r, alpha, p = mods[0][1].r, mods[0][1].alpha, mods[0][1].dropout
+    if any((m.r, m.alpha) != (r, alpha) for _, m in mods):
+        raise ValueError("save_peft_adapter: adapters with different r/alpha cannot share one adapter_config")
+    targets = sorted({_last(n) for n, _ in mods})
+    conv1d = [t in _HF_CONV1D for t in targets]
+    if any(conv1d) and not all(conv1d):
+        raise ValueError(f"save_peft_adapter: targets {targets} mix HF Conv1D and Linear modules; PEFT has one "
+                         "fan_in_fan_out flag per adapter")
+    trainable = list(getattr(model, "lora_trainable", ()))
+    config = {"peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
+              "r": r, "lora_alpha": alpha, "lora_dropout": p.p if isinstance(p, nn.Dropout) else 0.0,
+              "target_modules": targets, "bias": "none", "fan_in_fan_out": all(conv1d),
+              "modules_to_save": trainable or None, "inference_mode": True, "init_lora_weights": True,
+              "use_rslora": False, "use_dora": False}
+    tensors = {f"base_model.model.{k}.weight" if k.endswith((".lora_A", ".lora_B")) else f"base_model.model.{k}": v
+               for k, v in adapter_state_dict(model).items()}
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "adapter_model.safetensors")
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)
+    path = os.path.join(out_dir, "adapter_config.json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,251 @@
+"""Merge models fine-tuned from one base: task arithmetic and TIES, for PAFT.
+
+PAFT (Pentyala et al. 2024, "PAFT: A Parallel Training Paradigm for Effective LLM Fine-Tuning") trains SFT
+and preference optimisation (DPO, ...) in parallel from the same base model instead of one after the
+other, then merges the two. Both merges work on task vectors, what fine-tuning added to the base:
+
+    tau_i = theta_i - theta_base
+    task arithmetic (Ilharco et al. 2023):  theta = theta_base + sum_i w_i tau_i
+    TIES (Yadav et al. 2023, "TIES-Merging"):
+      1. trim:  keep the top-`density` fraction of each tau_i by magnitude (per tensor), zero the rest
+      2. elect: gamma = sign(sum_i w_i trim(tau_i)), one sign per parameter
+      3. disjoint mean: merged = sum_{i in A} w_i trim(tau_i) / sum_{i in A} w_i,  A = {i: sign(trim(tau_i)) = gamma}
+                (only models whose kept entry agrees with the elected sign; 0 where none does)
+      theta = theta_base + scale * merged
+
+Choices where the paper leaves room (each tested against a float64 reference written from this text):
+- Trim count k = max(1, floor(density * n + 1/2)) for a tensor of n entries (nearest integer, halves up);
+  every entry whose magnitude is >= the k-th largest is kept, so ties at the threshold are all kept and
+  the result does not depend on the order of the entries.
+- Weights enter TIES as copies would: a model with weight 2 counts like two copies of it, in the sign
+  election and in the mean (the paper has no weights; with equal weights this is the paper's rule). TIES
+  weights must be positive; task arithmetic accepts any (a negative weight subtracts a task).
+- Everything is computed in float64 and rounded once to the base's dtype. Tensors that are not floating
+  point are copied from the base.
+
+Usage:
+    python -m nano_rlhf.merge --base out/base --models out/sft out/dpo --method ties --density 0.2 --out_dir out/paft
+    python -m nano_rlhf.merge --base out/base --models out/sft out/dpo --weights 0.5 0.5 --method task_arithmetic --out_dir out/avg
+
+The output is written with the base's class (policy or reward model) as an HF directory plus the base's
+tokenizer files (else the first model's) and merge_config.json (the options), built in OUT.tmp and renamed.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+
+import torch
+
+from .model import GPT, ScoreModel
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+# ---- the merges: pure functions on state dicts ---------------------------------------------------
+
+def _check_keys(base_sd, sds, weights):
+    if len(sds) != len(weights):
+        raise ValueError(f"{len(sds)} models but {len(weights)} weights")
+    for i, sd in enumerate(sds):
+        if sd.keys() != base_sd.keys():
+            extra, missing = sorted(sd.keys() - base_sd.keys()), sorted(base_sd.keys() - sd.keys())
+            raise ValueError(f"model {i}: keys differ from the base (missing {missing[:3]}, extra {extra[:3]})")
+        for k, v in sd.items():
+            if v.shape != base_sd[k].shape:
+                raise ValueError(f"model {i}: {k} has shape {tuple(v.shape)}, the base {tuple(base_sd[k].shape)}")
+
+
+def task_arithmetic(base_sd, sds, weights):
+    """theta_base + sum_i w_i (theta_i - theta_base), per tensor, in float64 -> the base's dtype."""
+    _check_keys(base_sd, sds, weights)
+    out = {}
+    for k, b in base_sd.items():
+        if not b.is_floating_point():
+            out[k] = b.clone()
+            continue
+        b64 = b.double()
+        acc = b64.clone()
+        for sd, w in zip(sds, weights):
+            acc += float(w) * (sd[k].double() - b64)
+        out[k] = acc.to(b.dtype)
+    return out
+
+
+def trim(tau, density):
+    """Zero all but the top-`density` fraction of entries by magnitude; ties at the threshold are kept."""
+    n = tau.numel()
+    k = max(1, math.floor(density * n + 0.5))
+    if k >= n:
+        return tau.clone()
+    mag = tau.abs().flatten()
+    threshold = torch.kthvalue(mag, n - k + 1).values       # the k-th largest magnitude
+    return torch.where(tau.abs() >= threshold, tau, torch.zeros_like(tau))
+
+
+def ties_tensor(base, thetas, weights, density, scale=1.0):
+    """TIES on one tensor, float64: trim, elect a sign, disjoint weighted mean; base + scale * merged."""
+    b = base.double()
+    kept = [float(w) * trim(t.double() - b, density) for t, w in zip(thetas, weights)]   # w_i trim(tau_i)
+    elected = torch.sign(sum(kept))
+    num, den = torch.zeros_like(b), torch.zeros_like(b)
+    for wt, w in zip(kept, weights):
+        agree = (torch.sign(wt) == elected) & (wt != 0)        # a trimmed (zero) entry never votes
+        num += torch.where(agree, wt, 0.0)
+        den += agree.double() * float(w)     # (torch.where with two scalars would round w to float32)
+    merged = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)   # 0 where no model agrees
+    return b + scale * merged
+
+
+def ties_merge(base_sd, sds, weights, density, scale=1.0):
+    """TIES-merging of state dicts (see the module docstring), each tensor rounded once to the base's dtype."""
+    _check_keys(base_sd, sds, weights)
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"TIES weights must be > 0, got {list(weights)}")
+    out = {}
+    for k, b in base_sd.items():
+        if not b.is_floating_point():
+            out[k] = b.clone()
+            continue
+        out[k] = ties_tensor(b, [sd[k] for sd in sds], weights, density, scale).to(b.dtype)
+    return out
+
+
+# ---- directories ----------------------------------------------------------------------------------
+
+def model_class(model_dir):
+    """GPT for a language model directory, ScoreModel for a reward model / critic (HF's architectures)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: missing (not a model directory)")
+    with open(path) as f:
+        archs = json.load(f).get("architectures") or []
+    return ScoreModel if any(a.endswith("ForSequenceClassification") for a in archs) else GPT
+
+
+def _config_dict(model):
+    cfg = model.cfg
+    d = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))
+    d.pop("dropout", None)          # a training option, not the architecture (HF GPT-2 ships 0.1, ours 0.0)
+    return d
+
+
+def load_models(base_dir, model_dirs):
+    """-> (base model, [state dicts of the models]); every model must have the base's class, config and
+    shapes, else a ValueError naming the directory and what differs."""
+    cls = model_class(base_dir)
+    base = cls.from_pretrained(base_dir)
+    base_cfg, base_sd = _config_dict(base), base.state_dict()
+    sds = []
+    for d in model_dirs:
+        if model_class(d) is not cls:
+            raise ValueError(f"{d}: a {model_class(d).__name__} directory, but the base {base_dir} is a {cls.__name__}")
+        m = cls.from_pretrained(d)
+        cfg = _config_dict(m)
+        diff = [k for k in sorted(set(cfg) | set(base_cfg)) if cfg.get(k) != base_cfg.get(k)]
+        if diff:
+            k = diff[0]
+            raise ValueError(f"{d}: config {k}={cfg.get(k)!r} differs from the base's {base_cfg.get(k)!r}")
+        sd = m.state_dict()
+        for k, v in sd.items():
+            if k not in base_sd or v.shape != base_sd[k].shape:
+                want = tuple(base_sd[k].shape) if k in base_sd else "absent"
+                raise ValueError(f"{d}: {k} has shape {tuple(v.shape)}, the base's is {want}")
+        missing = sorted(base_sd.keys() - sd.keys())
+        if missing:
+            raise ValueError(f"{d}: {missing[0]} is missing (present in the base)")
+        sds.append(sd)
+    return base, sds
+
+
+def write_merged(base, merged_sd, out_dir, tokenizer_dirs, options, overwrite=False):
+    """Save the merged model with the base's class + tokenizer files in OUT.tmp, then rename to out_dir."""
+    out_dir = os.path.normpath(out_dir)
+    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    base.load_state_dict(merged_sd)
+    base.save_pretrained(tmp)            # a reward model's reward_mean/std do not carry over to a merge
+    for name in TOKENIZER_FILES:
+        src = next((os.path.join(d, name) for d in tokenizer_dirs if os.path.isfile(os.path.join(d, name))), None)
+        if src is not None:
+            shutil.copyfile(src, os.path.join(tmp, name))
+    with open(os.path.join(tmp, "merge_config.json"), "w") as f:
+        f.write(json.dumps(options, indent=2) + "\n")
+    if os.path.exists(out_dir):
+        if os.listdir(out_dir) and not overwrite:      # checked up front too; a race must not lose data
+            raise ValueError(f"--out_dir {out_dir} is not empty (pass --overwrite to replace it)")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m nano_rlhf.merge", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True, help="the model every --models entry was fine-tuned from")
+    p.add_argument("--models", nargs="+", required=True, help="fine-tuned model directories to merge")
+    p.add_argument("--weights", nargs="+", type=float, default=None, help="one weight per model (default: all 1)")
+    p.add_argument("--method", choices=("task_arithmetic", "ties"), required=True)
+    p.add_argument("--density", type=float, default=None, help="ties: fraction of each task vector kept (default 0.2)")
+    p.add_argument("--scale", type=float, default=None, help="ties: lambda, the merged task vector's scale (default 1)")
+    p.add_argument("--out_dir", required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out_dir")
+    return p.parse_args(argv)
+
+
+def check_args(a):
+    """Every option error, before any model is loaded."""
+    if a.weights is None:
+        a.weights = [1.0] * len(a.models)
+    if len(a.weights) != len(a.models):
+        raise ValueError(f"--weights has {len(a.weights)} values for {len(a.models)} --models")
+    if a.method == "task_arithmetic":
+        if a.density is not None or a.scale is not None:
+            raise ValueError("--density and --scale apply to --method ties (scale --weights for task arithmetic)")
+    else:
+        a.density = 0.2 if a.density is None else a.density
+        a.scale = 1.0 if a.scale is None else a.scale
+        if not 0.0 < a.density <= 1.0:
+            raise ValueError(f"--density {a.density} is outside (0, 1]")
+        if any(w <= 0 for w in a.weights):
+            raise ValueError(f"--weights must be > 0 for ties, got {a.weights}")
+    for d in [a.base] + a.models:
+        if not os.path.isdir(d):
+            raise FileNotFoundError(f"{d}: no such model directory")
+    out = os.path.realpath(a.out_dir)
+    if out in {os.path.realpath(d) for d in [a.base] + a.models}:
+        raise ValueError(f"--out_dir {a.out_dir} is one of the input models")
+    if os.path.isdir(a.out_dir) and os.listdir(a.out_dir) and not a.overwrite:
+        raise ValueError(f"--out_dir {a.out_dir} is not empty (pass --overwrite to replace it)")
+    if os.path.exists(a.out_dir) and not os.path.isdir(a.out_dir):
+        raise ValueError(f"--out_dir {a.out_dir} is a file")
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    try:
+        check_args(a)
+        base, sds = load_models(a.base, a.models)
+        if a.method == "ties":
+            merged = ties_merge(base.state_dict(), sds, a.weights, a.density, a.scale)
+        else:
+            merged = task_arithmetic(base.state_dict(), sds, a.weights)
+        options = {"method": a.method, "base": a.base, "models": a.models, "weights": a.weights}
+        if a.method == "ties":
+            options.update(density=a.density, scale=a.scale)
+        write_merged(base, merged, a.out_dir, [a.base] + a.models, options, a.overwrite)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    print(f"merged {len(a.models)} models ({a.method}) into {a.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
