@@ -46,11 +46,12 @@ class _Fields:
     def get(self, key, default, kind):
         v = self.raw.get(key, default)
         ok = {"int": lambda x: isinstance(x, int) and not isinstance(x, bool),
+              "size": lambda x: isinstance(x, int) and not isinstance(x, bool) and x > 0,
               "float": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
               "bool": lambda x: isinstance(x, bool),
               "id": lambda x: x is None or (isinstance(x, int) and not isinstance(x, bool))}[kind]
         if not ok(v):
-            want = {"int": "an integer", "float": "a number", "bool": "true or false", "id": "an integer or null"}
+            want = {"int": "an integer", "size": "a positive integer", "float": "a number", "bool": "true or false", "id": "an integer or null"}
             raise ValueError(f"{self.path}: {key} must be {want[kind]}, got {v!r}")
         return v
 
@@ -74,12 +75,12 @@ def config_from_hf(raw, path):
                 raise ValueError(f"{path}: {key}={raw[key]} is not supported")
         if raw.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"{path}: activation_function {raw['activation_function']!r} is not supported")
-        n_embd = f.get("n_embd", 768, "int")
+        n_embd = f.get("n_embd", 768, "size")
         if raw.get("n_inner") not in (None, 4 * n_embd):
             raise ValueError(f"{path}: n_inner={raw['n_inner']} is not supported (must be 4*n_embd)")
         ours = raw.get("nano_rlhf", {})
-        cfg = GPTConfig(vocab_size=f.get("vocab_size", 50257, "int"), block_size=f.get("n_positions", 1024, "int"),
-                        n_layer=f.get("n_layer", 12, "int"), n_head=f.get("n_head", 12, "int"), n_embd=n_embd,
+        cfg = GPTConfig(vocab_size=f.get("vocab_size", 50257, "size"), block_size=f.get("n_positions", 1024, "size"),
+                        n_layer=f.get("n_layer", 12, "size"), n_head=f.get("n_head", 12, "size"), n_embd=n_embd,
                         dropout=f.get("resid_pdrop", 0.1, "float"),
                         bias=_Fields(ours if isinstance(ours, dict) else {}, path).get("bias", True, "bool"),
                         layer_norm_epsilon=f.get("layer_norm_epsilon", 1e-5, "float"),
@@ -116,16 +117,14 @@ def config_from_hf(raw, path):
     elif rope_type != "default":
         raise ValueError(f"{path}: rope_type {rope_type!r} is not supported (default, llama3)")
     theta = _Fields(rope, path).get("rope_theta", f.get("rope_theta", 10000.0, "float"), "float")
-    hidden, heads = f.get("hidden_size", None, "int"), f.get("num_attention_heads", None, "int")
-    if heads < 1:
-        raise ValueError(f"{path}: num_attention_heads must be a positive integer, got {heads}")
+    hidden, heads = f.get("hidden_size", None, "size"), f.get("num_attention_heads", None, "size")
     head_dim = raw.get("head_dim") or (128 if mt == "qwen3" else hidden // heads)
-    cfg = GPTConfig(model_type=mt, vocab_size=f.get("vocab_size", None, "int"),
-                    block_size=f.get("max_position_embeddings", 2048 if mt == "llama" else 32768, "int"),
-                    n_layer=f.get("num_hidden_layers", None, "int"), n_head=heads, n_embd=hidden,
-                    n_kv_head=f.get("num_key_value_heads", heads, "int"), head_dim=_Fields({"head_dim": head_dim},
+    cfg = GPTConfig(model_type=mt, vocab_size=f.get("vocab_size", None, "size"),
+                    block_size=f.get("max_position_embeddings", 2048 if mt == "llama" else 32768, "size"),
+                    n_layer=f.get("num_hidden_layers", None, "size"), n_head=heads, n_embd=hidden,
+                    n_kv_head=f.get("num_key_value_heads", heads, "size"), head_dim=_Fields({"head_dim": head_dim},
                                                                                           path).get("head_dim", 0, "int"),
-                    intermediate_size=f.get("intermediate_size", None, "int"),
+                    intermediate_size=f.get("intermediate_size", None, "size"),
                     rms_norm_eps=f.get("rms_norm_eps", 1e-6, "float"), rope_theta=float(theta), rope_scaling=scaling,
                     attention_bias=True if mt == "qwen2" else f.get("attention_bias", False, "bool"),
                     qk_norm=mt == "qwen3", tie_word_embeddings=f.get("tie_word_embeddings", False, "bool"),
@@ -265,8 +264,9 @@ def read_hf_dir(model_dir, head=None, allow_missing=(), **overrides):
     zero_biases = ({k: stored.pop(k) for k in [k for k in stored if k.endswith(".bias")]}
                    if cfg.model_type == "gpt2" and not cfg.bias else {})   # written as zeros for transformers
     want = expected_shapes(cfg, head)
-    for k, (_, shape, path) in stored.items():
-        if k in want and tuple(want[k]) != tuple(shape):
+    for k in (k for k in want if k in stored):
+        _, shape, path = stored[k]
+        if tuple(want[k]) != tuple(shape):
             raise ValueError(f"{path}: {k} has shape {list(shape)} but the config ({cpath}) implies {list(want[k])}")
     missing = [k for k in want if k not in stored and k not in allow_missing]
     unexpected = [k for k in stored if k not in want and k not in drop]
