@@ -585,7 +585,12 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, wi
 
 class ScoreModel(_Pretrained):
     """Trunk + a scalar head: the reward model and the PPO critic (HF *ForSequenceClassification, one label).
-    Returns per-token scores (B, T) and end_scores (B,) at each row's last real token."""
+    Returns per-token scores (B, T) and end_scores (B,) at each row's last real token (from the mask).
+
+    transformers instead reads the score at the rightmost token that is not config.json's pad_token_id (and
+    refuses batches of more than one row when it is null). The two agree, on either padding side, when the
+    saved pad_token_id is an id that never occurs as a real token of a scored sequence: a pad distinct from
+    the end-of-text / end-of-turn token that closes each response, and inside the vocabulary."""
     head = "score"
 
     def __init__(self, cfg: GPTConfig):
