@@ -2,9 +2,10 @@
 Qwen3). GPT is the policy, ScoreModel (trunk + scalar head) the reward model and critic.
 
 Read the ordinary forward first: `_Trunk.forward` (embeddings -> blocks -> final norm -> hidden states) and
-`GPT.forward` (hidden states -> logits). Three faster paths live beside it, each computing the same numbers:
-`_Trunk.forward_cached` (KV-cache decoding), `_Trunk.forward_at` (hidden state at one position per row, for
-end scores) and `token_logprobs` (the output layer in chunks of positions, for real vocabularies).
+`GPT.forward` (hidden states -> logits). The faster paths live beside it, each named, tested against it and
+computing the same numbers: `_Trunk.forward_cached` (KV-cache decoding), `_Trunk.forward_at` (the hidden state
+at one position per row, for end scores), `select` in `GPT.hidden_states` (the output layer only where a loss
+needs it) and `token_logprobs` (the output layer in chunks of positions, for real vocabularies).
 
 Module names follow HF (GPT-2: transformer.wte, transformer.h.0.attn.c_attn, ...; Llama family: model.embed_tokens,
 model.layers.0.self_attn.q_proj, ..., lm_head), so a checkpoint converts key for key (hf_io.py).
@@ -218,6 +219,11 @@ class SwiGLU(nn.Module):                     # Llama family
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _alias(name):
+    """A shared name for a family's HF-named module (state-dict keys stay HF's: the alias is not registered)."""
+    return property(lambda self: getattr(self, name))
+
+
 class _Block(nn.Module):
     """Pre-norm residual block; `norm_1, attention, norm_2, mlp` name each family's modules."""
 
@@ -234,7 +240,7 @@ class Block(_Block):                         # GPT-2
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    norm_1, attention, norm_2 = (property(lambda s, n=n: getattr(s, n)) for n in ("ln_1", "attn", "ln_2"))
+    norm_1, attention, norm_2 = _alias("ln_1"), _alias("attn"), _alias("ln_2")
 
 
 class LlamaBlock(_Block):
@@ -245,8 +251,7 @@ class LlamaBlock(_Block):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    norm_1, attention, norm_2 = (property(lambda s, n=n: getattr(s, n))
-                                 for n in ("input_layernorm", "self_attn", "post_attention_layernorm"))
+    norm_1, attention, norm_2 = _alias("input_layernorm"), _alias("self_attn"), _alias("post_attention_layernorm")
 
 
 def is_right_padded(attention_mask: torch.Tensor) -> bool:
@@ -353,7 +358,7 @@ class Transformer(_Trunk):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, bias=cfg.bias)
 
-    blocks, final_norm, embedding = (property(lambda s, n=n: getattr(s, n)) for n in ("h", "ln_f", "wte"))
+    blocks, final_norm, embedding = _alias("h"), _alias("ln_f"), _alias("wte")
 
     def embed(self, ids, pos):
         return self.drop(self.wte(ids) + self.wpe(pos))
@@ -372,8 +377,7 @@ class LlamaModel(_Trunk):
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
 
-    blocks, final_norm, embedding = (property(lambda s, n=n: getattr(s, n))
-                                     for n in ("layers", "norm", "embed_tokens"))
+    blocks, final_norm, embedding = _alias("layers"), _alias("norm"), _alias("embed_tokens")
 
     def embed(self, ids, pos):
         return self.embed_tokens(ids)
