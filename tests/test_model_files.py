@@ -1,6 +1,7 @@
 """Bad model directories: every case is one ValueError/FileNotFoundError line naming the file, raised before the
 model is built (the config is checked against the weights' headers, so nothing large is ever allocated)."""
 import json
+import re
 import time
 
 import pytest
@@ -38,7 +39,7 @@ def fails(d, match, exc=ValueError, cls=GPT, **kw):
         cls.from_pretrained(d, **kw)
     msg = str(e.value)
     assert "\n" not in msg and str(d) in msg, msg
-    assert __import__("re").search(match, msg), msg
+    assert re.search(match, msg), msg
     return msg
 
 
@@ -176,8 +177,6 @@ def test_sharded_index_problems(tmp_path):
     wmap = {k: "a.safetensors" if i < 5 else "b.safetensors" for i, k in enumerate(keys)}
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
-    ref = GPT(llama_cfg())
-    ref.load_state_dict(sd)
     assert torch.equal(GPT.from_pretrained(tmp_path).model.norm.weight, sd["model.norm.weight"])
     index.write_text(json.dumps({"weight_map": dict(wmap, **{keys[0]: "b.safetensors"})}))
     fails(tmp_path, rf"index\.json: {keys[0]} is mapped to b\.safetensors, which does not hold it")
@@ -185,3 +184,24 @@ def test_sharded_index_problems(tmp_path):
     fails(tmp_path, r"c\.safetensors: missing \(listed in", FileNotFoundError)
     index.write_text("{")
     fails(tmp_path, r"index\.json: invalid JSON")
+
+
+def test_stale_buffers_are_ignored_and_biasless_gpt2_round_trips(tmp_path):
+    """Older Llama checkpoints store rotary_emb.inv_freq; a bias-free GPT-2 is written with zero biases (HF
+    GPT-2 always has them) and read back without them; a non-zero one is refused."""
+    torch.manual_seed(0)
+    m = GPT(llama_cfg())
+    m.save_pretrained(tmp_path / "l")
+    sd = load_file(tmp_path / "l" / "model.safetensors")
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(sd, tmp_path / "l" / "model.safetensors")
+    assert torch.equal(GPT.from_pretrained(tmp_path / "l").model.embed_tokens.weight, m.model.embed_tokens.weight)
+    g = GPT(GPTConfig(vocab_size=96, n_layer=2, n_head=2, n_embd=32, bias=False))
+    g.save_pretrained(tmp_path / "g")
+    sd = load_file(tmp_path / "g" / "model.safetensors")
+    assert not sd["transformer.h.0.ln_1.bias"].any()
+    back = GPT.from_pretrained(tmp_path / "g")
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), g.state_dict().values()))
+    sd["transformer.h.1.mlp.c_fc.bias"] += 1
+    save_file(sd, tmp_path / "g" / "model.safetensors")
+    fails(tmp_path / "g", r"transformer\.h\.1\.mlp\.c_fc\.bias is not zero but the config has no biases")
