@@ -1,79 +1,203 @@
-"""GPT-2 in plain PyTorch: the policy (GPT), the reward model / critic (ScoreModel), KV-cache sampling,
-and import/export of the HuggingFace GPT-2 checkpoint layout (config.json + model.safetensors).
+"""Causal language models in plain PyTorch, two families behind one API: GPT-2 and the Llama family (Llama, Qwen2,
+Qwen3). GPT is the policy, ScoreModel (trunk + scalar head) the reward model and critic.
 
-Module names follow HF's GPT-2 (transformer.wte, transformer.h.0.attn.c_attn, ...), so converting a
-state dict is a key-for-key copy with the four Conv1D matrices transposed (HF stores them [in, out]).
+Read the ordinary forward first: `_Trunk.forward` (embeddings -> blocks -> final norm -> hidden states) and
+`GPT.forward` (hidden states -> logits). The faster paths live beside it, each named, tested against it and
+computing the same numbers: `_Trunk.forward_cached` (KV-cache decoding), `_Trunk.forward_at` (the hidden state
+at one position per row, for end scores), `select` in `GPT.hidden_states` (the output layer only where a loss
+needs it) and `token_logprobs` (the output layer in chunks of positions, for real vocabularies).
+
+Module names follow HF (GPT-2: transformer.wte, transformer.h.0.attn.c_attn, ...; Llama family: model.embed_tokens,
+model.layers.0.self_attn.q_proj, ..., lm_head), so a checkpoint converts key for key (hf_io.py).
 
 Padding. With an attention mask (1 = token, 0 = pad), position ids are cumsum(mask) - 1, so a left- or
 right-padded row gives the same logits on its real tokens as the row alone. Right-padded batches (SFT,
 DPO, reward training) need no mask at all: causal attention never lets a real token see a later pad and
 positions 0..T-1 are already right, so they take the fast `is_causal` path.
 """
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
+
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = {  # model_type -> (language model class, sequence classification class) in transformers
+    "gpt2": ("GPT2LMHeadModel", "GPT2ForSequenceClassification"),
+    "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+}
 
 
 @dataclass
 class GPTConfig:
     vocab_size: int = 512
-    block_size: int = 64                     # maximum sequence length (HF: n_positions)
+    block_size: int = 64                     # maximum sequence length (HF: n_positions / max_position_embeddings)
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    dropout: float = 0.0                     # residual, attention and embedding dropout (0 for all RLHF stages)
-    bias: bool = True                        # biases in Linear and LayerNorm (GPT-2: True)
+    dropout: float = 0.0                     # GPT-2: residual, attention, embedding; Llama: attention (0 in RLHF)
+    bias: bool = True                        # GPT-2 biases in Linear and LayerNorm (GPT-2: True)
     layer_norm_epsilon: float = 1e-5
     eos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None       # may lie outside the vocabulary (GPT-2's tokenizer has no pad)
+    model_type: str = "gpt2"                 # gpt2 | llama | qwen2 | qwen3; the fields below are Llama family only
+    n_kv_head: Optional[int] = None          # grouped-query attention: key/value heads (None = n_head)
+    head_dim: Optional[int] = None           # None = n_embd // n_head (Qwen3-0.6B: 128 at width 1024, 16 heads)
+    intermediate_size: Optional[int] = None  # SwiGLU width (None = 4 * n_embd)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None      # None or {"rope_type": "llama3", "factor", "low_freq_factor",
+    #                                          "high_freq_factor", "original_max_position_embeddings"}
+    attention_bias: bool = False             # q/k/v biases (Qwen2 always; Llama/Qwen3 then o_proj too)
+    qk_norm: bool = False                    # per-head RMSNorm of q and k before RoPE (Qwen3)
+    tie_word_embeddings: bool = True         # output layer = embedding (GPT-2 always)
+    bos_token_id: Optional[int] = None
+
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hd(self):
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def ffn(self):
+        return self.intermediate_size or 4 * self.n_embd
 
 
-# The four Conv1D matrices of HF GPT-2 (stored [in, out]); everything else is copied as is.
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+def check_config(cfg, where="config"):
+    """ValueError naming the field when a config cannot build a model (one line, prefixed by `where`)."""
+    def positive_int(name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
+    if cfg.model_type not in ARCHITECTURES:
+        raise ValueError(f"{where}: model_type {cfg.model_type!r} is not supported (gpt2, llama, qwen2, qwen3)")
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        positive_int(name, getattr(cfg, name))
+    for name in ("n_kv_head", "head_dim", "intermediate_size"):
+        if getattr(cfg, name) is not None:
+            positive_int(name, getattr(cfg, name))
+    if cfg.model_type == "gpt2":
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"{where}: n_head {cfg.n_head} does not divide n_embd {cfg.n_embd}")
+        if not cfg.tie_word_embeddings or cfg.kv_heads != cfg.n_head or cfg.hd * cfg.n_head != cfg.n_embd:
+            raise ValueError(f"{where}: gpt2 has tied embeddings, n_kv_head = n_head and head_dim = n_embd / n_head")
+        return
+    if cfg.n_head % cfg.kv_heads:
+        raise ValueError(f"{where}: n_kv_head {cfg.kv_heads} does not divide n_head {cfg.n_head}")
+    if cfg.hd % 2:
+        raise ValueError(f"{where}: head_dim {cfg.hd} must be even for rotary embeddings")
+    if cfg.model_type == "qwen2" and not cfg.attention_bias:
+        raise ValueError(f"{where}: qwen2 always has q/k/v biases (attention_bias must be true)")
+    s = cfg.rope_scaling
+    if s is not None:
+        need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if not isinstance(s, dict) or s.get("rope_type") != "llama3" or any(k not in s for k in need):
+            raise ValueError(f"{where}: rope_scaling must be None or rope_type llama3 with {', '.join(need)}")
 
 
-class CausalSelfAttention(nn.Module):
+# ---- the pieces ---------------------------------------------------------------------------------
+
+def attend(q, k, v, attn_mask=None, dropout_p=0.0):
+    """SDPA over (B, H, Tq, hd) queries and (B, H_kv, Tk, hd) keys/values (grouped-query when H_kv < H).
+    Without a mask it is causal when queries and keys are the same positions."""
+    causal = attn_mask is None and k.shape[2] == q.shape[2] and q.shape[2] > 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, dropout_p=dropout_p,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def rope_frequencies(cfg):
+    """(head_dim/2,) float32 inverse frequencies, computed as transformers does (default or llama3 scaling)."""
+    hd = cfg.hd
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    # Llama 3: long wavelengths slowed by `factor`, short ones kept, the band between interpolated
+    factor, lo, hi, old = (s["factor"], s["low_freq_factor"], s["high_freq_factor"],
+                           s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE (HF's layout: the two halves of head_dim are the pairs), x (B, H, T, hd)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class _Attention(nn.Module):
+    """Each family gives qkv(x, rope) -> q, k, v (B, heads, T, head_dim) and out(y) -> (B, T, C)."""
+
+    def forward(self, x, rope, attn_mask=None):
+        q, k, v = self.qkv(x, rope)
+        return self.out(attend(q, k, v, attn_mask, self.dropout if self.training else 0.0))
+
+
+class CausalSelfAttention(_Attention):      # GPT-2
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)   # fused q | k | v
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, attn_mask=None, cache=None, cache_pos=0, query_index=None):
+    def qkv(self, x, rope=None):
         B, T, C = x.shape
-        if query_index is not None:   # one query per row, at query_index, over every key (see Transformer)
-            w, b = self.c_attn.weight, self.c_attn.bias
-            q = F.linear(x[torch.arange(B, device=x.device), query_index], w[:C], None if b is None else b[:C])
-            k, v = F.linear(x, w[C:], None if b is None else b[C:]).split(C, dim=2)
-            q = q.view(B, 1, self.n_head, C // self.n_head).transpose(1, 2)
-            k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (k, v))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                               dropout_p=self.dropout if self.training else 0.0)
-            return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, 1, C)))
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
-        if cache is not None:  # write this step's keys/values into the preallocated cache, attend to all so far
-            k_cache, v_cache = cache
-            k_cache[:, :, cache_pos:cache_pos + T] = k
-            v_cache[:, :, cache_pos:cache_pos + T] = v
-            k, v = k_cache[:, :, :cache_pos + T], v_cache[:, :, :cache_pos + T]
-        causal = attn_mask is None and k.shape[2] == T and T > 1   # no mask given: plain causal attention
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return tuple(t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+
+    def out(self, y):
+        B, H, T, hd = y.shape
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, H * hd)))
 
 
-class MLP(nn.Module):
+class LlamaAttention(_Attention):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd, self.dropout = cfg.n_head, cfg.kv_heads, cfg.hd, cfg.dropout
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.hd, cfg.n_embd, bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg.hd, cfg.rms_norm_eps), RMSNorm(cfg.hd, cfg.rms_norm_eps)
+
+    def qkv(self, x, rope):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = (t.to(q.dtype)[:, None] for t in rope)
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
+
+    def out(self, y):
+        B, H, T, hd = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))
+
+
+class MLP(nn.Module):                        # GPT-2
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
@@ -84,7 +208,31 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))  # GPT-2's gelu_new
 
 
-class Block(nn.Module):
+class SwiGLU(nn.Module):                     # Llama family
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _alias(name):
+    """A shared name for a family's HF-named module (state-dict keys stay HF's: the alias is not registered)."""
+    return property(lambda self: getattr(self, name))
+
+
+class _Block(nn.Module):
+    """Pre-norm residual block; `norm_1, attention, norm_2, mlp` name each family's modules."""
+
+    def forward(self, x, rope, attn_mask=None):
+        x = x + self.attention(self.norm_1(x), rope, attn_mask)
+        return x + self.mlp(self.norm_2(x))
+
+
+class Block(_Block):                         # GPT-2
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, bias=cfg.bias)
@@ -92,13 +240,18 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, attn_mask=None, cache=None, cache_pos=0, query_index=None):
-        if query_index is not None:   # keys/values from every position, output only at query_index: (B, 1, C)
-            x_q = x[torch.arange(x.shape[0], device=x.device), query_index][:, None]
-            x = x_q + self.attn(self.ln_1(x), attn_mask, query_index=query_index)
-        else:
-            x = x + self.attn(self.ln_1(x), attn_mask, cache, cache_pos)
-        return x + self.mlp(self.ln_2(x))
+    norm_1, attention, norm_2 = _alias("ln_1"), _alias("attn"), _alias("ln_2")
+
+
+class LlamaBlock(_Block):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    norm_1, attention, norm_2 = _alias("input_layernorm"), _alias("self_attn"), _alias("post_attention_layernorm")
 
 
 def is_right_padded(attention_mask: torch.Tensor) -> bool:
@@ -123,8 +276,78 @@ def padding_attention(attention_mask: torch.Tensor, q_len: int):
     return pos[:, K - q_len:], mask
 
 
-class Transformer(nn.Module):
-    """The GPT-2 trunk (HF's `transformer.*`): embeddings, blocks, final LayerNorm -> hidden states."""
+# ---- the trunk: one ordinary forward, two faster paths beside it --------------------------------
+
+class _Trunk(nn.Module):
+    """Embeddings -> blocks -> final norm. Each family gives embed(ids, pos), rope(pos), blocks, final_norm."""
+    gradient_checkpointing = False
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        """The ordinary forward: (B, T) ids [, mask, positions] -> hidden states (B, T, C)."""
+        x, rope, mask = self.inputs(input_ids, attention_mask, position_ids)
+        return self.final_norm(self.run_blocks(self.blocks, x, rope, mask))
+
+    def inputs(self, input_ids, attention_mask, position_ids, cache_pos=0, cached=False):
+        """Embedded tokens, rotary (cos, sin) or None, and the attention mask (None = plain causal)."""
+        B, T = input_ids.shape
+        if cache_pos + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {cache_pos + T} tokens exceeds block_size {self.cfg.block_size}")
+        pad = self.cfg.pad_token_id
+        if pad is not None and pad >= self.cfg.vocab_size:
+            # a pad id outside the vocabulary (e.g. GPT-2's tokenizer): it is always masked, so any
+            # embedding row will do; this avoids resizing the embedding (summarize_from_feedback_details)
+            input_ids = input_ids.masked_fill(input_ids == pad, 0)
+        attn_mask = None
+        if attention_mask is not None and (cached or not is_right_padded(attention_mask)):
+            pos, attn_mask = padding_attention(attention_mask, T)
+            if position_ids is None:
+                position_ids = pos
+        if position_ids is None:
+            position_ids = torch.arange(cache_pos, cache_pos + T, device=input_ids.device)[None]
+        return self.embed(input_ids, position_ids), self.rope(position_ids), attn_mask
+
+    def run_blocks(self, blocks, x, rope, mask):
+        for block in blocks:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # keep only each block's input; recompute its activations in backward (memory for compute)
+                x = checkpoint(block, x, rope, mask, use_reentrant=False)
+            else:
+                x = block(x, rope, mask)
+        return x
+
+    def forward_cached(self, input_ids, attention_mask, position_ids, cache, cache_pos):
+        """KV-cache decoding. Why: a new token attends to the stored keys/values of the prefix instead of
+        recomputing them. cache: per block (k, v) of (B, n_kv_head, max_len, head_dim); this call's keys and
+        values are written at cache_pos:cache_pos+T. attention_mask covers all cache_pos+T tokens."""
+        x, rope, mask = self.inputs(input_ids, attention_mask, position_ids, cache_pos,
+                                    cached=attention_mask is not None)
+        end = cache_pos + input_ids.shape[1]
+        for block, (k_cache, v_cache) in zip(self.blocks, cache):
+            q, k, v = block.attention.qkv(block.norm_1(x), rope)
+            k_cache[:, :, cache_pos:end], v_cache[:, :, cache_pos:end] = k, v
+            x = x + block.attention.out(attend(q, k_cache[:, :, :end], v_cache[:, :, :end], mask))
+            x = x + block.mlp(block.norm_2(x))
+        return self.final_norm(x)
+
+    def forward_at(self, input_ids, attention_mask, position_ids, index):
+        """Hidden state (B, C) at position index[b] of each row, exactly as forward() gives it. Why: a reward
+        model's end score needs one position, so the last block runs its attention output and MLP on one
+        token instead of T (its keys and values still come from every position)."""
+        x, rope, mask = self.inputs(input_ids, attention_mask, position_ids)
+        x = self.run_blocks(self.blocks[:-1], x, rope, mask)
+        last, rows, T = self.blocks[-1], torch.arange(x.shape[0], device=x.device), x.shape[1]
+        q, k, v = last.attention.qkv(last.norm_1(x), rope)
+        keys = torch.arange(T, device=x.device)[None] <= index[:, None]          # causal for that query
+        if attention_mask is not None:
+            keys = keys & attention_mask.bool()
+        y = attend(q[rows, :, index][:, :, None], k, v, keys[:, None, None, :],
+                   last.attention.dropout if self.training else 0.0)
+        x = x[rows, index][:, None] + last.attention.out(y)
+        return self.final_norm(x + last.mlp(last.norm_2(x)))[:, 0]
+
+
+class Transformer(_Trunk):
+    """The GPT-2 trunk (HF's `transformer.*`): learned positions, LayerNorm, GELU MLP."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -135,186 +358,136 @@ class Transformer(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon, bias=cfg.bias)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, cache_pos=0, last_index=None):
-        """-> hidden states (B, T, C). With last_index (B,), the last block computes only the output at that
-        position of each row, (B, 1, C): all a reward model's end score needs. The last block's queries,
-        output projection and MLP then run on one token instead of T (a fifth of the trunk at 4 layers);
-        its keys and values still come from every position, so the result is exact."""
-        B, T = input_ids.shape
-        if cache_pos + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {cache_pos + T} tokens exceeds block_size {self.cfg.block_size}")
-        pad = self.cfg.pad_token_id
-        if pad is not None and pad >= self.cfg.vocab_size:
-            # a pad id outside the vocabulary (e.g. GPT-2's tokenizer): it is always masked, so any
-            # embedding row will do; this avoids resizing the embedding (summarize_from_feedback_details)
-            input_ids = input_ids.masked_fill(input_ids == pad, 0)
-        attn_mask = None
-        if attention_mask is not None and not (cache is None and is_right_padded(attention_mask)):
-            pos, attn_mask = padding_attention(attention_mask, T)
-            if position_ids is None:
-                position_ids = pos
-        if position_ids is None:
-            position_ids = torch.arange(cache_pos, cache_pos + T, device=input_ids.device)[None]
-        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
-        for i, block in enumerate(self.h):
-            if last_index is not None and i == len(self.h) - 1:
-                keys = torch.arange(T, device=x.device)[None] <= last_index[:, None]      # causal for that query
-                if attention_mask is not None:
-                    keys = keys & attention_mask.bool()
-                x = block(x, keys[:, None, None, :], query_index=last_index)
-            else:
-                x = block(x, attn_mask, None if cache is None else cache[i], cache_pos)
-        return self.ln_f(x)
+    blocks, final_norm, embedding = _alias("h"), _alias("ln_f"), _alias("wte")
+
+    def embed(self, ids, pos):
+        return self.drop(self.wte(ids) + self.wpe(pos))
+
+    def rope(self, pos):
+        return None
 
 
-class _Pretrained(nn.Module):
-    """Shared HF-directory I/O for GPT and ScoreModel."""
-    architecture = ""
+class LlamaModel(_Trunk):
+    """The Llama-family trunk (HF's `model.*`): rotary positions, RMSNorm, SwiGLU, grouped-query attention."""
 
-    def _hf_state_dict(self):
-        sd = {}
-        for k, v in self.state_dict().items():
-            v = v.detach().to("cpu", torch.float32)
-            sd[k] = v.t().contiguous() if k.endswith(_CONV1D) else v.contiguous()
-        if not self.cfg.bias:  # HF GPT-2 always has biases: write zeros so transformers can load it
-            for name, mod in self.named_modules():
-                if isinstance(mod, (nn.Linear, nn.LayerNorm)) and mod.bias is None:
-                    sd[name + ".bias"] = torch.zeros(mod.weight.shape[0])
-        return sd
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
 
-    def hf_config(self, **extra):
-        c = self.cfg
-        d = {"model_type": "gpt2", "architectures": [self.architecture], "vocab_size": c.vocab_size,
-             "n_positions": c.block_size, "n_ctx": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
-             "n_head": c.n_head, "n_inner": None, "activation_function": "gelu_new",
-             "layer_norm_epsilon": c.layer_norm_epsilon, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
-             "attn_pdrop": c.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
-             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-             "tie_word_embeddings": True, "use_cache": True, "dtype": "float32",
-             "bos_token_id": c.eos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
-             "nano_rlhf": {"bias": c.bias}}
-        d.update(extra)
-        return d
+    blocks, final_norm, embedding = _alias("layers"), _alias("norm"), _alias("embed_tokens")
 
-    def save_pretrained(self, out_dir, **extra_config):
-        """Write config.json + model.safetensors in the HF GPT-2 layout, each file replaced atomically."""
-        os.makedirs(out_dir, exist_ok=True)
-        _atomic(os.path.join(out_dir, "model.safetensors"),
-                lambda p: save_file(self._hf_state_dict(), p, metadata={"format": "pt"}))
-        cfg = self.hf_config(**extra_config)
-        _atomic(os.path.join(out_dir, "config.json"),
-                lambda p: open(p, "w").write(json.dumps(cfg, indent=2) + "\n"))
+    def embed(self, ids, pos):
+        return self.embed_tokens(ids)
+
+    def rope(self, pos):
+        """(cos, sin), each (B or 1, T, head_dim), float32 as in transformers."""
+        freqs = pos[..., None].float() * rope_frequencies(self.cfg).to(pos.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
 
 
-def _atomic(path, write):
-    tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def read_hf_dir(model_dir):
-    """Read config.json and model.safetensors of a HF GPT-2 directory (or ours) -> (GPTConfig, raw config,
-    state dict in our layout). Accepts keys with or without the `transformer.` prefix, an extra
-    `lm_head.weight` (tied, ignored; an untied one that differs from wte is an error) and stale
-    `attn.bias`/`attn.masked_bias` buffers (ignored)."""
-    cpath, wpath = os.path.join(model_dir, "config.json"), os.path.join(model_dir, "model.safetensors")
-    for p in (cpath, wpath):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"{p}: missing (a model directory needs config.json and model.safetensors)")
-    with open(cpath) as f:
-        raw = json.load(f)
-    if raw.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{cpath}: model_type {raw.get('model_type')!r} is not gpt2")
-    for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False)):
-        if raw.get(key, ok) != ok:
-            raise ValueError(f"{cpath}: {key}={raw[key]} is not supported")
-    if raw.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"{cpath}: activation_function {raw['activation_function']!r} is not supported")
-    n_embd = raw.get("n_embd", 768)
-    if raw.get("n_inner") not in (None, 4 * n_embd):
-        raise ValueError(f"{cpath}: n_inner={raw['n_inner']} is not supported (must be 4*n_embd)")
-    cfg = GPTConfig(vocab_size=raw.get("vocab_size", 50257), block_size=raw.get("n_positions", 1024),
-                    n_layer=raw.get("n_layer", 12), n_head=raw.get("n_head", 12), n_embd=n_embd,
-                    dropout=raw.get("resid_pdrop", 0.1), bias=raw.get("nano_rlhf", {}).get("bias", True),
-                    layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5),
-                    eos_token_id=raw.get("eos_token_id", 50256), pad_token_id=raw.get("pad_token_id"))
-    sd, lm_head = {}, None
-    for k, v in load_file(wpath).items():
-        if k == "lm_head.weight":
-            lm_head = v
-            continue
-        if k.endswith((".attn.bias", ".attn.masked_bias")):
-            continue
-        if not k.startswith(("transformer.", "score.")):
-            k = "transformer." + k          # original OpenAI layout: wte.weight, h.0..., ln_f...
-        sd[k] = v.t() if k.endswith(_CONV1D) else v
-    # our GPT ties the output layer to wte, so lm_head.weight is dropped; that is exact only if it equals
-    # wte (HF itself ties them unless tie_word_embeddings is false). An untied head would load silently
-    # as the wrong output layer.
-    wte = sd.get("transformer.wte.weight")
-    if (raw.get("tie_word_embeddings", True) is False and lm_head is not None
-            and (wte is None or not torch.equal(lm_head, wte))):
-        raise ValueError(f"{model_dir}: tie_word_embeddings is false and lm_head.weight differs from the "
-                         "embedding (wte); this GPT ties them, so the untied output layer cannot be loaded")
-    if not cfg.bias:
-        sd = {k: v for k, v in sd.items() if not (k.endswith(".bias") and not v.any())}
-    return cfg, raw, sd
-
+# ---- the models ---------------------------------------------------------------------------------
 
 def _init_weights(model, n_layer):
-    """GPT-2 initialisation: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), zero biases."""
+    """GPT-2 initialisation: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), norms 1, biases 0."""
     for name, p in model.named_parameters():
-        if name.endswith("c_proj.weight"):
+        if name.endswith(("c_proj.weight", "o_proj.weight", "down_proj.weight")):
             nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
-        elif name.endswith(("wte.weight", "wpe.weight")) or (p.dim() == 2 and not name.startswith("score")):
+        elif p.dim() == 2 and not name.startswith("score"):
             nn.init.normal_(p, 0.0, 0.02)
-        elif "ln_" in name and name.endswith("weight"):
+        elif p.dim() == 1 and name.endswith("weight"):
             nn.init.ones_(p)
         elif name.endswith("bias"):
             nn.init.zeros_(p)
 
 
-def _load(model, sd, path, strict_keys):
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if k not in strict_keys]
-    if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the config (missing {missing[:4]}, unexpected {unexpected[:4]})")
+class _Pretrained(nn.Module):
+    """What GPT and ScoreModel share: the trunk of the config's family, HF-directory I/O, the checkpointing switch."""
+    head = "lm"
 
-
-class GPT(_Pretrained):
-    """GPT-2 language model: logits = ln_f(trunk(x)) @ wte.T (tied embeddings)."""
-    architecture = "GPT2LMHeadModel"
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
+    def _build_trunk(self, cfg):
+        check_config(cfg)
         self.cfg = cfg
-        self.transformer = Transformer(cfg)
-        _init_weights(self, cfg.n_layer)
+        if cfg.model_type == "gpt2":
+            self.transformer = Transformer(cfg)
+        else:
+            self.model = LlamaModel(cfg)
+
+    @property
+    def trunk(self):
+        return self.transformer if self.cfg.model_type == "gpt2" else self.model
+
+    @property
+    def architecture(self):
+        return ARCHITECTURES[self.cfg.model_type][self.head == "score"]
+
+    @property
+    def gradient_checkpointing(self):
+        return self.trunk.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, on):
+        self.trunk.gradient_checkpointing = bool(on)
+
+    def set_grad_checkpointing(self, on=True):
+        """Training forwards keep only each block's input and recompute the block in backward."""
+        self.gradient_checkpointing = on
+        return self
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
-        """(B, T) ids [, (B, T) mask] -> (B, T, V) logits.
+    def hf_config(self, **extra):
+        from .hf_io import hf_config
+        return hf_config(self, **extra)
 
-        select: optional (B, T) bool; then only the logits at those positions are computed, (N, V) in
-        row-major order. Training scripts pass the positions that predict response tokens, which skips
-        the output layer (a quarter of the model's FLOPs at vocab 4096) on prompt and padding positions.
-        """
-        h = self.transformer(input_ids, attention_mask, position_ids)
-        if select is not None:
-            h = h[select]
-        return F.linear(h, self.transformer.wte.weight)
+    def save_pretrained(self, out_dir, **extra_config):
+        """Write config.json + model.safetensors in the HF layout of the family, each file replaced atomically."""
+        from .hf_io import write_hf_dir
+        write_hf_dir(self, out_dir, **extra_config)
+
+    @classmethod
+    def _from_dir(cls, model_dir, overrides, allow_missing=()):
+        from .hf_io import read_hf_dir
+        cfg, raw, sd = read_hf_dir(model_dir, head=cls.head, allow_missing=allow_missing, **overrides)
+        model = cls(cfg)        # read_hf_dir checked every key and shape against cfg: this load cannot fail
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        assert not unexpected and set(missing) <= set(allow_missing), (missing, unexpected)
+        return model, raw, sd
+
+
+class GPT(_Pretrained):
+    """Language model: logits = final_norm(trunk(x)) @ W.T, W = the embedding (tied) or lm_head."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self._build_trunk(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        _init_weights(self, cfg.n_layer)
+
+    def output_weight(self):
+        """(V, C) output layer weight."""
+        return self.trunk.embedding.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, select=None):
+        """Final hidden states (B, T, C), or (N, C) at the positions of the (B, T) bool `select` (row-major)."""
+        h = self.trunk(input_ids, attention_mask, position_ids)
+        return h if select is None else h[select]
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
+        """(B, T) ids [, (B, T) mask] -> (B, T, V) logits; with select (B, T) bool, (N, V) at those positions.
+        Why select: scripts pass the positions that predict response tokens, which skips the output layer
+        (a quarter of the FLOPs at vocab 4096) on prompt and padding positions."""
+        return F.linear(self.hidden_states(input_ids, attention_mask, position_ids, select), self.output_weight())
 
     @classmethod
     def from_pretrained(cls, model_dir, **overrides):
-        cfg, _, sd = read_hf_dir(model_dir)
-        for k, v in overrides.items():
-            setattr(cfg, k, v)
-        model = cls(cfg)
-        sd = {k: v for k, v in sd.items() if not k.startswith("score.")}   # a reward model's trunk loads too
-        _load(model, sd, model_dir, strict_keys=())
-        return model
+        """Load a *ForCausalLM directory (HF or ours); a reward model's trunk loads too (score.weight dropped)."""
+        return cls._from_dir(model_dir, overrides)[0]
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask=None, max_new_tokens=32, temperature=1.0, top_k=None,
@@ -322,47 +495,44 @@ class GPT(_Pretrained):
         """Sample continuations of left-padded prompts.
 
         input_ids, attention_mask: (B, Tp) prompts, left-padded (mask 0 on pads). temperature 0 = greedy.
+        eos_token_id: an id or a list/set of ids (end-of-text and end-of-turn tokens) that end a row.
         Returns (B, Tp + n) ids, n <= max_new_tokens: prompts followed by the new tokens; after a row's
-        first eos_token_id every position holds pad_token_id. Stops early when every row has ended.
-        The KV cache is preallocated once; the prompt's logits are computed only at its last position.
+        first end token every position holds pad_token_id. Stops early when every row has ended.
+        With use_cache the KV cache is preallocated once and the prompt's logits are taken at its last position.
         """
         B, Tp = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if Tp + max_new_tokens > self.cfg.block_size:
             raise ValueError(f"prompt ({Tp}) + max_new_tokens ({max_new_tokens}) exceeds block_size {self.cfg.block_size}")
-        pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+        ends = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else sorted(eos_token_id)
+        ends = torch.tensor(ends, dtype=torch.long, device=input_ids.device)
+        pad = pad_token_id if pad_token_id is not None else (int(ends[0]) if len(ends) else 0)
         was_training = self.training
         self.eval()
         ids, mask = input_ids, attention_mask.long()
         finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
         left_padded = not bool(mask.all())
-        cache = None
+        W = self.output_weight()
         if use_cache:
-            H, hd = self.cfg.n_head, self.cfg.n_embd // self.cfg.n_head
-            cache = [(ids.new_empty((B, H, Tp + max_new_tokens, hd), dtype=self.transformer.wte.weight.dtype),
-                      ids.new_empty((B, H, Tp + max_new_tokens, hd), dtype=self.transformer.wte.weight.dtype))
-                     for _ in range(self.cfg.n_layer)]
+            shape = (B, self.cfg.kv_heads, Tp + max_new_tokens, self.cfg.hd)
+            cache = [(W.new_empty(shape), W.new_empty(shape)) for _ in range(self.cfg.n_layer)]
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            h = self.transformer(ids, mask if left_padded else None, pos, cache, 0)
+            h = self.trunk.forward_cached(ids, mask if left_padded else None, pos, cache, 0)
             next_pos = pos[:, -1:] + 1
         new = []
         for step in range(max_new_tokens):
-            if use_cache:
-                logits = F.linear(h[:, -1], self.transformer.wte.weight)
-            else:
-                logits = self(ids, mask if left_padded else None)[:, -1]
+            logits = F.linear(h[:, -1], W) if use_cache else self(ids, mask if left_padded else None)[:, -1]
             tok = sample_token(logits, temperature, top_k, top_p, generator)
             tok = torch.where(finished, torch.full_like(tok, pad), tok)
             new.append(tok)
-            if eos_token_id is not None:
-                finished |= tok == eos_token_id
+            finished |= torch.isin(tok, ends)
             ids = torch.cat([ids, tok[:, None]], 1) if not use_cache else ids
             mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
             if bool(finished.all()) or step == max_new_tokens - 1:
                 break
             if use_cache:
-                h = self.transformer(tok[:, None], mask if left_padded else None, next_pos, cache, Tp + step)
+                h = self.trunk.forward_cached(tok[:, None], mask if left_padded else None, next_pos, cache, Tp + step)
                 next_pos = next_pos + 1
         self.train(was_training)
         return torch.cat([input_ids, torch.stack(new, 1)], 1)
@@ -381,22 +551,55 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p        # keep the smallest prefix reaching top_p
         logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    # inverse-CDF sampling: one uniform number per row. torch.multinomial draws an exponential per vocabulary
-    # entry (4096 per row), which costs more than the whole forward pass of a small model's decode step.
-    cdf = logits.softmax(-1).cumsum(-1)
+    return inverse_cdf_sample(logits.softmax(-1), generator)
+
+
+def inverse_cdf_sample(probs, generator=None):
+    """(B, V) probabilities -> (B,) ids with one uniform number per row. Why: torch.multinomial draws an
+    exponential per vocabulary entry, which costs more than a small model's whole decode step."""
+    cdf = probs.cumsum(-1)
     u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
+def _chunk_logprobs(h, weight, targets, temperature, with_entropy):
+    logp = (F.linear(h, weight).float() / temperature).log_softmax(-1)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp,)
+
+
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, with_entropy=False):
+    """(N, C) final hidden states, (V, C) output weight, (N,) targets -> (N,) float32 log_softmax(hidden @
+    weight.T / temperature) at targets, and (N,) entropies with with_entropy=True.
+
+    Why chunks: with a real vocabulary (49k-152k) the (N, V) logits are the largest tensors of a step. Computing
+    them chunk_size positions at a time, and recomputing each chunk in backward (checkpoint), bounds the peak by
+    (chunk_size, V) in forward and backward; the result equals the unchunked computation."""
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    parts = []
+    for s in range(0, hidden.shape[0], chunk_size):
+        args = (hidden[s:s + chunk_size], weight, targets[s:s + chunk_size], temperature, with_entropy)
+        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args))
+    if not parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return (empty, empty) if with_entropy else empty
+    out = [torch.cat(p) for p in zip(*parts)]
+    return tuple(out) if with_entropy else out[0]
+
+
 class ScoreModel(_Pretrained):
-    """GPT-2 trunk + a scalar head: the reward model and the PPO critic (HF GPT2ForSequenceClassification,
-    one label). Returns per-token scores (B, T) and end_scores (B,) at each row's last real token."""
-    architecture = "GPT2ForSequenceClassification"
+    """Trunk + a scalar head: the reward model and the PPO critic (HF *ForSequenceClassification, one label).
+    Returns per-token scores (B, T) and end_scores (B,) at each row's last real token (from the mask).
+
+    transformers instead reads the score at the rightmost token that is not config.json's pad_token_id (and
+    refuses batches of more than one row when it is null). The two agree, on either padding side, when the
+    saved pad_token_id is an id that never occurs as a real token of a scored sequence: a pad distinct from
+    the end-of-text / end-of-turn token that closes each response, and inside the vocabulary."""
+    head = "score"
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.cfg = cfg
-        self.transformer = Transformer(cfg)
+        self._build_trunk(cfg)
         self.score = nn.Linear(cfg.n_embd, 1, bias=False)
         _init_weights(self, cfg.n_layer)
         self.init_head()
@@ -406,32 +609,19 @@ class ScoreModel(_Pretrained):
         nn.init.normal_(self.score.weight, 0.0, 1.0 / math.sqrt(self.cfg.n_embd + 1))
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, end_only=False):
-        """-> (per-token scores (B, T), end scores (B,)); end_only=True computes only the end scores (the
-        reward model's case) and returns (None, end scores), skipping most of the last block."""
+        """-> (per-token scores (B, T), end scores (B,)). end_only=True (the reward model's case) returns
+        (None, end scores) through the trunk's forward_at, which skips most of the last block."""
         last = last_token_index(input_ids, attention_mask)
         if end_only:
-            h = self.transformer(input_ids, attention_mask, position_ids, last_index=last)   # (B, 1, C)
-            return None, self.score(h).view(-1)
-        h = self.transformer(input_ids, attention_mask, position_ids)
-        scores = self.score(h).squeeze(-1)                               # (B, T)
+            return None, self.score(self.trunk.forward_at(input_ids, attention_mask, position_ids, last)).view(-1)
+        scores = self.score(self.trunk(input_ids, attention_mask, position_ids)).squeeze(-1)     # (B, T)
         return scores, scores.gather(1, last[:, None]).squeeze(1)
-
-    def hf_config(self, **extra):
-        d = super().hf_config(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, num_labels=1)
-        d.update(extra)
-        return d
 
     @classmethod
     def from_pretrained(cls, model_dir, new_head=False, **overrides):
-        """Load a GPT2ForSequenceClassification directory. With new_head=True a language-model directory
+        """Load a *ForSequenceClassification directory. With new_head=True a language-model directory
         (no `score.weight`) is accepted too: its trunk is loaded and the head freshly initialised."""
-        cfg, raw, sd = read_hf_dir(model_dir)
-        for k, v in overrides.items():
-            setattr(cfg, k, v)
-        model = cls(cfg)
-        if "score.weight" not in sd and not new_head:
-            raise ValueError(f"{model_dir}: no score head (score.weight); is this a reward model directory?")
-        _load(model, sd, model_dir, strict_keys=("score.weight",))
+        model, raw, sd = cls._from_dir(model_dir, overrides, allow_missing=("score.weight",) if new_head else ())
         model.extra_config = {k: raw[k] for k in ("reward_mean", "reward_std") if k in raw}
         return model
 
@@ -453,3 +643,6 @@ def config_from_dict(d):
 
 def config_to_dict(cfg):
     return asdict(cfg)
+
+
+from .hf_io import read_hf_dir  # noqa: E402,F401  (re-exported: `from nano_rlhf.model import read_hf_dir`)
