@@ -44,8 +44,17 @@ def _step_of(line):
 
 
 def _collective_check(fn):
-    """Run fn() on rank 0 (it returns an error message or None); every rank fails with that message."""
-    msg = dist.broadcast_object(fn() if dist.world().is_main else None)
+    """Run fn() on rank 0 (it returns an error message or None); every rank fails with that message. A bug
+    (an exception) in fn is re-raised on rank 0 after the others were told, so no rank waits for it."""
+    msg, bug = None, None
+    if dist.world().is_main:
+        try:
+            msg = fn()
+        except Exception as e:
+            msg, bug = f"rank 0 failed in a start-up check ({type(e).__name__}: {e})", e
+    msg = dist.broadcast_object(msg)
+    if bug is not None:
+        raise bug
     if msg:
         fail(msg)
 
@@ -62,7 +71,7 @@ class Run:
         self.main = dist.world().is_main
         self.report_to = getattr(opts, "report_to", "none")
         self.saved = self.finished = False
-        self.created_dir, self.before = None, set()  # what to remove if the run fails before its first save
+        self.created_dir, self.before = None, None  # what to remove if the run fails before its first save
         self.lock = OutDirLock(self.out_dir)
         self.writer = self.wandb = None
         self.t0, self.step0 = time.time(), 0
@@ -143,7 +152,10 @@ class Run:
 
     def _identity_diff(self):
         """None when the saved run.json describes this run, else the one-line refusal."""
-        path = os.path.join(find_state(self.out_dir), "run.json")
+        d = find_state(self.out_dir)
+        if d is None:
+            return f"--resume: {self.out_dir} has no saved state to resume from (no {self.out_dir}/state/meta.json)"
+        path = os.path.join(d, "run.json")
         if not os.path.isfile(path):
             return f"--resume: {path}: missing (a state saved without a run identity cannot be checked)"
         try:
@@ -268,6 +280,8 @@ class Run:
         _current = None
 
     def _close(self):
+        if checkpoint.RUN_INFO == self.record:
+            checkpoint.RUN_INFO = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -277,11 +291,15 @@ class Run:
         self.lock.release()
 
     def _remove_created(self):
-        """Undo what this run wrote into out_dir (nothing was saved yet): the directory if this run created
-        it (and its parents it created, if empty), else the entries that were not there before."""
+        """Undo what this run wrote into out_dir (nothing was saved yet): the directories this run created,
+        else the entries of out_dir that were not there before. Nothing before out_dir was looked at."""
         if self.created_dir is not None:
-            shutil.rmtree(self.created_dir, ignore_errors=True)
-        elif os.path.isdir(self.out_dir):
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+            d = os.path.dirname(os.path.abspath(self.out_dir))
+            while len(d) >= len(self.created_dir) and os.path.isdir(d) and not os.listdir(d):
+                os.rmdir(d)                 # parents this run created, unless something else is in them now
+                d = os.path.dirname(d)
+        elif self.before is not None and os.path.isdir(self.out_dir):
             for name in set(os.listdir(self.out_dir)) - self.before:
                 p = os.path.join(self.out_dir, name)
                 shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
