@@ -257,21 +257,24 @@ REF_KEYS = {"pairs": ("ref_chosen", "ref_rejected"), "kto": ("ref", "ref_kl")}
 
 def make_batch(examples, opts, pad_id, device):
     """Collate examples into a Batch on the device (with the reference log-probs when precomputed)."""
-    def ref_values(key):
-        return torch.tensor([e[key] for e in examples], device=device) if key in examples[0] else None
+    def ref_values(*keys):           # precomputed S_ref of each row kind, in row order (or None)
+        if keys[0] not in examples[0]:
+            return None
+        return torch.tensor([e[k] for k in keys for e in examples], device=device)
     if opts.loss == "kto":
         ids, attn, resp, label = collate_unpaired(examples, pad_id)
-        kids, kattn, kresp, _ = collate_unpaired(examples, pad_id, key="mismatched")
-        mismatched = Batch(kids.to(device), kattn.to(device), kresp.to(device), ref_values("ref_kl"), 0, 0)
-        return Batch(ids.to(device), attn.to(device), resp.to(device), ref_values("ref"), len(examples),
-                     sum(len(e["completion"]) for e in examples), label.to(device), mismatched)
+        kl_ids, kl_attn, kl_resp, _ = collate_unpaired(examples, pad_id, key="mismatched")
+        mismatched = Batch(kl_ids.to(device), kl_attn.to(device), kl_resp.to(device), ref_logps=ref_values("ref_kl"),
+                           n_items=len(examples), n_chosen_tokens=0)
+        return Batch(ids.to(device), attn.to(device), resp.to(device), ref_logps=ref_values("ref"),
+                     n_items=len(examples), n_chosen_tokens=sum(len(e["completion"]) for e in examples),
+                     label=label.to(device), mismatched=mismatched)
     ids, attn, resp, _ = collate_pairs(examples, pad_id)
-    ref_w, ref_l = ref_values("ref_chosen"), ref_values("ref_rejected")
-    return Batch(ids.to(device), attn.to(device), resp.to(device), None if ref_w is None else torch.cat([ref_w, ref_l]),
-                 len(examples), sum(len(e["chosen"]) for e in examples))
+    return Batch(ids.to(device), attn.to(device), resp.to(device), ref_logps=ref_values("ref_chosen", "ref_rejected"),
+                 n_items=len(examples), n_chosen_tokens=sum(len(e["chosen"]) for e in examples))
 
 
-def logps(opts, policy, ref, batch):
+def policy_and_ref_logps(opts, policy, ref, batch):
     """S_θ and |y| of the batch's rows (with the policy's graph), and S_ref: live, precomputed or None."""
     with autocast(batch.ids.device, opts.dtype):
         pi, length = sequence_logps(policy, batch.ids, batch.attn, batch.resp)
@@ -285,7 +288,7 @@ def logps(opts, policy, ref, batch):
 @torch.no_grad()
 def mismatched_kl_sum(opts, policy, ref, batch):
     """Σ of S_θ(x, y′) − S_ref(x, y′) over the batch's mismatched pairs: KTO's z₀ before the mean."""
-    pi_kl, _, ref_kl = logps(opts, policy, ref, batch.mismatched)
+    pi_kl, _, ref_kl = policy_and_ref_logps(opts, policy, ref, batch.mismatched)
     return (pi_kl - ref_kl).sum()
 
 
@@ -298,7 +301,7 @@ KTO_STATS = ("loss", "kl", "rewards_desirable", "rewards_undesirable", "n_desira
 def micro_step(opts, policy, ref, batch, z0=None):
     """Named sums over one micro-batch. 'loss' (Σ of per-example losses) and 'nll' (Σ of −log π over the
     chosen tokens) keep their graph for the backward; the others are for the log."""
-    pi, length, ref_lp = logps(opts, policy, ref, batch)
+    pi, length, ref_lp = policy_and_ref_logps(opts, policy, ref, batch)
     if opts.loss == "kto":
         label, u = batch.label, pi - ref_lp
         loss = kto_loss(u, label, z0, opts.beta, opts.desirable_weight, opts.undesirable_weight)
@@ -355,16 +358,16 @@ def precompute_reference(opts, ref, examples, pad_id, device):
     """Reference log-probs stored in each example (keyed by the example, not by batch position, so
     shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares them."""
     kind = "kto" if opts.loss == "kto" else "pairs"
-    values = torch.zeros(len(examples), 2, dtype=torch.float64)         # the two row kinds of each example
-    mine = list(range(dist.ctx().rank, len(examples), dist.ctx().world_size))
+    values = torch.zeros(len(examples), 2, dtype=torch.float64)         # S_ref of each example's two rows
+    mine = dist.shard(list(range(len(examples))))
     for i in range(0, len(mine), opts.batch_size):
         idx = mine[i:i + opts.batch_size]
         batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
         with autocast(device, opts.dtype):
-            s, _ = sequence_logps(ref, batch.ids, batch.attn, batch.resp)
-            values[idx] = (torch.stack([s, sequence_logps(ref, batch.mismatched.ids, batch.mismatched.attn,
-                                                          batch.mismatched.resp)[0]], 1) if kind == "kto"
-                           else torch.stack(s.chunk(2), 1)).double().cpu()
+            s = sequence_logps(ref, batch.ids, batch.attn, batch.resp)[0]
+            m = batch.mismatched
+            columns = [s, sequence_logps(ref, m.ids, m.attn, m.resp)[0]] if kind == "kto" else s.chunk(2)
+        values[idx] = torch.stack(columns, 1).double().cpu()
     values = dist.all_reduce_sum(values)
     for e, row in zip(examples, values.tolist()):
         e.update(zip(REF_KEYS[kind], row))
