@@ -51,10 +51,11 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist
-from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
-                              load_tokenizer, lr_at, set_lr, split_off)
-from nano_rlhf.config import parse_args, save_config
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
+                              set_lr, split_off)
+from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import Batches, collate_pairs, load_records, pad_right, tokenize_pairs, tokenize_unpaired
 from nano_rlhf.model import GPT
 
@@ -105,6 +106,9 @@ class Options:
     save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
     resume: bool = False          # continue from out_dir/state
     stop_at: int = 0              # end this run after step N with a checkpoint (--resume later); 0 = never {>= 0}
+    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
 
 # ---- the one log-prob gather --------------------------------------------------------------------
@@ -424,25 +428,32 @@ def load_models(opts):
     return tok, policy, ref
 
 
-def load_examples(opts, tok, block_size):
+def data_files(opts):
+    """The train and eval JSONL files (the built-in task's when not given); eval None = split --eval_fraction off
+    the train file (the built-in task has a preference eval file, not an unpaired one)."""
+    kind = "unpaired" if opts.loss == "kto" else "preference"
+    split = not opts.eval_data and (opts.data or opts.loss == "kto")
+    return {"data": opts.data or builtin_file(f"{kind}.jsonl"),
+            "eval_data": None if split else opts.eval_data or builtin_file("preference_eval.jsonl")}
+
+
+def load_examples(opts, files, tok, block_size):
     """Tokenized train and eval examples (KTO: with their mismatched completions) and the train counts."""
     kto = opts.loss == "kto"
     kind = "unpaired" if kto else "preference"
-    data = opts.data or builtin_file(f"{kind}.jsonl")
-    records = load_records(data, kind)
-    if opts.eval_data or not (opts.data or kto):
-        eval_source = opts.eval_data or builtin_file("preference_eval.jsonl")
-        eval_records = load_records(eval_source, kind)
+    records = load_records(files["data"], kind)
+    if files["eval_data"]:
+        eval_source, eval_records = files["eval_data"], load_records(files["eval_data"], kind)
     else:
         records, eval_records = split_off(records, opts.eval_fraction, opts.seed)
-        eval_source = f"{data} (the --eval_fraction {opts.eval_fraction} held out)"
+        eval_source = f"{files['data']} (the --eval_fraction {opts.eval_fraction} held out)"
         if not records:
-            raise ValueError(f"--eval_fraction {opts.eval_fraction} holds out every row of {data} "
+            raise ValueError(f"--eval_fraction {opts.eval_fraction} holds out every row of {files['data']} "
                              f"({len(eval_records)}): none is left to train on; pass --eval_data")
     tokenize = tokenize_unpaired if kto else tokenize_pairs
     train, counts = tokenize(records, tok, block_size)
     evals, eval_counts = tokenize(eval_records, tok, block_size)
-    for examples, source, c in ((train, data, counts), (evals, eval_source, eval_counts)):
+    for examples, source, c in ((train, files["data"], counts), (evals, eval_source, eval_counts)):
         if not examples:     # an empty eval set would log a loss and an accuracy of 0
             raise ValueError(f"{source}: no example fits the model's block_size {block_size} ({c})")
     if kto:
@@ -451,17 +462,23 @@ def load_examples(opts, tok, block_size):
     return train, evals, counts
 
 
+# options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs
+NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
+                "precompute_ref")
+
+
 # ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
     opts = parse_args(Options, argv, __doc__)
     check_options(opts)
-    world = dist.setup(opts.device)
-    if opts.resume and find_state(opts.out_dir) is None:
-        fail(f"{opts.out_dir}: --resume given but there is no saved state in it")
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    files = data_files(opts)
+    run = run_mod.start(opts, script="dpo", identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
+                        inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
     with input_errors():
         tok, policy, ref = load_models(opts)
-        train, evals, counts = load_examples(opts, tok, policy.cfg.block_size)
+        train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     policy.to(world.device)
     if ref is not None:
@@ -480,27 +497,27 @@ def main(argv=None):
         policy = torch.compile(policy)
     ddp = dist.wrap_ddp(policy)
     optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
-    step = 0
+    max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
     if opts.resume:
-        meta = load_state(opts.out_dir, {"policy": policy}, {"policy": optimizer})
-        step = meta["step"]
-        batches.load_state_dict(meta["data"])
+        batches.load_state_dict(run.resume(models={"policy": policy}, optimizers={"policy": optimizer})["data"])
     if world.is_main:
-        os.makedirs(opts.out_dir, exist_ok=True)
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
     dist.print0(f"{opts.loss.upper()} | beta {opts.beta} | {len(train):,} train examples ({counts}) | {len(evals):,} "
                 f"eval | global batch {batches.global_batch} | {max_steps} steps | reference: {reference}"
-                + (f" | resuming at step {step}" if step else ""))
-    log = Logger(opts.out_dir, max_steps, resume=opts.resume, start_step=step)
-    shown = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
-             "eval/loss", "eval/reward_accuracy", "train/tokens_per_s"]
-    nll_w = nll_weight(opts)
+                + (f" | resuming at step {run.step}" if run.step else ""))
+    run.show = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
+                "eval/loss", "eval/reward_accuracy"]
+    run.loss_key = ("train/loss", "train/grad_norm")      # a NaN/inf in either stops the run (checkpoint intact)
 
-    while step < max_steps:
+    def save(step):
+        save_state(opts.out_dir, {"policy": policy}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
+        save_model_dir(opts.out_dir, policy, tok)
+
+    nll_w = nll_weight(opts)
+    for step in range(run.step + 1, max_steps + 1):           # step = optimizer steps done after this one
         t0 = time.time()
-        lr = lr_at(step, max_steps, opts.lr, opts.warmup_steps, "linear")
+        lr = lr_at(step - 1, max_steps, opts.lr, opts.warmup_steps, "linear")
         set_lr(optimizer, lr)
         micro = [make_batch([train[i] for i in idx], opts, tok.pad_id, world.device) for idx in batches.next_step()]
         # the step's denominators, over all ranks, before any backward: items, and chosen tokens for the NLL
@@ -519,33 +536,20 @@ def main(argv=None):
                 objective = stats["loss"] / n_items                        # mean over the step's items ...
                 if nll_w:                                                   # ... + w · token-mean NLL(y_w)
                     objective = objective + nll_w * stats["nll"] / n_chosen
-                (objective * world.world_size).backward()                   # DDP averages over ranks: undo it
+                (objective * dist.ddp_scale()).backward()                   # DDP averages over ranks: undo it
             add_to(sums, stats, batch)
         totals = sum_over_ranks(sums)
-        metrics = {f"train/{k}": v for k, v in means(totals).items()}
-        check_finite(metrics["train/loss"], step, opts.out_dir)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), opts.grad_clip or float("inf")).item()
-        check_finite(grad_norm, step, opts.out_dir, "gradient norm")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
-        metrics.update({"train/lr": lr, "train/grad_norm": grad_norm,
-                        "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)})
-
-        if (opts.eval_interval and step % opts.eval_interval == 0) or step == max_steps:
-            metrics.update(evaluate(opts, policy, ref, evals, tok.pad_id, world.device))
-        if step % opts.log_interval == 0 or step == max_steps:
-            log.log(step, metrics)
-            log.progress(step, metrics, shown)
-        if (opts.save_interval and step % opts.save_interval == 0) or step in (max_steps, opts.stop_at):
-            save_state(opts.out_dir, {"policy": policy}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
-            save_model_dir(opts.out_dir, policy, tok)
-        if step == opts.stop_at:
-            dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
+        metrics = {**{f"train/{k}": v for k, v in means(totals).items()}, "train/lr": lr, "train/grad_norm": grad_norm,
+                   "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)}
+        if run.end_of_step(step, metrics, evaluate=lambda: evaluate(opts, policy, ref, evals, tok.pad_id, world.device),
+                           save=save):
             break
     dist.check_same_weights(policy, "policy")
     dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout)")
-    dist.cleanup()
+    run.finish()
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)
 
 
