@@ -164,7 +164,7 @@ BAD_FLAGS = [
     ("dpo", ["--max_steps", "0", "--epochs", "-1"], "--epochs"),
     ("dpo", ["--log_interval", "0"], "--log_interval"),
     ("dpo", ["--batch_size", "0"], "--batch_size"),
-    ("dpo", ["--lr", "-1e-4"], "--lr"),
+    ("dpo", ["--lr", "-0.0001"], "--lr"),
     ("dpo", ["--lr", "0"], "--lr"),
     ("robust", ["--label_smoothing", "0.5"], "--label_smoothing"),   # 1/(1 − 2ε)
     ("dpo", ["--label_smoothing", "-0.1"], "--label_smoothing"),
@@ -242,3 +242,26 @@ def test_stop_and_resume_equals_one_run(tmp_path, sft_dir, loss):
     assert all(torch.equal(a[k], b[k]) for k in a)
     la, lb = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [x["train/loss"] for x in la] == [x["train/loss"] for x in lb]
+
+
+@pytest.mark.parametrize("flag", ["--init", "--ref"])
+def test_out_dir_equal_to_an_input_is_refused(tmp_path, sft_dir, capsys, flag):
+    import shutil
+    model_dir = tmp_path / "model"
+    shutil.copytree(sft_dir, model_dir)
+    before = sorted(p.name for p in model_dir.iterdir())
+    args = dpo_args(tmp_path, sft_dir, "o", "dpo") + [flag, str(model_dir), "--out_dir", str(model_dir)]
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(args)
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"input {flag} {model_dir}" in err, err
+    assert sorted(p.name for p in model_dir.iterdir()) == before
+
+
+def test_resume_with_another_loss_setting_is_refused(tmp_path, sft_dir, capsys):
+    train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--stop_at", "1", steps=2))
+    with pytest.raises(SystemExit):
+        train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--resume", "--beta", "0.3", steps=2))
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "beta 0.1 != 0.3" in err, err
