@@ -17,8 +17,10 @@ u = S_θ − S_ref (the implicit reward / β), h = u_w − u_l (w = chosen, l = 
                  desirable λ_D(1 − σ(β(u − z₀))), undesirable λ_U(1 − σ(β(z₀ − u)))  Ethayarajh et al. 2024, eq. 8
   --nll_coef α   adds α·NLL(y_w) to any pair loss (RPO, Pang et al. 2024); kto has no y_w
 
-NLL(y_w) is the token-mean cross-entropy over all chosen-response tokens of the optimizer step (the prompt
-excluded; TRL's ORPO includes it). Pair losses are averaged over all pairs of the step, on all ranks.
+The optimizer step minimises  mean over the step's pairs (all ranks) of the loss  +  w·NLL(y_w), where NLL(y_w)
+is the token-mean cross-entropy over all chosen-response tokens of the step (the prompt excluded; TRL's ORPO
+includes it) and w = --nll_coef (+ α for cpo, + 1 for orpo). The math and its choices in detail:
+docs/algorithms.md, sections "DPO family" and "Common mechanics".
 
 Run:
     python train_dpo.py                                   # DPO on the built-in task, from out/sft -> out/dpo
@@ -33,7 +35,8 @@ likelihood of the data; what DPO optimises is the margin between them (eric-mitc
 
 Simplifications: the reference is a frozen copy of the initial policy (or precomputed log-probs); no
 reference-model syncing (TR-DPO); KTO's mismatched completion for example i is that of a fixed other
-example (a seeded derangement), so its reference log-probs can be precomputed like the others.
+example (a seeded derangement), so its reference log-probs can be precomputed like the others; KTO's z₀ is
+estimated per micro-batch (over every rank's share of it), not over the whole step.
 """
 import contextlib
 import math
@@ -48,10 +51,11 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist
-from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
-                              load_tokenizer, lr_at, set_lr, split_off)
-from nano_rlhf.config import parse_args, save_config
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
+                              set_lr, split_off)
+from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import Batches, collate_pairs, load_records, pad_right, tokenize_pairs, tokenize_unpaired
 from nano_rlhf.model import GPT
 
@@ -64,62 +68,73 @@ DEFAULT_BETA = {"simpo": 2.0, "ipo": 0.5}
 @dataclass
 class Options:
     loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo", "kto"] = "dpo"  # which loss
-    beta: Optional[float] = None  # β (ipo: τ); none = 0.1, or 2.0 for simpo, 0.5 for ipo
-    label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust; an error elsewhere)
-    gamma: float = 0.5            # SimPO target margin γ
-    alpha: Optional[float] = None # rdpo: length coefficient (none = 0.01); cpo: NLL weight (none = 1.0)
-    lam: float = 0.1              # ORPO weight λ of the odds-ratio term
-    desirable_weight: float = 1.0     # KTO λ_D
-    undesirable_weight: float = 1.0   # KTO λ_U
-    nll_coef: float = 0.0         # add this × NLL(chosen) to the loss (RPO); cpo/orpo add their own; not kto
+    beta: Optional[float] = None  # β (ipo: τ); none = 0.1, or 2.0 for simpo, 0.5 for ipo {> 0}
+    label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust) {0 <= x < 0.5}
+    gamma: float = 0.5            # SimPO target margin γ {>= 0}
+    alpha: Optional[float] = None # rdpo: length coefficient (none = 0.01); cpo: NLL weight (none = 1.0) {>= 0}
+    lam: float = 0.1              # ORPO weight λ of the odds-ratio term {>= 0}
+    desirable_weight: float = 1.0     # KTO λ_D {> 0}
+    undesirable_weight: float = 1.0   # KTO λ_U {> 0}
+    nll_coef: float = 0.0         # add this × NLL(chosen) to the loss (RPO); cpo/orpo add their own; not kto {>= 0}
     precompute_ref: bool = False  # compute the reference log-probs once before training, then drop the reference
     data: str = ""                # preference JSONL (unpaired JSONL for kto); empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
-    eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given
+    eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = "out/sft"         # policy to start from (an SFT model directory)
     ref: str = ""                 # reference model directory; empty = --init
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init
     eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
     pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
     out_dir: str = ""             # output directory; empty = out/<loss>
-    dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible)
-    batch_size: int = 16          # pairs (kto: examples) per device per micro-step
-    grad_accum: int = 1           # micro-steps per optimizer step
-    max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs
-    epochs: float = 1.0           # passes over the data when --max_steps is 0
-    lr: float = 1e-4              # peak learning rate (built-in task; ~5e-7 for GPT-2 sizes)
-    warmup_steps: int = 10        # linear warm-up steps
-    weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only)
-    beta1: float = 0.9            # AdamW beta1
-    beta2: float = 0.95           # AdamW beta2
-    grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off)
+    dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
+    batch_size: int = 16          # pairs (kto: examples) per device per micro-step {>= 1}
+    grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
+    max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs {>= 0}
+    epochs: float = 1.0           # passes over the data when --max_steps is 0 {> 0}
+    lr: float = 1e-4              # peak learning rate (built-in task); GPT-2-124M: 1e-6, 0.5-1.5B models: 5e-7 {> 0}
+    warmup_steps: int = 10        # linear warm-up steps {>= 0}
+    weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
+    beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
+    beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
+    grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for data order (and KTO's mismatched pairs)
     device: str = "auto"          # cpu, cuda, or auto
-    dtype: str = "float32"        # float32 or bfloat16 (autocast; log-softmax always float32)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
     compile: bool = False         # torch.compile the policy
-    log_interval: int = 10        # print and log every N steps
-    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end
-    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end
+    log_interval: int = 10        # print and log every N steps {>= 1}
+    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
+    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
     resume: bool = False          # continue from out_dir/state
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later)
+    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later); 0 = never {>= 0}
+    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
 
 # ---- the one log-prob gather --------------------------------------------------------------------
 
-def sequence_logps(model, input_ids, attention_mask, response_mask):
-    """Per-sequence sums of response-token log-probs S (B,) and response lengths |y| (B,).
+def response_logprobs(model, input_ids, attention_mask, response_mask):
+    """log π(y_t | x, y_<t) of every response token, (B, T−1): column t scores token t+1; 0 elsewhere.
 
     Shift: logits at position t predict token t+1, so token t+1 is scored iff response_mask[t+1] = 1; the
     first response token is predicted from the last prompt position. Prompt and padding are never scored.
     Only the needed positions' logits are computed (select=...); log-softmax in float32.
     """
-    target_mask = response_mask[:, 1:].bool()                        # (B, T-1): is token t+1 scored?
-    logits = model(input_ids, attention_mask, select=F.pad(target_mask, (0, 1)))   # (N, V)
-    targets = input_ids[:, 1:][target_mask]                          # (N,)
+    scored = response_mask[:, 1:].bool()                             # (B, T-1): is token t+1 scored?
+    logits = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)))   # (N, V), N = scored.sum()
+    targets = input_ids[:, 1:][scored]                               # (N,)
     logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)  # (N,)
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None].expand_as(target_mask)[target_mask]
-    sums = torch.zeros(input_ids.shape[0], device=logp.device).index_add(0, rows, logp)
-    return sums, target_mask.sum(1).float()
+    return torch.zeros(scored.shape, device=logp.device).masked_scatter(scored, logp)
+
+
+def sequence_logps(model, input_ids, attention_mask, response_mask):
+    """S = Σ_t log π(y_t | x, y_<t) per sequence (B,), and the response lengths |y| (B,)."""
+    logp = response_logprobs(model, input_ids, attention_mask, response_mask)
+    scored = response_mask[:, 1:].bool()
+    # index_add, not logp.sum(1): it adds each row's tokens one by one, in order, as this script always
+    # has, so results stay bit-identical to earlier runs (a pairwise sum differs in the last bits)
+    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
+    return torch.zeros(len(scored), device=logp.device).index_add(0, rows, logp[scored]), scored.sum(1).float()
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
@@ -177,50 +192,37 @@ def kto_loss(u, desirable, z0, beta, desirable_weight=1.0, undesirable_weight=1.
                        undesirable_weight * (1 - torch.sigmoid(beta * (z0 - u))))
 
 
-def kto_z0(kl_sum, kl_count, sync=True):
-    """Reference point: max(0, mean of S_θ − S_ref over mismatched pairs), detached; in training the
-    sums are all-reduced so every rank uses the same z₀."""
-    total = torch.stack([kl_sum.detach().double().cpu(), torch.tensor(float(kl_count), dtype=torch.float64)])
-    if sync:
-        total = dist.all_reduce_sum(total)
-    return (total[0] / total[1].clamp(min=1)).clamp(min=0).float().to(kl_sum.device)
+def kto_z0(kl_sum, kl_count):
+    """KTO's reference point z₀ = max(0, mean of S_θ − S_ref over mismatched pairs (x, y′)), detached.
+    Pure: in training the caller passes sums over every rank, so every rank uses the same z₀."""
+    return (kl_sum.detach() / torch.as_tensor(kl_count).clamp(min=1)).clamp(min=0)
 
 
-def pair_loss(o, pi_w, pi_l, ref_w, ref_l, len_w, len_l):
-    """Per-pair loss and the 'rewards' logged for chosen and rejected (see the module docstring)."""
-    beta = o.beta
-    if o.loss in REFERENCE_FREE:
-        if o.loss == "simpo":
-            return simpo_loss(pi_w, pi_l, len_w, len_l, beta, o.gamma), beta * pi_w / len_w, beta * pi_l / len_l
-        if o.loss == "cpo":
+def pair_loss(opts, pi_w, pi_l, ref_w, ref_l, len_w, len_l):
+    """The --loss table: per-pair loss and the 'rewards' logged for chosen and rejected (module docstring)."""
+    beta = opts.beta
+    if opts.loss in REFERENCE_FREE:
+        if opts.loss == "simpo":
+            return simpo_loss(pi_w, pi_l, len_w, len_l, beta, opts.gamma), beta * pi_w / len_w, beta * pi_l / len_l
+        if opts.loss == "cpo":
             return cpo_loss(pi_w, pi_l, beta), beta * pi_w, beta * pi_l
-        return orpo_loss(pi_w, pi_l, len_w, len_l, o.lam), log_odds(pi_w, len_w), log_odds(pi_l, len_l)
+        return orpo_loss(pi_w, pi_l, len_w, len_l, opts.lam), log_odds(pi_w, len_w), log_odds(pi_l, len_l)
     u_w, u_l = pi_w - ref_w, pi_l - ref_l
     h = u_w - u_l
-    loss = {"dpo": lambda: dpo_loss(h, beta, o.label_smoothing),
-            "robust": lambda: robust_loss(h, beta, o.label_smoothing),
+    loss = {"dpo": lambda: dpo_loss(h, beta, opts.label_smoothing),
+            "robust": lambda: robust_loss(h, beta, opts.label_smoothing),
             "ipo": lambda: ipo_loss(u_w, u_l, len_w, len_l, beta),
             "hinge": lambda: hinge_loss(h, beta),
-            "rdpo": lambda: rdpo_loss(h, len_w, len_l, beta, o.alpha)}[o.loss]()
+            "rdpo": lambda: rdpo_loss(h, len_w, len_l, beta, opts.alpha)}[opts.loss]()
     return loss, beta * u_w, beta * u_l
 
 
-def nll_weight(o):
-    """Total weight of NLL(y_w) in the loss: RPO's --nll_coef, plus CPO's α or ORPO's 1."""
-    return o.nll_coef + (o.alpha if o.loss == "cpo" else 0.0) + (1.0 if o.loss == "orpo" else 0.0)
+def nll_weight(opts):
+    """Total weight w of NLL(y_w) in the loss: RPO's --nll_coef, plus CPO's α or ORPO's 1."""
+    return opts.nll_coef + (opts.alpha if opts.loss == "cpo" else 0.0) + (1.0 if opts.loss == "orpo" else 0.0)
 
 
 # ---- batches ------------------------------------------------------------------------------------
-
-def collate_unpaired(examples, pad_id, with_mismatched=False):
-    """KTO: [prompt + completion] rows (and, optionally, [prompt + mismatched completion] rows after
-    them), right-padded -> ids, attention mask, response mask, labels (B,)."""
-    keys = ("completion", "mismatched") if with_mismatched else ("completion",)
-    seqs = [e["prompt"] + e[k] for k in keys for e in examples]
-    resp = [[0] * len(e["prompt"]) + [1] * len(e[k]) for k in keys for e in examples]
-    return (pad_right(seqs, pad_id), pad_right([[1] * len(s) for s in seqs], 0), pad_right(resp, 0),
-            torch.tensor([e["label"] for e in examples]))
-
 
 def add_mismatched(examples, seed):
     """KTO's mismatched pairs: example i gets the completion of a fixed other example (a seeded
@@ -231,245 +233,324 @@ def add_mismatched(examples, seed):
         examples[a]["mismatched"] = examples[b]["completion"]
 
 
-def to(dev, *ts):
-    return [t.to(dev) for t in ts]
+def collate_unpaired(examples, pad_id, key="completion"):
+    """KTO: [prompt + example[key]] rows, right-padded -> ids, attention mask, response mask, labels (B,)."""
+    seqs = [e["prompt"] + e[key] for e in examples]
+    resp = [[0] * len(e["prompt"]) + [1] * len(e[key]) for e in examples]
+    return (pad_right(seqs, pad_id), pad_right([[1] * len(s) for s in seqs], 0), pad_right(resp, 0),
+            torch.tensor([e["label"] for e in examples]))
+
+
+@dataclass
+class Batch:
+    """One micro-batch on the device. Pairs: 2B rows, the chosen rows then the rejected ones (one forward for
+    both); KTO: B [prompt + completion] rows, and its B [prompt + mismatched completion] rows for z₀."""
+    ids: torch.Tensor                     # (rows, T) right-padded
+    attn: torch.Tensor                    # (rows, T) attention mask
+    resp: torch.Tensor                    # (rows, T) response mask
+    ref_logps: Optional[torch.Tensor]     # (rows,) precomputed S_ref; None = a live reference, or none needed
+    n_items: int                          # pairs (KTO: examples)
+    n_chosen_tokens: int                  # tokens of y_w (KTO: of the completions), the NLL's denominator
+    label: Optional[torch.Tensor] = None  # KTO: desirable? (B,)
+    mismatched: Optional["Batch"] = None  # KTO: the [x, y′] rows
+
+
+# per-example reference log-probs that --precompute_ref stores in each example, per row kind
+REF_KEYS = {"pairs": ("ref_chosen", "ref_rejected"), "kto": ("ref", "ref_kl")}
+
+
+def make_batch(examples, opts, pad_id, device):
+    """Collate examples into a Batch on the device (with the reference log-probs when precomputed)."""
+    def ref_values(*keys):           # precomputed S_ref of each row kind, in row order (or None)
+        if keys[0] not in examples[0]:
+            return None
+        return torch.tensor([e[k] for k in keys for e in examples], device=device)
+    if opts.loss == "kto":
+        ids, attn, resp, label = collate_unpaired(examples, pad_id)
+        kl_ids, kl_attn, kl_resp, _ = collate_unpaired(examples, pad_id, key="mismatched")
+        mismatched = Batch(kl_ids.to(device), kl_attn.to(device), kl_resp.to(device), ref_logps=ref_values("ref_kl"),
+                           n_items=len(examples), n_chosen_tokens=0)
+        return Batch(ids.to(device), attn.to(device), resp.to(device), ref_logps=ref_values("ref"),
+                     n_items=len(examples), n_chosen_tokens=sum(len(e["completion"]) for e in examples),
+                     label=label.to(device), mismatched=mismatched)
+    ids, attn, resp, _ = collate_pairs(examples, pad_id)
+    return Batch(ids.to(device), attn.to(device), resp.to(device), ref_logps=ref_values("ref_chosen", "ref_rejected"),
+                 n_items=len(examples), n_chosen_tokens=sum(len(e["chosen"]) for e in examples))
+
+
+def policy_and_ref_logps(opts, policy, ref, batch):
+    """S_θ and |y| of the batch's rows (with the policy's graph), and S_ref: live, precomputed or None."""
+    with autocast(batch.ids.device, opts.dtype):
+        pi, length = sequence_logps(policy, batch.ids, batch.attn, batch.resp)
+    ref_logps = batch.ref_logps
+    if ref is not None:
+        with torch.no_grad(), autocast(batch.ids.device, opts.dtype):
+            ref_logps, _ = sequence_logps(ref, batch.ids, batch.attn, batch.resp)
+    return pi, length, ref_logps
 
 
 @torch.no_grad()
-def precompute_reference(ref, examples, opts, tok, ctx):
-    """Reference log-probs stored in each example (keyed by the example, not by batch position, so
-    shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares them."""
-    kto = opts.loss == "kto"
-    keys = ("ref", "ref_kl") if kto else ("ref_chosen", "ref_rejected")
-    vals = torch.zeros(len(examples), 2, dtype=torch.float64)
-    idx = list(range(ctx.rank, len(examples), ctx.world_size))
-    for i in range(0, len(idx), opts.batch_size):
-        chunk = idx[i:i + opts.batch_size]
-        batch = [examples[j] for j in chunk]
-        if kto:
-            ids, attn, resp, _ = collate_unpaired(batch, tok.pad_id, with_mismatched=True)
-        else:
-            ids, attn, resp, _ = collate_pairs(batch, tok.pad_id)
-        with autocast(ctx.device, opts.dtype):
-            s, _ = sequence_logps(ref, *to(ctx.device, ids, attn, resp))
-        a, b = s.double().cpu().chunk(2)
-        vals[chunk, 0], vals[chunk, 1] = a, b
-    vals = dist.all_reduce_sum(vals)
-    for e, (a, b) in zip(examples, vals.tolist()):
-        e[keys[0]], e[keys[1]] = a, b
+def mismatched_kl_sum(opts, policy, ref, batch):
+    """Σ of S_θ(x, y′) − S_ref(x, y′) over the batch's mismatched pairs: KTO's z₀ before the mean."""
+    pi_kl, _, ref_kl = policy_and_ref_logps(opts, policy, ref, batch.mismatched)
+    return (pi_kl - ref_kl).sum()
 
 
-def step_losses(o, policy, ref, batch, tok, dev, n_items, n_chosen_tokens, world, sync=True):
-    """The loss of one micro-batch, scaled so that summing over micro-batches and ranks (DDP averages)
-    gives the mean over the step's items plus the weighted global token-mean NLL.
-    Returns (loss, stats as sums over the micro-batch, number of tokens in the forward)."""
-    if o.loss == "kto":
-        ids, attn, resp, label = to(dev, *collate_unpaired(batch, tok.pad_id))
-        with autocast(dev, o.dtype):
-            pi, length = sequence_logps(policy, ids, attn, resp)
-        kids, kattn, kresp, _ = to(dev, *collate_unpaired([dict(e, completion=e["mismatched"]) for e in batch], tok.pad_id))
-        with torch.no_grad(), autocast(dev, o.dtype):
-            pi_kl, _ = sequence_logps(policy, kids, kattn, kresp)
-            if ref is not None:
-                ref_lp, _ = sequence_logps(ref, ids, attn, resp)
-                ref_kl, _ = sequence_logps(ref, kids, kattn, kresp)
-            else:
-                ref_lp = torch.tensor([e["ref"] for e in batch], device=dev)
-                ref_kl = torch.tensor([e["ref_kl"] for e in batch], device=dev)
-        z0 = kto_z0((pi_kl - ref_kl).sum(), len(batch), sync)
-        u = pi - ref_lp
-        loss = kto_loss(u, label, z0, o.beta, o.desirable_weight, o.undesirable_weight)
-        total = loss.sum() * world / n_items
-        stats = {"loss": loss.sum(), "kl": z0 * len(batch), "rewards_desirable": (o.beta * u * label).sum(),
-                 "rewards_undesirable": (o.beta * u * ~label).sum(), "n_desirable": label.sum(),
-                 "logps": pi.sum()}
-        return total, stats, int(attn.sum() + kattn.sum())
-    ids, attn, resp, _ = to(dev, *collate_pairs(batch, tok.pad_id))
-    with autocast(dev, o.dtype):
-        s, length = sequence_logps(policy, ids, attn, resp)               # (2B,): chosen rows, then rejected
-    pi_w, pi_l = s.chunk(2)
-    len_w, len_l = length.chunk(2)
-    ref_w = ref_l = None
-    if o.loss not in REFERENCE_FREE:
-        if ref is not None:
-            with torch.no_grad(), autocast(dev, o.dtype):
-                ref_w, ref_l = sequence_logps(ref, ids, attn, resp)[0].chunk(2)
-        else:
-            ref_w = torch.tensor([e["ref_chosen"] for e in batch], device=dev)
-            ref_l = torch.tensor([e["ref_rejected"] for e in batch], device=dev)
-    loss, rw, rl = pair_loss(o, pi_w, pi_l, ref_w, ref_l, len_w, len_l)
-    total = loss.sum() * world / n_items
-    nll = -pi_w.sum()
-    if nll_weight(o):
-        total = total + nll_weight(o) * nll * world / max(n_chosen_tokens, 1)
-    stats = {"loss": loss.sum(), "rewards_chosen": rw.sum(), "rewards_rejected": rl.sum(),
-             "reward_accuracy": (rw > rl).float().sum(), "reward_margin": (rw - rl).sum(),
-             "logps_chosen": pi_w.sum(), "logps_rejected": pi_l.sum(), "nll": nll}
-    return total, stats, int(attn.sum())
-
-
-# the stats step_losses returns, as sums over a micro-batch
+# the named sums micro_step returns, per kind of data
 PAIR_STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
               "logps_rejected", "nll")
 KTO_STATS = ("loss", "kl", "rewards_desirable", "rewards_undesirable", "n_desirable", "logps")
 
 
-def reduce_stats(stats_list, keys, n_items, n_chosen_tokens):
-    """Sum the micro-batch stats over the step and ranks, then turn sums into means. An empty list (a
-    rank whose eval shard is empty) contributes zeros, so that rank still joins the all-reduce."""
-    local = torch.tensor([sum(float(s[k].detach()) for s in stats_list) for k in keys], dtype=torch.float64)
-    tot = dict(zip(keys, dist.all_reduce_sum(local).tolist()))
-    out = {k: v / max(n_items, 1) for k, v in tot.items() if k not in ("nll", "n_desirable", "rewards_desirable",
-                                                                        "rewards_undesirable")}
-    if "nll" in tot:
-        out["nll"] = tot["nll"] / max(n_chosen_tokens, 1)
-    if "n_desirable" in tot:
-        nd = tot["n_desirable"]
-        out["rewards_desirable"] = tot["rewards_desirable"] / max(nd, 1)
-        out["rewards_undesirable"] = tot["rewards_undesirable"] / max(n_items - nd, 1)
+def micro_step(opts, policy, ref, batch, z0=None):
+    """Named sums over one micro-batch. 'loss' (Σ of per-example losses) and 'nll' (Σ of −log π over the
+    chosen tokens) keep their graph for the backward; the others are for the log."""
+    pi, length, ref_lp = policy_and_ref_logps(opts, policy, ref, batch)
+    if opts.loss == "kto":
+        label, u = batch.label, pi - ref_lp
+        loss = kto_loss(u, label, z0, opts.beta, opts.desirable_weight, opts.undesirable_weight)
+        return {"loss": loss.sum(), "kl": z0 * len(u), "rewards_desirable": (opts.beta * u * label).sum(),
+                "rewards_undesirable": (opts.beta * u * ~label).sum(), "n_desirable": label.sum(),
+                "logps": pi.sum()}
+    (pi_w, pi_l), (len_w, len_l) = pi.chunk(2), length.chunk(2)
+    ref_w, ref_l = ref_lp.chunk(2) if ref_lp is not None else (None, None)
+    loss, reward_w, reward_l = pair_loss(opts, pi_w, pi_l, ref_w, ref_l, len_w, len_l)
+    return {"loss": loss.sum(), "rewards_chosen": reward_w.sum(), "rewards_rejected": reward_l.sum(),
+            "reward_accuracy": (reward_w > reward_l).float().sum(), "reward_margin": (reward_w - reward_l).sum(),
+            "logps_chosen": pi_w.sum(), "logps_rejected": pi_l.sum(), "nll": -pi_w.sum()}
+
+
+COUNTS = ("items", "chosen_tokens", "tokens")     # summed beside the statistics: the denominators, tok/s
+
+
+def zero_sums(opts):
+    return dict.fromkeys((KTO_STATS if opts.loss == "kto" else PAIR_STATS) + COUNTS, 0.0)
+
+
+def add_to(sums, stats, batch):
+    """Accumulate a micro-batch's named sums and counts into `sums` (Python floats: float64, detached)."""
+    for k, v in stats.items():
+        sums[k] += float(v.detach())
+    tokens = batch.attn.sum() + (batch.mismatched.attn.sum() if batch.mismatched is not None else 0)
+    sums["items"] += batch.n_items
+    sums["chosen_tokens"] += batch.n_chosen_tokens
+    sums["tokens"] += int(tokens)
+
+
+def sum_over_ranks(sums):
+    """The same named sums, added over every rank: one all-reduce."""
+    return dict(zip(sums, dist.all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()))
+
+
+def means(totals):
+    """Sums over a step (or the eval set) on all ranks -> what is logged: per-item means, the NLL per chosen
+    token, KTO's rewards per kind of example."""
+    n_items = totals["items"]
+    out = {k: v / max(n_items, 1) for k, v in totals.items()
+           if k not in ("nll", "n_desirable", "rewards_desirable", "rewards_undesirable") + COUNTS}
+    if "nll" in totals:
+        out["nll"] = totals["nll"] / max(totals["chosen_tokens"], 1)
+    if "n_desirable" in totals:
+        n_desirable = totals["n_desirable"]
+        out["rewards_desirable"] = totals["rewards_desirable"] / max(n_desirable, 1)
+        out["rewards_undesirable"] = totals["rewards_undesirable"] / max(n_items - n_desirable, 1)
     return out
 
 
-def stat_keys(o):
-    return KTO_STATS if o.loss == "kto" else PAIR_STATS
-
-
-def chosen_tokens(batch, o):
-    return sum(len(e["completion"] if o.loss == "kto" else e["chosen"]) for e in batch)
+@torch.no_grad()
+def precompute_reference(opts, ref, examples, pad_id, device):
+    """Reference log-probs stored in each example (keyed by the example, not by batch position, so
+    shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares them."""
+    kind = "kto" if opts.loss == "kto" else "pairs"
+    values = torch.zeros(len(examples), 2, dtype=torch.float64)         # S_ref of each example's two rows
+    mine = dist.shard(list(range(len(examples))))
+    for i in range(0, len(mine), opts.batch_size):
+        idx = mine[i:i + opts.batch_size]
+        batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
+        with autocast(device, opts.dtype):
+            s = sequence_logps(ref, batch.ids, batch.attn, batch.resp)[0]
+            m = batch.mismatched
+            columns = [s, sequence_logps(ref, m.ids, m.attn, m.resp)[0]] if kind == "kto" else s.chunk(2)
+        values[idx] = torch.stack(columns, 1).double().cpu()
+    values = dist.all_reduce_sum(values)
+    for e, row in zip(examples, values.tolist()):
+        e.update(zip(REF_KEYS[kind], row))
 
 
 @torch.no_grad()
-def evaluate(o, policy, ref, examples, tok, ctx):
+def evaluate(opts, policy, ref, examples, pad_id, device):
+    """Means over the whole eval set, on all ranks. KTO's z₀ is each eval batch's own (ranks may hold
+    different numbers of batches, so no collective inside the loop)."""
     policy.eval()
     mine = dist.shard(examples)
-    n_items = dist.all_reduce_sum(len(mine))
-    n_tok = dist.all_reduce_sum(chosen_tokens(mine, o))
-    # sync=False: ranks may hold different numbers of eval batches, so no collective inside the loop
-    stats = [step_losses(o, policy, ref, mine[i:i + o.batch_size], tok, ctx.device, n_items, n_tok, 1, sync=False)[1]
-             for i in range(0, len(mine), o.batch_size)]
+    sums = zero_sums(opts)
+    for i in range(0, len(mine), opts.batch_size):
+        batch = make_batch(mine[i:i + opts.batch_size], opts, pad_id, device)
+        z0 = kto_z0(mismatched_kl_sum(opts, policy, ref, batch), batch.n_items) if opts.loss == "kto" else None
+        add_to(sums, micro_step(opts, policy, ref, batch, z0), batch)
     policy.train()
-    return {f"eval/{k}": v for k, v in reduce_stats(stats, stat_keys(o), n_items, n_tok).items()}
+    return {f"eval/{k}": v for k, v in means(sum_over_ranks(sums)).items()}
 
+
+# ---- set-up -------------------------------------------------------------------------------------
+
+def check_options(opts):
+    """Rules between options (each option's own range is declared on Options and checked by parse_args),
+    then the defaults that depend on --loss. A flag the loss would silently ignore is an error."""
+    loss = opts.loss
+    if opts.label_smoothing and loss not in ("dpo", "robust"):
+        fail(f"--label_smoothing applies only to --loss dpo or robust, not {loss}")
+    if opts.nll_coef and loss == "kto":
+        fail("--nll_coef is not supported with --loss kto (unpaired data has no chosen response)")
+    if loss == "kto" and opts.batch_size < 2:
+        fail(f"--loss kto needs --batch_size >= 2 (got {opts.batch_size})")
+    if loss in REFERENCE_FREE and (opts.ref or opts.precompute_ref):
+        fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, which uses no reference model")
+    opts.beta = DEFAULT_BETA.get(loss, 0.1) if opts.beta is None else opts.beta
+    opts.alpha = (1.0 if loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
+    opts.out_dir = opts.out_dir or f"out/{loss}"
+
+
+def load_models(opts):
+    """Tokenizer, policy and (unless the loss is reference-free) the frozen reference: no grad, eval mode,
+    never in DDP or the optimizer. Raises on bad input (input_errors turns that into one line)."""
+    tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
+    policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
+    check_vocab(tok, policy.cfg, opts.init)
+    ref = None
+    if opts.loss not in REFERENCE_FREE:
+        ref_dir = opts.ref or opts.init
+        ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+        check_vocab(tok, ref.cfg, ref_dir)
+        if ref.cfg.block_size < policy.cfg.block_size:
+            raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the "
+                             f"policy's {policy.cfg.block_size}")
+    return tok, policy, ref
+
+
+def data_files(opts):
+    """The train and eval JSONL files (the built-in task's when not given); eval None = split --eval_fraction off
+    the train file (the built-in task has a preference eval file, not an unpaired one)."""
+    kind = "unpaired" if opts.loss == "kto" else "preference"
+    split = not opts.eval_data and (opts.data or opts.loss == "kto")
+    return {"data": opts.data or builtin_file(f"{kind}.jsonl"),
+            "eval_data": None if split else opts.eval_data or builtin_file("preference_eval.jsonl")}
+
+
+def load_examples(opts, files, tok, block_size):
+    """Tokenized train and eval examples (KTO: with their mismatched completions) and the train counts."""
+    kto = opts.loss == "kto"
+    kind = "unpaired" if kto else "preference"
+    records = load_records(files["data"], kind)
+    if files["eval_data"]:
+        eval_source, eval_records = files["eval_data"], load_records(files["eval_data"], kind)
+    else:
+        records, eval_records = split_off(records, opts.eval_fraction, opts.seed)
+        eval_source = f"{files['data']} (the --eval_fraction {opts.eval_fraction} held out)"
+        if not records:
+            raise ValueError(f"--eval_fraction {opts.eval_fraction} holds out every row of {files['data']} "
+                             f"({len(eval_records)}): none is left to train on; pass --eval_data")
+    tokenize = tokenize_unpaired if kto else tokenize_pairs
+    train, counts = tokenize(records, tok, block_size)
+    evals, eval_counts = tokenize(eval_records, tok, block_size)
+    for examples, source, c in ((train, files["data"], counts), (evals, eval_source, eval_counts)):
+        if not examples:     # an empty eval set would log a loss and an accuracy of 0
+            raise ValueError(f"{source}: no example fits the model's block_size {block_size} ({c})")
+    if kto:
+        add_mismatched(train, opts.seed)
+        add_mismatched(evals, opts.seed)
+    return train, evals, counts
+
+
+# options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs
+NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
+                "precompute_ref")
+
+
+# ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
-    o = parse_args(Options, argv, __doc__)
-    if o.beta is None:
-        o.beta = DEFAULT_BETA.get(o.loss, 0.1)
-    if o.alpha is None:
-        o.alpha = 1.0 if o.loss == "cpo" else 0.01
-    o.out_dir = o.out_dir or f"out/{o.loss}"
-    if not 0 <= o.label_smoothing < 0.5:
-        fail(f"--label_smoothing must be in [0, 0.5), got {o.label_smoothing}")
-    # flags a loss would silently ignore are errors, not no-ops
-    if o.label_smoothing and o.loss not in ("dpo", "robust"):
-        fail(f"--label_smoothing applies only to --loss dpo or robust, not {o.loss}")
-    if o.nll_coef and o.loss == "kto":
-        fail("--nll_coef is not supported with --loss kto (unpaired data has no chosen response)")
-    ctx = dist.setup(o.device)
-    if o.resume and find_state(o.out_dir) is None:
-        fail(f"{o.out_dir}: --resume given but there is no saved state in it")
-    kto = o.loss == "kto"
-    kind, builtin = ("unpaired", "unpaired.jsonl") if kto else ("preference", "preference.jsonl")
-
+    opts = parse_args(Options, argv, __doc__)
+    check_options(opts)
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    files = data_files(opts)
+    run = run_mod.start(opts, script="dpo", identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
+                        inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
     with input_errors():
-        records = load_records(o.data or builtin_file(builtin), kind)
-        if o.eval_data or not (o.data or kto):
-            eval_records = load_records(o.eval_data or builtin_file("preference_eval.jsonl"), kind)
-        else:
-            records, eval_records = split_off(records, o.eval_fraction, o.seed)
-        tok = load_tokenizer(o.tokenizer, o.init, o.eos_token, o.pad_token)
-        policy = GPT.from_pretrained(o.init, dropout=o.dropout)
-        check_vocab(tok, policy.cfg, o.init)
-        ref = None
-        if o.loss not in REFERENCE_FREE:   # frozen: no grad, eval mode, never in DDP or the optimizer
-            ref = GPT.from_pretrained(o.ref or o.init, dropout=0.0).requires_grad_(False).eval()
-        tokenize = tokenize_unpaired if kto else tokenize_pairs
-        train, st = tokenize(records, tok, policy.cfg.block_size)
-        evals, _ = tokenize(eval_records, tok, policy.cfg.block_size)
-        if kto:
-            if o.batch_size < 2:
-                raise ValueError("--loss kto needs --batch_size >= 2")
-            add_mismatched(train, o.seed)
-            add_mismatched(evals, o.seed)
-        batches = Batches(len(train), o.batch_size, o.grad_accum, ctx.rank, ctx.world_size, o.seed)
-    policy.to(ctx.device)
+        tok, policy, ref = load_models(opts)
+        train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
+        batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
+    policy.to(world.device)
     if ref is not None:
-        ref.to(ctx.device)
+        ref.to(world.device)
         dist.check_same_weights(ref, "reference model")
     dist.check_same_weights(policy, "policy")
-    dist.seed_everything(o.seed, ctx.rank)
-    if ref is not None and o.precompute_ref:
+    dist.seed_everything(opts.seed, world.rank)
+    reference = "none" if ref is None else "precomputed" if opts.precompute_ref else "live"
+    if opts.precompute_ref:
         t0 = time.time()
-        precompute_reference(ref, train, o, tok, ctx)
-        precompute_reference(ref, evals, o, tok, ctx)
+        for examples in (train, evals):
+            precompute_reference(opts, ref, examples, tok.pad_id, world.device)
         ref = None                                          # frees the reference model's memory
         dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in {time.time() - t0:.1f}s")
-    if o.compile:
+    if opts.compile:
         policy = torch.compile(policy)
     ddp = dist.wrap_ddp(policy)
-    optimizer = adamw(policy, o.lr, o.weight_decay, (o.beta1, o.beta2))
-    max_steps = o.max_steps or max(1, int(o.epochs * batches.steps_per_epoch))
-    step = 0
-    if o.resume:
-        meta = load_state(o.out_dir, {"policy": policy}, {"policy": optimizer})
-        step = meta["step"]
-        batches.load_state_dict(meta["data"])
-    if ctx.is_main:
-        os.makedirs(o.out_dir, exist_ok=True)
-        save_config(o, os.path.join(o.out_dir, "train_config.json"), world_size=ctx.world_size,
+    optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
+    if opts.resume:
+        batches.load_state_dict(run.resume(models={"policy": policy}, optimizers={"policy": optimizer})["data"])
+    if world.is_main:
+        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
-    dist.print0(f"{o.loss.upper()} | beta {o.beta} | {len(train):,} train {kind} rows ({st}) | {len(evals):,} eval "
-                f"| global batch {batches.global_batch} | {max_steps} steps | reference: "
-                f"{'none' if o.loss in REFERENCE_FREE else 'precomputed' if o.precompute_ref else 'live'}"
-                + (f" | resuming at step {step}" if step else ""))
-    log = Logger(o.out_dir, max_steps, resume=o.resume, start_step=step)
-    shown = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
-             "eval/loss", "eval/reward_accuracy"]
+    dist.print0(f"{opts.loss.upper()} | beta {opts.beta} | {len(train):,} train examples ({counts}) | {len(evals):,} "
+                f"eval | global batch {batches.global_batch} | {max_steps} steps | reference: {reference}"
+                + (f" | resuming at step {run.step}" if run.step else ""))
+    run.show = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
+                "eval/loss", "eval/reward_accuracy"]
+    run.loss_key = ("train/loss", "train/grad_norm")      # a NaN/inf in either stops the run (checkpoint intact)
 
-    t_last, tokens_since = time.time(), 0
-    while step < max_steps:
-        lr = lr_at(step, max_steps, o.lr, o.warmup_steps, "linear")
+    def save(step):
+        save_state(opts.out_dir, {"policy": policy}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
+        save_model_dir(opts.out_dir, policy, tok)
+
+    nll_w = nll_weight(opts)
+    for step in range(run.step + 1, max_steps + 1):           # step = optimizer steps done after this one
+        t0 = time.time()
+        lr = lr_at(step - 1, max_steps, opts.lr, opts.warmup_steps, "linear")
         set_lr(optimizer, lr)
-        micro = [[train[i] for i in mb] for mb in batches.next_step()]
+        micro = [make_batch([train[i] for i in idx], opts, tok.pad_id, world.device) for idx in batches.next_step()]
+        # the step's denominators, over all ranks, before any backward: items, and chosen tokens for the NLL
         n_items = batches.global_batch
-        n_tok = dist.all_reduce_sum(sum(chosen_tokens(mb, o) for mb in micro))
-        stats = []
-        for j, mb in enumerate(micro):
-            last = j == len(micro) - 1
-            with (ddp.no_sync() if ctx.enabled and not last else contextlib.nullcontext()):
-                total, s, n = step_losses(o, ddp, ref, mb, tok, ctx.device, n_items, n_tok, ctx.world_size)
-                total.backward()
-            stats.append(s)
-            tokens_since += n
-        m = {f"train/{k}": v for k, v in reduce_stats(stats, stat_keys(o), n_items, n_tok).items()}
-        check_finite(m["train/loss"], step, o.out_dir)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.grad_clip or float("inf")).item()
-        check_finite(grad_norm, step, o.out_dir, "gradient norm")
+        n_chosen = max(dist.all_reduce_sum(float(sum(b.n_chosen_tokens for b in micro))), 1)
+        z0 = [None] * len(micro)
+        if opts.loss == "kto":   # z₀ of each micro-batch, from its mismatched pairs on every rank
+            kl = dist.all_reduce_sum(torch.tensor([[float(mismatched_kl_sum(opts, policy, ref, b)), b.n_items]
+                                                   for b in micro], dtype=torch.float64))
+            z0 = [kto_z0(kl_sum, count).float().to(world.device) for kl_sum, count in kl]
+        sums = zero_sums(opts)
+        for j, batch in enumerate(micro):
+            # gradients are all-reduced once, on the last micro-batch
+            with ddp.no_sync() if world.enabled and j < len(micro) - 1 else contextlib.nullcontext():
+                stats = micro_step(opts, ddp, ref, batch, z0[j])
+                objective = stats["loss"] / n_items                        # mean over the step's items ...
+                if nll_w:                                                   # ... + w · token-mean NLL(y_w)
+                    objective = objective + nll_w * stats["nll"] / n_chosen
+                (objective * dist.ddp_scale()).backward()                   # DDP averages over ranks: undo it
+            add_to(sums, stats, batch)
+        totals = sum_over_ranks(sums)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), opts.grad_clip or float("inf")).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
-
-        if step % o.log_interval == 0 or step == max_steps:
-            dt = time.time() - t_last
-            tps = dist.all_reduce_sum(tokens_since) / max(dt, 1e-9)
-            m.update({"train/lr": lr, "train/grad_norm": grad_norm, "train/tokens_per_s": tps})
-            if (o.eval_interval and step % o.eval_interval == 0) or step == max_steps:
-                m.update(evaluate(o, policy, ref, evals, tok, ctx))
-            log.log(step, m)
-            log.progress(step, m, shown, tps)
-            t_last, tokens_since = time.time(), 0
-        elif o.eval_interval and step % o.eval_interval == 0:
-            log.log(step, evaluate(o, policy, ref, evals, tok, ctx))
-        if (o.save_interval and step % o.save_interval == 0) or step in (max_steps, o.stop_at):
-            save_state(o.out_dir, {"policy": policy}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
-            save_model_dir(o.out_dir, policy, tok)
-        if step == o.stop_at:
-            dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
+        metrics = {**{f"train/{k}": v for k, v in means(totals).items()}, "train/lr": lr, "train/grad_norm": grad_norm,
+                   "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)}
+        if run.end_of_step(step, metrics, evaluate=lambda: evaluate(opts, policy, ref, evals, tok.pad_id, world.device),
+                           save=save):
             break
     dist.check_same_weights(policy, "policy")
-    dist.print0(f"saved {o.out_dir} (HF GPT2LMHeadModel layout)")
-    dist.cleanup()
-    return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=o)
+    dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout)")
+    run.finish()
+    return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)
 
 
 if __name__ == "__main__":

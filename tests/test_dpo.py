@@ -1,5 +1,5 @@
 """train_dpo.py as a whole: the gather on a real model, the frozen reference, precomputed reference,
-DDP, and every --loss end to end."""
+DDP, every --loss end to end, resume, and bad input (flags, data, models, out_dir): one line, nothing written."""
 import json
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_dpo
-from conftest import weights_close, pref_rows, run, tiny_model, unpaired_rows, write_jsonl
+from conftest import pref_rows, run, tiny_model, unpaired_rows, weights_close, write_jsonl
 from nano_rlhf.data import collate_pairs, tokenize_pairs
 from nano_rlhf.model import GPT
 
@@ -148,3 +148,123 @@ def test_flags_a_loss_would_ignore_are_errors(tmp_path, sft_dir, loss, flag, msg
     assert p.returncode != 0, p.stdout
     assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith(f"error: {msg}"), p.stderr
     assert not (tmp_path / "o").exists()              # before any model or output directory
+
+
+# ---- bad input: one line, non-zero exit, nothing written ------------------------------------------
+
+BAD_FLAGS = [
+    ("dpo", ["--beta", "0"], "--beta"),                  # zero gradient
+    ("dpo", ["--beta", "-1"], "--beta"),                 # preference reversed
+    ("ipo", ["--beta", "0"], "--beta"),                  # 1/(2β): ZeroDivisionError
+    ("dpo", ["--grad_clip", "-1"], "--grad_clip"),
+    ("dpo", ["--grad_accum", "0"], "--grad_accum"),
+    ("dpo", ["--grad_accum", "-1"], "--grad_accum"),
+    ("dpo", ["--max_steps", "-1"], "--max_steps"),
+    ("dpo", ["--max_steps", "0", "--epochs", "0"], "--epochs"),
+    ("dpo", ["--max_steps", "0", "--epochs", "-1"], "--epochs"),
+    ("dpo", ["--log_interval", "0"], "--log_interval"),
+    ("dpo", ["--batch_size", "0"], "--batch_size"),
+    ("dpo", ["--lr", "-0.0001"], "--lr"),
+    ("dpo", ["--lr", "0"], "--lr"),
+    ("robust", ["--label_smoothing", "0.5"], "--label_smoothing"),   # 1/(1 − 2ε)
+    ("dpo", ["--label_smoothing", "-0.1"], "--label_smoothing"),
+    ("dpo", ["--eval_fraction", "1"], "--eval_fraction"),
+    ("dpo", ["--dropout", "1"], "--dropout"),
+    ("dpo", ["--beta2", "1"], "--beta2"),
+    ("dpo", ["--warmup_steps", "-1"], "--warmup_steps"),
+    ("dpo", ["--nll_coef", "-0.5"], "--nll_coef"),
+    ("simpo", ["--gamma", "-1"], "--gamma"),
+    ("orpo", ["--lam", "-0.1"], "--lam"),
+    ("kto", ["--desirable_weight", "0"], "--desirable_weight"),
+    ("kto", ["--batch_size", "1"], "--loss kto needs --batch_size >= 2"),
+    ("kto", ["--nll_coef", "0.1"], "--nll_coef is not supported with --loss kto"),
+    ("orpo", ["--label_smoothing", "0.1"], "--label_smoothing applies only to --loss dpo or robust, not orpo"),
+    ("simpo", ["--ref", "somewhere"], "--ref has no effect with --loss simpo"),
+    ("cpo", ["--precompute_ref"], "--precompute_ref has no effect with --loss cpo"),
+]
+
+
+@pytest.mark.parametrize("loss,flags,msg", BAD_FLAGS, ids=[f"{l}{''.join(f)}" for l, f, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_error_before_any_work(tmp_path, sft_dir, capsys, loss, flags, msg):
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(dpo_args(tmp_path, sft_dir, "o", loss, *flags))
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {msg}"), err
+    assert not (tmp_path / "o").exists()              # nothing written
+
+
+def too_long_rows(rows, key):
+    return [dict(r, **{key: r[key] + " and great" * 40}) for r in rows]
+
+
+@pytest.mark.parametrize("loss", ["dpo", "kto"])
+def test_empty_eval_set_is_refused(tmp_path, sft_dir, capsys, loss):
+    """Every eval example longer than the model's block_size used to give eval/loss 0.0 and
+    eval/reward_accuracy 0.0: a number that looks like a result."""
+    rows = too_long_rows(unpaired_rows(4, seed=1), "completion") if loss == "kto" else too_long_rows(pref_rows(4, seed=1), "chosen")
+    long_eval = write_jsonl(tmp_path / "long_eval.jsonl", rows)
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(dpo_args(tmp_path, sft_dir, "o", loss, "--eval_data", long_eval))
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {long_eval}: no example fits"), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_eval_fraction_taking_every_row_says_so(tmp_path, sft_dir, capsys):
+    one_row = write_jsonl(tmp_path / "one.jsonl", unpaired_rows(1))
+    args = ["--loss", "kto", "--data", one_row, "--init", sft_dir, "--out_dir", str(tmp_path / "o"), "--batch_size", "2"]
+    with pytest.raises(SystemExit):
+        train_dpo.main(args)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: --eval_fraction 0.05 holds out every row"), err
+
+
+def test_reference_whose_vocabulary_the_tokenizer_overflows(tmp_path, sft_dir, tok, capsys):
+    """--ref from another model: an id past its embedding would crash in the first forward."""
+    small = tmp_path / "small_ref"
+    tiny_model(tok, vocab_size=100).save_pretrained(str(small))
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--ref", str(small)))
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {small}: the tokenizer has"), err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("loss", ["dpo", "kto"])
+def test_stop_and_resume_equals_one_run(tmp_path, sft_dir, loss):
+    train_dpo.main(dpo_args(tmp_path, sft_dir, "straight", loss, steps=4))
+    train_dpo.main(dpo_args(tmp_path, sft_dir, "resumed", loss, "--stop_at", "2", steps=4))
+    train_dpo.main(dpo_args(tmp_path, sft_dir, "resumed", loss, "--resume", steps=4))
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    la, lb = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [x["train/loss"] for x in la] == [x["train/loss"] for x in lb]
+
+
+@pytest.mark.xfail(strict=True, reason="plumbing bug: run.start's early errors (out_dir = an input, --report_to "
+                   "missing) reach abort() with Run.before still empty, so _remove_created deletes every file of "
+                   "the existing --out_dir, here the input model; remove this mark once nano_rlhf/run.py is fixed")
+@pytest.mark.parametrize("flag", ["--init", "--ref"])
+def test_out_dir_equal_to_an_input_is_refused(tmp_path, sft_dir, capsys, flag):
+    import shutil
+    model_dir = tmp_path / "model"
+    shutil.copytree(sft_dir, model_dir)
+    before = sorted(p.name for p in model_dir.iterdir())
+    args = dpo_args(tmp_path, sft_dir, "o", "dpo") + [flag, str(model_dir), "--out_dir", str(model_dir)]
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(args)
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"input {flag} {model_dir}" in err, err
+    assert sorted(p.name for p in model_dir.iterdir()) == before
+
+
+def test_resume_with_another_loss_setting_is_refused(tmp_path, sft_dir, capsys):
+    train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--stop_at", "1", steps=2))
+    with pytest.raises(SystemExit):
+        train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--resume", "--beta", "0.3", steps=2))
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "beta 0.1 != 0.3" in err, err

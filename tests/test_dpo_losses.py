@@ -1,7 +1,7 @@
 """Independent oracle tests for the DPO-family losses and helpers in train_dpo.py.
 
-Every reference below is written from the equations in ALGORITHMS.md ("Common mechanics",
-"The DPO family") and the cited papers, in float64, without looking at the implementation:
+Every reference below is written from the equations in docs/algorithms.md ("Common mechanics",
+"DPO family") and the cited papers, in float64, without looking at the implementation:
   dpo     -(1-e) log s(bh) - e log s(-bh)                 (cDPO / OpenRLHF label smoothing)
   robust  [-(1-e) log s(bh) + e log s(-bh)] / (1-2e)       (Chowdhury et al. 2024, rDPO)
   ipo     (h~ - 1/(2b))^2, h~ = u_w/|y_w| - u_l/|y_l|      (Azar et al. 2023, length-averaged)
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from train_dpo import (cpo_loss, dpo_loss, hinge_loss, ipo_loss, kto_loss, kto_z0, log_odds, nll_weight,
-                       orpo_loss, rdpo_loss, robust_loss, sequence_logps, simpo_loss)
+                       orpo_loss, rdpo_loss, response_logprobs, robust_loss, sequence_logps, simpo_loss)
 
 B = 16
 SEEDS = (0, 1, 2, 3)
@@ -625,9 +625,9 @@ def test_kto_weights_scale_each_kind_only():
 
 
 def test_kto_z0_mean_clamp_and_detach():
-    for sync in (False, True):
+    for count in (torch.tensor(4.0), 4):
         x = torch.tensor([0.5, 1.5, 4.0, -1.0], dtype=torch.float32, requires_grad=True)
-        z0 = kto_z0(x.sum(), torch.tensor(4.0), sync=sync)
+        z0 = kto_z0(x.sum(), count)
         assert torch.is_tensor(z0) and z0.numel() == 1
         assert z0.item() == pytest.approx(5.0 / 4.0, rel=1e-6)
         assert not z0.requires_grad, "z0 must be detached"
@@ -639,18 +639,28 @@ def test_kto_z0_mean_clamp_and_detach():
         assert u.grad is not None and torch.isfinite(u.grad).all()
         # negative mean is clamped to 0
         y = torch.tensor([-3.0, 1.0], requires_grad=True)
-        z = kto_z0(y.sum(), torch.tensor(2.0), sync=sync)
+        z = kto_z0(y.sum(), torch.tensor(2.0))
         assert z.item() == 0.0 and not z.requires_grad
         # positive small mean passes through unchanged
-        z = kto_z0(torch.tensor(0.03), torch.tensor(3.0), sync=sync)
+        z = kto_z0(torch.tensor(0.03), torch.tensor(3.0))
         assert z.item() == pytest.approx(0.01, rel=1e-6)
 
 
 def test_kto_z0_zero_count_is_guarded():
-    """ALGORITHMS.md: guard every division by a count against zero."""
-    for sync in (False, True):
-        z = kto_z0(torch.tensor(0.0), torch.tensor(0.0), sync=sync)
+    """docs/algorithms.md: guard every division by a count against zero."""
+    for count in (torch.tensor(0.0), 0):
+        z = kto_z0(torch.tensor(0.0), count)
         assert torch.isfinite(z).all()
+
+
+def test_kto_z0_is_pure(monkeypatch):
+    """No collective inside: the training loop all-reduces the sums once and passes them in."""
+    from nano_rlhf import dist
+
+    def no_collective(*a, **k):
+        raise AssertionError("kto_z0 must not all-reduce")
+    monkeypatch.setattr(dist, "all_reduce_sum", no_collective)
+    assert kto_z0(torch.tensor(6.0), torch.tensor(4.0)).item() == pytest.approx(1.5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -664,8 +674,8 @@ def test_kto_z0_zero_count_is_guarded():
 ])
 def test_nll_weight(loss, nll_coef, alpha, want):
     # kto: --nll_coef is rejected at start-up (test_dpo.py), so only alpha's not leaking into it is checked
-    o = types.SimpleNamespace(loss=loss, nll_coef=nll_coef, alpha=alpha)
-    assert nll_weight(o) == pytest.approx(want, abs=1e-12)
+    opts = types.SimpleNamespace(loss=loss, nll_coef=nll_coef, alpha=alpha)
+    assert nll_weight(opts) == pytest.approx(want, abs=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -788,3 +798,20 @@ def test_sequence_logps_row_without_response_tokens():
     assert sums[2].item() == 0.0 and lens[2].item() == 0
     torch.testing.assert_close(sums.to(D64), want_s, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(lens.to(D64), want_n, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_response_logprobs_per_token_and_one_gather(seed):
+    """The one gather: column t holds log π(token t+1) where token t+1 is a response token, 0 elsewhere;
+    sequence_logps is its row sum (one model call each)."""
+    ids, attn, resp, logits = make_batch(seed)
+    model = FakeLM(logits.float())
+    lp = response_logprobs(model, ids, attn, resp)
+    assert lp.shape == (ids.shape[0], ids.shape[1] - 1) and lp.dtype == torch.float32 and len(model.calls) == 1
+    full = torch.log_softmax(logits, -1)
+    for b in range(ids.shape[0]):
+        for t in range(1, ids.shape[1]):
+            want = full[b, t - 1, ids[b, t]].item() if resp[b, t] else 0.0
+            assert lp[b, t - 1].item() == pytest.approx(want, abs=2e-5), (b, t)
+    sums, _ = sequence_logps(model, ids, attn, resp)
+    torch.testing.assert_close(sums, lp.sum(1), rtol=1e-6, atol=1e-5)
