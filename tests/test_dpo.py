@@ -244,9 +244,6 @@ def test_stop_and_resume_equals_one_run(tmp_path, sft_dir, loss):
     assert [x["train/loss"] for x in la] == [x["train/loss"] for x in lb]
 
 
-@pytest.mark.xfail(strict=True, reason="plumbing bug: run.start's early errors (out_dir = an input, --report_to "
-                   "missing) reach abort() with Run.before still empty, so _remove_created deletes every file of "
-                   "the existing --out_dir, here the input model; remove this mark once nano_rlhf/run.py is fixed")
 @pytest.mark.parametrize("flag", ["--init", "--ref"])
 def test_out_dir_equal_to_an_input_is_refused(tmp_path, sft_dir, capsys, flag):
     import shutil
