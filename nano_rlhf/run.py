@@ -1,11 +1,12 @@
 """A training run's life cycle around the loop: out_dir safety, the lock, resume checks, the end of each step
 (eval / log / save / stop), and cleaning up after a failed start. Not algorithm; every script uses it the same way:
 
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
     run = run_mod.start(opts, script="sft", identity={...}, inputs={"init": opts.init}, data_files={"data": path})
-    ... load models ...
+    ... load data and models; run.max_steps = max_steps if derived from --epochs ...
     if opts.resume:
         meta = run.resume(models={"policy": model}, optimizers={"policy": opt})
-    for step in range(run.step + 1, max_steps + 1):
+    for step in range(run.step + 1, run.max_steps + 1):
         ... one optimizer step -> metrics ...
         if run.end_of_step(step, metrics, evaluate=evaluate_fn, save=save_fn):
             break
@@ -13,6 +14,12 @@
 
 Only rank 0 touches the file system; the other ranks only take part in the collectives (a broadcast of rank 0's
 verdict, so every rank stops with the same one-line error).
+
+out_dir rules: it may not be (or be inside) an input directory; one holding a run (any of
+checkpoint.RUN_FILES) needs --resume or --overwrite (which first deletes those files, and only those); a
+lock (out_dir/.lock, flock) keeps a second run out. A run that ends in an error before its first save removes
+what it created (out_dir itself if it created it). --resume compares the saved identity (state/run.json) with
+this run's: every field but CHANGEABLE must match, the global batch included, and the data files' sha256.
 """
 import atexit
 import json
@@ -321,7 +328,11 @@ class Run:
 
 def start(opts, script, identity=None, inputs=None, data_files=None, max_steps=None) -> Run:
     """Check --out_dir, take its lock, open --report_to; before any model is loaded. Collective.
-    max_steps defaults to opts.max_steps; set run.max_steps when the script derives it later (from epochs)."""
+    identity: what defines the run (compared on --resume; "script" and "global_batch" are added, the latter
+    as batch_size x grad_accum x world_size unless given). inputs: {option name: directory} never written to.
+    data_files: {name: path} whose sha256 is recorded at the first save; a path known only later (the
+    built-in task, generated on first use) may be set in run.data_files before that. max_steps defaults to
+    opts.max_steps; set run.max_steps when the script derives it later (from --epochs)."""
     global _current
     if _current is not None:          # a previous run in this process ended without finish() (tests)
         _current.abort()
