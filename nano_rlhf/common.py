@@ -33,13 +33,13 @@ def input_errors():
 
 
 def adamw(model, lr, weight_decay, betas=(0.9, 0.95), eps=1e-8):
-    """AdamW with weight decay on matrices only: biases, LayerNorm weights and the embeddings (wte is also
-    the tied output layer, wpe the positions) are not decayed (nanoGPT / GPT-2 practice)."""
+    """AdamW with weight decay on matrices only: biases, norm weights and the embeddings (GPT-2's wte, also the
+    tied output layer, and wpe; the Llama family's embed_tokens) are not decayed (nanoGPT / GPT-2 practice)."""
     decay, no_decay = [], []
     for name, p in dist.unwrap(model).named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and not name.endswith(("wte.weight", "wpe.weight")) else no_decay).append(p)
+        (decay if p.dim() >= 2 and not name.endswith(("wte.weight", "wpe.weight", "embed_tokens.weight")) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach=True: one fused kernel per group instead of a Python loop over 50 tensors
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
@@ -132,14 +132,17 @@ def builtin_file(name: str) -> str:
     return os.path.join(BUILTIN_DIR, name)
 
 
-def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad_token: str = ""):
+def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad_token: str = "",
+                   chat_template: str = "auto", date_string: str = ""):
     """--tokenizer if given, else the tokenizer.json saved beside the model; --eos_token / --pad_token name
-    the special tokens when neither a tokenizer_config.json nor the usual names give them."""
+    the special tokens when neither a tokenizer_config.json nor the usual names give them; --chat_template
+    names the template variant (auto: recognised from the tokenizer's own template text), --date_string fixes
+    Llama 3's "Today Date" (empty: the one saved with the tokenizer, else the template's default)."""
     from .tokenizer import Tokenizer
     path = tokenizer_path or os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: missing; pass --tokenizer (the tokenizer.json the model was trained with)")
-    return Tokenizer.from_file(path, eos_token or None, pad_token or None)
+    return Tokenizer.from_file(path, eos_token or None, pad_token or None, chat_template, date_string or None)
 
 
 def check_vocab(tok, cfg, where: str):
