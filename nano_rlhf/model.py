@@ -568,21 +568,28 @@ def _chunk_logprobs(h, weight, targets, temperature, with_entropy):
     return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp,)
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, with_entropy=False):
+LOGITS_BUDGET = 1 << 25   # elements of float32 logits held at once by token_logprobs (128 MiB)
+
+
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=None, with_entropy=False):
     """(N, C) final hidden states, (V, C) output weight, (N,) targets -> (N,) float32 log_softmax(hidden @
     weight.T / temperature) at targets, and (N,) entropies with with_entropy=True.
 
     Why chunks: with a real vocabulary (49k-152k) the (N, V) logits are the largest tensors of a step. Computing
     them chunk_size positions at a time, and recomputing each chunk in backward (checkpoint), bounds the peak by
-    (chunk_size, V) in forward and backward; the result equals the unchunked computation."""
+    (chunk_size, V) in forward and backward; the result equals the unchunked computation. chunk_size=None takes
+    as many positions as fit in LOGITS_BUDGET elements; when one chunk holds every position nothing is
+    recomputed (a small vocabulary pays nothing for the bound)."""
+    if chunk_size is None:
+        chunk_size = max(1, LOGITS_BUDGET // weight.shape[0])
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if hidden.shape[0] <= chunk_size:   # one chunk: the plain computation, no recompute
+        out = _chunk_logprobs(hidden, weight, targets, temperature, with_entropy)
+        return out if with_entropy else out[0]
     parts = []
     for s in range(0, hidden.shape[0], chunk_size):
         args = (hidden[s:s + chunk_size], weight, targets[s:s + chunk_size], temperature, with_entropy)
         parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args))
-    if not parts:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return (empty, empty) if with_entropy else empty
     out = [torch.cat(p) for p in zip(*parts)]
     return tuple(out) if with_entropy else out[0]
 

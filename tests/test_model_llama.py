@@ -360,3 +360,24 @@ def test_hidden_states_and_output_weight_give_the_logits():
             assert torch.allclose(lp, logits.log_softmax(-1).gather(-1, ids[sel][:, None])[:, 0], atol=1e-5)
         untied = name == "llama_gqa_untied"
         assert m.output_weight() is (m.lm_head.weight if untied else m.model.embed_tokens.weight)
+
+
+def test_token_logprobs_default_chunk_follows_the_element_budget(monkeypatch):
+    """chunk_size=None: as many positions as fit in LOGITS_BUDGET elements, so the bound holds for any vocabulary;
+    values and gradients equal the one-chunk computation."""
+    import nano_rlhf.model as model_mod
+    torch.manual_seed(0)
+    N, V_, C = 256, 300, 16
+    h, w = torch.randn(N, C, requires_grad=True), torch.randn(V_, C, requires_grad=True)
+    t = torch.randint(0, V_, (N,))
+    full = token_logprobs(h, w, t)                          # default budget: one chunk
+    g_full = torch.autograd.grad(full.sum(), (h, w))
+    monkeypatch.setattr(model_mod, "LOGITS_BUDGET", 10 * V_)
+
+    def fn():
+        token_logprobs(h, w, t).sum().backward()
+    assert _largest_tensor(fn) <= max(10 * V_, V_ * C)
+    small = token_logprobs(h, w, t)
+    assert torch.allclose(small, full, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(small.sum(), (h, w)), g_full):
+        assert torch.allclose(a, b, atol=1e-5)
