@@ -478,11 +478,14 @@ class GPT(_Pretrained):
         h = self.trunk(input_ids, attention_mask, position_ids)
         return h if select is None else h[select]
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None, return_hidden=False):
         """(B, T) ids [, (B, T) mask] -> (B, T, V) logits; with select (B, T) bool, (N, V) at those positions.
         Why select: scripts pass the positions that predict response tokens, which skips the output layer
-        (a quarter of the FLOPs at vocab 4096) on prompt and padding positions."""
-        return F.linear(self.hidden_states(input_ids, attention_mask, position_ids, select), self.output_weight())
+        (a quarter of the FLOPs at vocab 4096) on prompt and padding positions. return_hidden=True returns the
+        final hidden states instead (what token_logprobs takes, so a real vocabulary's logits are made in
+        chunks); it goes through forward so that a DDP-wrapped model can be called for it."""
+        h = self.hidden_states(input_ids, attention_mask, position_ids, select)
+        return h if return_hidden else F.linear(h, self.output_weight())
 
     @classmethod
     def from_pretrained(cls, model_dir, **overrides):

@@ -381,3 +381,11 @@ def test_token_logprobs_default_chunk_follows_the_element_budget(monkeypatch):
     assert torch.allclose(small, full, atol=1e-6)
     for a, b in zip(torch.autograd.grad(small.sum(), (h, w)), g_full):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_forward_return_hidden_equals_hidden_states():
+    m = randomise(GPT(our_config("qwen3")))
+    ids, mask, _ = padded_batch()
+    sel = mask.bool()
+    with torch.no_grad():
+        assert torch.equal(m(ids, mask, select=sel, return_hidden=True), m.hidden_states(ids, mask, select=sel))
