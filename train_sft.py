@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from nano_rlhf import dist
 from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
 from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
-                              load_tokenizer, lr_at, set_lr, split_off)
+                              load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
-from nano_rlhf.data import Batches, collate_sft, load_records, tokenize_sft
+from nano_rlhf.data import Batches, collate_sft, load_train_eval, tokenize_sft
 from nano_rlhf.model import GPT, GPTConfig
 from nano_rlhf.tokenizer import Tokenizer
 
@@ -121,16 +121,12 @@ def make_tokenizer(records, opts):
 
 
 def load_data(opts):
-    """(train records, eval records, path of the training file); the built-in task's files when --data is empty."""
+    """(train records, eval records, training file, eval file); the built-in task's files when --data is empty."""
     data_path = opts.data or builtin_file("sft.jsonl")
-    records = load_records(data_path, "sft")
-    if opts.eval_data or not opts.data:
-        return records, load_records(opts.eval_data or builtin_file("sft_eval.jsonl"), "sft"), data_path
-    train, held_out = split_off(records, opts.eval_fraction, opts.seed)
-    if not train:
-        raise ValueError(f"--eval_fraction {opts.eval_fraction} holds out all {len(records)} row(s) of {data_path}, "
-                         f"leaving none to train on; pass --eval_data or more rows")
-    return train, held_out, data_path
+    eval_path = opts.eval_data or ("" if opts.data else builtin_file("sft_eval.jsonl"))
+    records, eval_records = load_train_eval("sft", data=data_path, eval_data=eval_path,
+                                            eval_fraction=opts.eval_fraction, seed=opts.seed)
+    return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
 
 
 def build_model(opts, tok):
@@ -221,11 +217,11 @@ def main(argv=None):
 
     # ---- data first: every line is validated before any model is built ----
     with input_errors():
-        records, eval_records, data_path = load_data(opts)
+        records, eval_records, data_path, eval_path = load_data(opts)
         tok = make_tokenizer(records, opts)
         model = build_model(opts, tok)
         train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
-        evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, opts.eval_data or "the held-out split")
+        evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     model.to(world.device)
     dist.check_same_weights(model, "policy")

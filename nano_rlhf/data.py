@@ -207,6 +207,20 @@ def load_records(path: str, kind: str, warn: Callable[[str], None] = None) -> Li
     return out
 
 
+def load_train_eval(kind: str, *, data: str, eval_data: str, eval_fraction: float, seed: int):
+    """(train records, eval records): --data and --eval_data, or, without --eval_data, a deterministic
+    --eval_fraction of --data held out (at least one row). DataError when nothing is left to train on."""
+    from .common import split_off       # common imports this module: import at call time
+    records = load_records(data, kind)
+    if eval_data:
+        return records, load_records(eval_data, kind)
+    train, held_out = split_off(records, eval_fraction, seed)
+    if not train:
+        raise DataError(f"--eval_fraction {eval_fraction} holds out all {len(records)} row(s) of {data}, leaving "
+                        f"none to train on; pass --eval_data or more rows")
+    return train, held_out
+
+
 # ---- tokenization with the over-long rule ------------------------------------------------------
 
 def fit_prompt(prompt_ids: List[int], response_len: int, max_len: int):

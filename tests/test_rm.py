@@ -96,7 +96,7 @@ def test_evaluate_equals_float64_hand_computation(tok, use_margin, c, lam):
             "eval/score_std": r.std()}                               # Bessel-corrected, as documented
     # batch_size 3 over 8 pairs: two full chunks and a ragged one, each right-padded to its own width
     opts = SimpleNamespace(batch_size=3, dtype="float32", use_margin=use_margin, center_coef=c, l2_coef=lam)
-    got = evaluate(m, ps, tok, opts, dist.ctx())
+    got = evaluate(m, ps, pad_id=tok.pad_id, opts=opts)
     assert 0 < want["eval/accuracy"] < 1                             # right and wrong rankings both occur
     for k, v in want.items():
         assert got[k] == pytest.approx(v.item(), abs=1e-5), k
