@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import weights_close, pref_rows, run, tiny_model, write_jsonl
+from conftest import WORDS, weights_close, pref_rows, run, tiny_model, write_jsonl
 from nano_rlhf import dist
 from nano_rlhf.data import collate_pairs, tokenize_pairs
 from nano_rlhf.model import ScoreModel
@@ -208,3 +208,74 @@ def test_tokenizer_larger_than_model_vocab_exits(tmp_path, tok):
     assert p.stderr.strip().splitlines()[-1] == (
         f"error: {small}: the tokenizer has {tok.vocab_size} tokens but the model's vocabulary only "
         f"{tok.vocab_size - 10}; pass the tokenizer.json the model was trained with (--tokenizer)")
+
+
+# ---- bad flags and bad data sets: one line, before any work -----------------------------------------
+
+BAD_FLAGS = [  # (flags, the option the error must name)
+    (["--grad_clip", "-1"], "--grad_clip"), (["--grad_accum", "0"], "--grad_accum"),
+    (["--grad_accum", "-1"], "--grad_accum"), (["--max_steps", "-1"], "--max_steps"),
+    (["--epochs", "0"], "--epochs"), (["--epochs", "-1"], "--epochs"), (["--log_interval", "0"], "--log_interval"),
+    (["--batch_size", "0"], "--batch_size"), (["--lr", "-0.001"], "--lr"), (["--lr", "0"], "--lr"),
+    (["--eval_fraction", "1.5"], "--eval_fraction"), (["--warmup_steps", "-1"], "--warmup_steps"),
+    (["--center_coef", "-0.01"], "--center_coef"), (["--l2_coef", "-1"], "--l2_coef"), (["--beta1", "1"], "--beta1"),
+    (["--save_interval", "-1"], "--save_interval"), (["--max_steps", "3", "--stop_at", "4"], "--stop_at"),
+    (["--init", "", "--n_layer", "1"], "--tokenizer"), (["--device", "tpu"], "--device"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")])
+
+
+def run_main(argv, capsys):
+    """train_rm.main(argv) in this process -> (exit code, stderr lines); 0 if it returned."""
+    import train_rm
+    try:
+        train_rm.main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("flags,option", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_before_any_work(tmp_path, sft_dir, capsys, flags, option):
+    code, err = run_main(rm_args(tmp_path, sft_dir, "out")[1:] + flags, capsys)
+    errors = [line for line in err if line.startswith("error:") or ": error:" in line]
+    assert code != 0 and len(errors) == 1 and option in errors[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_eval_set_is_refused(tmp_path, sft_dir, capsys):
+    long_rows = [{"prompt": "p", "chosen": " great" * 80, "rejected": " bad" * 80}] * 2
+    ev = write_jsonl(tmp_path / "ev.jsonl", long_rows)
+    code, err = run_main(rm_args(tmp_path, sft_dir, "o")[1:] + ["--eval_data", ev], capsys)
+    assert code != 0 and err[-1] == f"error: {ev}: none of its 2 pair(s) fits in 64 tokens (each response alone is longer)"
+
+
+# ---- a reward model learns a one-token difference ---------------------------------------------------
+
+FILLER = [w for w in WORDS if w not in ("great", "bad")]
+
+
+def one_word_pairs(n, seed):
+    """Pairs that differ in exactly one word: chosen says "great", rejected "bad", with the same random
+    filler (0-8 words) before and after it."""
+    import random
+    r = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        before = "".join(" " + r.choice(FILLER) for _ in range(r.randint(0, 8)))
+        after = "".join(" " + r.choice(FILLER) for _ in range(r.randint(0, 8)))
+        rows.append({"prompt": "write a short review.", "chosen": f"{before} great{after}.",
+                     "rejected": f"{before} bad{after}."})
+    return rows
+
+
+def test_reward_model_learns_a_one_token_difference(tmp_path, sft_dir):
+    """From a tiny random trunk at the default learning-rate schedule, 150 steps: held-out pairs (new
+    filler) are ranked right. The README gives the spread of this accuracy over data and init seeds."""
+    import train_rm
+    data = write_jsonl(tmp_path / "train.jsonl", one_word_pairs(1200, seed=0))
+    held_out = write_jsonl(tmp_path / "eval.jsonl", one_word_pairs(200, seed=1))
+    train_rm.main(["--data", data, "--eval_data", held_out, "--init", sft_dir, "--out_dir", str(tmp_path / "rm"),
+                   "--max_steps", "150", "--batch_size", "16", "--log_interval", "50", "--eval_interval", "50"])
+    evals = [json.loads(x) for x in open(tmp_path / "rm" / "metrics.jsonl") if "eval/accuracy" in x]
+    assert evals[-1]["step"] == 150 and evals[-1]["eval/accuracy"] >= 0.95, evals
