@@ -27,6 +27,7 @@ small preference sets (Ouyang et al. 2022; the N+ implementation details); linea
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -309,6 +310,10 @@ def main(argv=None):
     ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
     max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
+    if max_steps < opts.warmup_steps and dist.ctx().is_main:    # a small data set at --epochs: too few steps
+        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
+              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
+              file=sys.stderr, flush=True)
     step = 0
     if opts.resume:
         meta = load_state(opts.out_dir, {"rm": model}, {"rm": optimizer})
