@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist, synthetic
-from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.common import (adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs
@@ -81,7 +82,10 @@ class Options:
     eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
     save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
     resume: bool = False          # continue from out_dir/state
+    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
     stop_at: int = 0              # end this run after step N with a checkpoint (--resume later) {>= 0}
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
 
 # ---- the loss and the scores -----------------------------------------------------------------------
@@ -156,7 +160,7 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
     The loss is the mean over every pair of the optimizer step on every rank: each micro-batch's summed
     loss is divided by the global number of pairs (world_size x this rank's, as every rank takes the same
     number), and multiplied by world_size because DDP averages gradients over ranks."""
-    world = dist.ctx()
+    world, t0 = dist.world(), time.time()
     n_pairs = world.world_size * sum(len(margin) for *_, margin in micro_batches)
     sums = dict.fromkeys(PAIR_SUMS, torch.zeros((), dtype=torch.float64))
     n_tokens = 0
@@ -177,7 +181,8 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
     check_finite(grad_norm, step, opts.out_dir, "gradient norm")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return dict(metrics, **{"train/grad_norm": grad_norm, "train/tokens": dist.all_reduce_sum(n_tokens)})
+    tokens_per_s = dist.all_reduce_sum(n_tokens) / max(time.time() - t0, 1e-9)
+    return dict(metrics, **{"train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s})
 
 
 @torch.no_grad()
@@ -273,6 +278,18 @@ def build_model(opts, tok):
     return model
 
 
+def derive_max_steps(opts, steps_per_epoch):
+    """--max_steps, or (when it is 0) as many steps as --epochs takes; a warning when the run is shorter than
+    its warm-up (a small preference set at --epochs 1: the learning rate would never reach --lr, and a
+    one-word preference was measured to stay at 0.67-0.80 held-out accuracy after 9 such steps)."""
+    max_steps = opts.max_steps or max(1, int(opts.epochs * steps_per_epoch))
+    if max_steps < opts.warmup_steps and dist.world().is_main:
+        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
+              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
+              file=sys.stderr, flush=True)
+    return max_steps
+
+
 def check_options(opts):
     """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
@@ -285,17 +302,22 @@ def check_options(opts):
         fail("a reward model from scratch needs --tokenizer (or --init with a tokenizer.json)", 2)
     if not opts.init and opts.n_embd % opts.n_head:
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
-    if opts.resume and find_state(opts.out_dir) is None:
-        fail(f"{opts.out_dir}: --resume given but there is no saved state in it")
 
 
 def main(argv=None):
     opts = parse_args(Options, argv, __doc__)
     check_options(opts)
-    world = dist.setup(opts.device)
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
 
-    with input_errors():
+    with input_errors():     # every line is validated before anything is written or built
         records, eval_records, data_path, eval_path = load_data(opts)
+    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    run = run_mod.start(opts, script="rm", inputs={"init": opts.init, "tokenizer": opts.tokenizer},
+                        identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
+                                      use_margin=opts.use_margin, center_coef=opts.center_coef, l2_coef=opts.l2_coef,
+                                      dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
+                        data_files={"data": data_path, "eval_data": opts.eval_data})
+    with input_errors():
         tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
         model = build_model(opts, tok)
         train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
@@ -309,29 +331,22 @@ def main(argv=None):
     dist.seed_everything(opts.seed, world.rank)
     ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
-    if max_steps < opts.warmup_steps and dist.ctx().is_main:    # a small data set at --epochs: too few steps
-        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
-              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
-              file=sys.stderr, flush=True)
-    step = 0
+    run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
-        meta = load_state(opts.out_dir, {"rm": model}, {"rm": optimizer})
-        step = meta["step"]
-        batches.load_state_dict(meta["data"])
+        batches.load_state_dict(run.resume(models={"rm": model}, optimizers={"rm": optimizer})["data"])
     if world.is_main:
-        os.makedirs(opts.out_dir, exist_ok=True)
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
-    dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train):,} train pairs ({train_stats}) | "
-                f"{len(evals):,} eval pairs ({eval_stats}) | global batch {batches.global_batch} pairs | "
-                f"{max_steps} steps" + (f" | resuming at step {step}" if step else ""))
-    log = Logger(opts.out_dir, max_steps, resume=opts.resume, start_step=step)
-    last_eval = {}      # the last evaluation and its step: the final save reuses it
+    dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train):,} train pairs "
+                f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | global batch {batches.global_batch} "
+                f"pairs | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
+    run.show = ["train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "eval/gold_corr"]
+    evaluated = {}      # step -> metrics of the last evaluation: the final save reuses it
 
-    def evaluate_now():
-        last_eval.update(evaluate(model, evals, pad_id=tok.pad_id, opts=opts, reward=gold), step=step)
-        return {k: v for k, v in last_eval.items() if k != "step"}
+    def evaluate_now(step):
+        evaluated.clear()
+        evaluated[step] = evaluate(model, evals, pad_id=tok.pad_id, opts=opts, reward=gold)
+        return evaluated[step]
 
     def save(step):
         save_state(opts.out_dir, {"rm": model}, {"rm": optimizer}, {"step": step, "data": batches.state_dict()})
@@ -341,45 +356,28 @@ def main(argv=None):
         if step != max_steps:
             save_model_dir(opts.out_dir, model, tok)
 
-    t_last, tokens_since = time.time(), 0
-    while step < max_steps:
-        lr = lr_at(step, max_steps, opts.lr, opts.warmup_steps, "linear")
+    step = run.step
+    for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
+        lr = lr_at(step - 1, max_steps, opts.lr, opts.warmup_steps, "linear")
         set_lr(optimizer, lr)
         micro_batches = [collate_pairs([train[i] for i in mb], tok.pad_id) for mb in batches.next_step()]
-        metrics = train_step(ddp, optimizer, micro_batches, opts, step)
-        metrics["train/lr"] = lr
-        step += 1
-
-        tokens_since += metrics.pop("train/tokens")
-        if step % opts.log_interval == 0 or step == max_steps:
-            metrics["train/tokens_per_s"] = tokens_since / max(time.time() - t_last, 1e-9)
-            if (opts.eval_interval and step % opts.eval_interval == 0) or step == max_steps:
-                metrics.update(evaluate_now())
-            log.log(step, metrics)
-            log.progress(step, metrics, ["train/loss", "train/accuracy", "eval/loss", "eval/accuracy",
-                                         "eval/gold_corr"], metrics["train/tokens_per_s"])
-            t_last, tokens_since = time.time(), 0
-        elif opts.eval_interval and step % opts.eval_interval == 0:
-            log.log(step, evaluate_now())
-        if (opts.save_interval and step % opts.save_interval == 0) or step in (max_steps, opts.stop_at):
-            save(step)
-        if step == opts.stop_at:
-            dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
+        metrics = dict(train_step(ddp, optimizer, micro_batches, opts, step - 1), **{"train/lr": lr})
+        if run.end_of_step(step, metrics, evaluate=lambda: evaluate_now(step), save=save):
             break
 
     if step == max_steps:
         # score statistics on the eval set, for PPO's reward normalisation (OpenRLHF normalize_reward);
-        # the last logged step already evaluated these weights unless this run resumed at max_steps
-        final = {k: v for k, v in last_eval.items() if k != "step"} if last_eval.get("step") == step \
-            else evaluate_now()
+        # the last step already evaluated these weights unless this run resumed at max_steps
+        final = evaluated.get(step) or evaluate_now(step)
         save_model_dir(opts.out_dir, model, tok, reward_mean=final["eval/score_mean"],
                        reward_std=final["eval/score_std"])
         dist.check_same_weights(model, "reward model")
+        gold_note = (f" (the gold reward itself: {final['eval/gold_ranker_accuracy']:.3f}) | correlation with gold "
+                     f"reward {final['eval/gold_corr']:.3f}" if "eval/gold_corr" in final else "")
         dist.print0(f"saved {opts.out_dir} (HF GPT2ForSequenceClassification layout) | eval accuracy "
                     f"{final['eval/accuracy']:.3f} | scores mean {final['eval/score_mean']:+.3f} std "
-                    f"{final['eval/score_std']:.3f}" + (f" (the gold reward itself: {final['eval/gold_ranker_accuracy']:.3f}) "
-                    f"| correlation with gold reward {final['eval/gold_corr']:.3f}" if "eval/gold_corr" in final else ""))
-    dist.cleanup()
+                    f"{final['eval/score_std']:.3f}" + gold_note)
+    run.finish()
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 
 

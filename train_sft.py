@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist
-from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.common import (adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_sft, load_train_eval, tokenize_sft
@@ -73,7 +74,10 @@ class Options:
     eval_interval: int = 100      # eval loss every N steps (and at the end); 0 = only at the end {>= 0}
     save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
     resume: bool = False          # continue from out_dir/state
+    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
     stop_at: int = 0              # end this run after step N with a checkpoint (split a long job; --resume later) {>= 0}
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
 
 # ---- the loss --------------------------------------------------------------------------------------
@@ -114,7 +118,7 @@ def make_tokenizer(records, opts):
     if opts.tokenizer or opts.init:
         return load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
     path = os.path.join(opts.out_dir, "tokenizer.json")
-    if dist.ctx().is_main and not (opts.resume and os.path.isfile(path)):
+    if dist.world().is_main and not (opts.resume and os.path.isfile(path)):
         os.makedirs(opts.out_dir, exist_ok=True)
         Tokenizer.train(record_texts(records), opts.vocab_size).save(path)
     dist.barrier()
@@ -160,7 +164,7 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
     The loss is the token-mean over the whole optimizer step on every rank: each micro-batch's summed NLL
     is divided by the GLOBAL number of loss tokens (one all-reduce before the forwards), and multiplied by
     world_size because DDP averages gradients over ranks."""
-    world = dist.ctx()
+    world, t0 = dist.world(), time.time()
     n_loss_tokens = max(1, dist.all_reduce_sum(sum(int(lm[:, 1:].sum()) for _, _, lm in micro_batches)))
     nll_sum, n_tokens = 0.0, 0
     for j, (ids, attn, lm) in enumerate(micro_batches):
@@ -178,7 +182,8 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
     check_finite(grad_norm, step, opts.out_dir, "gradient norm")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"train/loss": loss, "train/grad_norm": grad_norm, "train/tokens": dist.all_reduce_sum(n_tokens)}
+    tokens_per_s = dist.all_reduce_sum(n_tokens) / max(time.time() - t0, 1e-9)
+    return {"train/loss": loss, "train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s}
 
 
 @torch.no_grad()
@@ -197,6 +202,17 @@ def evaluate_loss(model, examples, *, pad_id, batch_size, dtype):
     return {"eval/loss": dist.all_reduce_sum(nll_sum) / max(1.0, dist.all_reduce_sum(count))}
 
 
+def derive_max_steps(opts, steps_per_epoch):
+    """--max_steps, or (when it is 0) as many steps as --epochs takes; a warning when the run is shorter than
+    its warm-up (a small data set at --epochs: the learning rate would never reach --lr)."""
+    max_steps = opts.max_steps or max(1, int(opts.epochs * steps_per_epoch))
+    if max_steps < opts.warmup_steps and dist.world().is_main:
+        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
+              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
+              file=sys.stderr, flush=True)
+    return max_steps
+
+
 def check_options(opts):
     """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
@@ -207,18 +223,22 @@ def check_options(opts):
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
     if not opts.init and opts.n_embd % opts.n_head:
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
-    if opts.resume and find_state(opts.out_dir) is None:
-        fail(f"{opts.out_dir}: --resume given but there is no saved state in it")
 
 
 def main(argv=None):
     opts = parse_args(Options, argv, __doc__)
     check_options(opts)
-    world = dist.setup(opts.device)
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
 
-    # ---- data first: every line is validated before any model is built ----
+    # ---- data first: every line is validated before anything is written or built ----
     with input_errors():
         records, eval_records, data_path, eval_path = load_data(opts)
+    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    run = run_mod.start(opts, script="sft", inputs={"init": opts.init, "tokenizer": opts.tokenizer},
+                        identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
+                                      dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
+                        data_files={"data": data_path, "eval_data": opts.eval_data})
+    with input_errors():
         tok = make_tokenizer(records, opts)
         model = build_model(opts, tok)
         train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
@@ -229,25 +249,17 @@ def main(argv=None):
     dist.seed_everything(opts.seed, world.rank)           # from here on ranks differ (dropout)
     ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
-    if max_steps < opts.warmup_steps and dist.ctx().is_main:    # a small data set at --epochs: too few steps
-        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
-              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
-              file=sys.stderr, flush=True)
-    step = 0
+    run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
-        meta = load_state(opts.out_dir, {"policy": model}, {"policy": optimizer})
-        step = meta["step"]
-        batches.load_state_dict(meta["data"])
+        batches.load_state_dict(run.resume(models={"policy": model}, optimizers={"policy": optimizer})["data"])
     if world.is_main:
-        os.makedirs(opts.out_dir, exist_ok=True)
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"SFT | {model.num_params():,} parameters | {len(train):,} train examples ({train_stats}) | "
                 f"{len(evals):,} eval ({eval_stats}) | global batch {batches.global_batch} = {opts.batch_size} "
                 f"x {opts.grad_accum} accum x {world.world_size} ranks | {max_steps} steps" +
-                (f" | resuming at step {step}" if step else ""))
-    log = Logger(opts.out_dir, max_steps, resume=opts.resume, start_step=step)
+                (f" | resuming at step {run.step}" if run.step else ""))
+    run.show = ["train/loss", "eval/loss", "train/lr", "train/grad_norm"]
 
     def evaluate():
         return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
@@ -256,35 +268,18 @@ def main(argv=None):
         save_state(opts.out_dir, {"policy": model}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
         save_model_dir(opts.out_dir, model, tok)
 
-    t_last, tokens_since = time.time(), 0
-    while step < max_steps:
-        lr = lr_at(step, max_steps, opts.lr, opts.warmup_steps, "cosine", opts.min_lr_ratio)
+    for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
+        lr = lr_at(step - 1, max_steps, opts.lr, opts.warmup_steps, "cosine", opts.min_lr_ratio)
         set_lr(optimizer, lr)
         micro_batches = [collate_sft([train[i] for i in mb], tok.pad_id) for mb in batches.next_step()]
-        metrics = train_step(ddp, optimizer, micro_batches, opts, step)
+        metrics = train_step(ddp, optimizer, micro_batches, opts, step - 1)
         metrics.update({"train/lr": lr, "train/epoch": batches.epoch + batches.pos / len(train)})
-        step += 1
-
-        tokens_since += metrics.pop("train/tokens")
-        if step % opts.log_interval == 0 or step == max_steps:
-            metrics["train/tokens_per_s"] = tokens_since / max(time.time() - t_last, 1e-9)
-            if (opts.eval_interval and step % opts.eval_interval == 0) or step == max_steps:
-                metrics.update(evaluate())
-            log.log(step, metrics)
-            log.progress(step, metrics, ["train/loss", "eval/loss", "train/lr", "train/grad_norm"],
-                         metrics["train/tokens_per_s"])
-            t_last, tokens_since = time.time(), 0
-        elif opts.eval_interval and step % opts.eval_interval == 0:
-            log.log(step, evaluate())
-        if (opts.save_interval and step % opts.save_interval == 0) or step in (max_steps, opts.stop_at):
-            save(step)
-        if step == opts.stop_at:
-            dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
+        if run.end_of_step(step, metrics, evaluate=evaluate, save=save):
             break
     dist.check_same_weights(model, "policy")     # DDP kept every rank in lock-step: prove it
     dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout + tokenizer.json); "
                 f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
-    dist.cleanup()
+    run.finish()
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 
 

@@ -295,3 +295,14 @@ def test_short_run_warns(tmp_path, sft_dir, capsys):
                    "--stop_at", "1"])
     assert ("warning: this run is 9 optimizer steps, fewer than --warmup_steps 20, so the learning rate never "
             "reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps") in capsys.readouterr().err
+
+
+def test_out_dir_equal_to_init_is_refused(tmp_path, sft_dir, capsys):
+    """--out_dir equal to --init used to overwrite the SFT model: refused before anything is written."""
+    before = {f: os.path.getmtime(os.path.join(sft_dir, f)) for f in os.listdir(sft_dir)}
+    args = rm_args(tmp_path, sft_dir, "o")[1:]
+    args[args.index("--out_dir") + 1] = sft_dir
+    code, err = run_main(args, capsys)
+    assert code != 0 and err[-1] == (f"error: --out_dir {sft_dir} is, or is inside, the input --init {sft_dir}; "
+                                     f"choose another --out_dir")
+    assert {f: os.path.getmtime(os.path.join(sft_dir, f)) for f in os.listdir(sft_dir)} == before

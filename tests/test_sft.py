@@ -278,3 +278,16 @@ def test_tokenizer_larger_than_init_vocab_is_one_line(tmp_path, tok, capsys):
     tok.save(str(small / "tokenizer.json"))
     code, err = run_main(main, sft_args(tmp_path, "o")[1:] + ["--init", str(small)], capsys)
     assert code != 0 and err[-1].startswith(f"error: {small}: the tokenizer has {tok.vocab_size} tokens but the model's")
+
+
+def test_out_dir_inside_init_is_refused(tmp_path, tok, capsys):
+    from train_sft import main
+    init = tmp_path / "init"
+    tiny_model(tok).save_pretrained(str(init))
+    tok.save(str(init / "tokenizer.json"))
+    out = init / "sub"
+    args = sft_args(tmp_path, "o")[1:] + ["--init", str(init)]
+    args[args.index("--out_dir") + 1] = str(out)
+    code, err = run_main(main, args, capsys)
+    assert code != 0 and err[-1].startswith(f"error: --out_dir {out} is, or is inside, the input --init {init}")
+    assert not out.exists()
