@@ -15,22 +15,16 @@ Only rank 0 touches the file system; the other ranks only take part in the colle
 verdict, so every rank stops with the same one-line error).
 """
 import atexit
-import hashlib
 import json
-import math
 import os
 import shutil
-import socket
-import sys
 import time
 
 from . import checkpoint, dist
-from .checkpoint import atomic_write_text, find_state, write_json
+from .checkpoint import RUN_FILES, OutDirLock, atomic_write_text, find_state, sha256_file
 from .common import check_finite, fail
+from .config import to_dict
 
-# Everything this project writes into an out_dir: a directory holding one of these holds a run.
-RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_config.json",
-             "metrics.jsonl", "samples.jsonl", "tensorboard", "state", "state.old", "state.tmp")
 # Options that may differ between a run and its --resume (the global batch is checked instead of its factors).
 CHANGEABLE = {"max_steps", "stop_at", "log_interval", "eval_interval", "save_interval", "report_to", "device",
               "dist_timeout", "overwrite", "resume", "world_size", "batch_size", "grad_accum"}
@@ -42,22 +36,11 @@ def _inside(path, parent):
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
-def _pid_alive(pid):
+def _step_of(line):
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")       # a line cut by a crash: drop it
 
 
 def _collective_check(fn):
@@ -80,8 +63,7 @@ class Run:
         self.report_to = getattr(opts, "report_to", "none")
         self.saved = self.finished = False
         self.created_dir, self.before = None, set()  # what to remove if the run fails before its first save
-        self.lock_path = os.path.join(self.out_dir, ".lock")
-        self.have_lock = False
+        self.lock = OutDirLock(self.out_dir)
         self.writer = self.wandb = None
         self.t0, self.step0 = time.time(), 0
 
@@ -107,7 +89,7 @@ class Run:
                 return f"--out_dir {out}: cannot be created ({e.strerror or e})"
             self.created_dir = top
         self.before = set(os.listdir(out))
-        msg = self._lock()
+        msg = self.lock.acquire()
         if msg:
             self._remove_created()
             return msg
@@ -125,36 +107,6 @@ class Run:
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
             self.before -= set(present)
         return None
-
-    def _lock(self):
-        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
-        for _ in range(2):
-            try:
-                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    with open(self.lock_path) as f:
-                        held = json.load(f)
-                    pid, host = int(held["pid"]), held["host"]
-                except (OSError, ValueError, KeyError, TypeError):
-                    pid, host = None, None           # a lock half-written by a killed run
-                if pid is not None and host != socket.gethostname():
-                    return (f"{self.out_dir} is in use by another run (pid {pid} on {host}); if that run is dead, "
-                            f"delete {self.lock_path}")
-                if pid is not None and pid != os.getpid() and _pid_alive(pid):
-                    return (f"{self.out_dir} is in use by another run (pid {pid}); wait for it to finish or "
-                            "choose another --out_dir")
-                if pid != os.getpid():
-                    print(f"note: taking over the stale lock {self.lock_path} (pid {pid} is not running)", flush=True)
-                os.remove(self.lock_path)
-                continue
-            except OSError as e:
-                return f"--out_dir {self.out_dir}: not writable ({e.strerror or e})"
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            self.have_lock = True
-            return None
-        return f"{self.out_dir}: could not take the lock {self.lock_path}"
 
     def _import_backend(self):
         try:
@@ -174,15 +126,13 @@ class Run:
             self.writer = SummaryWriter(os.path.join(self.out_dir, "tensorboard"))
         elif self.report_to == "wandb":
             import wandb
-            from .config import to_dict
             self.wandb = wandb
             wandb.init(project="nano_rlhf", name=os.path.basename(os.path.abspath(self.out_dir)),
-                       config=to_dict(self.opts), resume="allow" if getattr(self.opts, "resume", False) else None)
+                       config=to_dict(self.opts))
 
     def record(self):
         """run.json's content (written by checkpoint.save_state with every save). The data hashes are taken
         at the first save, not in start(): the files may be generated after it (the built-in task)."""
-        from .config import to_dict
         if not hasattr(self, "_sha"):
             self._sha = self._data_sha()
         return {"identity": self.identity, "data_sha256": self._sha, "options": to_dict(self.opts)}
@@ -192,19 +142,22 @@ class Run:
         return {k: (sha256_file(p) if os.path.isfile(p) else None) for k, p in self.data_files.items()}
 
     def _identity_diff(self):
-        d = find_state(self.out_dir)
-        saved = checkpoint._read_json(os.path.join(d, "run.json")) if os.path.isfile(os.path.join(d, "run.json")) \
-            else None
-        if saved is None:
-            return (f"--resume: {d} has no run.json (saved by an older version), so it cannot be checked to be "
-                    "the same run; start a new run")
-        now = json.loads(json.dumps(self.identity))
-        diffs = [f"{k} {saved['identity'].get(k)!r} != {now.get(k)!r}"
-                 for k in sorted(set(saved["identity"]) | set(now))
-                 if k not in CHANGEABLE and saved["identity"].get(k) != now.get(k)]
-        sha = self._data_sha()
-        bad = [os.path.basename(self.data_files.get(k, k)) for k in sorted(set(saved.get("data_sha256", {})) | set(sha))
-               if saved.get("data_sha256", {}).get(k) != sha.get(k)]
+        """None when the saved run.json describes this run, else the one-line refusal."""
+        path = os.path.join(find_state(self.out_dir), "run.json")
+        if not os.path.isfile(path):
+            return f"--resume: {path}: missing (a state saved without a run identity cannot be checked)"
+        try:
+            saved = checkpoint._read_json(path)
+            was, now = saved["identity"], json.loads(json.dumps(self.identity))
+            diffs = [f"{k} {was.get(k)!r} != {now.get(k)!r}" for k in sorted(set(was) | set(now))
+                     if k not in CHANGEABLE and was.get(k) != now.get(k)]
+            was_sha, sha = saved["data_sha256"], self._data_sha()
+        except checkpoint.StateError as e:
+            return f"--resume: {e}"
+        except (KeyError, TypeError, AttributeError) as e:
+            return f"--resume: {path}: malformed ({type(e).__name__}: {e})"
+        bad = [os.path.basename(self.data_files.get(k, k)) for k in sorted(set(was_sha) | set(sha))
+               if was_sha.get(k) != sha.get(k)]
         if bad:
             diffs.append(f"data sha256 differs ({', '.join(bad)})")
         if diffs:
@@ -212,34 +165,22 @@ class Run:
         return None
 
     def resume(self, models, optimizers, generators=None):
-        """Check the saved run is this run, then restore models, optimizers and RNG; returns meta
-        (also run.meta) and sets run.step. Collective."""
-        _collective_check(lambda: self._wrap_error(self._identity_diff))
+        """Check the saved run is this run, then restore models, optimizers and RNG (checkpoint.load_state);
+        returns meta (also run.meta) and sets run.step. Collective."""
+        _collective_check(self._identity_diff)
         try:
             self.meta = checkpoint.load_state(self.out_dir, models, optimizers, generators)
         except (checkpoint.StateError, FileNotFoundError) as e:
             fail(f"--resume: {e}")
         self.step = self.step0 = int(self.meta["step"])
-        if self.main:
-            self._trim_log(self.step)
+        if self.main:          # drop what was logged after the checkpoint: those steps are about to be redone
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                path = os.path.join(self.out_dir, name)
+                if os.path.isfile(path):
+                    with open(path) as f:
+                        keep = [ln for ln in f if _step_of(ln) <= self.step]
+                    atomic_write_text(path, "".join(keep))
         return self.meta
-
-    def _wrap_error(self, fn):
-        try:
-            return fn()
-        except checkpoint.StateError as e:
-            return f"--resume: {e}"
-        except (KeyError, TypeError, AttributeError) as e:
-            return f"--resume: {find_state(self.out_dir)}/run.json is malformed ({type(e).__name__}: {e})"
-
-    def _trim_log(self, step):
-        """Drop metrics logged after the resumed checkpoint (they are about to be redone)."""
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            path = os.path.join(self.out_dir, name)
-            if os.path.isfile(path):
-                with open(path) as f:
-                    keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
-                atomic_write_text(path, "".join(keep))
 
     # ---- the end of a step -------------------------------------------------------------------------
     def _due(self, interval, step):
@@ -333,12 +274,7 @@ class Run:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
-        if self.have_lock:
-            try:
-                os.remove(self.lock_path)
-            except OSError:
-                pass
-            self.have_lock = False
+        self.lock.release()
 
     def _remove_created(self):
         """Undo what this run wrote into out_dir (nothing was saved yet): the directory if this run created
