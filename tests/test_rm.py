@@ -297,12 +297,42 @@ def test_short_run_warns(tmp_path, sft_dir, capsys):
             "reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps") in capsys.readouterr().err
 
 
+@pytest.mark.xfail(strict=True, reason="nano_rlhf/run.py: a start() check that fails before Run.before is set "
+                   "(out_dir == an input) makes abort() delete every file of the existing out_dir, i.e. the --init "
+                   "model; reported to the plumbing engineer")
 def test_out_dir_equal_to_init_is_refused(tmp_path, sft_dir, capsys):
-    """--out_dir equal to --init used to overwrite the SFT model: refused before anything is written."""
-    before = {f: os.path.getmtime(os.path.join(sft_dir, f)) for f in os.listdir(sft_dir)}
-    args = rm_args(tmp_path, sft_dir, "o")[1:]
-    args[args.index("--out_dir") + 1] = sft_dir
+    """--out_dir equal to --init used to overwrite the SFT model: refused before anything is written, and
+    the input model is left as it was."""
+    import shutil
+    init = str(tmp_path / "init")
+    shutil.copytree(sft_dir, init)      # a private copy: the shared fixture must survive a regression here
+    before = {f: os.path.getmtime(os.path.join(init, f)) for f in os.listdir(init)}
+    args = rm_args(tmp_path, init, "o")[1:]
+    args[args.index("--out_dir") + 1] = init
     code, err = run_main(args, capsys)
-    assert code != 0 and err[-1] == (f"error: --out_dir {sft_dir} is, or is inside, the input --init {sft_dir}; "
+    assert code != 0 and err[-1] == (f"error: --out_dir {init} is, or is inside, the input --init {init}; "
                                      f"choose another --out_dir")
-    assert {f: os.path.getmtime(os.path.join(sft_dir, f)) for f in os.listdir(sft_dir)} == before
+    assert {f: os.path.getmtime(os.path.join(init, f)) for f in os.listdir(init)} == before
+
+
+def test_gold_agreement_is_pearson_and_the_reference_rankers_accuracy():
+    """The optional diagnostic behind the reward(prompts, completions) interface, against float64 formulas."""
+    from train_rm import gold_agreement
+    g = torch.Generator().manual_seed(0)
+    texts = [(f"p{i}", f"c{i}", f"r{i}") for i in range(9)]
+    gold = {f"c{i}": float(i % 3) for i in range(9)} | {f"r{i}": float(i % 2) for i in range(9)}   # ties included
+    calls = []
+
+    def reward(prompts, completions):
+        calls.append(prompts)
+        return [gold[c] for c in completions]
+    r_chosen, r_rejected = torch.randn(9, generator=g, dtype=torch.float64), torch.randn(9, generator=g, dtype=torch.float64)
+    got = gold_agreement(texts, r_chosen, r_rejected, reward)
+    gw = torch.tensor([gold[t[1]] for t in texts], dtype=torch.float64)
+    gl = torch.tensor([gold[t[2]] for t in texts], dtype=torch.float64)
+    want_corr = torch.corrcoef(torch.stack([torch.cat([r_chosen, r_rejected]), torch.cat([gw, gl])]))[0, 1]
+    want_acc = ((gw > gl).double() + 0.5 * (gw == gl).double()).mean()
+    assert calls == [[t[0] for t in texts]] * 2
+    assert got["eval/gold_corr"] == pytest.approx(want_corr.item(), abs=1e-12)
+    assert got["eval/gold_ranker_accuracy"] == pytest.approx(want_acc.item(), abs=1e-12)
+    assert gold_agreement(texts, r_chosen, r_rejected, lambda p, c: [1.0] * len(c)) == {}   # constant reward: undefined
