@@ -112,17 +112,16 @@ def record_texts(records):
             yield flat(r["completion"])
 
 
-def make_tokenizer(records, opts):
-    """--tokenizer, else the one in --init, else the one this run trained (kept in out_dir for --resume),
-    else train a BPE tokenizer of --vocab_size on the data: rank 0 trains it, the others load that file."""
-    if opts.tokenizer or opts.init:
-        return load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
-    path = os.path.join(opts.out_dir, "tokenizer.json")
-    if dist.world().is_main and not (opts.resume and os.path.isfile(path)):
-        os.makedirs(opts.out_dir, exist_ok=True)
-        Tokenizer.train(record_texts(records), opts.vocab_size).save(path)
+def train_tokenizer(records, *, out_dir, vocab_size, reuse, eos_token, pad_token):
+    """A BPE tokenizer of vocab_size trained on the records, saved as out_dir/tokenizer.json (the model
+    directory's tokenizer); reuse=True (--resume) loads the one saved there instead. Rank 0 trains it, the
+    other ranks load that very file."""
+    path = os.path.join(out_dir, "tokenizer.json")
+    if dist.world().is_main and not (reuse and os.path.isfile(path)):
+        os.makedirs(out_dir, exist_ok=True)
+        Tokenizer.train(record_texts(records), vocab_size).save(path)
     dist.barrier()
-    return load_tokenizer(path, "", opts.eos_token, opts.pad_token)
+    return load_tokenizer(path, "", eos_token, pad_token)
 
 
 def load_data(opts):
@@ -239,7 +238,9 @@ def main(argv=None):
                                       dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
                         data_files={"data": data_path, "eval_data": opts.eval_data})
     with input_errors():
-        tok = make_tokenizer(records, opts)
+        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token) if opts.tokenizer or opts.init \
+            else train_tokenizer(records, out_dir=opts.out_dir, vocab_size=opts.vocab_size, reuse=opts.resume,
+                                 eos_token=opts.eos_token, pad_token=opts.pad_token)
         model = build_model(opts, tok)
         train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
         evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
