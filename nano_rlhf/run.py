@@ -1,11 +1,12 @@
 """A training run's life cycle around the loop: out_dir safety, the lock, resume checks, the end of each step
 (eval / log / save / stop), and cleaning up after a failed start. Not algorithm; every script uses it the same way:
 
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
     run = run_mod.start(opts, script="sft", identity={...}, inputs={"init": opts.init}, data_files={"data": path})
-    ... load models ...
+    ... load data and models; run.max_steps = max_steps if derived from --epochs ...
     if opts.resume:
         meta = run.resume(models={"policy": model}, optimizers={"policy": opt})
-    for step in range(run.step + 1, max_steps + 1):
+    for step in range(run.step + 1, run.max_steps + 1):
         ... one optimizer step -> metrics ...
         if run.end_of_step(step, metrics, evaluate=evaluate_fn, save=save_fn):
             break
@@ -13,6 +14,12 @@
 
 Only rank 0 touches the file system; the other ranks only take part in the collectives (a broadcast of rank 0's
 verdict, so every rank stops with the same one-line error).
+
+out_dir rules: it may not be (or be inside) an input directory; one holding a run (any of
+checkpoint.RUN_FILES) needs --resume or --overwrite (which first deletes those files, and only those); a
+lock (out_dir/.lock, flock) keeps a second run out. A run that ends in an error before its first save removes
+what it created (out_dir itself if it created it). --resume compares the saved identity (state/run.json) with
+this run's: every field but CHANGEABLE must match, the global batch included, and the data files' sha256.
 """
 import atexit
 import json
@@ -44,8 +51,17 @@ def _step_of(line):
 
 
 def _collective_check(fn):
-    """Run fn() on rank 0 (it returns an error message or None); every rank fails with that message."""
-    msg = dist.broadcast_object(fn() if dist.world().is_main else None)
+    """Run fn() on rank 0 (it returns an error message or None); every rank fails with that message. A bug
+    (an exception) in fn is re-raised on rank 0 after the others were told, so no rank waits for it."""
+    msg, bug = None, None
+    if dist.world().is_main:
+        try:
+            msg = fn()
+        except Exception as e:
+            msg, bug = f"rank 0 failed in a start-up check ({type(e).__name__}: {e})", e
+    msg = dist.broadcast_object(msg)
+    if bug is not None:
+        raise bug
     if msg:
         fail(msg)
 
@@ -62,7 +78,7 @@ class Run:
         self.main = dist.world().is_main
         self.report_to = getattr(opts, "report_to", "none")
         self.saved = self.finished = False
-        self.created_dir, self.before = None, set()  # what to remove if the run fails before its first save
+        self.created_dir, self.before = None, None  # what to remove if the run fails before its first save
         self.lock = OutDirLock(self.out_dir)
         self.writer = self.wandb = None
         self.t0, self.step0 = time.time(), 0
@@ -143,7 +159,10 @@ class Run:
 
     def _identity_diff(self):
         """None when the saved run.json describes this run, else the one-line refusal."""
-        path = os.path.join(find_state(self.out_dir), "run.json")
+        d = find_state(self.out_dir)
+        if d is None:
+            return f"--resume: {self.out_dir} has no saved state to resume from (no {self.out_dir}/state/meta.json)"
+        path = os.path.join(d, "run.json")
         if not os.path.isfile(path):
             return f"--resume: {path}: missing (a state saved without a run identity cannot be checked)"
         try:
@@ -268,6 +287,8 @@ class Run:
         _current = None
 
     def _close(self):
+        if checkpoint.RUN_INFO == self.record:
+            checkpoint.RUN_INFO = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -277,11 +298,15 @@ class Run:
         self.lock.release()
 
     def _remove_created(self):
-        """Undo what this run wrote into out_dir (nothing was saved yet): the directory if this run created
-        it (and its parents it created, if empty), else the entries that were not there before."""
+        """Undo what this run wrote into out_dir (nothing was saved yet): the directories this run created,
+        else the entries of out_dir that were not there before. Nothing before out_dir was looked at."""
         if self.created_dir is not None:
-            shutil.rmtree(self.created_dir, ignore_errors=True)
-        elif os.path.isdir(self.out_dir):
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+            d = os.path.dirname(os.path.abspath(self.out_dir))
+            while len(d) >= len(self.created_dir) and os.path.isdir(d) and not os.listdir(d):
+                os.rmdir(d)                 # parents this run created, unless something else is in them now
+                d = os.path.dirname(d)
+        elif self.before is not None and os.path.isdir(self.out_dir):
             for name in set(os.listdir(self.out_dir)) - self.before:
                 p = os.path.join(self.out_dir, name)
                 shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
@@ -303,7 +328,11 @@ class Run:
 
 def start(opts, script, identity=None, inputs=None, data_files=None, max_steps=None) -> Run:
     """Check --out_dir, take its lock, open --report_to; before any model is loaded. Collective.
-    max_steps defaults to opts.max_steps; set run.max_steps when the script derives it later (from epochs)."""
+    identity: what defines the run (compared on --resume; "script" and "global_batch" are added, the latter
+    as batch_size x grad_accum x world_size unless given). inputs: {option name: directory} never written to.
+    data_files: {name: path} whose sha256 is recorded at the first save; a path known only later (the
+    built-in task, generated on first use) may be set in run.data_files before that. max_steps defaults to
+    opts.max_steps; set run.max_steps when the script derives it later (from --epochs)."""
     global _current
     if _current is not None:          # a previous run in this process ended without finish() (tests)
         _current.abort()
