@@ -297,9 +297,6 @@ def test_short_run_warns(tmp_path, sft_dir, capsys):
             "reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps") in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="nano_rlhf/run.py: a start() check that fails before Run.before is set "
-                   "(out_dir == an input) makes abort() delete every file of the existing out_dir, i.e. the --init "
-                   "model; reported to the plumbing engineer")
 def test_out_dir_equal_to_init_is_refused(tmp_path, sft_dir, capsys):
     """--out_dir equal to --init used to overwrite the SFT model: refused before anything is written, and
     the input model is left as it was."""
