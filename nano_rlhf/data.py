@@ -45,7 +45,7 @@ KINDS = ("sft", "preference", "unpaired", "prompts")
 def _warn_rank0(msg: str):
     """Print `warning: ...` to stderr on rank 0 only (every rank reads the same files)."""
     from . import dist
-    if dist.ctx().is_main:
+    if dist.world().is_main:
         print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 

@@ -269,7 +269,6 @@ def one_word_pairs(n, seed):
     return rows
 
 
-@pytest.mark.slow          # ~15-60 s of CPU depending on the machine
 def test_reward_model_learns_a_one_token_difference(tmp_path, sft_dir):
     """From a tiny random trunk at the default learning rate and warm-up, 60 steps of 16 pairs: held-out
     pairs (new filler) are ranked right. Measured over 3 data x 2 init seeds: >= 0.995 at step 25 and 1.0
