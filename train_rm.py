@@ -14,6 +14,8 @@ At the end the mean and std of the scores on the eval set are written into confi
 reward_std), so train_ppo.py can normalise scores. The model is saved in the layout of HF
 GPT2ForSequenceClassification (one label).
 
+See docs/algorithms.md, "Reward model".
+
 Run:
     python train_rm.py                                  # built-in task, from out/sft -> out/rm
     python train_rm.py --data prefs.jsonl --init out/sft --out_dir out/rm --epochs 1
@@ -25,19 +27,22 @@ small preference sets (Ouyang et al. 2022; the N+ implementation details); linea
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist, synthetic
-from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
-                              load_tokenizer, lr_at, set_lr, split_off)
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.common import (adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
+                              load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
-from nano_rlhf.data import Batches, collate_pairs, load_records, tokenize_pairs
+from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs
 from nano_rlhf.model import GPTConfig, ScoreModel
 
 
@@ -45,40 +50,45 @@ from nano_rlhf.model import GPTConfig, ScoreModel
 class Options:
     data: str = ""                # preference JSONL {"prompt","chosen","rejected"[,"margin"]}; empty = built-in task
     eval_data: str = ""           # held-out preference JSONL; empty = split --eval_fraction off --data
-    eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given
+    eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = "out/sft"         # SFT (or reward model) directory for the trunk; empty = from scratch
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init
     eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
     pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
     out_dir: str = "out/rm"       # where the reward model, metrics and state go
-    n_layer: int = 4              # layers (from scratch only)
-    n_head: int = 4               # attention heads (from scratch only)
-    n_embd: int = 128             # width (from scratch only)
-    block_size: int = 64          # context length (from scratch only)
-    dropout: float = 0.0          # dropout in every layer
-    batch_size: int = 32          # pairs per device per micro-step (2x sequences in the forward)
-    grad_accum: int = 1           # micro-steps per optimizer step
-    max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs
-    epochs: float = 1.0           # passes over the pairs (reward models overfit: keep it at 1)
-    lr: float = 1e-3              # peak learning rate, decayed linearly to 0 (built-in task; ~1e-5 for GPT-2 sizes)
-    warmup_steps: int = 20        # linear warm-up steps
-    weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only)
-    beta1: float = 0.9            # AdamW beta1
-    beta2: float = 0.95           # AdamW beta2
-    grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off)
+    n_layer: int = 4              # layers (from scratch only) {>= 1}
+    n_head: int = 4               # attention heads (from scratch only) {>= 1}
+    n_embd: int = 128             # width (from scratch only; a multiple of --n_head) {>= 1}
+    block_size: int = 64          # context length (from scratch only) {>= 2}
+    dropout: float = 0.0          # dropout in every layer {0 <= x < 1}
+    batch_size: int = 32          # pairs per device per micro-step (2x sequences in the forward) {>= 1}
+    grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
+    max_steps: int = 0            # optimizer steps; 0 = derived from --epochs {>= 0}
+    epochs: float = 1.0           # passes over the pairs when --max_steps is 0 (reward models overfit: keep it at 1) {> 0}
+    lr: float = 1e-3              # peak learning rate, decayed linearly to 0; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 {> 0}
+    warmup_steps: int = 20        # linear warm-up steps {>= 0}
+    weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
+    beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
+    beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
+    grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off) {>= 0}
     use_margin: bool = True       # subtract each row's "margin" field inside the sigmoid
-    center_coef: float = 0.0      # c in c·(r_w + r_l)²: keeps rewards centred on 0 (TRL; 0.01 in the paper)
-    l2_coef: float = 0.0          # λ in λ/2·(r_w² + r_l²) (align-anything uses 0.001)
-    seed: int = 0                 # seed for init, data order and dropout
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: str = "float32"        # float32 or bfloat16 (autocast; weights stay float32)
+    center_coef: float = 0.0      # c in c·(r_w + r_l)²: keeps rewards centred on 0 (TRL; 0.01 in the paper) {>= 0}
+    l2_coef: float = 0.0          # λ in λ/2·(r_w² + r_l²) (align-anything uses 0.001) {>= 0}
+    seed: int = 0                 # seed for init, data order and dropout {>= 0}
+    device: str = "auto"          # cpu, cuda, cuda:N, or auto
+    dtype: Literal["float32", "bfloat16"] = "float32"  # autocast precision (weights stay float32)
     compile: bool = False         # torch.compile the model
-    log_interval: int = 10        # print and log every N steps
-    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end
-    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end
+    log_interval: int = 10        # print and log every N steps {>= 1}
+    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
+    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
     resume: bool = False          # continue from out_dir/state
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later)
+    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
+    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later) {>= 0}
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
+
+# ---- the loss and the scores -----------------------------------------------------------------------
 
 def reward_loss(r_chosen, r_rejected, margin, center_coef=0.0, l2_coef=0.0):
     """Per-pair Bradley–Terry loss with the optional centring and L2 terms, (B,) each.
@@ -93,179 +103,281 @@ def reward_loss(r_chosen, r_rejected, margin, center_coef=0.0, l2_coef=0.0):
     return loss
 
 
-def pair_scores(model, ids, attn):
+def pair_scores(model, input_ids, attention_mask):
     """One forward over [chosen; rejected] rows -> (r_chosen, r_rejected), each (B,), read at the last
     real token of each row (the response's end-of-text). end_only: the last block computes that one
     position per row, since nothing else reaches the loss."""
-    _, end = model(ids, attn, end_only=True)
+    _, end = model(input_ids, attention_mask, end_only=True)
     return end.float().chunk(2)
 
 
+# ---- named statistics: per-batch sums, one all-reduce, then means ----------------------------------
+
+PAIR_SUMS = ("pairs", "loss", "correct", "margin", "chosen_score", "rejected_score", "score", "score_sq")
+
+
+def pair_sums(r_chosen, r_rejected, loss):
+    """{name: float64 sum over this batch's pairs} (a tie r_w == r_l is not a correct ranking); "score" and
+    "score_sq" run over chosen and rejected scores together (the score distribution PPO normalises by)."""
+    r = torch.cat([r_chosen, r_rejected]).detach().double()
+    sums = {"pairs": len(r_chosen), "loss": loss.sum(), "correct": (r_chosen > r_rejected).sum(),
+            "margin": (r_chosen - r_rejected).sum(), "chosen_score": r_chosen.sum(),
+            "rejected_score": r_rejected.sum(), "score": r.sum(), "score_sq": (r * r).sum()}
+    return {k: torch.as_tensor(v).detach().double().cpu() for k, v in sums.items()}
+
+
+def add_sums(total, sums):
+    for k, v in sums.items():
+        total[k] = total[k] + v
+
+
+def reduce_sums(sums):
+    """The global value of each named sum: ONE all-reduce of them stacked."""
+    keys = list(sums)
+    return dict(zip(keys, dist.all_reduce_sum(torch.stack([torch.as_tensor(sums[k]) for k in keys])).tolist()))
+
+
+def pair_metrics(totals, prefix, with_scores=False):
+    """Means over pairs from the global sums; with_scores adds the mean and (Bessel-corrected) std of the
+    scores over the chosen and rejected sequences together."""
+    n = max(totals["pairs"], 1)
+    metrics = {f"{prefix}/{k}": totals[key] / n for k, key in
+               (("loss", "loss"), ("accuracy", "correct"), ("margin", "margin"),
+                ("chosen_score", "chosen_score"), ("rejected_score", "rejected_score"))}
+    if with_scores:
+        k = 2 * n
+        var = totals["score_sq"] / k - (totals["score"] / k) ** 2
+        metrics[f"{prefix}/score_mean"] = totals["score"] / k
+        metrics[f"{prefix}/score_std"] = math.sqrt(max(var, 0.0) * k / max(k - 1, 1))
+    return metrics
+
+
+# ---- one optimizer step and the evaluation ---------------------------------------------------------
+
+def train_step(ddp, optimizer, micro_batches, opts, step):
+    """Forward/backward over this rank's micro-batches, then one optimizer step -> metrics.
+
+    The loss is the mean over every pair of the optimizer step on every rank: each micro-batch's summed
+    loss is divided by the global number of pairs (world_size x this rank's, as every rank takes the same
+    number), and multiplied by world_size because DDP averages gradients over ranks."""
+    world, t0 = dist.world(), time.time()
+    n_pairs = world.world_size * sum(len(margin) for *_, margin in micro_batches)
+    sums = dict.fromkeys(PAIR_SUMS, torch.zeros((), dtype=torch.float64))
+    n_tokens = 0
+    for j, (ids, attn, _, margin) in enumerate(micro_batches):
+        ids, attn, margin = ids.to(world.device), attn.to(world.device), margin.to(world.device)
+        last = j == len(micro_batches) - 1     # all-reduce gradients only on the last micro-step
+        with (ddp.no_sync() if world.enabled and not last else contextlib.nullcontext()):
+            with autocast(world.device, opts.dtype):
+                r_chosen, r_rejected = pair_scores(ddp, ids, attn)
+            loss = reward_loss(r_chosen, r_rejected, margin if opts.use_margin else torch.zeros_like(margin),
+                               opts.center_coef, opts.l2_coef)
+            (loss.sum() * world.world_size / n_pairs).backward()
+        add_sums(sums, pair_sums(r_chosen, r_rejected, loss))
+        n_tokens += int(attn.sum())
+    metrics = pair_metrics(reduce_sums(sums), "train")
+    check_finite(metrics["train/loss"], step, opts.out_dir)          # never apply a non-finite update
+    grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), opts.grad_clip or float("inf")).item()
+    check_finite(grad_norm, step, opts.out_dir, "gradient norm")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tokens_per_s = dist.all_reduce_sum(n_tokens) / max(time.time() - t0, 1e-9)
+    return dict(metrics, **{"train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s})
+
+
 @torch.no_grad()
-def evaluate(model, pairs, tok, opts, ctx):
-    """Loss, accuracy, margin and score statistics on the eval pairs (sharded, sums all-reduced), plus the
-    Pearson correlation of scores with the built-in task's gold reward when the prompts are the task's."""
+def evaluate(model, pairs, *, pad_id, opts, reward=None):
+    """Loss, accuracy, margin and score statistics on the eval pairs (each rank scores a shard; the named
+    sums are all-reduced). With `reward` (a reward(prompts, completions) -> list[float] function, e.g. the
+    built-in task's gold reward) also how well the scores agree with it: see gold_agreement."""
     model.eval()
+    device = next(model.parameters()).device
     mine = dist.shard(pairs)
-    gold = all("text" in p for p in pairs)
-    # n, Σloss, Σcorrect, Σ(r_w - r_l), Σr, Σr², Σg, Σg², Σrg (r over chosen and rejected rows), the
-    # accuracy of the gold reward itself on these (noisy) labels, ties counting ½: the ceiling for any RM,
-    # and Σr_w, Σr_l (the train-side chosen/rejected score metrics)
-    sums = torch.zeros(12, dtype=torch.float64)
+    sums = dict.fromkeys(PAIR_SUMS, torch.zeros((), dtype=torch.float64))
+    chosen_scores, rejected_scores = [], []
     for i in range(0, len(mine), opts.batch_size):
-        chunk = mine[i:i + opts.batch_size]
-        ids, attn, _, margin = (t.to(ctx.device) for t in collate_pairs(chunk, tok.pad_id))
-        with autocast(ctx.device, opts.dtype):
-            rw, rl = pair_scores(model, ids, attn)
-        loss = reward_loss(rw, rl, margin if opts.use_margin else 0.0, opts.center_coef, opts.l2_coef)
-        r = torch.cat([rw, rl]).double().cpu()
-        g = torch.tensor([synthetic.gold_reward(p["text"], p[k]) for k in ("chosen_text", "rejected_text")
-                          for p in chunk], dtype=torch.float64) if gold else torch.zeros_like(r)
-        gw, gl = g.chunk(2)
-        rwd, rld = r.chunk(2)
-        sums += torch.tensor([len(chunk), loss.sum().item(), (rw > rl).sum().item(), (rw - rl).sum().item(),
-                              r.sum(), (r * r).sum(), g.sum(), (g * g).sum(), (r * g).sum(),
-                              ((gw > gl).double() + 0.5 * (gw == gl).double()).sum(), rwd.sum(), rld.sum()],
-                             dtype=torch.float64)
+        ids, attn, _, margin = (t.to(device) for t in collate_pairs(mine[i:i + opts.batch_size], pad_id))
+        with autocast(device, opts.dtype):
+            r_chosen, r_rejected = pair_scores(model, ids, attn)
+        loss = reward_loss(r_chosen, r_rejected, margin if opts.use_margin else 0.0, opts.center_coef, opts.l2_coef)
+        add_sums(sums, pair_sums(r_chosen, r_rejected, loss))
+        chosen_scores.append(r_chosen.double().cpu())
+        rejected_scores.append(r_rejected.double().cpu())
     model.train()
-    n, loss, correct, margin, sr, srr, sg, sgg, srg, gold_correct, srw, srl = dist.all_reduce_sum(sums).tolist()
+    metrics = pair_metrics(reduce_sums(sums), "eval", with_scores=True)
+    if reward is not None:
+        empty = torch.zeros(0, dtype=torch.float64)
+        metrics.update(gold_agreement([p["texts"] for p in mine], torch.cat(chosen_scores or [empty]),
+                                      torch.cat(rejected_scores or [empty]), reward))
+    return metrics
+
+
+def gold_agreement(texts, r_chosen, r_rejected, reward):
+    """An optional diagnostic, outside the loss: the Pearson correlation of the scores with a reference
+    reward (eval/gold_corr) and that reward's own accuracy on these (noisy) labels, ties counting ½
+    (eval/gold_ranker_accuracy: the ceiling for any reward model). texts: this rank's (prompt, chosen,
+    rejected) strings; the sums over all ranks are all-reduced once."""
+    prompts = [t[0] for t in texts]
+    g_chosen = torch.tensor(reward(prompts, [t[1] for t in texts]), dtype=torch.float64)
+    g_rejected = torch.tensor(reward(prompts, [t[2] for t in texts]), dtype=torch.float64)
+    r, g = torch.cat([r_chosen, r_rejected]), torch.cat([g_chosen, g_rejected])
+    gold_correct = (g_chosen > g_rejected).double() + 0.5 * (g_chosen == g_rejected).double()
+    n, s_r, s_rr, s_g, s_gg, s_rg, s_correct = dist.all_reduce_sum(torch.stack([
+        torch.tensor(float(len(texts)), dtype=torch.float64), r.sum(), (r * r).sum(), g.sum(), (g * g).sum(),
+        (r * g).sum(), gold_correct.sum()])).tolist()
     k = 2 * n
-    var_r, var_g = srr / k - (sr / k) ** 2, sgg / k - (sg / k) ** 2
-    out = {"eval/loss": loss / n, "eval/accuracy": correct / n, "eval/margin": margin / n,
-           "eval/chosen_score": srw / n, "eval/rejected_score": srl / n,
-           "eval/score_mean": sr / k, "eval/score_std": math.sqrt(max(var_r, 0.0) * k / max(k - 1, 1))}
-    if gold and var_r > 0 and var_g > 0:
-        out["eval/gold_corr"] = (srg / k - sr / k * sg / k) / math.sqrt(var_r * var_g)
-        out["eval/gold_ranker_accuracy"] = gold_correct / n
-    return out
+    var_r, var_g = s_rr / k - (s_r / k) ** 2, s_gg / k - (s_g / k) ** 2
+    if not (var_r > 0 and var_g > 0):
+        return {}
+    return {"eval/gold_corr": (s_rg / k - s_r / k * s_g / k) / math.sqrt(var_r * var_g),
+            "eval/gold_ranker_accuracy": s_correct / n}
 
 
-def with_texts(pairs, records):
-    """Keep the original strings beside built-in task pairs, for the gold-reward correlation."""
-    if len(pairs) == len(records) and all(isinstance(r["prompt"], str) and synthetic.is_task_prompt(r["prompt"])
-                                          for r in records):
-        for p, r in zip(pairs, records):
-            p.update(text=r["prompt"], chosen_text=r["chosen"], rejected_text=r["rejected"])
-    return pairs
+def builtin_gold_reward(prompts, completions):
+    """The built-in task's gold reward behind the reward(prompts, completions) -> list[float] interface;
+    defined only on the task's own prompts."""
+    return [synthetic.gold_reward(p, c) for p, c in zip(prompts, completions)]
+
+
+# ---- data and model --------------------------------------------------------------------------------
+
+def load_data(opts):
+    """(train records, eval records, training file, eval file); the built-in task's files when --data is empty."""
+    data_path = opts.data or builtin_file("preference.jsonl")
+    eval_path = opts.eval_data or ("" if opts.data else builtin_file("preference_eval.jsonl"))
+    records, eval_records = load_train_eval("preference", data=data_path, eval_data=eval_path,
+                                            eval_fraction=opts.eval_fraction, seed=opts.seed)
+    return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
+
+
+def tokenize(records, tok, block_size, path):
+    """Tokenized pairs (each keeping its strings as "texts", for a reference reward) and their stats; an
+    error naming the file when no pair fits."""
+    pairs, stats = [], None
+    for record in records:       # one at a time, so each kept pair stays beside its own record
+        kept, one = tokenize_pairs([record], tok, block_size)
+        stats = one if stats is None else type(one)((k, stats[k] + one[k]) for k in one)
+        pairs += [dict(p, texts=(record["prompt"], record["chosen"], record["rejected"])) for p in kept]
+    if not pairs:
+        raise ValueError(f"{path}: none of its {len(records)} pair(s) fits in {block_size} tokens "
+                         f"(each response alone is longer)")
+    return pairs, stats
+
+
+def build_model(opts, tok):
+    """The reward model: --init's trunk with a fresh score head (or --init's head, if it is a reward
+    model), or a fresh one of the given shape; identical on every rank."""
+    torch.manual_seed(opts.seed)
+    if opts.init:
+        model = ScoreModel.from_pretrained(opts.init, new_head=True, dropout=opts.dropout)
+    else:
+        model = ScoreModel(GPTConfig(vocab_size=tok.vocab_size, block_size=opts.block_size, n_layer=opts.n_layer,
+                                     n_head=opts.n_head, n_embd=opts.n_embd, dropout=opts.dropout))
+    check_vocab(tok, model.cfg, opts.init or "--tokenizer")
+    model.cfg.eos_token_id, model.cfg.pad_token_id = tok.eos_id, tok.pad_id
+    return model
+
+
+def derive_max_steps(opts, steps_per_epoch):
+    """--max_steps, or (when it is 0) as many steps as --epochs takes; a warning when the run is shorter than
+    its warm-up (a small preference set at --epochs 1: the learning rate would never reach --lr, and a
+    one-word preference was measured to stay at 0.67-0.80 held-out accuracy after 9 such steps)."""
+    max_steps = opts.max_steps or max(1, int(opts.epochs * steps_per_epoch))
+    if max_steps < opts.warmup_steps and dist.world().is_main:
+        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
+              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
+              file=sys.stderr, flush=True)
+    return max_steps
+
+
+def check_options(opts):
+    """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {opts.device}: no CUDA GPU is available here (use --device cpu or auto)", 2)
+    if opts.device not in ("auto", "cpu") and not opts.device.startswith("cuda"):
+        fail(f"--device must be cpu, cuda, cuda:N or auto (got {opts.device!r})", 2)
+    if opts.max_steps and opts.stop_at > opts.max_steps:
+        fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
+    if not opts.init and not opts.tokenizer:
+        fail("a reward model from scratch needs --tokenizer (or --init with a tokenizer.json)", 2)
+    if not opts.init and opts.n_embd % opts.n_head:
+        fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
 
 
 def main(argv=None):
     opts = parse_args(Options, argv, __doc__)
-    ctx = dist.setup(opts.device)
-    if opts.resume and find_state(opts.out_dir) is None:
-        fail(f"{opts.out_dir}: --resume given but there is no saved state in it")
+    check_options(opts)
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
 
+    with input_errors():     # every line is validated before anything is written or built
+        records, eval_records, data_path, eval_path = load_data(opts)
+    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    run = run_mod.start(opts, script="rm", inputs={"init": opts.init, "tokenizer": opts.tokenizer},
+                        identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
+                                      use_margin=opts.use_margin, center_coef=opts.center_coef, l2_coef=opts.l2_coef,
+                                      dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
+                        data_files={"data": data_path, "eval_data": opts.eval_data})
     with input_errors():
-        records = load_records(opts.data or builtin_file("preference.jsonl"), "preference")
-        if opts.eval_data or not opts.data:
-            eval_records = load_records(opts.eval_data or builtin_file("preference_eval.jsonl"), "preference")
-        else:
-            records, eval_records = split_off(records, opts.eval_fraction, opts.seed)
-        if opts.init:
-            tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
-        elif opts.tokenizer:
-            tok = load_tokenizer(opts.tokenizer, "", opts.eos_token, opts.pad_token)
-        else:
-            raise ValueError("a reward model from scratch needs --tokenizer (or --init with a tokenizer.json)")
-        torch.manual_seed(opts.seed)
-        if opts.init:
-            model = ScoreModel.from_pretrained(opts.init, new_head=True, dropout=opts.dropout)
-        else:
-            model = ScoreModel(GPTConfig(vocab_size=tok.vocab_size, block_size=opts.block_size, n_layer=opts.n_layer,
-                                         n_head=opts.n_head, n_embd=opts.n_embd, dropout=opts.dropout))
-        check_vocab(tok, model.cfg, opts.init or "--tokenizer")
-        model.cfg.eos_token_id, model.cfg.pad_token_id = tok.eos_id, tok.pad_id
-        train, st = tokenize_pairs(records, tok, model.cfg.block_size)
-        evals, est = tokenize_pairs(eval_records, tok, model.cfg.block_size)
-        evals = with_texts(evals, eval_records) if est["dropped"] == 0 else evals
-        if not train or not evals:
-            raise ValueError("no preference pair fits in the model's block_size")
-        batches = Batches(len(train), opts.batch_size, opts.grad_accum, ctx.rank, ctx.world_size, opts.seed)
-    model.to(ctx.device)
+        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
+        model = build_model(opts, tok)
+        train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
+        evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
+        batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
+    # the gold-reward diagnostic only where it is defined: every eval prompt is one of the built-in task's
+    gold = builtin_gold_reward if all(isinstance(p["texts"][0], str) and synthetic.is_task_prompt(p["texts"][0])
+                                      for p in evals) else None
+    model.to(world.device)
     dist.check_same_weights(model, "reward model")
-    dist.seed_everything(opts.seed, ctx.rank)
-    if opts.compile:
-        model = torch.compile(model)
-    ddp = dist.wrap_ddp(model)
+    dist.seed_everything(opts.seed, world.rank)
+    ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
-    step = 0
+    run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
-        meta = load_state(opts.out_dir, {"rm": model}, {"rm": optimizer})
-        step = meta["step"]
-        batches.load_state_dict(meta["data"])
-    if ctx.is_main:
-        os.makedirs(opts.out_dir, exist_ok=True)
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=ctx.world_size,
+        batches.load_state_dict(run.resume(models={"rm": model}, optimizers={"rm": optimizer})["data"])
+    if world.is_main:
+        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
-    dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train):,} train pairs ({st}) "
-                f"| {len(evals):,} eval pairs | global batch {batches.global_batch} pairs | {max_steps} steps"
-                + (f" | resuming at step {step}" if step else ""))
-    log = Logger(opts.out_dir, max_steps, resume=opts.resume, start_step=step)
+    dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train):,} train pairs "
+                f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | global batch {batches.global_batch} "
+                f"pairs | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
+    run.show = ["train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "eval/gold_corr"]
+    evaluated = {}      # step -> metrics of the last evaluation: the final save reuses it
 
-    t_last, tokens_since, ev, ev_step = time.time(), 0, None, -1
-    while step < max_steps:
-        lr = lr_at(step, max_steps, opts.lr, opts.warmup_steps, "linear")
+    def evaluate_now(step):
+        evaluated.clear()
+        evaluated[step] = evaluate(model, evals, pad_id=tok.pad_id, opts=opts, reward=gold)
+        return evaluated[step]
+
+    def save(step):
+        save_state(opts.out_dir, {"rm": model}, {"rm": optimizer}, {"step": step, "data": batches.state_dict()})
+        # the final model directory is written once, below, with its score statistics: a model saved
+        # here at the last step without reward_mean/std would make PPO skip normalisation if the run
+        # died before that save (a --resume at max_steps then only evaluates and saves)
+        if step != max_steps:
+            save_model_dir(opts.out_dir, model, tok)
+
+    step = run.step
+    for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
+        lr = lr_at(step - 1, max_steps, opts.lr, opts.warmup_steps, "linear")
         set_lr(optimizer, lr)
-        micro = [collate_pairs([train[i] for i in mb], tok.pad_id) for mb in batches.next_step()]
-        n_pairs = batches.global_batch
-        sums = torch.zeros(5, dtype=torch.float64)      # loss, correct, margin, Σr_w, Σr_l
-        for j, (ids, attn, _, margin) in enumerate(micro):
-            ids, attn, margin = ids.to(ctx.device), attn.to(ctx.device), margin.to(ctx.device)
-            last = j == len(micro) - 1
-            with (ddp.no_sync() if ctx.enabled and not last else contextlib.nullcontext()):
-                with autocast(ctx.device, opts.dtype):
-                    rw, rl = pair_scores(ddp, ids, attn)
-                m = margin if opts.use_margin else torch.zeros_like(margin)
-                loss = reward_loss(rw, rl, m, opts.center_coef, opts.l2_coef)
-                # mean over the global batch of pairs; DDP averages over ranks, hence × world_size
-                (loss.sum() * ctx.world_size / n_pairs).backward()
-            sums += torch.stack([loss.sum(), (rw > rl).sum(), (rw - rl).sum(), rw.sum(), rl.sum()]).detach().double().cpu()
-            tokens_since += int(attn.sum())
-        sums = dist.all_reduce_sum(sums) / n_pairs
-        check_finite(sums[0].item(), step, opts.out_dir)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip or float("inf")).item()
-        check_finite(grad_norm, step, opts.out_dir, "gradient norm")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-
-        if step % opts.log_interval == 0 or step == max_steps:
-            dt = time.time() - t_last
-            tps = dist.all_reduce_sum(tokens_since) / max(dt, 1e-9)
-            m = {"train/loss": sums[0].item(), "train/accuracy": sums[1].item(), "train/margin": sums[2].item(),
-                 "train/chosen_score": sums[3].item(), "train/rejected_score": sums[4].item(), "train/lr": lr,
-                 "train/grad_norm": grad_norm, "train/tokens_per_s": tps}
-            if (opts.eval_interval and step % opts.eval_interval == 0) or step == max_steps:
-                ev, ev_step = evaluate(model, evals, tok, opts, ctx), step
-                m.update(ev)
-            log.log(step, m)
-            log.progress(step, m, ["train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "eval/gold_corr"], tps)
-            t_last, tokens_since = time.time(), 0
-        elif opts.eval_interval and step % opts.eval_interval == 0:
-            log.log(step, evaluate(model, evals, tok, opts, ctx))
-        if (opts.save_interval and step % opts.save_interval == 0) or step in (max_steps, opts.stop_at):
-            save_state(opts.out_dir, {"rm": model}, {"rm": optimizer}, {"step": step, "data": batches.state_dict()})
-            # the final model directory is written once, below, with its score statistics: a model saved
-            # here at the last step without reward_mean/std would make PPO skip normalisation if the run
-            # died before that save (a --resume at max_steps then only evaluates and saves)
-            if step != max_steps:
-                save_model_dir(opts.out_dir, model, tok)
-        if step == opts.stop_at:
-            dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
+        micro_batches = [collate_pairs([train[i] for i in mb], tok.pad_id) for mb in batches.next_step()]
+        metrics = dict(train_step(ddp, optimizer, micro_batches, opts, step - 1), **{"train/lr": lr})
+        if run.end_of_step(step, metrics, evaluate=lambda: evaluate_now(step), save=save):
             break
 
     if step == max_steps:
         # score statistics on the eval set, for PPO's reward normalisation (OpenRLHF normalize_reward);
-        # the last logged step already evaluated these weights unless this run resumed at max_steps
-        ev = ev if ev_step == step else evaluate(model, evals, tok, opts, ctx)
-        save_model_dir(opts.out_dir, model, tok, reward_mean=ev["eval/score_mean"], reward_std=ev["eval/score_std"])
+        # the last step already evaluated these weights unless this run resumed at max_steps
+        final = evaluated.get(step) or evaluate_now(step)
+        save_model_dir(opts.out_dir, model, tok, reward_mean=final["eval/score_mean"],
+                       reward_std=final["eval/score_std"])
         dist.check_same_weights(model, "reward model")
+        gold_note = (f" (the gold reward itself: {final['eval/gold_ranker_accuracy']:.3f}) | correlation with gold "
+                     f"reward {final['eval/gold_corr']:.3f}" if "eval/gold_corr" in final else "")
         dist.print0(f"saved {opts.out_dir} (HF GPT2ForSequenceClassification layout) | eval accuracy "
-                    f"{ev['eval/accuracy']:.3f} | scores mean {ev['eval/score_mean']:+.3f} std {ev['eval/score_std']:.3f}"
-                    + (f" (the gold reward itself: {ev['eval/gold_ranker_accuracy']:.3f}) | correlation with gold "
-                       f"reward {ev['eval/gold_corr']:.3f}" if "eval/gold_corr" in ev else ""))
-    dist.cleanup()
+                    f"{final['eval/accuracy']:.3f} | scores mean {final['eval/score_mean']:+.3f} std "
+                    f"{final['eval/score_std']:.3f}" + gold_note)
+    run.finish()
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 
 

@@ -5,7 +5,8 @@
 m marks completion / assistant tokens (the closing end-of-text included, so the model learns to stop);
 prompt tokens carry no loss. The token-mean is global over the whole optimizer step: the number of loss
 tokens of all micro-batches on all ranks is all-reduced first, so 1 micro-batch of 4 ≡ 4 of 1 ≡ 2 ranks × 2.
-{"text"} rows train on every token (plain language modelling).
+{"text"} rows train on every token (plain language modelling); a text longer than the context keeps its
+beginning. See docs/algorithms.md, "SFT".
 
 Run:
     python train_sft.py                                   # built-in task, from scratch -> out/sft
@@ -18,19 +19,22 @@ Simplifications: no sequence packing (each row is one example, right-padded); no
 """
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist
-from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, fail, input_errors, lr_at, set_lr,
-                              split_off)
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.common import (adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
+                              load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
-from nano_rlhf.data import Batches, collate_sft, load_records, tokenize_sft
+from nano_rlhf.data import Batches, collate_sft, load_train_eval, tokenize_sft
 from nano_rlhf.model import GPT, GPTConfig
 from nano_rlhf.tokenizer import Tokenizer
 
@@ -39,39 +43,44 @@ from nano_rlhf.tokenizer import Tokenizer
 class Options:
     data: str = ""                # SFT JSONL ({"prompt","completion"}, {"text"} or {"messages"}); empty = built-in task
     eval_data: str = ""           # held-out SFT JSONL for the eval loss; empty = split --eval_fraction off --data
-    eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given
+    eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = ""                # model directory to start from (HF GPT-2 layout); empty = from scratch
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init, or train one on the data
     eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
     pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
     out_dir: str = "out/sft"      # where the model, tokenizer, metrics and state go
-    n_layer: int = 4              # layers (from scratch only)
-    n_head: int = 4               # attention heads (from scratch only)
-    n_embd: int = 128             # width (from scratch only)
-    block_size: int = 64          # context length (from scratch only); longer examples follow the over-long rule
-    vocab_size: int = 512         # BPE vocabulary size when a tokenizer is trained here
-    dropout: float = 0.0          # dropout in every layer
-    batch_size: int = 32          # sequences per device per micro-step
-    grad_accum: int = 1           # micro-steps per optimizer step
-    max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs
-    epochs: float = 2.0           # passes over the data when --max_steps is 0
-    lr: float = 2e-3              # peak learning rate
-    min_lr_ratio: float = 0.1     # cosine decay ends at this fraction of --lr
-    warmup_steps: int = 30        # linear warm-up steps
-    weight_decay: float = 0.1     # AdamW decoupled weight decay (matrices only)
-    beta1: float = 0.9            # AdamW beta1
-    beta2: float = 0.95           # AdamW beta2
-    grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off)
-    seed: int = 0                 # seed for init, data order and dropout
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: str = "float32"        # float32 or bfloat16 (autocast; weights stay float32)
+    n_layer: int = 4              # layers (from scratch only) {>= 1}
+    n_head: int = 4               # attention heads (from scratch only) {>= 1}
+    n_embd: int = 128             # width (from scratch only; a multiple of --n_head) {>= 1}
+    block_size: int = 64          # context length (from scratch only); longer examples follow the over-long rule {>= 2}
+    vocab_size: int = 512         # BPE vocabulary size when a tokenizer is trained here {>= 1}
+    dropout: float = 0.0          # dropout in every layer {0 <= x < 1}
+    batch_size: int = 32          # sequences per device per micro-step {>= 1}
+    grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
+    max_steps: int = 0            # optimizer steps; 0 = derived from --epochs {>= 0}
+    epochs: float = 2.0           # passes over the data when --max_steps is 0 {> 0}
+    lr: float = 2e-3              # peak learning rate; GPT-2-124M: 1e-4, 0.5-1.5B models: 1e-5 {> 0}
+    min_lr_ratio: float = 0.1     # cosine decay ends at this fraction of --lr {0 <= x <= 1}
+    warmup_steps: int = 30        # linear warm-up steps {>= 0}
+    weight_decay: float = 0.1     # AdamW decoupled weight decay (matrices only) {>= 0}
+    beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
+    beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
+    grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off) {>= 0}
+    seed: int = 0                 # seed for init, data order and dropout {>= 0}
+    device: str = "auto"          # cpu, cuda, cuda:N, or auto
+    dtype: Literal["float32", "bfloat16"] = "float32"  # autocast precision (weights stay float32)
     compile: bool = False         # torch.compile the model
-    log_interval: int = 10        # print and log every N steps
-    eval_interval: int = 100      # eval loss every N steps (and at the end); 0 = only at the end
-    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end
+    log_interval: int = 10        # print and log every N steps {>= 1}
+    eval_interval: int = 100      # eval loss every N steps (and at the end); 0 = only at the end {>= 0}
+    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
     resume: bool = False          # continue from out_dir/state
-    stop_at: int = 0              # end this run after step N with a checkpoint (split a long job; --resume later)
+    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
+    stop_at: int = 0              # end this run after step N with a checkpoint (split a long job; --resume later) {>= 0}
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
+
+# ---- the loss --------------------------------------------------------------------------------------
 
 def sft_nll(model, input_ids, attention_mask, loss_mask):
     """Sum over supervised tokens of −log π(y_t | y_<t), and how many there are.
@@ -87,158 +96,191 @@ def sft_nll(model, input_ids, attention_mask, loss_mask):
     return F.cross_entropy(logits.float(), targets, reduction="sum"), targets.numel()
 
 
-def make_tokenizer(opts, records, ctx):
-    names = (opts.eos_token or None, opts.pad_token or None)
-    if opts.tokenizer:
-        return Tokenizer.from_file(opts.tokenizer, *names)
-    if opts.init:
-        path = os.path.join(opts.init, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: missing; pass --tokenizer with the tokenizer.json of {opts.init}")
-        return Tokenizer.from_file(path, *names)
-    path = os.path.join(opts.out_dir, "tokenizer.json")
-    if opts.resume and os.path.isfile(path):
-        return Tokenizer.from_file(path, *names)
-    if ctx.is_main:  # rank 0 trains it, the others load the very same file
-        def texts():
-            for r in records:
-                if "text" in r:
-                    yield r["text"]
-                elif "messages" in r:
-                    yield "".join(f"{m['role'].title()}: {m['content']}\n" for m in r["messages"])
-                else:
-                    for k in ("prompt", "completion"):
-                        v = r[k]
-                        yield v if isinstance(v, str) else "".join(f"{m['role'].title()}: {m['content']}\n" for m in v)
-        os.makedirs(opts.out_dir, exist_ok=True)
-        Tokenizer.train(texts(), opts.vocab_size).save(path)
+# ---- data and tokenizer ----------------------------------------------------------------------------
+
+def record_texts(records):
+    """The plain text of each SFT record, to train a tokenizer on."""
+    def flat(value):
+        return value if isinstance(value, str) else "".join(f"{m['role'].title()}: {m['content']}\n" for m in value)
+    for r in records:
+        if "text" in r:
+            yield r["text"]
+        elif "messages" in r:
+            yield flat(r["messages"])
+        else:
+            yield flat(r["prompt"])
+            yield flat(r["completion"])
+
+
+def train_tokenizer(records, *, out_dir, vocab_size, reuse, eos_token, pad_token):
+    """A BPE tokenizer of vocab_size trained on the records, saved as out_dir/tokenizer.json (the model
+    directory's tokenizer); reuse=True (--resume) loads the one saved there instead. Rank 0 trains it, the
+    other ranks load that very file."""
+    path = os.path.join(out_dir, "tokenizer.json")
+    if dist.world().is_main and not (reuse and os.path.isfile(path)):
+        os.makedirs(out_dir, exist_ok=True)
+        Tokenizer.train(record_texts(records), vocab_size).save(path)
     dist.barrier()
-    return Tokenizer.from_file(path, *names)
+    return load_tokenizer(path, "", eos_token, pad_token)
+
+
+def load_data(opts):
+    """(train records, eval records, training file, eval file); the built-in task's files when --data is empty."""
+    data_path = opts.data or builtin_file("sft.jsonl")
+    eval_path = opts.eval_data or ("" if opts.data else builtin_file("sft_eval.jsonl"))
+    records, eval_records = load_train_eval("sft", data=data_path, eval_data=eval_path,
+                                            eval_fraction=opts.eval_fraction, seed=opts.seed)
+    return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
+
+
+def build_model(opts, tok):
+    """The policy: --init's weights, or a fresh GPT of the given shape; identical on every rank."""
+    torch.manual_seed(opts.seed)
+    if opts.init:
+        model = GPT.from_pretrained(opts.init, dropout=opts.dropout)
+    else:
+        model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=opts.block_size, n_layer=opts.n_layer,
+                              n_head=opts.n_head, n_embd=opts.n_embd, dropout=opts.dropout))
+    check_vocab(tok, model.cfg, opts.tokenizer or opts.init or "--tokenizer")
+    model.cfg.eos_token_id, model.cfg.pad_token_id = tok.eos_id, tok.pad_id
+    return model
+
+
+def tokenize(records, tok, block_size, path):
+    """Tokenized examples and their stats; an error naming the file when none fits."""
+    examples, stats = tokenize_sft(records, tok, block_size)
+    if not examples:
+        raise ValueError(f"{path}: none of its {len(records)} example(s) fits in {block_size} tokens "
+                         f"(each response alone is longer)")
+    return examples, stats
+
+
+# ---- one optimizer step and the evaluation ---------------------------------------------------------
+
+def train_step(ddp, optimizer, micro_batches, opts, step):
+    """Forward/backward over this rank's micro-batches, then one optimizer step -> metrics.
+
+    The loss is the token-mean over the whole optimizer step on every rank: each micro-batch's summed NLL
+    is divided by the GLOBAL number of loss tokens (one all-reduce before the forwards), and multiplied by
+    world_size because DDP averages gradients over ranks."""
+    world, t0 = dist.world(), time.time()
+    n_loss_tokens = max(1, dist.all_reduce_sum(sum(int(lm[:, 1:].sum()) for _, _, lm in micro_batches)))
+    nll_sum, n_tokens = 0.0, 0
+    for j, (ids, attn, lm) in enumerate(micro_batches):
+        ids, attn, lm = ids.to(world.device), attn.to(world.device), lm.to(world.device)
+        last = j == len(micro_batches) - 1     # all-reduce gradients only on the last micro-step
+        with (ddp.no_sync() if world.enabled and not last else contextlib.nullcontext()):
+            with autocast(world.device, opts.dtype):
+                nll, _ = sft_nll(ddp, ids, attn, lm)
+            (nll * world.world_size / n_loss_tokens).backward()
+        nll_sum += nll.item()
+        n_tokens += int(attn.sum())
+    loss = dist.all_reduce_sum(nll_sum) / n_loss_tokens
+    check_finite(loss, step, opts.out_dir)             # never apply a non-finite update
+    grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), opts.grad_clip or float("inf")).item()
+    check_finite(grad_norm, step, opts.out_dir, "gradient norm")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tokens_per_s = dist.all_reduce_sum(n_tokens) / max(time.time() - t0, 1e-9)
+    return {"train/loss": loss, "train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s}
 
 
 @torch.no_grad()
-def evaluate_loss(model, examples, tok, opts, ctx):
-    """Global token-mean NLL over the eval set (each rank takes a shard; sums all-reduced)."""
+def evaluate_loss(model, examples, *, pad_id, batch_size, dtype):
+    """{"eval/loss": global token-mean NLL over the eval set} (each rank takes a shard; sums all-reduced)."""
     model.eval()
+    device = next(model.parameters()).device
     mine = dist.shard(examples)
-    total, count = 0.0, 0
-    for i in range(0, len(mine), opts.batch_size):
-        ids, attn, lm = (t.to(ctx.device) for t in collate_sft(mine[i:i + opts.batch_size], tok.pad_id))
-        with autocast(ctx.device, opts.dtype):
+    nll_sum, count = 0.0, 0
+    for i in range(0, len(mine), batch_size):
+        ids, attn, lm = (t.to(device) for t in collate_sft(mine[i:i + batch_size], pad_id))
+        with autocast(device, dtype):
             nll, n = sft_nll(model, ids, attn, lm)
-        total, count = total + nll.item(), count + n
+        nll_sum, count = nll_sum + nll.item(), count + n
     model.train()
-    return dist.all_reduce_sum(total) / max(1.0, dist.all_reduce_sum(count))
+    return {"eval/loss": dist.all_reduce_sum(nll_sum) / max(1.0, dist.all_reduce_sum(count))}
+
+
+def derive_max_steps(opts, steps_per_epoch):
+    """--max_steps, or (when it is 0) as many steps as --epochs takes; a warning when the run is shorter than
+    its warm-up (a small data set at --epochs: the learning rate would never reach --lr)."""
+    max_steps = opts.max_steps or max(1, int(opts.epochs * steps_per_epoch))
+    if max_steps < opts.warmup_steps and dist.world().is_main:
+        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
+              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
+              file=sys.stderr, flush=True)
+    return max_steps
+
+
+def check_options(opts):
+    """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {opts.device}: no CUDA GPU is available here (use --device cpu or auto)", 2)
+    if opts.device not in ("auto", "cpu") and not opts.device.startswith("cuda"):
+        fail(f"--device must be cpu, cuda, cuda:N or auto (got {opts.device!r})", 2)
+    if opts.max_steps and opts.stop_at > opts.max_steps:
+        fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
+    if not opts.init and opts.n_embd % opts.n_head:
+        fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
 
 
 def main(argv=None):
     opts = parse_args(Options, argv, __doc__)
-    ctx = dist.setup(opts.device)
-    if opts.resume and find_state(opts.out_dir) is None:
-        fail(f"{opts.out_dir}: --resume given but there is no saved state in it")
+    check_options(opts)
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
 
-    # ---- data first: every line is validated before any model is built ----
+    # ---- data first: every line is validated before anything is written or built ----
     with input_errors():
-        data_path = opts.data or builtin_file("sft.jsonl")
-        records = load_records(data_path, "sft")
-        if opts.eval_data or not opts.data:
-            eval_records = load_records(opts.eval_data or builtin_file("sft_eval.jsonl"), "sft")
-        else:
-            records, eval_records = split_off(records, opts.eval_fraction, opts.seed)
-        tok = make_tokenizer(opts, records, ctx)
-
-        # ---- model: identical on every rank (same seed before init, same checkpoint) ----
-        torch.manual_seed(opts.seed)
-        if opts.init:
-            model = GPT.from_pretrained(opts.init, dropout=opts.dropout)
-            if tok.vocab_size > model.cfg.vocab_size:
-                raise ValueError(f"{opts.init}: tokenizer has {tok.vocab_size} tokens, model only {model.cfg.vocab_size}")
-        else:
-            model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=opts.block_size, n_layer=opts.n_layer,
-                                  n_head=opts.n_head, n_embd=opts.n_embd, dropout=opts.dropout))
-        model.cfg.eos_token_id, model.cfg.pad_token_id = tok.eos_id, tok.pad_id
-        train, st = tokenize_sft(records, tok, model.cfg.block_size)
-        evals, est = tokenize_sft(eval_records, tok, model.cfg.block_size)
-        if not train:
-            raise ValueError(f"{data_path}: no example fits in {model.cfg.block_size} tokens")
-    model.to(ctx.device)
+        records, eval_records, data_path, eval_path = load_data(opts)
+    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    run = run_mod.start(opts, script="sft", inputs={"init": opts.init, "tokenizer": opts.tokenizer},
+                        identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
+                                      dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
+                        data_files={"data": data_path, "eval_data": opts.eval_data})
+    with input_errors():
+        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token) if opts.tokenizer or opts.init \
+            else train_tokenizer(records, out_dir=opts.out_dir, vocab_size=opts.vocab_size, reuse=opts.resume,
+                                 eos_token=opts.eos_token, pad_token=opts.pad_token)
+        model = build_model(opts, tok)
+        train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
+        evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
+        batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
+    model.to(world.device)
     dist.check_same_weights(model, "policy")
-    dist.seed_everything(opts.seed, ctx.rank)           # from here on ranks differ (dropout)
-    if opts.compile:
-        model = torch.compile(model)
-    ddp = dist.wrap_ddp(model)
+    dist.seed_everything(opts.seed, world.rank)           # from here on ranks differ (dropout)
+    ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-
-    with input_errors():
-        batches = Batches(len(train), opts.batch_size, opts.grad_accum, ctx.rank, ctx.world_size, opts.seed)
-    max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
-    step = 0
+    run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
-        meta = load_state(opts.out_dir, {"policy": model}, {"policy": optimizer})
-        step = meta["step"]
-        batches.load_state_dict(meta["data"])
-    if ctx.is_main:
-        os.makedirs(opts.out_dir, exist_ok=True)
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=ctx.world_size,
+        batches.load_state_dict(run.resume(models={"policy": model}, optimizers={"policy": optimizer})["data"])
+    if world.is_main:
+        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
-    dist.print0(f"SFT | {dist.unwrap(model).num_params():,} parameters | {len(train):,} train examples "
-                f"({st}) | {len(evals):,} eval ({est}) | global batch {batches.global_batch} = {opts.batch_size} "
-                f"x {opts.grad_accum} accum x {ctx.world_size} ranks | {max_steps} steps" +
-                (f" | resuming at step {step}" if step else ""))
-    log = Logger(opts.out_dir, max_steps, resume=opts.resume, start_step=step)
+    dist.print0(f"SFT | {model.num_params():,} parameters | {len(train):,} train examples ({train_stats}) | "
+                f"{len(evals):,} eval ({eval_stats}) | global batch {batches.global_batch} = {opts.batch_size} "
+                f"x {opts.grad_accum} accum x {world.world_size} ranks | {max_steps} steps" +
+                (f" | resuming at step {run.step}" if run.step else ""))
+    run.show = ["train/loss", "eval/loss", "train/lr", "train/grad_norm"]
 
-    def checkpoint(step):
-        save_state(opts.out_dir, {"policy": model}, {"policy": optimizer},
-                   {"step": step, "data": batches.state_dict()})
+    def evaluate():
+        return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
+
+    def save(step):
+        save_state(opts.out_dir, {"policy": model}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
         save_model_dir(opts.out_dir, model, tok)
 
-    t_last, tokens_since = time.time(), 0
-    while step < max_steps:
-        lr = lr_at(step, max_steps, opts.lr, opts.warmup_steps, "cosine", opts.min_lr_ratio)
+    for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
+        lr = lr_at(step - 1, max_steps, opts.lr, opts.warmup_steps, "cosine", opts.min_lr_ratio)
         set_lr(optimizer, lr)
-        micro = [collate_sft([train[i] for i in mb], tok.pad_id) for mb in batches.next_step()]
-        # global number of loss tokens in this optimizer step (all micro-batches, all ranks)
-        n_tok = dist.all_reduce_sum(sum(int(lm[:, 1:].sum()) for _, _, lm in micro))
-        nll_sum = 0.0
-        for j, (ids, attn, lm) in enumerate(micro):
-            ids, attn, lm = ids.to(ctx.device), attn.to(ctx.device), lm.to(ctx.device)
-            last = j == len(micro) - 1     # all-reduce gradients only on the last micro-step
-            with (ddp.no_sync() if ctx.enabled and not last else contextlib.nullcontext()):
-                with autocast(ctx.device, opts.dtype):
-                    nll, _ = sft_nll(ddp, ids, attn, lm)
-                # DDP averages gradients over ranks, so scale by world_size to get sum / global count
-                (nll * ctx.world_size / max(n_tok, 1)).backward()
-            nll_sum += nll.item()
-            tokens_since += int(attn.sum())
-        loss = dist.all_reduce_sum(nll_sum) / max(n_tok, 1)
-        check_finite(loss, step, opts.out_dir)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip or float("inf")).item()
-        check_finite(grad_norm, step, opts.out_dir, "gradient norm")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-
-        if step % opts.log_interval == 0 or step == max_steps:
-            dt = time.time() - t_last
-            tps = dist.all_reduce_sum(tokens_since) / max(dt, 1e-9)
-            m = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/tokens_per_s": tps,
-                 "train/epoch": batches.epoch + batches.pos / len(train)}
-            if (opts.eval_interval and step % opts.eval_interval == 0) or step == max_steps:
-                m["eval/loss"] = evaluate_loss(model, evals, tok, opts, ctx)
-            log.log(step, m)
-            log.progress(step, m, ["train/loss", "eval/loss", "train/lr", "train/grad_norm"], tps)
-            t_last, tokens_since = time.time(), 0
-        elif opts.eval_interval and step % opts.eval_interval == 0:
-            log.log(step, {"eval/loss": evaluate_loss(model, evals, tok, opts, ctx)})
-        if (opts.save_interval and step % opts.save_interval == 0) or step in (max_steps, opts.stop_at):
-            checkpoint(step)
-        if step == opts.stop_at:
-            dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
+        micro_batches = [collate_sft([train[i] for i in mb], tok.pad_id) for mb in batches.next_step()]
+        metrics = train_step(ddp, optimizer, micro_batches, opts, step - 1)
+        metrics.update({"train/lr": lr, "train/epoch": batches.epoch + batches.pos / len(train)})
+        if run.end_of_step(step, metrics, evaluate=evaluate, save=save):
             break
     dist.check_same_weights(model, "policy")     # DDP kept every rank in lock-step: prove it
     dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout + tokenizer.json); "
-                f"weights checksum {dist.weights_checksum(model):016x} on all {ctx.world_size} rank(s)")
-    dist.cleanup()
+                f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
+    run.finish()
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 
 

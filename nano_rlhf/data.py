@@ -8,19 +8,27 @@
 | prompts    | {"prompt": str}                               | {"prompt": [messages]}                        |
 
 Every line is validated before anything is built; the first bad line raises DataError with the message
-`FILE:LINE: what is wrong` (scripts print it and exit with status 1). Blank lines are skipped.
+`FILE:LINE: what is wrong` (scripts print it and exit with status 1): invalid UTF-8 or JSON, JSON nested
+too deeply for the parser, a string holding a lone surrogate escape ("\ud800", which no tokenizer can
+encode), a missing or mistyped field. Blank lines are skipped. Suspicious but usable rows are counted and
+reported in ONE warning line per kind of problem (count + first FILE:LINE): a JSON object with a duplicate
+key (JSON parsers silently keep the last value) and a preference pair whose chosen equals its rejected
+response (it carries no preference).
 
-Over-long examples (one rule for all kinds): the prompt is truncated from the left, keeping at least one
-prompt token; if the response (with its end-of-text) still does not fit, the example is dropped. For
-{"text"} and {"messages"} SFT rows "the response" is everything from the start of the final trained
-span. Both counts are returned and logged.
+Over-long examples (one rule for prompt + response rows): the prompt is truncated from the left, keeping
+at least one prompt token; if the response (with its end-of-text) still does not fit, the example is
+dropped. For {"messages"} rows "the response" is everything from the start of the final trained span.
+{"text"} rows (plain language modelling, e.g. a document corpus) keep their beginning instead, as TRL
+does: the first max_len tokens, with the end-of-text only if it still fits. All counts are returned and
+logged.
 
 Padding: training batches are right-padded (real tokens first, so positions need no mask); prompts for
 generation are left-padded (so every row's next token is at the same index).
 """
 import json
 import math
-from typing import List, Sequence
+import sys
+from typing import Callable, List, Sequence
 
 import torch
 
@@ -34,9 +42,33 @@ class DataError(ValueError):
 KINDS = ("sft", "preference", "unpaired", "prompts")
 
 
-def read_jsonl(path: str) -> List[tuple]:
-    """[(line number, object)] of a JSONL file; DataError on invalid UTF-8, bad JSON, non-objects, no rows."""
-    rows = []
+def _warn_rank0(msg: str):
+    """Print `warning: ...` to stderr on rank 0 only (every rank reads the same files)."""
+    from . import dist
+    if dist.world().is_main:
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+class _Duplicates:
+    """object_pairs_hook that builds the dict as json.loads would (the last value wins) and remembers
+    the first key seen twice on the current line, at any depth."""
+
+    def __init__(self):
+        self.key = None
+
+    def __call__(self, pairs):
+        obj = {}
+        for k, v in pairs:
+            if k in obj and self.key is None:
+                self.key = k
+            obj[k] = v
+        return obj
+
+
+def read_jsonl(path: str, warn: Callable[[str], None] = None) -> List[tuple]:
+    """[(line number, object)] of a JSONL file; DataError on invalid UTF-8, bad or too deeply nested JSON,
+    non-objects, no rows. Lines with a duplicate key are reported through `warn` (one line for the file)."""
+    rows, dup_count, dup_first = [], 0, None
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -49,15 +81,24 @@ def read_jsonl(path: str) -> List[tuple]:
                 raise DataError(f"{path}:{n}: invalid UTF-8 at byte {e.start}") from None
             if not line.strip():
                 continue
+            dup = _Duplicates()
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=dup)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{n}: JSON nested too deeply to parse") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            if dup.key is not None:
+                dup_count += 1
+                dup_first = dup_first or f"{path}:{n} (key {dup.key!r})"
             rows.append((n, obj))
     if not rows:
         raise DataError(f"{path}:1: empty file (no JSON lines)")
+    if dup_count:
+        (warn or _warn_rank0)(f"{dup_count} line(s) of {path} repeat a JSON key (the last value is used), "
+                              f"first at {dup_first}")
     return rows
 
 
@@ -69,6 +110,11 @@ def _text(obj, key, where):
         raise DataError(f"{where}: field '{key}' must be a string, got {type(v).__name__}")
     if not v.strip():
         raise DataError(f"{where}: field '{key}' is empty")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:   # a lone surrogate escape such as "\ud800": valid JSON, not valid text
+        raise DataError(f"{where}: field '{key}' holds a lone surrogate escape ({v[e.start]!r} at character "
+                        f"{e.start}), which is not text") from None
     return v
 
 
@@ -145,14 +191,34 @@ def validate(obj: dict, kind: str, where: str) -> dict:
     raise ValueError(f"unknown data kind {kind!r} (one of {KINDS})")
 
 
-def load_records(path: str, kind: str) -> List[dict]:
-    """Read and validate a whole file; each record also carries its origin in '_where' (FILE:LINE)."""
-    out = []
-    for n, obj in read_jsonl(path):
+def load_records(path: str, kind: str, warn: Callable[[str], None] = None) -> List[dict]:
+    """Read and validate a whole file; each record also carries its origin in '_where' (FILE:LINE).
+    Usable-but-suspicious rows go to `warn` (default: a `warning:` line on stderr, rank 0), one line each."""
+    out, ties = [], []
+    for n, obj in read_jsonl(path, warn):
         rec = validate(obj, kind, f"{path}:{n}")
         rec["_where"] = f"{path}:{n}"
+        if kind == "preference" and rec["chosen"] == rec["rejected"]:
+            ties.append(rec["_where"])
         out.append(rec)
+    if ties:
+        (warn or _warn_rank0)(f"{len(ties)} preference pair(s) in {path} have chosen == rejected (no preference "
+                              f"to learn; kept), first at {ties[0]}")
     return out
+
+
+def load_train_eval(kind: str, *, data: str, eval_data: str, eval_fraction: float, seed: int):
+    """(train records, eval records): --data and --eval_data, or, without --eval_data, a deterministic
+    --eval_fraction of --data held out (at least one row). DataError when nothing is left to train on."""
+    from .common import split_off       # common imports this module: import at call time
+    records = load_records(data, kind)
+    if eval_data:
+        return records, load_records(eval_data, kind)
+    train, held_out = split_off(records, eval_fraction, seed)
+    if not train:
+        raise DataError(f"--eval_fraction {eval_fraction} holds out all {len(records)} row(s) of {data}, leaving "
+                        f"none to train on; pass --eval_data or more rows")
+    return train, held_out
 
 
 # ---- tokenization with the over-long rule ------------------------------------------------------
@@ -176,13 +242,17 @@ class Stats(dict):
 
 def tokenize_sft(records, tok, max_len):
     """-> [(ids, loss_mask)], Stats. The loss mask covers completion / assistant tokens (+ end-of-text);
-    {"text"} rows train on every token and end with end-of-text."""
+    {"text"} rows train on every token and end with end-of-text; longer ones keep their first max_len
+    tokens (the end-of-text only if it fits) instead of being dropped."""
     out, st = [], Stats(kept=0, truncated=0, dropped=0)
     for r in records:
         if "text" in r:
             ids = tok.encode(r["text"]) + [tok.eos_id]
-            mask, start = [1] * len(ids), 0
-        elif "messages" in r:
+            st["truncated"] += len(ids) > max_len
+            out.append((ids[:max_len], [1] * min(len(ids), max_len)))
+            st["kept"] += 1
+            continue
+        if "messages" in r:
             ids, mask = tok.encode_conversation(r["messages"])
             start = _final_span_start(mask)
         else:

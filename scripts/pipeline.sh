@@ -8,6 +8,7 @@
 #   OUT=runs/a bash scripts/pipeline.sh   # another output directory (default: out)
 #
 # Each command is printed before it runs ("+ ..."): copy any of them to rerun one stage by hand.
+# Every training stage gets --overwrite: the pipeline is meant to be rerun, replacing the previous results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,15 +38,15 @@ export NANO_RLHF_DATA="$DATA"
 run() { echo "+ $*"; "$@"; }
 
 run $PY -m nano_rlhf.synthetic --out_dir "$DATA" $DATA_ARGS
-run $TRAIN train_sft.py --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$OUT/sft" $SFT
-run $TRAIN train_rm.py --init "$OUT/sft" --data "$DATA/preference.jsonl" --eval_data "$DATA/preference_eval.jsonl" --out_dir "$OUT/rm" $RM
+run $TRAIN train_sft.py --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$OUT/sft" --overwrite $SFT
+run $TRAIN train_rm.py --init "$OUT/sft" --data "$DATA/preference.jsonl" --eval_data "$DATA/preference_eval.jsonl" --out_dir "$OUT/rm" --overwrite $RM
 for loss in dpo ipo simpo orpo kto; do
-  run $TRAIN train_dpo.py --loss $loss --init "$OUT/sft" --out_dir "$OUT/$loss" $DPO
+  run $TRAIN train_dpo.py --loss $loss --init "$OUT/sft" --out_dir "$OUT/$loss" --overwrite $DPO
 done
-run $TRAIN train_ppo.py --init "$OUT/sft" --reward_model "$OUT/rm" --out_dir "$OUT/ppo" $PPO
-run $TRAIN train_ppo.py --advantage grpo --reward gold --init "$OUT/sft" --out_dir "$OUT/grpo" $GRPO
+run $TRAIN train_ppo.py --init "$OUT/sft" --reward_model "$OUT/rm" --out_dir "$OUT/ppo" --overwrite $PPO
+run $TRAIN train_ppo.py --advantage grpo --reward gold --init "$OUT/sft" --out_dir "$OUT/grpo" --overwrite $GRPO
 # the same PPO with a 5x smaller KL coefficient, for longer: the reward model gets over-optimised
-run $TRAIN train_ppo.py --init "$OUT/sft" --reward_model "$OUT/rm" --out_dir "$OUT/ppo_overopt" --kl_coef 0.02 $OVEROPT
+run $TRAIN train_ppo.py --init "$OUT/sft" --reward_model "$OUT/rm" --out_dir "$OUT/ppo_overopt" --kl_coef 0.02 --overwrite $OVEROPT
 run $PY -m nano_rlhf.evaluate --model "$OUT/sft" "$OUT/dpo" "$OUT/ipo" "$OUT/simpo" "$OUT/orpo" "$OUT/kto" "$OUT/ppo" "$OUT/grpo" "$OUT/ppo_overopt" \
   --baseline "$OUT/sft" --ref "$OUT/sft" --reward_model "$OUT/rm" --prompts "$DATA/eval_prompts.jsonl" \
   --summary "$OUT/results.json" $EVAL

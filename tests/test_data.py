@@ -85,10 +85,10 @@ def test_script_exits_nonzero_with_one_line_before_building_a_model(tmp_path, sc
 def test_overlong_rule(tok):
     recs = [{"prompt": "the motor is great " * 10, "completion": " quiet."},           # prompt truncated
             {"prompt": "p", "completion": " the motor is great" * 20},                  # response too long: drop
-            {"text": "the motor is great " * 20},                                       # text too long: drop
+            {"text": "the motor is great " * 20},                                       # text too long: its start
             {"prompt": "write", "completion": " fine."}]                                # fits
     out, st = tokenize_sft(recs, tok, 16)
-    assert st == {"kept": 2, "truncated": 1, "dropped": 2}
+    assert st == {"kept": 3, "truncated": 2, "dropped": 1}
     ids, mask = out[0]
     resp = tok.encode(" quiet.") + [tok.eos_id]
     assert len(ids) == 16 and ids[-len(resp):] == resp and mask.count(1) == len(resp) and mask[0] == 0
@@ -136,3 +136,65 @@ def test_batches_resume_and_errors():
 def test_sft_rows_fixture_is_valid(tmp_path):
     assert len(load_records(write_jsonl(tmp_path / "s.jsonl", sft_rows(8)), "sft")) == 8
     assert torch.is_tensor(collate_sft([([1, 2], [0, 1])], 1)[0])
+
+
+def test_text_rows_longer_than_the_context_keep_their_beginning(tok):
+    """A document corpus ({"text"} rows longer than the context) trains on each document's first max_len
+    tokens (TRL's truncation), the end-of-text only where it fits; it used to drop every row."""
+    doc = "the motor is great and the screen is bad " * 10
+    full = tok.encode(doc)
+    short = "nice phone."
+    out, st = tokenize_sft([{"text": doc}, {"text": short}], tok, 16)
+    assert st == {"kept": 2, "truncated": 1, "dropped": 0}
+    assert out[0] == (full[:16], [1] * 16) and tok.eos_id not in out[0][0]
+    assert out[1][0] == tok.encode(short) + [tok.eos_id]                 # fits: unchanged, with end-of-text
+    n = len(tok.encode(short))
+    exact, st = tokenize_sft([{"text": short}], tok, n)                   # text fits, its end-of-text does not
+    assert exact[0][0] == tok.encode(short) and st["truncated"] == 1
+
+
+def test_lone_surrogate_is_rejected_with_file_line_and_field(tmp_path):
+    """json.loads accepts "\\ud800" (a lone surrogate); the tokenizer then crashed with a TypeError."""
+    lines = [GOOD["preference"], '{"prompt": "p", "chosen": " a\\ud800b", "rejected": " b"}']
+    path = write_jsonl(tmp_path / "s.jsonl", lines)
+    with pytest.raises(DataError) as e:
+        load_records(path, "preference")
+    assert str(e.value).startswith(f"{path}:2: field 'chosen' holds a lone surrogate escape")
+    conv = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\\udfff"}]}'
+    path = write_jsonl(tmp_path / "m.jsonl", [conv])
+    with pytest.raises(DataError, match=r"m.jsonl:1: messages\[1\]: field 'content' holds a lone surrogate"):
+        load_records(path, "sft")
+
+
+def test_deeply_nested_json_is_one_line(tmp_path):
+    path = write_jsonl(tmp_path / "deep.jsonl", [GOOD["sft"], '{"text": ' + "[" * 200_000 + "]" * 200_000 + "}"])
+    with pytest.raises(DataError) as e:
+        load_records(path, "sft")
+    assert str(e.value) == f"{path}:2: JSON nested too deeply to parse"
+
+
+def test_duplicate_keys_and_ties_give_one_warning_each(tmp_path):
+    rows = [GOOD["preference"],
+            '{"prompt": "p", "chosen": " a", "chosen": " c", "rejected": " b"}',          # duplicate key
+            '{"prompt": "p", "chosen": " same", "rejected": " same"}',                    # a tie
+            '{"prompt": "p", "chosen": " x", "rejected": " x", "rejected": " y"}',         # both (last wins: no tie)
+            '{"prompt": [{"role": "user", "content": "q", "content": "r"}], '
+            '"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "a"}]}']
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    warnings = []
+    recs = load_records(path, "preference", warn=warnings.append)
+    assert len(recs) == 5 and recs[1]["chosen"] == " c" and recs[3]["rejected"] == " y"   # json.loads' choice kept
+    assert warnings == [
+        f"3 line(s) of {path} repeat a JSON key (the last value is used), first at {path}:2 (key 'chosen')",
+        f"2 preference pair(s) in {path} have chosen == rejected (no preference to learn; kept), first at {path}:3"]
+    clean = []
+    load_records(write_jsonl(tmp_path / "c.jsonl", [GOOD["preference"]] * 3), "preference", warn=clean.append)
+    assert clean == []
+
+
+def test_warnings_reach_stderr_once(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "p.jsonl", ['{"prompt": "p", "chosen": " a", "rejected": " a"}'] * 4)
+    load_records(path, "preference")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: 4 preference pair(s) in {path} have chosen == rejected (no preference to learn; kept), "
+                   f"first at {path}:1"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import weights_close, pref_rows, run, tiny_model, write_jsonl
+from conftest import WORDS, weights_close, pref_rows, run, tiny_model, write_jsonl
 from nano_rlhf import dist
 from nano_rlhf.data import collate_pairs, tokenize_pairs
 from nano_rlhf.model import ScoreModel
@@ -96,7 +96,7 @@ def test_evaluate_equals_float64_hand_computation(tok, use_margin, c, lam):
             "eval/score_std": r.std()}                               # Bessel-corrected, as documented
     # batch_size 3 over 8 pairs: two full chunks and a ragged one, each right-padded to its own width
     opts = SimpleNamespace(batch_size=3, dtype="float32", use_margin=use_margin, center_coef=c, l2_coef=lam)
-    got = evaluate(m, ps, tok, opts, dist.ctx())
+    got = evaluate(m, ps, pad_id=tok.pad_id, opts=opts)
     assert 0 < want["eval/accuracy"] < 1                             # right and wrong rankings both occur
     for k, v in want.items():
         assert got[k] == pytest.approx(v.item(), abs=1e-5), k
@@ -208,3 +208,127 @@ def test_tokenizer_larger_than_model_vocab_exits(tmp_path, tok):
     assert p.stderr.strip().splitlines()[-1] == (
         f"error: {small}: the tokenizer has {tok.vocab_size} tokens but the model's vocabulary only "
         f"{tok.vocab_size - 10}; pass the tokenizer.json the model was trained with (--tokenizer)")
+
+
+# ---- bad flags and bad data sets: one line, before any work -----------------------------------------
+
+BAD_FLAGS = [  # (flags, the option the error must name)
+    (["--grad_clip", "-1"], "--grad_clip"), (["--grad_accum", "0"], "--grad_accum"),
+    (["--grad_accum", "-1"], "--grad_accum"), (["--max_steps", "-1"], "--max_steps"),
+    (["--epochs", "0"], "--epochs"), (["--epochs", "-1"], "--epochs"), (["--log_interval", "0"], "--log_interval"),
+    (["--batch_size", "0"], "--batch_size"), (["--lr", "-0.001"], "--lr"), (["--lr", "0"], "--lr"),
+    (["--eval_fraction", "1.5"], "--eval_fraction"), (["--warmup_steps", "-1"], "--warmup_steps"),
+    (["--center_coef", "-0.01"], "--center_coef"), (["--l2_coef", "-1"], "--l2_coef"), (["--beta1", "1"], "--beta1"),
+    (["--save_interval", "-1"], "--save_interval"), (["--max_steps", "3", "--stop_at", "4"], "--stop_at"),
+    (["--init", "", "--n_layer", "1"], "--tokenizer"), (["--device", "tpu"], "--device"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")])
+
+
+def run_main(argv, capsys):
+    """train_rm.main(argv) in this process -> (exit code, stderr lines); 0 if it returned."""
+    import train_rm
+    try:
+        train_rm.main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("flags,option", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_before_any_work(tmp_path, sft_dir, capsys, flags, option):
+    code, err = run_main(rm_args(tmp_path, sft_dir, "out")[1:] + flags, capsys)
+    errors = [line for line in err if line.startswith("error:") or ": error:" in line]
+    assert code != 0 and len(errors) == 1 and option in errors[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_eval_set_is_refused(tmp_path, sft_dir, capsys):
+    long_rows = [{"prompt": "p", "chosen": " great" * 80, "rejected": " bad" * 80}] * 2
+    ev = write_jsonl(tmp_path / "ev.jsonl", long_rows)
+    code, err = run_main(rm_args(tmp_path, sft_dir, "o")[1:] + ["--eval_data", ev], capsys)
+    assert code != 0 and err[-1] == f"error: {ev}: none of its 2 pair(s) fits in 64 tokens (each response alone is longer)"
+
+
+# ---- a reward model learns a one-token difference ---------------------------------------------------
+
+FILLER = [w for w in WORDS if w not in ("great", "bad")]
+
+
+def one_word_pairs(n, seed):
+    """Pairs that differ in exactly one word: chosen says "great", rejected "bad", with the same random
+    filler (0-8 words) before and after it."""
+    import random
+    r = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        before = "".join(" " + r.choice(FILLER) for _ in range(r.randint(0, 8)))
+        after = "".join(" " + r.choice(FILLER) for _ in range(r.randint(0, 8)))
+        rows.append({"prompt": "write a short review.", "chosen": f"{before} great{after}.",
+                     "rejected": f"{before} bad{after}."})
+    return rows
+
+
+def test_reward_model_learns_a_one_token_difference(tmp_path, sft_dir):
+    """From a tiny random trunk at the default learning rate and warm-up, 60 steps of 16 pairs: held-out
+    pairs (new filler) are ranked right. Measured over 3 data x 2 init seeds: >= 0.995 at step 25 and 1.0
+    from step 50 in all six runs (README). What does fail is a run of very few optimizer steps, see
+    test_short_run_warns."""
+    import train_rm
+    data = write_jsonl(tmp_path / "train.jsonl", one_word_pairs(1200, seed=0))
+    held_out = write_jsonl(tmp_path / "eval.jsonl", one_word_pairs(200, seed=1))
+    train_rm.main(["--data", data, "--eval_data", held_out, "--init", sft_dir, "--out_dir", str(tmp_path / "rm"),
+                   "--max_steps", "60", "--batch_size", "16", "--log_interval", "60"])
+    evals = [json.loads(x) for x in open(tmp_path / "rm" / "metrics.jsonl") if "eval/accuracy" in x]
+    assert evals[-1]["step"] == 60 and evals[-1]["eval/accuracy"] >= 0.95, evals
+
+
+def test_short_run_warns(tmp_path, sft_dir, capsys):
+    """300 pairs at the default --epochs 1 are 9 optimizer steps, fewer than the 20 warm-up steps: the
+    learning rate never reaches --lr and held-out accuracy on the one-word task stays at 0.67-0.80
+    (27 steps: 0.995-1.0). The run says so at start-up instead of silently under-training."""
+    import train_rm
+    data = write_jsonl(tmp_path / "train.jsonl", one_word_pairs(300, seed=0))
+    held_out = write_jsonl(tmp_path / "eval.jsonl", one_word_pairs(20, seed=1))
+    train_rm.main(["--data", data, "--eval_data", held_out, "--init", sft_dir, "--out_dir", str(tmp_path / "rm"),
+                   "--stop_at", "1"])
+    assert ("warning: this run is 9 optimizer steps, fewer than --warmup_steps 20, so the learning rate never "
+            "reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps") in capsys.readouterr().err
+
+
+def test_out_dir_equal_to_init_is_refused(tmp_path, sft_dir, capsys):
+    """--out_dir equal to --init used to overwrite the SFT model: refused before anything is written, and
+    the input model is left as it was."""
+    import shutil
+    init = str(tmp_path / "init")
+    shutil.copytree(sft_dir, init)      # a private copy: the shared fixture must survive a regression here
+    before = {f: os.path.getmtime(os.path.join(init, f)) for f in os.listdir(init)}
+    args = rm_args(tmp_path, init, "o")[1:]
+    args[args.index("--out_dir") + 1] = init
+    code, err = run_main(args, capsys)
+    assert code != 0 and err[-1] == (f"error: --out_dir {init} is, or is inside, the input --init {init}; "
+                                     f"choose another --out_dir")
+    assert {f: os.path.getmtime(os.path.join(init, f)) for f in os.listdir(init)} == before
+
+
+def test_gold_agreement_is_pearson_and_the_reference_rankers_accuracy():
+    """The optional diagnostic behind the reward(prompts, completions) interface, against float64 formulas."""
+    from train_rm import gold_agreement
+    g = torch.Generator().manual_seed(0)
+    texts = [(f"p{i}", f"c{i}", f"r{i}") for i in range(9)]
+    gold = {f"c{i}": float(i % 3) for i in range(9)} | {f"r{i}": float(i % 2) for i in range(9)}   # ties included
+    calls = []
+
+    def reward(prompts, completions):
+        calls.append(prompts)
+        return [gold[c] for c in completions]
+    r_chosen, r_rejected = torch.randn(9, generator=g, dtype=torch.float64), torch.randn(9, generator=g, dtype=torch.float64)
+    got = gold_agreement(texts, r_chosen, r_rejected, reward)
+    gw = torch.tensor([gold[t[1]] for t in texts], dtype=torch.float64)
+    gl = torch.tensor([gold[t[2]] for t in texts], dtype=torch.float64)
+    want_corr = torch.corrcoef(torch.stack([torch.cat([r_chosen, r_rejected]), torch.cat([gw, gl])]))[0, 1]
+    want_acc = ((gw > gl).double() + 0.5 * (gw == gl).double()).mean()
+    assert calls == [[t[0] for t in texts]] * 2
+    assert got["eval/gold_corr"] == pytest.approx(want_corr.item(), abs=1e-12)
+    assert got["eval/gold_ranker_accuracy"] == pytest.approx(want_acc.item(), abs=1e-12)
+    assert gold_agreement(texts, r_chosen, r_rejected, lambda p, c: [1.0] * len(c)) == {}   # constant reward: undefined

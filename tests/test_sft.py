@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import weights_close, run, sft_rows, tiny_model, write_jsonl
+from conftest import WORDS, weights_close, run, sft_rows, tiny_model, write_jsonl
 from nano_rlhf import checkpoint
 from train_sft import sft_nll
 
@@ -202,3 +202,92 @@ def test_no_pickle_in_state(tmp_path):
     checkpoint.save_state(str(tmp_path), {"m": m}, {"m": opt}, {"step": 1})
     files = os.listdir(tmp_path / "state")
     assert files and all(f.endswith((".safetensors", ".json")) for f in files)
+
+
+# ---- bad flags and bad data sets: one line, before any work -----------------------------------------
+
+BAD_FLAGS = [  # (flags, the option the error must name)
+    (["--grad_clip", "-1"], "--grad_clip"), (["--grad_accum", "0"], "--grad_accum"),
+    (["--grad_accum", "-1"], "--grad_accum"), (["--max_steps", "-1"], "--max_steps"),
+    (["--epochs", "0"], "--epochs"), (["--epochs", "-1"], "--epochs"), (["--log_interval", "0"], "--log_interval"),
+    (["--batch_size", "0"], "--batch_size"), (["--lr", "-0.001"], "--lr"), (["--lr", "0"], "--lr"),
+    (["--eval_fraction", "0"], "--eval_fraction"), (["--eval_fraction", "1"], "--eval_fraction"),
+    (["--warmup_steps", "-1"], "--warmup_steps"), (["--dropout", "1"], "--dropout"), (["--beta2", "1"], "--beta2"),
+    (["--weight_decay", "-0.1"], "--weight_decay"), (["--eval_interval", "-1"], "--eval_interval"),
+    (["--save_interval", "-5"], "--save_interval"), (["--stop_at", "-1"], "--stop_at"),
+    (["--max_steps", "3", "--stop_at", "5"], "--stop_at"), (["--n_embd", "30", "--n_head", "4"], "--n_embd"),
+    (["--device", "tpu"], "--device"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")])
+
+
+def run_main(main, argv, capsys):
+    """main(argv) in this process -> (exit code, stderr lines); 0 if it returned."""
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("flags,option", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_before_any_work(tmp_path, capsys, flags, option):
+    from train_sft import main
+    out = tmp_path / "out"
+    code, err = run_main(main, sft_args(tmp_path, "out")[1:] + flags, capsys)
+    errors = [line for line in err if line.startswith("error:") or ": error:" in line]
+    assert code != 0 and len(errors) == 1 and option in errors[0], err
+    assert not out.exists()
+
+
+def test_document_corpus_longer_than_the_context_trains(tmp_path):
+    """{"text"} rows all longer than the context used to stop with "no example fits"; they keep their
+    beginning now, and the stats line says how many were truncated."""
+    import random
+    r = random.Random(0)
+    docs = [{"text": " ".join(r.choice(WORDS) for _ in range(200))} for _ in range(40)]
+    data = write_jsonl(tmp_path / "docs.jsonl", docs)
+    p = run(["train_sft.py", "--data", data, "--out_dir", str(tmp_path / "o"), "--max_steps", "2", "--n_layer", "1",
+             "--n_head", "2", "--n_embd", "32", "--vocab_size", "300", "--batch_size", "4", "--block_size", "32"])
+    assert "train examples (kept 38, truncated 38, dropped 0)" in p.stdout      # 2 of 40 held out
+    assert "step 2/2" in p.stdout
+
+
+def test_empty_eval_set_is_refused(tmp_path, capsys):
+    """An eval file whose every example is too long used to report eval/loss 0.0."""
+    from train_sft import main
+    long_rows = [{"prompt": "p", "completion": " " + "the motor is great " * 40}] * 3
+    ev = write_jsonl(tmp_path / "ev.jsonl", long_rows)
+    code, err = run_main(main, sft_args(tmp_path, "o")[1:] + ["--eval_data", ev, "--block_size", "16"], capsys)
+    assert code != 0 and err[-1] == f"error: {ev}: none of its 3 example(s) fits in 16 tokens (each response alone is longer)"
+
+
+def test_eval_fraction_taking_every_row_says_so(tmp_path, capsys):
+    from train_sft import main
+    one = write_jsonl(tmp_path / "one.jsonl", sft_rows(1))
+    code, err = run_main(main, ["--data", one, "--out_dir", str(tmp_path / "o")], capsys)
+    assert code != 0 and err[-1] == (f"error: --eval_fraction 0.05 holds out all 1 row(s) of {one}, leaving none to "
+                                     f"train on; pass --eval_data or more rows")
+    assert not (tmp_path / "o").exists()
+
+
+def test_tokenizer_larger_than_init_vocab_is_one_line(tmp_path, tok, capsys):
+    from train_sft import main
+    small = tmp_path / "small"
+    tiny_model(tok, vocab_size=tok.vocab_size - 10).save_pretrained(str(small))
+    tok.save(str(small / "tokenizer.json"))
+    code, err = run_main(main, sft_args(tmp_path, "o")[1:] + ["--init", str(small)], capsys)
+    assert code != 0 and err[-1].startswith(f"error: {small}: the tokenizer has {tok.vocab_size} tokens but the model's")
+
+
+def test_out_dir_inside_init_is_refused(tmp_path, tok, capsys):
+    from train_sft import main
+    init = tmp_path / "init"
+    tiny_model(tok).save_pretrained(str(init))
+    tok.save(str(init / "tokenizer.json"))
+    out = init / "sub"
+    args = sft_args(tmp_path, "o")[1:] + ["--init", str(init)]
+    args[args.index("--out_dir") + 1] = str(out)
+    code, err = run_main(main, args, capsys)
+    assert code != 0 and err[-1].startswith(f"error: --out_dir {out} is, or is inside, the input --init {init}")
+    assert not out.exists()
