@@ -28,6 +28,13 @@ Run:
     python train_dpo.py --loss kto                        # reads the unpaired data -> out/kto
     python train_dpo.py --data prefs.jsonl --init out/sft --precompute_ref --out_dir out/my_dpo
     torchrun --nproc_per_node 2 train_dpo.py --loss simpo
+    python train_dpo.py --init Qwen3-0.6B-sft --data prefs.jsonl --lr 5e-7 --grad_checkpoint --out_dir out/qwen3_dpo
+
+Real model families (GPT-2, Llama, Qwen2, Qwen3 directories in the HF layout): conversational rows are rendered
+with the checkpoint's own chat template (recognised from its tokenizer_config.json; --chat_template names one),
+and each response is scored up to and including the template's end-of-turn token. --date_string fixes the date
+Llama 3's template writes into its system header; the date used is part of the run, so --resume renders the same
+tokens. The output directory loads in transformers like the input did.
 
 Reading the logs: rewards are β·u (β·S_θ for cpo, β·Ā_θ for simpo, log-odds for orpo). Both chosen and
 rejected rewards usually fall below zero: after SFT on similar data, any other objective lowers the
