@@ -15,6 +15,7 @@ Families (each keeps the quirks that matter to the scripts):
 Usage:
     from hf_fixtures import make_hf_dir, pref_rows, write_jsonl
     d = make_hf_dir(tmp_path / "qwen3", "qwen3")          # -> str path; `--init d` needs no --tokenizer
+    rm = make_hf_dir(tmp_path / "rm", "qwen3", head="score")   # a reward model of the same family
     write_jsonl(tmp_path / "pref.jsonl", pref_rows(32))
 """
 import json
@@ -98,9 +99,10 @@ def _hf_config(family, vocab_size, ids):
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
 
 
-def make_hf_dir(path, family, chat=True, seed=0) -> str:
+def make_hf_dir(path, family, chat=True, seed=0, head="lm") -> str:
     """Write a tiny `family` checkpoint directory (see the module docstring) into `path`; returns str(path).
     chat=False leaves the chat template out of tokenizer_config.json (a base model: the plain template).
+    head="score" writes a reward model instead (*ForSequenceClassification, one label) with the same trunk.
     The weights are transformers' random init for `seed` plus N(0, 0.05) noise on every parameter, so norm
     weights are not all 1 and no term of the forward can hide in a parity check."""
     import transformers
@@ -117,8 +119,13 @@ def make_hf_dir(path, family, chat=True, seed=0) -> str:
         ids["config_eos"] = ids["config_eos"][0]
     n = tk.get_vocab_size(with_added_tokens=True)
     cfg = _hf_config(family, -(-n // 64) * 64, ids)   # like real checkpoints: embedding rows past the tokenizer
+    if head not in ("lm", "score"):
+        raise ValueError(f"head must be 'lm' or 'score', got {head!r}")
+    if head == "score":
+        cfg.num_labels = 1
     torch.manual_seed(seed)
-    model = (transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.LlamaForCausalLM)(cfg).eval()
+    prefix = "Qwen3" if family == "qwen3" else "Llama"
+    model = getattr(transformers, prefix + ("ForCausalLM" if head == "lm" else "ForSequenceClassification"))(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

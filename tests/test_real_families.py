@@ -167,3 +167,33 @@ def test_saved_llama_tokenizer_renders_the_run_date_in_transformers(tmp_path):
     init = make_hf_dir(tmp_path / "llama", "llama")
     out = train_dpo.main(dpo_args(tmp_path, init, "o", "dpo", "--date_string", "05 Mar 2025", steps=1))
     check_loads_in_transformers(str(tmp_path / "o"), ("llama", init), out.policy)
+
+
+def test_chunked_logits_give_the_same_losses(tmp_path, family, monkeypatch):
+    """response_logprobs goes through token_logprobs: with a budget of 3 positions per chunk (each chunk
+    recomputed in backward), the losses and gradient norms equal the one-chunk run's."""
+    _, init = family
+    one = train_dpo.main(dpo_args(tmp_path, init, "one"))
+    calls = []
+    real = model_mod.checkpoint
+    monkeypatch.setattr(model_mod, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(model_mod, "LOGITS_BUDGET", 3 * one.policy.cfg.vocab_size)
+    train_dpo.main(dpo_args(tmp_path, init, "chunked"))
+    assert len(calls) > 10                                   # chunks of 3 positions, recomputed in backward
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "chunked")
+    for key in ("train/loss", "train/grad_norm", "train/reward_margin"):
+        assert [x[key] for x in a] == pytest.approx([x[key] for x in b], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fixture_reward_model_loads_with_the_same_scores(tmp_path, name):
+    from nano_rlhf.model import ScoreModel
+    d = make_hf_dir(tmp_path / name, name, head="score")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(d).eval()
+    ours = ScoreModel.from_pretrained(d).eval()
+    ids = torch.randint(0, 300, (3, 17), generator=torch.Generator().manual_seed(1))
+    ids[ids == ours.cfg.pad_token_id] = 7                    # transformers scores the last non-pad token
+    with torch.no_grad():
+        want = hf(ids).logits[:, 0]
+        got = ours(ids)[1]
+    assert torch.allclose(got, want, atol=1e-5)
