@@ -197,3 +197,20 @@ def test_fixture_reward_model_loads_with_the_same_scores(tmp_path, name):
         want = hf(ids).logits[:, 0]
         got = ours(ids)[1]
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dpo_ddp_two_ranks_equal_one_process_on_llama(tmp_path):
+    """Llama's untied lm_head is applied outside the DDP-wrapped forward (token_logprobs on the returned hidden
+    states): its gradient must still be all-reduced, so two ranks follow the one-process run."""
+    from conftest import run, weights_close
+    from safetensors.torch import load_file
+    init = make_hf_dir(tmp_path / "llama", "llama")
+    run(["train_dpo.py"] + dpo_args(tmp_path, init, "one", "dpo", "--batch_size", "4"))
+    run(["train_dpo.py"] + dpo_args(tmp_path, init, "two", "dpo", "--batch_size", "2"), nproc=2)
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert "lm_head.weight" in a and weights_close(a, b)
+    assert not torch.equal(a["lm_head.weight"], load_file(os.path.join(init, "model.safetensors"))["lm_head.weight"])
+    la, lb = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for key in ("train/loss", "train/grad_norm"):
+        assert [x[key] for x in la] == pytest.approx([x[key] for x in lb], rel=1e-4), key
