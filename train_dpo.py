@@ -28,6 +28,13 @@ Run:
     python train_dpo.py --loss kto                        # reads the unpaired data -> out/kto
     python train_dpo.py --data prefs.jsonl --init out/sft --precompute_ref --out_dir out/my_dpo
     torchrun --nproc_per_node 2 train_dpo.py --loss simpo
+    python train_dpo.py --init Qwen3-0.6B-sft --data prefs.jsonl --lr 5e-7 --grad_checkpoint --out_dir out/qwen3_dpo
+
+Real model families (GPT-2, Llama, Qwen2, Qwen3 directories in the HF layout): conversational rows are rendered
+with the checkpoint's own chat template (recognised from its tokenizer_config.json; --chat_template names one),
+and each response is scored up to and including the template's end-of-turn token. --date_string fixes the date
+Llama 3's template writes into its system header; the date used is part of the run, so --resume renders the same
+tokens. The output directory loads in transformers like the input did.
 
 Reading the logs: rewards are β·u (β·S_θ for cpo, β·Ā_θ for simpo, log-odds for orpo). Both chosen and
 rejected rewards usually fall below zero: after SFT on similar data, any other objective lowers the
@@ -57,7 +64,7 @@ from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, 
                               set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import Batches, collate_pairs, load_records, pad_right, tokenize_pairs, tokenize_unpaired
-from nano_rlhf.model import GPT
+from nano_rlhf.model import GPT, token_logprobs
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
 # β defaults: 0.1, except SimPO (its reward is a per-token mean, so it needs a larger scale, as in the paper)
@@ -85,6 +92,8 @@ class Options:
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init
     eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
     pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
+    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
+    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
     out_dir: str = ""             # output directory; empty = out/<loss>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
     batch_size: int = 16          # pairs (kto: examples) per device per micro-step {>= 1}
@@ -101,6 +110,7 @@ class Options:
     device: str = "auto"          # cpu, cuda, or auto
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
     compile: bool = False         # torch.compile the policy
+    grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
     log_interval: int = 10        # print and log every N steps {>= 1}
     eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
     save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
@@ -116,14 +126,17 @@ class Options:
 def response_logprobs(model, input_ids, attention_mask, response_mask):
     """log π(y_t | x, y_<t) of every response token, (B, T−1): column t scores token t+1; 0 elsewhere.
 
-    Shift: logits at position t predict token t+1, so token t+1 is scored iff response_mask[t+1] = 1; the
-    first response token is predicted from the last prompt position. Prompt and padding are never scored.
-    Only the needed positions' logits are computed (select=...); log-softmax in float32.
+    Shift: the hidden state at position t predicts token t+1, so token t+1 is scored iff response_mask[t+1] = 1;
+    the first response token is predicted from the last prompt position. Prompt and padding are never scored.
+    Only the needed positions' hidden states are kept (select=...), and token_logprobs makes their logits in
+    chunks (a real vocabulary's (N, V) logits would be the largest tensor of the step); log-softmax in float32.
+    The hidden states come through forward(return_hidden=True), not hidden_states(): under DDP only the
+    wrapped model's forward is hooked for the gradient all-reduce.
     """
     scored = response_mask[:, 1:].bool()                             # (B, T-1): is token t+1 scored?
-    logits = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)))   # (N, V), N = scored.sum()
-    targets = input_ids[:, 1:][scored]                               # (N,)
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)  # (N,)
+    hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)  # (N, C)
+    targets = input_ids[:, 1:][scored]                               # (N,), N = scored.sum()
+    logp = token_logprobs(hidden, dist.unwrap(model).output_weight(), targets)   # (N,)
     return torch.zeros(scored.shape, device=logp.device).masked_scatter(scored, logp)
 
 
@@ -414,7 +427,8 @@ def check_options(opts):
 def load_models(opts):
     """Tokenizer, policy and (unless the loss is reference-free) the frozen reference: no grad, eval mode,
     never in DDP or the optimizer. Raises on bad input (input_errors turns that into one line)."""
-    tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
+    tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
+                         opts.date_string)
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
     ref = None
@@ -464,7 +478,7 @@ def load_examples(opts, files, tok, block_size):
 
 # options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs
 NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
-                "precompute_ref")
+                "precompute_ref", "grad_checkpoint")
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -480,6 +494,11 @@ def main(argv=None):
         tok, policy, ref = load_models(opts)
         train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
+    # what the tokenizer resolved, not the flags: "auto" and an empty --date_string stand for a template and a
+    # date that a later --resume must render again (a Llama 3 date may default to today)
+    run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
+    if opts.grad_checkpoint:
+        policy.set_grad_checkpointing(True)                 # the reference runs without grad: nothing to save
     policy.to(world.device)
     if ref is not None:
         ref.to(world.device)
@@ -548,7 +567,7 @@ def main(argv=None):
                            save=save):
             break
     dist.check_same_weights(policy, "policy")
-    dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout)")
+    dist.print0(f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)
 

@@ -682,18 +682,25 @@ def test_nll_weight(loss, nll_coef, alpha, want):
 # sequence_logps: shift, float32 log-softmax, selected positions
 # ----------------------------------------------------------------------------------------------------
 class FakeLM:
-    """Returns full_logits[select] (rows in row-major (b, t) order) and records what it was given."""
+    """Stands in for GPT: forward(..., select=, return_hidden=True) returns full_logits[select] (rows in row-major
+    (b, t) order) as the "hidden states", and output_weight() is the identity, so the logits token_logprobs makes
+    of them are exactly full_logits[select]. Records what it was given."""
 
     def __init__(self, full_logits):
         self.full = full_logits
         self.calls = []
 
-    def __call__(self, input_ids, attention_mask=None, *args, select=None, **kw):
+    def __call__(self, input_ids, attention_mask=None, *args, select=None, return_hidden=False, **kw):
         if select is None and args:
             select = args[0]
         assert select is not None, "sequence_logps must pass select="
+        # through forward (what DDP hooks), for the hidden states that token_logprobs takes
+        assert return_hidden, "response_logprobs must call forward(..., return_hidden=True)"
         self.calls.append(dict(ids=input_ids, attn=attention_mask, select=select.clone()))
         return self.full[select]
+
+    def output_weight(self):
+        return torch.eye(self.full.shape[-1], dtype=self.full.dtype)
 
 
 def make_batch(seed, V=37, T=14):
