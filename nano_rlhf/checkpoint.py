@@ -80,6 +80,13 @@ def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     if not dist.ctx().is_main:
         return
     os.makedirs(out_dir, exist_ok=True)
+    stop_ids = set(getattr(tokenizer, "stop_ids", None) or [])
+    base_eos = dist.unwrap(model).cfg.eos_token_id
+    ends = sorted(stop_ids | ({base_eos} if base_eos is not None else set()))
+    if len(ends) > 1:
+        # end-of-text and end-of-turn (<|im_end|>, <|eot_id|>): HF's generate stops at any id of a list, so the
+        # exported model stops where ours does (a single id would let it run past the end of a turn)
+        extra_config.setdefault("eos_token_id", ends)
     dist.unwrap(model).save_pretrained(out_dir, **extra_config)
     if tokenizer is not None:
         tokenizer.save(os.path.join(out_dir, "tokenizer.json"))     # + tokenizer_config.json, each atomic

@@ -206,7 +206,13 @@ class Tokenizer:
         if self.date_string:
             cfg["date_string"] = self.date_string
         if self.chat_template != "plain":
-            cfg["chat_template"] = self.template_text or chat.template_text(self.chat_template, self.date_string)
+            text = self.template_text
+            if (self.chat_template == "llama3" and text
+                    and chat.detect(text)[1] != self.date_string):
+                # the model's own text renders another date (3.1's fixed default, or 3.2's today when loaded
+                # later): write one whose default is the date this run trained with, so AutoTokenizer agrees
+                text = None
+            cfg["chat_template"] = text or chat.template_text(self.chat_template, self.date_string)
         folder = os.path.dirname(path)
         os.makedirs(folder or ".", exist_ok=True)
 
