@@ -13,13 +13,18 @@ from train_sft import sft_nll
 
 
 class FakeLM:
-    """Stands in for the model: returns rows of a given logits tensor at the selected positions."""
+    """Stands in for the model: its "hidden states" are the rows of a given logits tensor at the selected
+    positions and its output layer is the identity, so the logits are exactly those rows."""
 
     def __init__(self, logits):
         self.logits = logits
 
-    def __call__(self, ids, attn, select=None):
+    def __call__(self, ids, attn, select=None, return_hidden=False):
+        assert return_hidden
         return self.logits if select is None else self.logits[select]
+
+    def output_weight(self):
+        return torch.eye(self.logits.shape[-1])
 
 
 def test_sft_loss_equals_float64_hand_computation():
