@@ -383,7 +383,7 @@ def main(argv=None):
         dist.check_same_weights(model, "reward model")
         gold_note = (f" (the gold reward itself: {final['eval/gold_ranker_accuracy']:.3f}) | correlation with gold "
                      f"reward {final['eval/gold_corr']:.3f}" if "eval/gold_corr" in final else "")
-        dist.print0(f"saved {opts.out_dir} (HF GPT2ForSequenceClassification layout) | eval accuracy "
+        dist.print0(f"saved {opts.out_dir} (HF {model.architecture} layout) | eval accuracy "
                     f"{final['eval/accuracy']:.3f} | scores mean {final['eval/score_mean']:+.3f} std "
                     f"{final['eval/score_std']:.3f}" + gold_note)
     run.finish()

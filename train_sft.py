@@ -340,7 +340,7 @@ def main(argv=None):
         if run.end_of_step(step, metrics, evaluate=evaluate, save=save):
             break
     dist.check_same_weights(model, "policy")     # DDP kept every rank in lock-step: prove it
-    dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout + tokenizer.json); "
+    dist.print0(f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
                 f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
     run.finish()
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
