@@ -100,14 +100,28 @@ def test_packed_loss_and_gradients_equal_unpacked_with_rope(family_dir):
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(p_g, u_g))
 
 
-def test_grad_checkpoint_gives_the_same_first_step(family_dir, tmp_path):
+def test_grad_checkpoint_gives_the_same_first_step(family_dir, tmp_path, monkeypatch):
+    """--grad_checkpoint recomputes blocks (counted: the blocks do go through torch's checkpoint) and gives
+    the same first-step loss and gradient norm, in SFT and in the reward model."""
+    import nano_rlhf.model
+    calls = []
+
+    def counting(fn, *args, **kw):
+        calls.append(fn)
+        return torch.utils.checkpoint.checkpoint(fn, *args, **kw)
+    monkeypatch.setattr(nano_rlhf.model, "checkpoint", counting)
     family, init, root = family_dir
     a = sft(init, root / "sft.jsonl", tmp_path / "a", steps=1)
+    assert not calls
     b = sft(init, root / "sft.jsonl", tmp_path / "b", "--grad_checkpoint", steps=1)
+    assert len(calls) >= 2 and all(isinstance(f, nano_rlhf.model._Block) for f in calls)
+    calls.clear()
     assert a[0]["train/loss"] == pytest.approx(b[0]["train/loss"], rel=1e-6)
     assert a[0]["train/grad_norm"] == pytest.approx(b[0]["train/grad_norm"], rel=1e-4)
     c = rm(init, root / "pref.jsonl", tmp_path / "c", steps=1)
+    assert not calls
     d = rm(init, root / "pref.jsonl", tmp_path / "d", "--grad_checkpoint", steps=1)
+    assert calls
     assert c[0]["train/loss"] == pytest.approx(d[0]["train/loss"], rel=1e-6)
     assert c[0]["train/grad_norm"] == pytest.approx(d[0]["train/grad_norm"], rel=1e-4)
 
@@ -150,3 +164,22 @@ def test_reward_model_from_real_family_matches_transformers(family_dir, tmp_path
         assert torch.allclose(ours(left_ids, left_attn)[1], left, atol=1e-5)
         assert torch.allclose(left, right, atol=1e-5)
     assert_chat_template_works(out, sft_rows(1)[0]["messages"])
+
+
+def test_resume_with_another_date_string_is_refused(tmp_path, capsys):
+    """The Llama 3 date is part of what the data renders to: it is in the run identity, so --resume with
+    another --date_string stops with one line instead of training on different tokens."""
+    root = tmp_path
+    init = make_hf_dir(root / "llama", "llama")
+    data = write_jsonl(root / "sft.jsonl", sft_rows(16))
+    sft(init, data, root / "out", "--date_string", "01 Jan 2025", "--stop_at", "1", steps=2)
+    run_json = json.loads(next((root / "out" / "state").rglob("run.json")).read_text())
+    assert run_json["identity"]["date_string"] == "01 Jan 2025"
+    assert run_json["identity"]["chat_template"] == "llama3"
+    with pytest.raises(SystemExit):
+        sft(init, data, root / "out", "--resume", steps=2)       # the template's default date: 26 Jul 2024
+    err = capsys.readouterr().err
+    assert "error: --resume" in err and "date_string '01 Jan 2025' != '26 Jul 2024'" in err
+    sft(init, data, root / "out", "--resume", "--date_string", "01 Jan 2025", steps=2)
+    tok = load_tokenizer("", str(root / "out"))
+    assert tok.date_string == "01 Jan 2025"        # saved with the tokenizer for the next stage

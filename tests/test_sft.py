@@ -389,3 +389,23 @@ def test_packing_end_to_end_and_ddp_equals_one_process(tmp_path):
     la = [json.loads(x)["train/loss"] for x in open(tmp_path / "a" / "metrics.jsonl")]
     lb = [json.loads(x)["train/loss"] for x in open(tmp_path / "b" / "metrics.jsonl")]
     assert la == pytest.approx(lb, rel=1e-4)
+
+
+def test_from_scratch_tokenizer_gets_the_chat_template(tmp_path):
+    """--chat_template on the from-scratch path: the trained tokenizer has the template's special tokens, the
+    messages are rendered with it, and the saved tokenizer renders them the same in transformers."""
+    transformers = pytest.importorskip("transformers")
+    from train_sft import main
+    from nano_rlhf.common import load_tokenizer
+    msgs = [[{"role": "user", "content": f"write a short review of the {w}."},
+             {"role": "assistant", "content": f"the {w} is great."}] for w in WORDS]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in msgs * 2])
+    main(["--data", data, "--out_dir", str(tmp_path / "out"), "--max_steps", "1", "--n_layer", "1", "--n_head", "2",
+          "--n_embd", "32", "--vocab_size", "300", "--chat_template", "chatml", "--batch_size", "4"])
+    tok = load_tokenizer("", str(tmp_path / "out"))
+    assert tok.chat_template == "chatml" and tok.eot_token == "<|im_end|>"
+    ids, mask = tok.encode_conversation(msgs[0])
+    assert ids.count(tok.eot_id) == 2 and tok.eot_id in [i for i, m in zip(ids, mask) if m]
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    got = hf.apply_chat_template(msgs[0], tokenize=True)
+    assert (got["input_ids"] if hasattr(got, "keys") else got) == ids
