@@ -20,6 +20,7 @@ See docs/algorithms.md, "Reward model".
 Run:
     python train_rm.py                                  # built-in task, from out/sft -> out/rm
     python train_rm.py --data prefs.jsonl --init out/sft --out_dir out/rm --epochs 1
+    python train_rm.py --data chat_prefs.jsonl --init llama_sft_dir --lr 5e-6 --grad_checkpoint
     torchrun --nproc_per_node 2 train_rm.py
 
 Simplifications: pairwise only (no K-wise ranking); one epoch by default because reward models overfit
@@ -345,7 +346,7 @@ def main(argv=None):
         batches.load_state_dict(run.resume(models={"rm": model}, optimizers={"rm": optimizer})["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
-                    global_batch=batches.global_batch, max_steps=max_steps)
+                    global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train):,} train pairs "
                 f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | global batch {batches.global_batch} "
                 f"pairs | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))

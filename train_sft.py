@@ -11,6 +11,7 @@ beginning. See docs/algorithms.md, "SFT".
 Run:
     python train_sft.py                                   # built-in task, from scratch -> out/sft
     python train_sft.py --data sft.jsonl --init gpt2_dir --out_dir out/my_sft --lr 1e-4
+    python train_sft.py --data chat.jsonl --init qwen3_dir --lr 1e-5 --packing --grad_checkpoint --dtype bfloat16
     torchrun --nproc_per_node 2 train_sft.py              # data parallel on one machine
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train_sft.py
     python train_sft.py --resume                          # continue out/sft from its last checkpoint
@@ -48,7 +49,7 @@ class Options:
     data: str = ""                # SFT JSONL ({"prompt","completion"}, {"text"} or {"messages"}); empty = built-in task
     eval_data: str = ""           # held-out SFT JSONL for the eval loss; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
-    init: str = ""                # model directory to start from (HF GPT-2 layout); empty = from scratch
+    init: str = ""                # model directory to start from (HF GPT-2, Llama, Qwen2 or Qwen3 layout); empty = from scratch
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init, or train one on the data
     eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
     pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
