@@ -78,8 +78,9 @@ def test_sft_from_real_family_loads_in_transformers(family_dir, tmp_path, packin
 
 
 def test_packed_loss_and_gradients_equal_unpacked_with_rope(family_dir):
-    """Rotary positions must restart at 0 in each packed example: the packed loss and gradients of the real
-    family's model equal the unpacked ones (row lengths of the fixture's conversations: several per row)."""
+    """The packed loss and gradients of a real family's model (rotary positions restarting per example,
+    grouped-query attention under the block-diagonal mask) equal the unpacked ones, several of the fixture's
+    conversations per row."""
     from train_sft import PackedLM, sft_nll
     family, init, root = family_dir
     tok = load_tokenizer("", init)
