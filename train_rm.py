@@ -1,6 +1,7 @@
 """Reward model: a GPT trunk with a scalar head, trained on preference pairs (Bradley–Terry).
 
-    r(x, y)  = score head on the final hidden state of the last real token of x ⊕ y (its end-of-text)
+    r(x, y)  = score head on the final hidden state of the last real token of x ⊕ y (its end-of-text; for
+               conversational data the chat template's end-of-turn token, which closes every response)
     L        = − log σ(r(x, y_w) − r(x, y_l) − m)                  (Bradley & Terry 1952; Ouyang et al. 2022 eq. 1)
              + c · (r_w + r_l)²                                     --center_coef (TRL, Eisenstein et al. 2023)
              + λ/2 · (r_w² + r_l²)                                  --l2_coef (align-anything; λ/(2B)·Σ over a batch)
@@ -19,6 +20,7 @@ See docs/algorithms.md, "Reward model".
 Run:
     python train_rm.py                                  # built-in task, from out/sft -> out/rm
     python train_rm.py --data prefs.jsonl --init out/sft --out_dir out/rm --epochs 1
+    python train_rm.py --data chat_prefs.jsonl --init llama_sft_dir --lr 5e-6 --grad_checkpoint
     torchrun --nproc_per_node 2 train_rm.py
 
 Simplifications: pairwise only (no K-wise ranking); one epoch by default because reward models overfit
@@ -86,6 +88,9 @@ class Options:
     stop_at: int = 0              # end this run after step N with a checkpoint (--resume later) {>= 0}
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
     dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
+    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
+    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
+    grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
 
 
 # ---- the loss and the scores -----------------------------------------------------------------------
@@ -318,7 +323,10 @@ def main(argv=None):
                                       dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
                         data_files={"data": data_path, "eval_data": opts.eval_data})
     with input_errors():
-        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
+        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
+                             opts.date_string)
+        # what the data renders to: a resumed run must render the same tokens (checked by run.resume)
+        run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
         model = build_model(opts, tok)
         train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
         evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
@@ -327,6 +335,8 @@ def main(argv=None):
     gold = builtin_gold_reward if all(isinstance(p["texts"][0], str) and synthetic.is_task_prompt(p["texts"][0])
                                       for p in evals) else None
     model.to(world.device)
+    if opts.grad_checkpoint:
+        model.set_grad_checkpointing(True)
     dist.check_same_weights(model, "reward model")
     dist.seed_everything(opts.seed, world.rank)
     ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
@@ -336,7 +346,7 @@ def main(argv=None):
         batches.load_state_dict(run.resume(models={"rm": model}, optimizers={"rm": optimizer})["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
-                    global_batch=batches.global_batch, max_steps=max_steps)
+                    global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train):,} train pairs "
                 f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | global batch {batches.global_batch} "
                 f"pairs | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
@@ -374,7 +384,7 @@ def main(argv=None):
         dist.check_same_weights(model, "reward model")
         gold_note = (f" (the gold reward itself: {final['eval/gold_ranker_accuracy']:.3f}) | correlation with gold "
                      f"reward {final['eval/gold_corr']:.3f}" if "eval/gold_corr" in final else "")
-        dist.print0(f"saved {opts.out_dir} (HF GPT2ForSequenceClassification layout) | eval accuracy "
+        dist.print0(f"saved {opts.out_dir} (HF {model.architecture} layout) | eval accuracy "
                     f"{final['eval/accuracy']:.3f} | scores mean {final['eval/score_mean']:+.3f} std "
                     f"{final['eval/score_std']:.3f}" + gold_note)
     run.finish()

@@ -11,11 +11,16 @@ beginning. See docs/algorithms.md, "SFT".
 Run:
     python train_sft.py                                   # built-in task, from scratch -> out/sft
     python train_sft.py --data sft.jsonl --init gpt2_dir --out_dir out/my_sft --lr 1e-4
+    python train_sft.py --data chat.jsonl --init qwen3_dir --lr 1e-5 --packing --grad_checkpoint --dtype bfloat16
     torchrun --nproc_per_node 2 train_sft.py              # data parallel on one machine
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train_sft.py
     python train_sft.py --resume                          # continue out/sft from its last checkpoint
 
-Simplifications: no sequence packing (each row is one example, right-padded); no LoRA.
+--packing concatenates consecutive examples (in data order) into rows of up to the context length, each
+example keeping its own positions (restarting at 0) and attending only to itself (a block-diagonal causal
+mask), so the loss is exactly the unpacked one with fewer pad tokens; the eval loss runs unpacked.
+
+Simplifications: no LoRA.
 """
 import contextlib
 import os
@@ -34,8 +39,8 @@ from nano_rlhf.checkpoint import save_model_dir, save_state
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
-from nano_rlhf.data import Batches, collate_sft, load_train_eval, tokenize_sft
-from nano_rlhf.model import GPT, GPTConfig
+from nano_rlhf.data import Batches, collate_packed, collate_sft, load_train_eval, pack_sft, tokenize_sft
+from nano_rlhf.model import GPT, GPTConfig, token_logprobs
 from nano_rlhf.tokenizer import Tokenizer
 
 
@@ -44,7 +49,7 @@ class Options:
     data: str = ""                # SFT JSONL ({"prompt","completion"}, {"text"} or {"messages"}); empty = built-in task
     eval_data: str = ""           # held-out SFT JSONL for the eval loss; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
-    init: str = ""                # model directory to start from (HF GPT-2 layout); empty = from scratch
+    init: str = ""                # model directory to start from (HF GPT-2, Llama, Qwen2 or Qwen3 layout); empty = from scratch
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init, or train one on the data
     eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
     pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
@@ -78,22 +83,65 @@ class Options:
     stop_at: int = 0              # end this run after step N with a checkpoint (split a long job; --resume later) {>= 0}
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
     dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
+    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
+    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
+    grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
+    packing: bool = False         # concatenate several examples per row up to the context (each attends only to itself)
 
 
 # ---- the loss --------------------------------------------------------------------------------------
 
-def sft_nll(model, input_ids, attention_mask, loss_mask):
+def sft_nll(model, input_ids, attention_mask, loss_mask, packing=None):
     """Sum over supervised tokens of −log π(y_t | y_<t), and how many there are.
 
-    Shift: the logits at position t predict token t+1, so token t+1 is scored iff loss_mask[t+1] = 1; the
-    first response token is predicted from the last prompt position. Only those positions' logits are
-    computed (select=...), in float32 for the log-softmax whatever the autocast dtype.
+    Shift: the hidden state at position t predicts token t+1, so token t+1 is scored iff loss_mask[t+1] = 1;
+    the first response token is predicted from the last prompt position. Only those positions' hidden states
+    go through the output layer (select=...), in chunks bounded in memory for real vocabularies
+    (token_logprobs), in float32 for the log-softmax whatever the autocast dtype. `model` may be DDP-wrapped:
+    the hidden states come through its forward (return_hidden=True), which is what DDP hooks.
+    packing: (position_ids, segment_ids) of packed rows (a PackedLM model), None for one example per row.
     """
     target_mask = loss_mask[:, 1:].bool()                          # (B, T-1): is token t+1 supervised?
     select = F.pad(target_mask, (0, 1))                            # (B, T): the positions that predict them
-    logits = model(input_ids, attention_mask, select=select)       # (N, V)
+    if packing is None:
+        hidden = model(input_ids, attention_mask, select=select, return_hidden=True)           # (N, C)
+    else:
+        position_ids, segment_ids = packing
+        hidden = model(input_ids, position_ids, segment_ids, select=select, return_hidden=True)
     targets = input_ids[:, 1:][target_mask]                        # (N,)
-    return F.cross_entropy(logits.float(), targets, reduction="sum"), targets.numel()
+    return -token_logprobs(hidden, dist.unwrap(model).output_weight(), targets).sum(), targets.numel()
+
+
+# ---- packing: several examples per row, each attending only to itself -----------------------------
+
+def segment_attention_mask(segment_ids):
+    """(B, T) segment id per token -> (B, 1, T, T) bool SDPA mask: query t sees key s iff s <= t and both
+    lie in the same segment (block-diagonal causal). Padding carries its own segment id (-1), so a pad sees
+    only pads (never an empty row, which SDPA would turn into NaN) and no real token sees a pad."""
+    T = segment_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+    return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
+
+
+class PackedLM(torch.nn.Module):
+    """The policy's forward on packed rows: positions restart at 0 in each example and attention is
+    block-diagonal, so every example's logits are those it has alone in a row (no cross-contamination).
+    A module (not a function) so that DDP wraps it and hooks its forward; it owns no parameters of its own."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def output_weight(self):
+        return self.model.output_weight()
+
+    def forward(self, input_ids, position_ids, segment_ids, select=None, return_hidden=False):
+        trunk = self.model.trunk
+        # the trunk's own embedding (and pad handling) at these positions; the mask is ours
+        x, rope, _ = trunk.inputs(input_ids, None, position_ids)
+        h = trunk.final_norm(trunk.run_blocks(trunk.blocks, x, rope, segment_attention_mask(segment_ids)))
+        h = h if select is None else h[select]
+        return h if return_hidden else F.linear(h, self.output_weight())
 
 
 # ---- data and tokenizer ----------------------------------------------------------------------------
@@ -112,16 +160,18 @@ def record_texts(records):
             yield flat(r["completion"])
 
 
-def train_tokenizer(records, *, out_dir, vocab_size, reuse, eos_token, pad_token):
-    """A BPE tokenizer of vocab_size trained on the records, saved as out_dir/tokenizer.json (the model
-    directory's tokenizer); reuse=True (--resume) loads the one saved there instead. Rank 0 trains it, the
-    other ranks load that very file."""
+def train_tokenizer(records, *, out_dir, vocab_size, reuse, eos_token, pad_token, chat_template, date_string):
+    """A BPE tokenizer of vocab_size trained on the records (with the special tokens of `chat_template`;
+    auto = plain), saved as out_dir/tokenizer.json (the model directory's tokenizer) with the template and
+    date; reuse=True (--resume) loads the one saved there instead. Rank 0 trains it, the other ranks load
+    that very file."""
     path = os.path.join(out_dir, "tokenizer.json")
     if dist.world().is_main and not (reuse and os.path.isfile(path)):
         os.makedirs(out_dir, exist_ok=True)
-        Tokenizer.train(record_texts(records), vocab_size).save(path)
+        Tokenizer.train(record_texts(records), vocab_size, chat_template=chat_template,
+                        date_string=date_string or None).save(path)
     dist.barrier()
-    return load_tokenizer(path, "", eos_token, pad_token)
+    return load_tokenizer(path, "", eos_token, pad_token, chat_template, date_string)
 
 
 def load_data(opts):
@@ -164,14 +214,15 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
     is divided by the GLOBAL number of loss tokens (one all-reduce before the forwards), and multiplied by
     world_size because DDP averages gradients over ranks."""
     world, t0 = dist.world(), time.time()
-    n_loss_tokens = max(1, dist.all_reduce_sum(sum(int(lm[:, 1:].sum()) for _, _, lm in micro_batches)))
+    n_loss_tokens = max(1, dist.all_reduce_sum(sum(int(mb[2][:, 1:].sum()) for mb in micro_batches)))
     nll_sum, n_tokens = 0.0, 0
-    for j, (ids, attn, lm) in enumerate(micro_batches):
-        ids, attn, lm = ids.to(world.device), attn.to(world.device), lm.to(world.device)
+    for j, mb in enumerate(micro_batches):
+        # (ids, attn, loss mask) or, packed, (ids, attn, loss mask, position ids, segment ids)
+        ids, attn, lm, *packing = (t.to(world.device) for t in mb)
         last = j == len(micro_batches) - 1     # all-reduce gradients only on the last micro-step
         with (ddp.no_sync() if world.enabled and not last else contextlib.nullcontext()):
             with autocast(world.device, opts.dtype):
-                nll, _ = sft_nll(ddp, ids, attn, lm)
+                nll, _ = sft_nll(ddp, ids, attn, lm, packing or None)
             (nll * world.world_size / n_loss_tokens).backward()
         nll_sum += nll.item()
         n_tokens += int(attn.sum())
@@ -238,17 +289,28 @@ def main(argv=None):
                                       dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
                         data_files={"data": data_path, "eval_data": opts.eval_data})
     with input_errors():
-        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token) if opts.tokenizer or opts.init \
+        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
+                             opts.date_string) if opts.tokenizer or opts.init \
             else train_tokenizer(records, out_dir=opts.out_dir, vocab_size=opts.vocab_size, reuse=opts.resume,
-                                 eos_token=opts.eos_token, pad_token=opts.pad_token)
+                                 eos_token=opts.eos_token, pad_token=opts.pad_token,
+                                 chat_template=opts.chat_template, date_string=opts.date_string)
+        # what the data renders to: a resumed run must render the same tokens (checked by run.resume)
+        run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string, packing=opts.packing)
         model = build_model(opts, tok)
         train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
         evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
+        if opts.packing:
+            n_examples = len(train)
+            train = pack_sft(train, model.cfg.block_size)
+            train_stats = f"{train_stats}; packed {n_examples} into {len(train)} rows"
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     model.to(world.device)
+    if opts.grad_checkpoint:
+        model.set_grad_checkpointing(True)
     dist.check_same_weights(model, "policy")
     dist.seed_everything(opts.seed, world.rank)           # from here on ranks differ (dropout)
-    ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
+    trained = PackedLM(model) if opts.packing else model
+    ddp = dist.wrap_ddp(torch.compile(trained) if opts.compile else trained)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
@@ -272,13 +334,14 @@ def main(argv=None):
     for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
         lr = lr_at(step - 1, max_steps, opts.lr, opts.warmup_steps, "cosine", opts.min_lr_ratio)
         set_lr(optimizer, lr)
-        micro_batches = [collate_sft([train[i] for i in mb], tok.pad_id) for mb in batches.next_step()]
+        collate = collate_packed if opts.packing else collate_sft
+        micro_batches = [collate([train[i] for i in mb], tok.pad_id) for mb in batches.next_step()]
         metrics = train_step(ddp, optimizer, micro_batches, opts, step - 1)
         metrics.update({"train/lr": lr, "train/epoch": batches.epoch + batches.pos / len(train)})
         if run.end_of_step(step, metrics, evaluate=evaluate, save=save):
             break
     dist.check_same_weights(model, "policy")     # DDP kept every rank in lock-step: prove it
-    dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout + tokenizer.json); "
+    dist.print0(f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
                 f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
     run.finish()
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)

@@ -22,6 +22,10 @@ dropped. For {"messages"} rows "the response" is everything from the start of th
 does: the first max_len tokens, with the end-of-text only if it still fits. All counts are returned and
 logged.
 
+Packing (SFT --packing): consecutive examples share a row up to the context length (pack_sft), with
+per-token position ids restarting at 0 and segment ids from which the script builds a block-diagonal
+causal attention mask.
+
 Padding: training batches are right-padded (real tokens first, so positions need no mask); prompts for
 generation are left-padded (so every row's next token is at the same index).
 """
@@ -242,12 +246,13 @@ class Stats(dict):
 
 def tokenize_sft(records, tok, max_len):
     """-> [(ids, loss_mask)], Stats. The loss mask covers completion / assistant tokens (+ end-of-text);
-    {"text"} rows train on every token and end with end-of-text; longer ones keep their first max_len
+    {"text"} rows train on every token, start with bos when the tokenizer adds one (Llama) and end with
+    end-of-text; longer ones keep their first max_len
     tokens (the end-of-text only if it fits) instead of being dropped."""
     out, st = [], Stats(kept=0, truncated=0, dropped=0)
     for r in records:
         if "text" in r:
-            ids = tok.encode(r["text"]) + [tok.eos_id]
+            ids = tok.encode_text(r["text"])      # [bos] + text + eos: bos where the tokenizer adds one
             st["truncated"] += len(ids) > max_len
             out.append((ids[:max_len], [1] * min(len(ids), max_len)))
             st["kept"] += 1
@@ -268,6 +273,36 @@ def tokenize_sft(records, tok, max_len):
         out.append((ids, mask))
         st["kept"] += 1
     return out, st
+
+
+def pack_sft(examples, max_len):
+    """Greedy packing in data order: [(ids, loss_mask)] (each at most max_len, as tokenize_sft leaves them)
+    -> packed rows [(ids, loss_mask, lengths)], each the concatenation of consecutive examples while they
+    fit in max_len (`lengths`: the examples' lengths, in order). Each example's first token carries no loss
+    in its row: it is predicted by nothing of its own (unpacked, the shift drops it too), and must not be
+    predicted from the previous example's last token."""
+    rows, cur = [], None
+    for ids, mask in examples:
+        if len(ids) > max_len:
+            raise ValueError(f"an example of {len(ids)} tokens is longer than the context ({max_len}); "
+                             f"tokenize_sft applies the over-long rule first")
+        if cur is None or len(cur[0]) + len(ids) > max_len:
+            cur = ([], [], [])
+            rows.append(cur)
+        cur[0].extend(ids)
+        cur[1].extend([0] + list(mask[1:]))
+        cur[2].append(len(ids))
+    return rows
+
+
+def collate_packed(rows, pad_id):
+    """Packed rows -> input_ids, attention_mask, loss_mask, position_ids, segment_ids, all (B, T),
+    right-padded. Positions restart at 0 in each example; segment ids number the examples of a row 0, 1, ...
+    and are -1 on padding (see train_sft.segment_attention_mask)."""
+    ids, attn, loss = collate_sft([(r[0], r[1]) for r in rows], pad_id)
+    pos = pad_right([[p for n in r[2] for p in range(n)] for r in rows], 0, ids.shape[1])
+    seg = pad_right([[k for k, n in enumerate(r[2]) for _ in range(n)] for r in rows], -1, ids.shape[1])
+    return ids, attn, loss, pos, seg
 
 
 def _final_span_start(mask):

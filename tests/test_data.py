@@ -198,3 +198,33 @@ def test_warnings_reach_stderr_once(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: 4 preference pair(s) in {path} have chosen == rejected (no preference to learn; kept), "
                    f"first at {path}:1"]
+
+
+def test_pack_sft_is_greedy_in_data_order_and_unsupervises_each_first_token():
+    from nano_rlhf.data import collate_packed, pack_sft
+    ex = [([1, 2, 3], [1, 1, 1]), ([4, 5], [0, 1]), ([6, 7, 8, 9], [0, 0, 1, 1]), ([10], [1]), ([11, 12], [0, 1])]
+    rows = pack_sft(ex, 5)
+    assert [r[0] for r in rows] == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]
+    assert [r[1] for r in rows] == [[0, 1, 1, 0, 1], [0, 0, 1, 1, 0], [0, 1]]
+    assert [r[2] for r in rows] == [[3, 2], [4, 1], [2]]
+    ids, attn, lm, pos, seg = collate_packed(rows, 99)
+    assert ids[2].tolist() == [11, 12, 99, 99, 99] and attn[2].tolist() == [1, 1, 0, 0, 0]
+    assert pos.tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0], [0, 1, 0, 0, 0]]
+    assert seg.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 1], [0, 0, -1, -1, -1]]
+    with pytest.raises(ValueError, match="longer than the context"):
+        pack_sft([([1] * 6, [1] * 6)], 5)
+
+
+def test_text_rows_start_with_bos_where_the_tokenizer_adds_one(tmp_path):
+    """A Llama-style tokenizer (bos added by its post-processor) gets its bos on {"text"} rows, as on
+    conversations; a GPT-2-style one (no bos) is unchanged."""
+    from hf_fixtures import make_hf_dir
+    from nano_rlhf.common import load_tokenizer
+    from nano_rlhf.data import tokenize_sft
+    text = "the motor is great."
+    for family, has_bos in (("llama", True), ("qwen3", False)):
+        tok = load_tokenizer("", make_hf_dir(tmp_path / family, family))
+        (ids, mask), = tokenize_sft([{"text": text}], tok, 64)[0]
+        body = tok.encode(text)
+        assert ids == ([tok.bos_id] if has_bos else []) + body + [tok.eos_id], family
+        assert mask == [1] * len(ids)

@@ -13,13 +13,18 @@ from train_sft import sft_nll
 
 
 class FakeLM:
-    """Stands in for the model: returns rows of a given logits tensor at the selected positions."""
+    """Stands in for the model: its "hidden states" are the rows of a given logits tensor at the selected
+    positions and its output layer is the identity, so the logits are exactly those rows."""
 
     def __init__(self, logits):
         self.logits = logits
 
-    def __call__(self, ids, attn, select=None):
+    def __call__(self, ids, attn, select=None, return_hidden=False):
+        assert return_hidden
         return self.logits if select is None else self.logits[select]
+
+    def output_weight(self):
+        return torch.eye(self.logits.shape[-1])
 
 
 def test_sft_loss_equals_float64_hand_computation():
@@ -291,3 +296,116 @@ def test_out_dir_inside_init_is_refused(tmp_path, tok, capsys):
     code, err = run_main(main, args, capsys)
     assert code != 0 and err[-1].startswith(f"error: --out_dir {out} is, or is inside, the input --init {init}")
     assert not out.exists()
+
+
+# ---- --packing ---------------------------------------------------------------------------------------
+
+def packing_examples(tok):
+    """Prompt/completion examples of varied lengths and a {"text"} example (loss on its first token too)."""
+    from nano_rlhf.data import tokenize_sft
+    rows = [{"prompt": "write a short review of the phone.", "completion": " the motor is great."},
+            {"prompt": "review", "completion": " bad."},
+            {"text": "i love this blender and the screen is fine."},
+            {"prompt": "write a short review of the blender.", "completion": " it was loud and the battery is bad."},
+            {"prompt": "a short review", "completion": " nice."}]
+    return tokenize_sft(rows, tok, 64)[0]
+
+
+def packed_and_unpacked(model, examples, block_size):
+    """(packed NLL sum, count, grads) and (unpacked NLL sum, count, grads) of the same examples."""
+    from nano_rlhf.data import collate_packed, collate_sft, pack_sft
+    from train_sft import PackedLM
+    rows = pack_sft(examples, block_size)
+    assert len(rows) < len(examples) and max(len(r[0]) for r in rows) <= block_size
+    out = []
+    for packed in (True, False):
+        model.zero_grad()
+        if packed:
+            ids, attn, lm, pos, seg = collate_packed(rows, model.cfg.pad_token_id)
+            nll, n = sft_nll(PackedLM(model), ids, attn, lm, (pos, seg))
+        else:
+            ids, attn, lm = collate_sft(examples, model.cfg.pad_token_id)
+            nll, n = sft_nll(model, ids, attn, lm)
+        nll.backward()
+        out.append((nll.item(), n, {k: p.grad.clone() for k, p in model.named_parameters()}))
+    return out
+
+
+def test_packed_loss_and_gradients_equal_unpacked(tok):
+    """The packed batch's summed NLL, loss-token count and gradients equal those of the same examples one per
+    row: positions restart per example and attention never crosses an example (GPT-2's learned positions
+    would see any offset; a leak across examples would change every later example's loss)."""
+    model = tiny_model(tok)
+    (p_nll, p_n, p_grad), (u_nll, u_n, u_grad) = packed_and_unpacked(model, packing_examples(tok), 40)
+    assert p_n == u_n > 0
+    assert p_nll == pytest.approx(u_nll, rel=1e-5)
+    for k in u_grad:
+        assert torch.allclose(p_grad[k], u_grad[k], atol=1e-6, rtol=1e-4), k
+
+
+def test_packed_logits_of_each_example_equal_it_alone(tok):
+    from nano_rlhf.data import collate_packed, pack_sft
+    from train_sft import PackedLM
+    model, examples = tiny_model(tok), packing_examples(tok)
+    rows = pack_sft(examples, 40)
+    ids, _, _, pos, seg = collate_packed(rows, tok.pad_id)
+    with torch.no_grad():
+        logits = PackedLM(model)(ids, pos, seg)
+        i = 0
+        for b, row in enumerate(rows):
+            start = 0
+            for n in row[2]:
+                alone = model(torch.tensor([examples[i][0]]))[0]
+                assert torch.allclose(logits[b, start:start + n], alone, atol=1e-5), (b, i)
+                start, i = start + n, i + 1
+    assert i == len(examples)
+    # and the mask is what makes it so: plain causal attention over the packed row differs
+    with torch.no_grad():
+        assert not torch.allclose(model(ids, position_ids=pos)[0, rows[0][2][0]:], logits[0, rows[0][2][0]:],
+                                  atol=1e-3)
+
+
+def test_segment_mask_is_block_diagonal_causal():
+    from train_sft import segment_attention_mask
+    seg = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    want = torch.tensor([[1, 0, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0, 0],
+                         [0, 0, 1, 0, 0, 0],
+                         [0, 0, 1, 1, 0, 0],
+                         [0, 0, 1, 1, 1, 0],
+                         [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(segment_attention_mask(seg), want[None, None])
+
+
+@pytest.mark.slow
+def test_packing_end_to_end_and_ddp_equals_one_process(tmp_path):
+    """--packing trains (fewer rows than examples, logged), and 2 ranks x 1 packed row == 1 process x 2 rows
+    (the PackedLM forward is what DDP wraps and hooks)."""
+    p = run(sft_args(tmp_path, "a", "--packing", "--batch_size", "2"))
+    assert "packed" in p.stdout and "rows" in p.stdout
+    tk = str(tmp_path / "a" / "tokenizer.json")
+    run(sft_args(tmp_path, "b", "--packing", "--batch_size", "1", "--tokenizer", tk), nproc=2)
+    assert weights_close(weights(tmp_path / "a"), weights(tmp_path / "b"))
+    la = [json.loads(x)["train/loss"] for x in open(tmp_path / "a" / "metrics.jsonl")]
+    lb = [json.loads(x)["train/loss"] for x in open(tmp_path / "b" / "metrics.jsonl")]
+    assert la == pytest.approx(lb, rel=1e-4)
+
+
+def test_from_scratch_tokenizer_gets_the_chat_template(tmp_path):
+    """--chat_template on the from-scratch path: the trained tokenizer has the template's special tokens, the
+    messages are rendered with it, and the saved tokenizer renders them the same in transformers."""
+    transformers = pytest.importorskip("transformers")
+    from train_sft import main
+    from nano_rlhf.common import load_tokenizer
+    msgs = [[{"role": "user", "content": f"write a short review of the {w}."},
+             {"role": "assistant", "content": f"the {w} is great."}] for w in WORDS]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in msgs * 2])
+    main(["--data", data, "--out_dir", str(tmp_path / "out"), "--max_steps", "1", "--n_layer", "1", "--n_head", "2",
+          "--n_embd", "32", "--vocab_size", "300", "--chat_template", "chatml", "--batch_size", "4"])
+    tok = load_tokenizer("", str(tmp_path / "out"))
+    assert tok.chat_template == "chatml" and tok.eot_token == "<|im_end|>"
+    ids, mask = tok.encode_conversation(msgs[0])
+    assert ids.count(tok.eot_id) == 2 and tok.eot_id in [i for i, m in zip(ids, mask) if m]
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    got = hf.apply_chat_template(msgs[0], tokenize=True)
+    assert (got["input_ids"] if hasattr(got, "keys") else got) == ids
