@@ -214,3 +214,79 @@ def test_option_paths_end_to_end(tmp_path, sft_dir, rm_dir, extra):
     assert (out.ref is None) == ("--kl_coef" in extra)
     if "gold" in extra:
         assert "train/gold_reward" in m[-1] and "eval/gold_reward" in m[-1]
+
+
+@pytest.mark.parametrize("extra, option", [
+    (["--kl_coef", "-0.5"], "--kl_coef"),
+    (["--clip_eps", "-0.2"], "--clip_eps"),
+    (["--eval_samples", "0"], "--eval_samples"),
+    (["--log_interval", "0"], "--log_interval"),
+    (["--batch_size", "0"], "--batch_size"),
+    (["--lr", "-1"], "--lr"),
+    (["--grad_clip", "-1"], "--grad_clip"),
+    (["--max_steps", "-1"], "--max_steps"),
+    (["--critic_warmup_steps", "-1"], "--critic_warmup_steps"),
+    (["--eval_fraction", "1.5"], "--eval_fraction"),
+    (["--reward", "nocolon"], "--reward"),
+    (["--reward", "no_such_module_q:f"], "--reward"),
+    pytest.param(["--device", "cuda"], "--device cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
+])
+def test_bad_flags_one_line_nothing_written(tmp_path, sft_dir, rm_dir, extra, option):
+    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and option in lines[0], p.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_ref_with_a_smaller_vocabulary_is_one_line(tmp_path, tok, sft_dir, rm_dir):
+    small = tmp_path / "small"
+    tiny_model(None, vocab_size=tok.vocab_size - 10).save_pretrained(str(small))
+    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", "--ref", str(small)), check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1 and str(small) in lines[0] and "vocabulary" in lines[0], p.stderr
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_own_prompts_are_evaluated_on_a_held_out_share_of_them(tmp_path, sft_dir, rm_dir, capsys):
+    """--prompts without --eval_prompts: evaluation samples come from --eval_fraction of the user's prompts,
+    never from the built-in task (whose gold reward would then be computed on prompts it does not know)."""
+    rows = [{"prompt": f"say something about item {i}."} for i in range(40)]
+    write_jsonl(tmp_path / "own.jsonl", rows)
+    args = ppo_args(tmp_path, sft_dir, rm_dir, "own")
+    i = args.index("--eval_prompts")
+    del args[i:i + 2]
+    args[args.index("--prompts") + 1] = str(tmp_path / "own.jsonl")
+    train_ppo.main(args + ["--eval_fraction", "0.1"])
+    shown = [line.split("'")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  sample |")]
+    assert shown and all(s in {r["prompt"] for r in rows} for s in shown)
+    last = metrics(tmp_path / "own")[-1]
+    assert "eval/rm_score" in last and not any("gold" in k for k in last)
+
+
+def test_critic_warmup_trains_the_critic_only(tmp_path, sft_dir, rm_dir):
+    out = train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "warm", "--critic_warmup_steps", "2", steps=2))
+    init = GPT.from_pretrained(sft_dir).state_dict()
+    assert all(torch.equal(init[k], v) for k, v in out.policy.state_dict().items())          # policy untouched
+    rm = ScoreModel.from_pretrained(rm_dir).state_dict()
+    assert any(not torch.equal(rm[k], v) for k, v in out.critic.state_dict().items())       # critic trained
+    assert all("train/policy_loss" not in m and "train/value_loss" in m for m in metrics(tmp_path / "warm"))
+
+
+def test_advantages_leave_the_rollout_untouched():
+    g = torch.Generator().manual_seed(0)
+    B, R = 8, 5
+    mask = (torch.arange(R)[None] < torch.randint(1, R + 1, (B,), generator=g)[:, None]).float()
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = train_ppo.Rollout(query_response=torch.zeros(B, R + 3, dtype=torch.long), attention_mask=torch.ones(B, R + 3),
+                          response_mask=mask, logprobs=rnd(B, R), ref_logprobs=rnd(B, R), values=rnd(B, R),
+                          scores=rnd(B), raw_scores=rnd(B), gold=None, has_eos=torch.ones(B), completions=[""] * B)
+    before = {k: v.clone() for k, v in vars(r).items() if torch.is_tensor(v)}
+    for est in ("gae", "reinforce_pp", "rloo", "grpo", "dr_grpo"):
+        out = train_ppo.advantages(r, estimator=est, beta=0.1, k=4)
+        assert out.adv.shape == (B, R) and (out.adv * (1 - mask) == 0).all()
+        assert (out.returns is not None) == (est == "gae")
+    assert all(torch.equal(before[k], getattr(r, k)) for k in before)
+    # the sequence reward's KL part: −β Σ_t k1 for the group estimators
+    want = -0.1 * ((r.logprobs - r.ref_logprobs) * mask).sum(1)
+    assert torch.allclose(train_ppo.advantages(r, estimator="rloo", beta=0.1, k=4).kl_penalty, want)
