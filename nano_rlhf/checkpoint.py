@@ -10,6 +10,7 @@ out_dir/
     optim_<name>.safetensors + optim_<name>.json    optimizer tensors + param groups / scalars
     rng_rank<r>.safetensors + rng_rank<r>.json      RNG states of every rank (torch, cuda, python, numpy)
     meta.json                                       step, data position, KL controller, ... (script-defined)
+    run.json                                        what defines the run (nano_rlhf.run checks it on --resume)
 
 The state directory is written to `state.tmp/`, then swapped in with renames (state -> state.old,
 state.tmp -> state, delete state.old). A crash at any point leaves a complete `state/` or `state.old/`,
@@ -25,6 +26,35 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import dist
+
+# A function returning the run's identity record, registered by nano_rlhf.run.start(); save_state writes it
+# into every state directory as run.json, inside the atomic swap, so a state never exists without it.
+RUN_INFO = None
+
+
+class StateError(ValueError):
+    """A missing, truncated or corrupt file in a state directory (a ValueError, so common.input_errors
+    turns it into one line)."""
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise StateError(f"{path}: missing; the saved state is incomplete") from None
+    except (OSError, ValueError) as e:
+        raise StateError(f"{path}: unreadable or corrupt ({e}); the saved state is damaged") from None
+
+
+def _read_tensors(path):
+    if not os.path.isfile(path):
+        raise StateError(f"{path}: missing; the saved state is incomplete")
+    try:
+        return load_file(path)
+    except Exception as e:      # safetensors raises its own error types for truncated / bad headers
+        raise StateError(f"{path}: unreadable or corrupt ({type(e).__name__}: {e}); the saved state is damaged") \
+            from None
 
 
 def atomic_write_text(path, text):
@@ -111,7 +141,8 @@ def _set_rng_state(tensors, meta, generators):
 # ---- resumable state --------------------------------------------------------------------------
 
 def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: dict = None):
-    """Write out_dir/state atomically. Collective: every rank must call it (each saves its RNG)."""
+    """Write out_dir/state atomically. Collective: every rank must call it (each saves its RNG).
+    Also writes run.json (the run identity registered by nano_rlhf.run.start), when there is one."""
     ctx = dist.ctx()
     final, tmp, old = (os.path.join(out_dir, s) for s in ("state", "state.tmp", "state.old"))
     if ctx.is_main:
@@ -130,6 +161,8 @@ def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: 
     write_json(os.path.join(tmp, f"rng_rank{ctx.rank}.json"), rmeta)
     dist.barrier()
     if ctx.is_main:
+        if RUN_INFO is not None:
+            write_json(os.path.join(tmp, "run.json"), dict(RUN_INFO(), world_size=ctx.world_size, step=meta.get("step")))
         write_json(os.path.join(tmp, "meta.json"), dict(meta, world_size=ctx.world_size))  # written last
         if os.path.isdir(final):
             shutil.rmtree(old, ignore_errors=True)
@@ -149,24 +182,33 @@ def find_state(out_dir):
 
 
 def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None) -> dict:
-    """Restore models, optimizers and this rank's RNG from out_dir/state; returns meta.json."""
+    """Restore models, optimizers and this rank's RNG from out_dir/state; returns meta.json.
+    A missing, truncated or corrupt file raises StateError naming it. RNG: with the world size it was
+    saved with, this rank's RNG file must exist; with another world size the RNG streams restart (a note)."""
     d = find_state(out_dir)
     if d is None:
         raise FileNotFoundError(f"{out_dir}: no saved state to resume from (expected {out_dir}/state/meta.json)")
-    with open(os.path.join(d, "meta.json")) as f:
-        meta = json.load(f)
+    meta = _read_json(os.path.join(d, "meta.json"))
     for name, m in models.items():
-        dist.unwrap(m).load_state_dict(load_file(os.path.join(d, f"model_{name}.safetensors")))
+        path = os.path.join(d, f"model_{name}.safetensors")
+        try:
+            dist.unwrap(m).load_state_dict(_read_tensors(path))
+        except RuntimeError as e:       # missing / unexpected keys, shape mismatch
+            raise StateError(f"{path}: does not fit the model ({str(e).splitlines()[0]})") from None
     for name, opt in optimizers.items():
-        with open(os.path.join(d, f"optim_{name}.json")) as f:
-            ometa = json.load(f)
-        _optim_from_flat(opt, load_file(os.path.join(d, f"optim_{name}.safetensors")), ometa)
-    rank = dist.ctx().rank
-    rpath = os.path.join(d, f"rng_rank{rank}.safetensors")
-    if meta.get("world_size") == dist.ctx().world_size and os.path.isfile(rpath):
-        with open(os.path.join(d, f"rng_rank{rank}.json")) as f:
-            _set_rng_state(load_file(rpath), json.load(f), generators)
+        tpath, jpath = (os.path.join(d, f"optim_{name}.{ext}") for ext in ("safetensors", "json"))
+        try:
+            _optim_from_flat(opt, _read_tensors(tpath), _read_json(jpath))
+        except (KeyError, TypeError, RuntimeError) as e:
+            raise StateError(f"{tpath}: does not fit the optimizer ({type(e).__name__}: {e})") from None
+    rank, world_size = dist.ctx().rank, dist.ctx().world_size
+    rpath, rjson = os.path.join(d, f"rng_rank{rank}.safetensors"), os.path.join(d, f"rng_rank{rank}.json")
+    if meta.get("world_size") == world_size:
+        try:
+            _set_rng_state(_read_tensors(rpath), _read_json(rjson), generators)
+        except (KeyError, TypeError, IndexError, RuntimeError) as e:
+            raise StateError(f"{rpath}: does not hold a usable RNG state ({type(e).__name__}: {e})") from None
     else:
-        dist.print0(f"note: resuming with {dist.ctx().world_size} ranks from a state saved with "
+        dist.print0(f"note: resuming with {world_size} ranks from a state saved with "
                     f"{meta.get('world_size')}: RNG streams restart (data order is unaffected)")
     return meta

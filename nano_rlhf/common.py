@@ -16,6 +16,9 @@ from .data import DataError
 def fail(msg: str, code: int = 1):
     """Print one clear line to stderr and exit non-zero (all ranks do the same)."""
     print(f"error: {msg}", file=sys.stderr, flush=True)
+    from . import run        # the live Run (if any) releases its lock and undoes a run that saved nothing
+    if run._current is not None:
+        run._current.abort()
     dist.cleanup(sync=False)
     sys.exit(code)
 

@@ -8,12 +8,24 @@
 becomes `--lr 0.0003 --loss ipo`; the trailing comment of each field is its `--help` line, shown with
 its default. Booleans take `--flag`, `--flag true` or `--flag false`; `Literal[...]` gives choices;
 `Optional[int] = None` takes an int or `none`.
+
+A comment may end with a range in braces, which parse_args enforces before anything else runs (and
+--help shows, as part of the comment):
+
+    lr: float = 3e-4            # peak learning rate {> 0}
+    top_p: float = 1.0          # nucleus sampling {0 < x <= 1}
+
+Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x < b}; a, b are numbers
+(`inf`, `-inf` allowed). `none` is always allowed for an Optional field. A violation prints one line,
+`error: --lr must be > 0 (got -1.0)`, and exits with status 2 (argparse's status for a bad command line).
 """
 import argparse
 import dataclasses
 import inspect
 import io
 import json
+import operator
+import re
 import sys
 import tokenize
 import typing
@@ -33,6 +45,52 @@ def _field_comments(cls):
         elif tok.type == tokenize.COMMENT and row in line_names:
             comments[line_names[row]] = tok.string.lstrip("#").strip()
     return comments
+
+
+_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+_NUM = r"(-?(?:inf|\d+(?:\.\d*)?(?:e-?\d+)?|\.\d+(?:e-?\d+)?))"
+_ONE_SIDED = re.compile(r"^(>=|<=|>|<)\s*" + _NUM + r"$")
+_TWO_SIDED = re.compile(r"^" + _NUM + r"\s*(<=|<)\s*x\s*(<=|<)\s*" + _NUM + r"$")
+_RANGE = re.compile(r"\{([^{}]*)\}\s*$")
+
+
+def parse_range(comment: str):
+    """The range a field comment ends with, as (text, [(op, bound), ...]) with every condition on x
+    (`{0 <= x < 0.5}` -> [(">=", 0.0), ("<", 0.5)]), or None when the comment has no range.
+    A brace group that is not a valid range is a programming error (ValueError)."""
+    m = _RANGE.search(comment or "")
+    if m is None:
+        return None
+    text = " ".join(m.group(1).split())
+    one, two = _ONE_SIDED.match(text), _TWO_SIDED.match(text)
+    if one:
+        return text, [(one.group(1), float(one.group(2)))]
+    if two:
+        lo, op_lo, op_hi, hi = two.groups()
+        flip = {"<": ">", "<=": ">="}          # `a < x` is `x > a`
+        return text, [(flip[op_lo], float(lo)), (op_hi, float(hi))]
+    raise ValueError(f"bad range {{{text}}} in option comment {comment!r}")
+
+
+def range_violation(name: str, value, rng):
+    """The one-line message for a value outside its declared range, or None when it is inside."""
+    if rng is None or value is None:
+        return None
+    text, conds = rng
+    if all(_OPS[op](value, bound) for op, bound in conds):
+        return None
+    what = f"be {text}" if len(conds) == 1 else f"satisfy {text}"
+    return f"--{name} must {what} (got {value})"
+
+
+def check_ranges(opts):
+    """Exit 2 with one line on the first option outside its declared range (see the module docstring)."""
+    comments = _field_comments(type(opts))
+    for f in dataclasses.fields(opts):
+        msg = range_violation(f.name, getattr(opts, f.name), parse_range(comments.get(f.name, "")))
+        if msg:
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
 
 def _bool(s):
@@ -77,7 +135,9 @@ def build_parser(cls, description=None):
 def parse_args(cls, argv=None, description=None):
     """Parse argv (default sys.argv[1:]) into an instance of the dataclass `cls`."""
     ns = build_parser(cls, description).parse_args(sys.argv[1:] if argv is None else argv)
-    return cls(**vars(ns))
+    opts = cls(**vars(ns))
+    check_ranges(opts)
+    return opts
 
 
 def to_dict(opts):

@@ -4,6 +4,7 @@ sharding, and the start-up check that every rank holds the same weights.
 Run as usual (`python train_x.py`) for one process, or `torchrun --nproc_per_node N train_x.py` for N.
 Backend: NCCL on CUDA, gloo on CPU (so DDP also runs, and is tested, on a laptop).
 """
+import datetime
 import hashlib
 import os
 import random
@@ -48,8 +49,13 @@ def keep_freed_memory():
         pass
 
 
-def setup(device: str = "auto") -> Dist:
-    """Initialise the process group when launched by torchrun (WORLD_SIZE > 1); choose the device."""
+def setup(device: str = "auto", timeout_minutes: float = 10.0) -> Dist:
+    """Initialise the process group when launched by torchrun (WORLD_SIZE > 1); choose the device.
+    Returns THE module-global context (also `dist.world()`).
+
+    timeout_minutes bounds how long a rank waits for the others in a collective: if one rank dies or
+    hangs, the others fail with an error naming the collective after this long instead of waiting forever
+    (gloo always; NCCL with its async error handling, on by default in recent torch)."""
     global _CTX
     keep_freed_memory()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -60,7 +66,8 @@ def setup(device: str = "auto") -> Dist:
         device = f"cuda:{local}"
         torch.cuda.set_device(local)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
     _CTX = Dist(rank, local, world, torch.device(device))
     return _CTX
 
@@ -75,8 +82,30 @@ def cleanup(sync=True):
         dist.destroy_process_group()
 
 
-def ctx() -> Dist:
+def world() -> Dist:
+    """The distributed context set by setup() (rank, local_rank, world_size, device, is_main, enabled)."""
     return _CTX
+
+
+def ctx() -> Dist:
+    """Deprecated alias of world()."""
+    return _CTX
+
+
+def ddp_scale() -> int:
+    """DDP averages gradients over ranks; a loss written as (this rank's sum) / (global count) must be
+    multiplied by this (= world_size) before backward so the averaged gradient is that of the global
+    sum / global count."""
+    return _CTX.world_size
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank (a no-op in a single process). Collective."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def print0(*args, **kwargs):

@@ -1,0 +1,392 @@
+"""A training run's life cycle around the loop: out_dir safety, the lock, resume checks, the end of each step
+(eval / log / save / stop), and cleaning up after a failed start. Not algorithm; every script uses it the same way:
+
+    run = run_mod.start(opts, script="sft", identity={...}, inputs={"init": opts.init}, data_files={"data": path})
+    ... load models ...
+    if opts.resume:
+        meta = run.resume(models={"policy": model}, optimizers={"policy": opt})
+    for step in range(run.step + 1, max_steps + 1):
+        ... one optimizer step -> metrics ...
+        if run.end_of_step(step, metrics, evaluate=evaluate_fn, save=save_fn):
+            break
+    run.finish()
+
+Only rank 0 touches the file system; the other ranks only take part in the collectives (a broadcast of rank 0's
+verdict, so every rank stops with the same one-line error).
+"""
+import atexit
+import hashlib
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+
+from . import checkpoint, dist
+from .checkpoint import atomic_write_text, find_state, write_json
+from .common import check_finite, fail
+
+# Everything this project writes into an out_dir: a directory holding one of these holds a run.
+RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_config.json",
+             "metrics.jsonl", "samples.jsonl", "tensorboard", "state", "state.old", "state.tmp")
+# Options that may differ between a run and its --resume (the global batch is checked instead of its factors).
+CHANGEABLE = {"max_steps", "stop_at", "log_interval", "eval_interval", "save_interval", "report_to", "device",
+              "dist_timeout", "overwrite", "resume", "world_size", "batch_size", "grad_accum"}
+_current = None          # the live Run of this process (common.fail aborts it)
+
+
+def _inside(path, parent):
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _collective_check(fn):
+    """Run fn() on rank 0 (it returns an error message or None); every rank fails with that message."""
+    msg = dist.broadcast_object(fn() if dist.world().is_main else None)
+    if msg:
+        fail(msg)
+
+
+class Run:
+    def __init__(self, opts, script, identity, inputs, data_files, max_steps):
+        self.opts, self.out_dir, self.max_steps = opts, opts.out_dir, max_steps
+        self.identity = {"script": script, **identity}
+        self.inputs = {k: v for k, v in (inputs or {}).items() if v}
+        self.data_files = {k: v for k, v in (data_files or {}).items() if v}
+        self.step, self.meta = 0, {}
+        self.show = ["train/loss", "eval/loss"]     # keys of the progress line, in order
+        self.loss_key = "train/loss"                # a non-finite value of it stops the run
+        self.main = dist.world().is_main
+        self.report_to = getattr(opts, "report_to", "none")
+        self.saved = self.finished = False
+        self.created_dir, self.before = None, set()  # what to remove if the run fails before its first save
+        self.lock_path = os.path.join(self.out_dir, ".lock")
+        self.have_lock = False
+        self.writer = self.wandb = None
+        self.t0, self.step0 = time.time(), 0
+
+    # ---- start-up checks (rank 0) ------------------------------------------------------------------
+    def _check_out_dir(self):
+        o, out = self.opts, self.out_dir
+        resume, overwrite = getattr(o, "resume", False), getattr(o, "overwrite", False)
+        if resume and overwrite:
+            return "--overwrite and --resume contradict each other: --resume continues the run in --out_dir"
+        for name, path in self.inputs.items():
+            if _inside(out, path):
+                return f"--out_dir {out} is, or is inside, the input --{name} {path}; choose another --out_dir"
+        missing = self.report_to != "none" and self._import_backend()
+        if missing:
+            return missing
+        if not os.path.isdir(out):
+            top = os.path.abspath(out)               # the outermost directory this run creates
+            while not os.path.exists(os.path.dirname(top)):
+                top = os.path.dirname(top)
+            try:
+                os.makedirs(out)
+            except OSError as e:
+                return f"--out_dir {out}: cannot be created ({e.strerror or e})"
+            self.created_dir = top
+        self.before = set(os.listdir(out))
+        msg = self._lock()
+        if msg:
+            self._remove_created()
+            return msg
+        present = sorted(self.before & set(RUN_FILES))
+        if resume and find_state(out) is None:
+            return f"--resume: {out} has no saved state to resume from (no {out}/state/meta.json)"
+        if present and not resume and not overwrite:
+            return (f"--out_dir {out} already holds a run ({', '.join(present)}); pass --resume to continue it "
+                    "or --overwrite to replace it")
+        if present and overwrite:
+            print(f"note: --overwrite: removing the previous run's files from {out} ({', '.join(present)})",
+                  flush=True)
+            for name in present:
+                p = os.path.join(out, name)
+                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+            self.before -= set(present)
+        return None
+
+    def _lock(self):
+        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+        for _ in range(2):
+            try:
+                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    with open(self.lock_path) as f:
+                        held = json.load(f)
+                    pid, host = int(held["pid"]), held["host"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    pid, host = None, None           # a lock half-written by a killed run
+                if pid is not None and host != socket.gethostname():
+                    return (f"{self.out_dir} is in use by another run (pid {pid} on {host}); if that run is dead, "
+                            f"delete {self.lock_path}")
+                if pid is not None and pid != os.getpid() and _pid_alive(pid):
+                    return (f"{self.out_dir} is in use by another run (pid {pid}); wait for it to finish or "
+                            "choose another --out_dir")
+                if pid != os.getpid():
+                    print(f"note: taking over the stale lock {self.lock_path} (pid {pid} is not running)", flush=True)
+                os.remove(self.lock_path)
+                continue
+            except OSError as e:
+                return f"--out_dir {self.out_dir}: not writable ({e.strerror or e})"
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            self.have_lock = True
+            return None
+        return f"{self.out_dir}: could not take the lock {self.lock_path}"
+
+    def _import_backend(self):
+        try:
+            if self.report_to == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            elif self.report_to == "wandb":
+                import wandb  # noqa: F401
+            else:
+                return f"--report_to must be none, tensorboard or wandb (got {self.report_to!r})"
+        except ImportError:
+            return f"--report_to {self.report_to} needs the {self.report_to} package: pip install {self.report_to}"
+        return None
+
+    def _open_backend(self):
+        if self.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(os.path.join(self.out_dir, "tensorboard"))
+        elif self.report_to == "wandb":
+            import wandb
+            from .config import to_dict
+            self.wandb = wandb
+            wandb.init(project="nano_rlhf", name=os.path.basename(os.path.abspath(self.out_dir)),
+                       config=to_dict(self.opts), resume="allow" if getattr(self.opts, "resume", False) else None)
+
+    def record(self):
+        """run.json's content (written by checkpoint.save_state with every save). The data hashes are taken
+        at the first save, not in start(): the files may be generated after it (the built-in task)."""
+        from .config import to_dict
+        if not hasattr(self, "_sha"):
+            self._sha = self._data_sha()
+        return {"identity": self.identity, "data_sha256": self._sha, "options": to_dict(self.opts)}
+
+    # ---- resume ------------------------------------------------------------------------------------
+    def _data_sha(self):
+        return {k: (sha256_file(p) if os.path.isfile(p) else None) for k, p in self.data_files.items()}
+
+    def _identity_diff(self):
+        d = find_state(self.out_dir)
+        saved = checkpoint._read_json(os.path.join(d, "run.json")) if os.path.isfile(os.path.join(d, "run.json")) \
+            else None
+        if saved is None:
+            return (f"--resume: {d} has no run.json (saved by an older version), so it cannot be checked to be "
+                    "the same run; start a new run")
+        now = json.loads(json.dumps(self.identity))
+        diffs = [f"{k} {saved['identity'].get(k)!r} != {now.get(k)!r}"
+                 for k in sorted(set(saved["identity"]) | set(now))
+                 if k not in CHANGEABLE and saved["identity"].get(k) != now.get(k)]
+        sha = self._data_sha()
+        bad = [os.path.basename(self.data_files.get(k, k)) for k in sorted(set(saved.get("data_sha256", {})) | set(sha))
+               if saved.get("data_sha256", {}).get(k) != sha.get(k)]
+        if bad:
+            diffs.append(f"data sha256 differs ({', '.join(bad)})")
+        if diffs:
+            return f"--resume: {self.out_dir} was saved by a different run (saved != now): {'; '.join(diffs)}"
+        return None
+
+    def resume(self, models, optimizers, generators=None):
+        """Check the saved run is this run, then restore models, optimizers and RNG; returns meta
+        (also run.meta) and sets run.step. Collective."""
+        _collective_check(lambda: self._wrap_error(self._identity_diff))
+        try:
+            self.meta = checkpoint.load_state(self.out_dir, models, optimizers, generators)
+        except (checkpoint.StateError, FileNotFoundError) as e:
+            fail(f"--resume: {e}")
+        self.step = self.step0 = int(self.meta["step"])
+        if self.main:
+            self._trim_log(self.step)
+        return self.meta
+
+    def _wrap_error(self, fn):
+        try:
+            return fn()
+        except checkpoint.StateError as e:
+            return f"--resume: {e}"
+        except (KeyError, TypeError, AttributeError) as e:
+            return f"--resume: {find_state(self.out_dir)}/run.json is malformed ({type(e).__name__}: {e})"
+
+    def _trim_log(self, step):
+        """Drop metrics logged after the resumed checkpoint (they are about to be redone)."""
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            path = os.path.join(self.out_dir, name)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
+                atomic_write_text(path, "".join(keep))
+
+    # ---- the end of a step -------------------------------------------------------------------------
+    def _due(self, interval, step):
+        return (interval and step % interval == 0) or step == self.max_steps
+
+    def end_of_step(self, step, metrics, evaluate=None, save=None):
+        """Eval, log, save as due at `step` (the number of optimizer steps done); True when the loop must stop.
+        evaluate() -> dict of eval metrics (called on every rank); save(step) writes the checkpoint (every rank)."""
+        o = self.opts
+        for key in [self.loss_key] if isinstance(self.loss_key, str) else self.loss_key:
+            if key in metrics:
+                check_finite(float(metrics[key]), step, self.out_dir, key.split("/")[-1].replace("_", " "))
+        eval_due = evaluate is not None and self._due(getattr(o, "eval_interval", 0), step)
+        if eval_due:
+            metrics.update(evaluate())
+        if eval_due or self._due(getattr(o, "log_interval", 1), step):
+            self.log(step, metrics)
+            self._progress(step, metrics)
+        stop_at = getattr(o, "stop_at", 0)
+        if save is not None and (self._due(getattr(o, "save_interval", 0), step) or step == stop_at):
+            save(step)
+            self.saved = True
+        if step == stop_at and step < self.max_steps:
+            dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
+        return step == stop_at or step >= self.max_steps
+
+    def log(self, step, metrics):
+        """Append metrics to out_dir/metrics.jsonl and mirror them to --report_to (rank 0)."""
+        if not self.main:
+            return
+        rec = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.writer is not None:
+            for k, v in numbers.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def _progress(self, step, metrics):
+        """`step 120/1000 | loss 1.234 | ... | 12,345 tok/s | eta 1m05s` (rank 0)."""
+        if not self.main:
+            return
+        parts = [f"step {step}/{self.max_steps}"]
+        for k in self.show:
+            if k in metrics:
+                v, name = metrics[k], k.replace("train/", "").replace("/", "_")
+                parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
+        if "train/tokens_per_s" in metrics:
+            parts.append(f"{metrics['train/tokens_per_s']:,.0f} tok/s")
+        if step > self.step0:
+            eta = (time.time() - self.t0) / (step - self.step0) * max(0, self.max_steps - step)
+            parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+        print(" | ".join(parts), flush=True)
+
+    def log_samples(self, step, rows):
+        """Sampled completions (dicts with prompt, completion, score, ...) -> out_dir/samples.jsonl and the
+        --report_to backend (a W&B table / TensorBoard markdown text) (rank 0)."""
+        if not self.main or not rows:
+            return
+        with open(os.path.join(self.out_dir, "samples.jsonl"), "a") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        if self.writer is not None:
+            cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            table += ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows]
+            self.writer.add_text("samples", "\n".join(table), step)
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log({"samples": self.wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])},
+                           step=step)
+
+    # ---- the end -----------------------------------------------------------------------------------
+    def finish(self):
+        """Normal end: close the backend, release the lock, tear down the process group. Collective."""
+        global _current
+        self.finished = True
+        dist.barrier()
+        self._close()
+        dist.cleanup()
+        _current = None
+
+    def _close(self):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+        if self.have_lock:
+            try:
+                os.remove(self.lock_path)
+            except OSError:
+                pass
+            self.have_lock = False
+
+    def _remove_created(self):
+        """Undo what this run wrote into out_dir (nothing was saved yet): the directory if this run created
+        it (and its parents it created, if empty), else the entries that were not there before."""
+        if self.created_dir is not None:
+            shutil.rmtree(self.created_dir, ignore_errors=True)
+        elif os.path.isdir(self.out_dir):
+            for name in set(os.listdir(self.out_dir)) - self.before:
+                p = os.path.join(self.out_dir, name)
+                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
+
+    def abort(self):
+        """Error exit (common.fail, an exception, an exit without finish()): release the lock and, when
+        nothing was saved by a from-scratch run, remove what it wrote."""
+        global _current
+        if self.finished:
+            return
+        self.finished = True
+        if self.main:
+            self._close()
+            if not self.saved and not getattr(self.opts, "resume", False):
+                self._remove_created()
+        if _current is self:
+            _current = None
+
+
+def start(opts, script, identity=None, inputs=None, data_files=None, max_steps=None) -> Run:
+    """Check --out_dir, take its lock, open --report_to; before any model is loaded. Collective.
+    max_steps defaults to opts.max_steps; set run.max_steps when the script derives it later (from epochs)."""
+    global _current
+    if _current is not None:          # a previous run in this process ended without finish() (tests)
+        _current.abort()
+    run = Run(opts, script, dict(identity or {}), inputs, data_files,
+              getattr(opts, "max_steps", 0) if max_steps is None else max_steps)
+    w = dist.world()
+    run.identity.setdefault("global_batch", getattr(opts, "batch_size", 1) * getattr(opts, "grad_accum", 1)
+                            * w.world_size)
+    _current = run
+    _collective_check(run._check_out_dir)
+    if run.main:
+        checkpoint.RUN_INFO = run.record
+        run._open_backend()
+    return run
+
+
+def _at_exit():
+    if _current is not None:
+        _current.abort()
+
+
+atexit.register(_at_exit)
