@@ -47,8 +47,9 @@ import torch.nn.functional as F
 
 from nano_rlhf import dist
 from nano_rlhf import reward as reward_mod
-from nano_rlhf.checkpoint import find_state, load_state, save_model_dir, save_state
-from nano_rlhf.common import (Logger, adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft
@@ -117,6 +118,9 @@ class Options:
     save_interval: int = 50       # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
     resume: bool = False          # continue from out_dir/state
     stop_at: int = 0              # end this run after step N with a checkpoint (--resume later) {>= 0}
+    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
 
 # ---- the rollout container and the models ---------------------------------------------------------
@@ -348,7 +352,7 @@ def token_mean_scale(global_count):
     """Multiplier of a micro-batch's SUMMED loss so the gradients DDP averages over ranks add up to the
     token-mean over all micro-batches of all ranks: × world_size undoes DDP's mean, ÷ the global count
     (all-reduced beforehand) makes it a mean. The one place this factor is written."""
-    return dist.ctx().world_size / max(global_count, 1)
+    return dist.ddp_scale() / max(global_count, 1)
 
 
 # ---- rollout ---------------------------------------------------------------------------------------
@@ -427,7 +431,7 @@ class Ptx:
 
 def ptx_backward(policy: Learner, ptx: Ptx, opts):
     """γ_ptx · NLL of one SFT batch (token-mean over all ranks), backward without gradient sync."""
-    world = dist.ctx()
+    world = dist.world()
     device = next(policy.model.parameters()).device
     ids, attn, loss_mask = (t.to(device) for t in collate_sft([ptx.examples[i] for i in ptx.batches.next_step()[0]],
                                                               ptx.pad_id))
@@ -444,7 +448,7 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
            ptx: Optional[Ptx] = None):
     """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critic only (warm-up).
     Returns named sums over this rank's tokens (and summed gradient norms) for the step's statistics."""
-    world = dist.ctx()
+    world = dist.world()
     B = r.query_response.shape[0]
     mb_size = B // opts.num_minibatches
     clip_high = opts.clip_high if opts.clip_high is not None else opts.clip_eps
@@ -502,28 +506,13 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
 # ---- set-up -----------------------------------------------------------------------------------------
 
 def check_options(opts):
-    """Rules between options (single-option ranges are declared on the Options fields)."""
-    for name in ("batch_size", "samples_per_prompt", "num_minibatches", "ppo_epochs", "max_new_tokens",
-                 "eval_samples", "log_interval", "max_steps"):
-        if getattr(opts, name) < 1:
-            fail(f"--{name} must be >= 1 (got {getattr(opts, name)})")
-    for name in ("lr", "critic_lr", "grad_clip", "kl_coef", "entropy_coef", "ptx_coef", "micro_batch_size",
-                 "critic_warmup_steps", "warmup_steps", "eval_interval", "save_interval", "stop_at"):
-        if getattr(opts, name) < 0:
-            fail(f"--{name} must be >= 0 (got {getattr(opts, name)})")
-    for name in ("clip_eps", "value_clip", "score_clip", "temperature", "adam_eps"):
-        if not getattr(opts, name) > 0:
-            fail(f"--{name} must be > 0 (got {getattr(opts, name)})")
-    if opts.clip_high is not None and not opts.clip_high > 0:
-        fail(f"--clip_high must be > 0 (got {opts.clip_high})")
-    if not 0 < opts.eval_fraction < 1:
-        fail(f"--eval_fraction must be in (0, 1) (got {opts.eval_fraction})")
+    """Rules between options; each option's own range is declared on its Options field (checked on parsing)."""
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
     if opts.advantage in GROUP and opts.samples_per_prompt < 2:
         fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)")
-    if opts.adaptive_kl and not (opts.kl_coef > 0 and opts.kl_target > 0 and opts.kl_horizon > 0):
-        fail("--adaptive_kl needs --kl_coef, --kl_target and --kl_horizon > 0 (β is adapted multiplicatively)")
+    if opts.adaptive_kl and not opts.kl_coef > 0:
+        fail("--adaptive_kl needs --kl_coef > 0 (β is adapted multiplicatively)")
     if bool(opts.ptx_data) != (opts.ptx_coef > 0):
         fail("the PTX term needs both --ptx_data FILE and --ptx_coef > 0")
     if opts.advantage in GROUP and opts.kl_estimator != "k1" and not opts.kl_in_loss:
@@ -539,12 +528,6 @@ def check_options(opts):
     if mb_size % (opts.micro_batch_size or mb_size):
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
              f"{opts.micro_batch_size}")
-    if opts.resume and find_state(opts.out_dir or default_out_dir(opts)) is None:
-        fail(f"{opts.out_dir or default_out_dir(opts)}: --resume given but there is no saved state in it")
-
-
-def default_out_dir(opts):
-    return "out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}"
 
 
 def load_prompts(opts):
@@ -609,13 +592,16 @@ def step_metrics(r: Rollout, targets: Advantages, sums, beta):
 def main(argv=None):
     opts = parse_args(Options, argv, __doc__)
     check_options(opts)
-    opts.out_dir = opts.out_dir or default_out_dir(opts)
+    opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
     if opts.critic_init == "auto":
         opts.critic_init = "reward_model" if opts.reward == "model" else "policy"
-    world = dist.setup(opts.device)
     mb_size = opts.batch_size * opts.samples_per_prompt // opts.num_minibatches
     opts.micro_batch_size = opts.micro_batch_size or mb_size
-
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    run = run_mod.start(opts, script="ppo", identity=run_identity(opts),
+                        inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model},
+                        data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
+                                    "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
     with input_errors():
         prompt_records, eval_records = load_prompts(opts)
         ptx_records = load_records(opts.ptx_data, "sft") if opts.ptx_data else None
@@ -644,38 +630,36 @@ def main(argv=None):
         critic = Learner(models.critic, dist.wrap_ddp(models.critic),
                          adamw(models.critic, opts.critic_lr, opts.weight_decay, eps=opts.adam_eps))
     trained = {"policy": policy, **({"critic": critic} if critic else {})}
+    state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
+                 generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
-    gens = {"rollout": gen, "shuffle": shuffle_gen}
-    step = 0
     if opts.resume:
-        meta = load_state(opts.out_dir, {k: v.model for k, v in trained.items()}, {k: v.opt for k, v in trained.items()},
-                          gens)
-        step, kl_ctl.beta = meta["step"], meta["kl_coef"]
+        meta = run.resume(**state)
+        kl_ctl.beta = meta["kl_coef"]
         prompt_batches.load_state_dict(meta["data"])
         if ptx is not None and "ptx_data" in meta:
             ptx.batches.load_state_dict(meta["ptx_data"])
     if world.is_main:
-        os.makedirs(opts.out_dir, exist_ok=True)
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size)
     dist.print0(f"{opts.advantage.upper()} | reward {opts.reward} | {len(prompts):,} prompts ({prompt_stats}) | "
                 f"{opts.batch_size} prompts x {opts.samples_per_prompt} samples x {world.world_size} ranks per step | "
                 f"{opts.ppo_epochs} epochs x {opts.num_minibatches} minibatches of {mb_size} (micro "
                 f"{opts.micro_batch_size}) | critic: {opts.critic_init if critic else 'none'} | {opts.max_steps} steps"
-                + (f" | resuming at step {step}" if step else ""))
-    log = Logger(opts.out_dir, opts.max_steps, resume=opts.resume, start_step=step)
-    shown = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac", "train/response_length",
-             "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]
+                + (f" | resuming at step {run.step}" if run.step else ""))
+    run.show = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac",
+                "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]
+    run.loss_key = ["train/policy_loss", "train/value_loss"]
 
-    def evaluate():
+    def evaluate(step):
         """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps); rank 0 only."""
         metrics = {}
         if world.is_main:
             samples = sample_and_score(models.policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
                                        ref=models.ref, rewards=eval_rewards(models, opts))
             metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
+            run.log_samples(step, samples[:8])
             for smp in samples[:3]:
-                dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}"
-                            + (f" | gold {smp['gold_reward']:+.2f}" if "gold_reward" in smp else ""))
+                dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}")
         dist.barrier()
         return metrics
 
@@ -683,15 +667,14 @@ def main(argv=None):
         meta = {"step": step, "kl_coef": kl_ctl.beta, "data": prompt_batches.state_dict()}
         if ptx is not None:
             meta["ptx_data"] = ptx.batches.state_dict()
-        save_state(opts.out_dir, {k: v.model for k, v in trained.items()}, {k: v.opt for k, v in trained.items()},
-                   meta, gens)
+        save_state(opts.out_dir, meta=meta, **state)
         save_model_dir(opts.out_dir, models.policy, tok)
 
-    if step == 0 and opts.eval_interval:       # the starting point of the eval curves
-        log.log(0, evaluate())
-    while step < opts.max_steps:
+    if run.step == 0 and opts.eval_interval:       # the starting point of the eval curves
+        run.log(0, evaluate(0))
+    for step in range(run.step + 1, opts.max_steps + 1):
         t0 = time.time()
-        set_lr(policy.opt, lr_at(step, opts.max_steps, opts.lr, opts.warmup_steps, "constant"))
+        set_lr(policy.opt, lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant"))
         batch = [prompts[i] for i in prompt_batches.next_step()[0]]
         r = rollout(batch, models, tok, opts, gen)
         t_gen = time.time() - t0
@@ -701,10 +684,9 @@ def main(argv=None):
         if opts.advantage in WHITENED:         # whiten over the valid tokens of ALL ranks: one all-reduce of 3 sums
             n, total, total_sq = dist.all_reduce_sum(masked_sums(targets.adv, r.response_mask))
             targets.adv = masked_whiten(targets.adv, r.response_mask, n, total, total_sq)
-        warming_up = step < opts.critic_warmup_steps and critic is not None
+        warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(r, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
                       gen=shuffle_gen, ptx=ptx)
-        step += 1
         metrics = step_metrics(r, targets, sums, beta)
         if opts.adaptive_kl:
             kl_ctl.update(metrics["train/kl"], dist.all_reduce_sum(float(r.scores.shape[0])))
@@ -713,23 +695,24 @@ def main(argv=None):
                                                      masked_sums(targets.returns - r.values, r.response_mask)]))
             metrics["train/explained_variance"] = explained_variance(ev_sums[:3], ev_sums[3:])
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
-        check_finite(metrics.get("train/policy_loss", metrics.get("train/value_loss", 0.0)), step, opts.out_dir, "loss")
-        if (opts.eval_interval and step % opts.eval_interval == 0) or step == opts.max_steps:
-            metrics.update(evaluate())
-        if step % opts.log_interval == 0 or step == opts.max_steps:
-            log.log(step, metrics)
-            log.progress(step, metrics, shown, None)
-        if (opts.save_interval and step % opts.save_interval == 0) or step in (opts.max_steps, opts.stop_at):
-            save(step)
-        if step == opts.stop_at:
-            dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
+        if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
     for name, learner in trained.items():
         dist.check_same_weights(learner.model, name)
     dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout)")
-    dist.cleanup()
+    run.finish()
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
-                           optimizers={k: v.opt for k, v in trained.items()}, options=opts)
+                           optimizers=state["optimizers"], options=opts)
+
+
+def run_identity(opts):
+    """What defines a PPO run (compared on --resume): the estimator, the reward, the models, the batch shape."""
+    keys = ("advantage", "reward", "init", "ref", "critic_init", "samples_per_prompt", "max_new_tokens", "temperature",
+            "kl_estimator", "kl_in_loss", "adaptive_kl", "ppo_epochs", "num_minibatches", "seed")
+    identity = {k: getattr(opts, k) for k in keys}
+    if opts.reward == "model":
+        identity["reward_model"] = opts.reward_model
+    return identity
 
 
 def eval_rewards(models: Models, opts):
