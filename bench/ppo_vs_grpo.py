@@ -5,8 +5,10 @@ completions per step and equal steps. One command:
     python bench/ppo_vs_grpo.py --steps 100        # longer runs
     python bench/ppo_vs_grpo.py --old_defaults     # also PPO at the previous defaults (16 completions, lr 2e-5)
 
-The task ("colours"): `What colour is the {thing}?` -> ` {colour}.`; every thing has one (made-up) colour,
-and answers differ in that one word. The SFT demonstrations name the right colour 40% of the time
+The task ("colours"): `What colour is the {thing}?` -> ` The {thing} is {colour}.`; every thing has one
+(made-up) colour, and answers differ in that one word. (With bare one-word answers, ` red.`, the reward model
+stays at chance after an epoch: it must tie a prompt word to the answer across the whole context; repeating
+the thing next to the colour makes the pair local, and the RM reaches ~0.8-1.0 held-out accuracy.) The SFT demonstrations name the right colour 40% of the time
 (else a wrong one), so the SFT policy starts well below the top; preference pairs (right vs wrong colour)
 train the reward model. The gold reward (`gold` below: 1 when the answer names the thing's colour and no
 other colour, else 0) only JUDGES: both RL runs are trained on the same trained reward model — one reward
@@ -52,7 +54,7 @@ def prompt(thing, phrasing):
 
 
 def answer(thing, colour):
-    return f" {colour}."
+    return f" The {thing} is {colour}."
 
 
 def write_task(d, seed=0):
@@ -94,7 +96,7 @@ def sh(*args, log=None):
 
 def evaluate(d, models, task, summary):
     sh("-m", "nano_rlhf.evaluate", "--model", *models, "--ref", models[0], "--prompts", f"{task}/eval_prompts.jsonl",
-       "--reward", "bench/ppo_vs_grpo.py:gold", "--samples_per_prompt", "4", "--max_new_tokens", "8",
+       "--reward", "bench/ppo_vs_grpo.py:gold", "--samples_per_prompt", "4", "--max_new_tokens", "12",
        "--summary", summary, "--seed", "1", log=os.path.join(d, "evaluate.log"))
     return {r["model"]: r for r in json.load(open(summary))}
 
@@ -102,7 +104,7 @@ def evaluate(d, models, task, summary):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="runs/ppo_vs_grpo")
-    p.add_argument("--steps", type=int, default=40, help="RL steps of each run")
+    p.add_argument("--steps", type=int, default=30, help="RL steps of each run")
     p.add_argument("--old_defaults", action="store_true", help="also run PPO at the previous defaults")
     a = p.parse_args(argv)
     d, task = a.out_dir, os.path.join(a.out_dir, "task")
@@ -113,10 +115,10 @@ def main(argv=None):
                       "--out_dir", f"{d}/sft", "--vocab_size", "512", "--max_steps", "200", "--eval_interval", "0",
                       *small, log=f"{d}/sft.log")
     times["rm"] = sh("train_rm.py", "--init", f"{d}/sft", "--data", f"{task}/pref.jsonl", "--eval_data",
-                     f"{task}/pref_eval.jsonl", "--out_dir", f"{d}/rm", "--max_steps", "60", log=f"{d}/rm.log")
+                     f"{task}/pref_eval.jsonl", "--out_dir", f"{d}/rm", log=f"{d}/rm.log")
     rm_acc = [json.loads(x) for x in open(f"{d}/rm/metrics.jsonl") if "eval/accuracy" in x]
     common = ["--init", f"{d}/sft", "--reward_model", f"{d}/rm", "--prompts", f"{task}/prompts.jsonl",
-              "--eval_prompts", f"{task}/eval_prompts.jsonl", "--max_new_tokens", "8", "--max_steps", str(a.steps),
+              "--eval_prompts", f"{task}/eval_prompts.jsonl", "--max_new_tokens", "12", "--max_steps", str(a.steps),
               "--eval_interval", "0", "--eval_samples", "8", "--save_interval", "0"]
     runs = {"ppo": ["--advantage", "gae"],                                  # the defaults: 8 x 8, lr 2e-4, warm-up
             "grpo": ["--advantage", "grpo"]}                                # the same 8 x 8 completions, lr, β
