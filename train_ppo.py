@@ -164,6 +164,10 @@ class Learner:
     ddp: torch.nn.Module
     opt: torch.optim.Optimizer
 
+    @classmethod
+    def of(cls, model, lr, opts):
+        return cls(model, dist.wrap_ddp(model), adamw(model, lr, opts.weight_decay, eps=opts.adam_eps))
+
     def step(self, grad_clip):
         """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -623,12 +627,8 @@ def main(argv=None):
     dist.seed_everything(opts.seed, world.rank)
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
-    policy = Learner(models.policy, dist.wrap_ddp(models.policy),
-                     adamw(models.policy, opts.lr, opts.weight_decay, eps=opts.adam_eps))
-    critic = None
-    if models.critic is not None:
-        critic = Learner(models.critic, dist.wrap_ddp(models.critic),
-                         adamw(models.critic, opts.critic_lr, opts.weight_decay, eps=opts.adam_eps))
+    policy = Learner.of(models.policy, opts.lr, opts)
+    critic = Learner.of(models.critic, opts.critic_lr, opts) if models.critic is not None else None
     trained = {"policy": policy, **({"critic": critic} if critic else {})}
     state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
