@@ -39,15 +39,22 @@ class RewardModel:
     """A reward-model directory (train_rm.py's output) as a reward function. Scores are read at the
     end-of-text appended after the completion, exactly where train_rm.py trained them."""
 
-    def __init__(self, model_dir, tokenizer, device="cpu", batch_size=64):
+    def __init__(self, model, tokenizer, batch_size=64, mean=None, std=None):
+        """model: a ScoreModel (frozen here); mean/std: the score statistics train_rm.py recorded (None = none)."""
+        self.model = model.requires_grad_(False).eval()
+        self.tok, self.batch_size = tokenizer, batch_size
+        self.device = next(model.parameters()).device
+        self.has_stats = mean is not None
+        self.mean, self.std = float(mean or 0.0), float(std or 1.0)
+
+    @classmethod
+    def from_dir(cls, model_dir, tokenizer, device="cpu", batch_size=64):
         from .common import check_vocab
         from .model import ScoreModel
-        self.model = ScoreModel.from_pretrained(model_dir, dropout=0.0).requires_grad_(False).eval().to(device)
-        check_vocab(tokenizer, self.model.cfg, model_dir)        # it scores the policy tokenizer's ids
-        self.tok, self.device, self.batch_size, self.name = tokenizer, torch.device(device), batch_size, model_dir
-        stats = self.model.extra_config
-        self.has_stats = "reward_mean" in stats
-        self.mean, self.std = float(stats.get("reward_mean", 0.0)), float(stats.get("reward_std", 1.0) or 1.0)
+        model = ScoreModel.from_pretrained(model_dir, dropout=0.0).to(device)
+        check_vocab(tokenizer, model.cfg, model_dir)             # it scores the policy tokenizer's ids
+        stats = model.extra_config
+        return cls(model, tokenizer, batch_size, stats.get("reward_mean"), stats.get("reward_std"))
 
     @torch.no_grad()
     def score_tokens(self, ids, attn):
@@ -168,4 +175,4 @@ def load_reward(spec, *, tokenizer=None, device="cpu", prompts=None, batch_size=
         return load_function(spec)
     if tokenizer is None:
         raise ValueError(f"{spec}: a reward model needs the tokenizer whose ids it scores")
-    return RewardModel(spec, tokenizer, device, batch_size)
+    return RewardModel.from_dir(spec, tokenizer, device, batch_size)
