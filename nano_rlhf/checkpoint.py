@@ -11,15 +11,20 @@ out_dir/
     rng_rank<r>.safetensors + rng_rank<r>.json      RNG states of every rank (torch, cuda, python, numpy)
     meta.json                                       step, data position, KL controller, ... (script-defined)
     run.json                                        what defines the run (nano_rlhf.run checks it on --resume)
+  samples.jsonl, tensorboard/                       sampled completions; the --report_to tensorboard mirror
+  .lock                                             pid + host of the run using out_dir (held with flock)
 
 The state directory is written to `state.tmp/`, then swapped in with renames (state -> state.old,
 state.tmp -> state, delete state.old). A crash at any point leaves a complete `state/` or `state.old/`,
 and `load_state` takes whichever is complete.
 """
+import fcntl
+import hashlib
 import json
 import os
 import random
 import shutil
+import socket
 
 import numpy as np
 import torch
@@ -212,3 +217,67 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
         dist.print0(f"note: resuming with {world_size} ranks from a state saved with "
                     f"{meta.get('world_size')}: RNG streams restart (data order is unaffected)")
     return meta
+
+
+# ---- out_dir: what a run is, and the lock ---------------------------------------------------------
+
+# Everything this project writes into an out_dir: a directory holding any of these holds a run.
+RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_config.json",
+             "metrics.jsonl", "samples.jsonl", "tensorboard", "state", "state.old", "state.tmp")
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class OutDirLock:
+    """An exclusive lock on out_dir/.lock. flock is released by the kernel when its holder dies, so a lock
+    file left by a killed run is simply taken over; the file's content (pid, host) names the holder."""
+
+    def __init__(self, out_dir):
+        self.path, self.fd = os.path.join(out_dir, ".lock"), None
+
+    def acquire(self):
+        """None when taken, else the one-line reason (held by a live run; out_dir not writable)."""
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                return f"--out_dir {os.path.dirname(self.path)}: not writable ({e.strerror or e})"
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = os.read(fd, 200).decode(errors="replace").split()
+                os.close(fd)
+                who = f"pid {held[0]}" + (f" on {held[1]}" if len(held) > 1 and held[1] != socket.gethostname()
+                                         else "") if held else "another process"
+                return (f"{os.path.dirname(self.path)} is in use by another run ({who}); wait for it to end "
+                        "or choose another --out_dir")
+            # the holder may have unlinked the file between our open and flock: then lock the new file
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            old = os.read(fd, 200).decode(errors="replace").split()
+            if old and old[0] != str(os.getpid()):
+                print(f"note: taking over the stale lock {self.path} (pid {old[0]} is not running)", flush=True)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            self.fd = fd
+            return None
+
+    def release(self):
+        if self.fd is not None:
+            try:
+                os.remove(self.path)
+            except OSError:
+                pass
+            os.close(self.fd)       # closing drops the flock
+            self.fd = None

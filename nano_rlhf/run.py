@@ -1,11 +1,12 @@
 """A training run's life cycle around the loop: out_dir safety, the lock, resume checks, the end of each step
 (eval / log / save / stop), and cleaning up after a failed start. Not algorithm; every script uses it the same way:
 
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
     run = run_mod.start(opts, script="sft", identity={...}, inputs={"init": opts.init}, data_files={"data": path})
-    ... load models ...
+    ... load data and models; run.max_steps = max_steps if derived from --epochs ...
     if opts.resume:
         meta = run.resume(models={"policy": model}, optimizers={"policy": opt})
-    for step in range(run.step + 1, max_steps + 1):
+    for step in range(run.step + 1, run.max_steps + 1):
         ... one optimizer step -> metrics ...
         if run.end_of_step(step, metrics, evaluate=evaluate_fn, save=save_fn):
             break
@@ -13,24 +14,24 @@
 
 Only rank 0 touches the file system; the other ranks only take part in the collectives (a broadcast of rank 0's
 verdict, so every rank stops with the same one-line error).
+
+out_dir rules: it may not be (or be inside) an input directory; one holding a run (any of
+checkpoint.RUN_FILES) needs --resume or --overwrite (which first deletes those files, and only those); a
+lock (out_dir/.lock, flock) keeps a second run out. A run that ends in an error before its first save removes
+what it created (out_dir itself if it created it). --resume compares the saved identity (state/run.json) with
+this run's: every field but CHANGEABLE must match, the global batch included, and the data files' sha256.
 """
 import atexit
-import hashlib
 import json
-import math
 import os
 import shutil
-import socket
-import sys
 import time
 
 from . import checkpoint, dist
-from .checkpoint import atomic_write_text, find_state, write_json
+from .checkpoint import RUN_FILES, OutDirLock, atomic_write_text, find_state, sha256_file
 from .common import check_finite, fail
+from .config import to_dict
 
-# Everything this project writes into an out_dir: a directory holding one of these holds a run.
-RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_config.json",
-             "metrics.jsonl", "samples.jsonl", "tensorboard", "state", "state.old", "state.tmp")
 # Options that may differ between a run and its --resume (the global batch is checked instead of its factors).
 CHANGEABLE = {"max_steps", "stop_at", "log_interval", "eval_interval", "save_interval", "report_to", "device",
               "dist_timeout", "overwrite", "resume", "world_size", "batch_size", "grad_accum"}
@@ -42,27 +43,25 @@ def _inside(path, parent):
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
-def _pid_alive(pid):
+def _step_of(line):
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")       # a line cut by a crash: drop it
 
 
 def _collective_check(fn):
-    """Run fn() on rank 0 (it returns an error message or None); every rank fails with that message."""
-    msg = dist.broadcast_object(fn() if dist.world().is_main else None)
+    """Run fn() on rank 0 (it returns an error message or None); every rank fails with that message. A bug
+    (an exception) in fn is re-raised on rank 0 after the others were told, so no rank waits for it."""
+    msg, bug = None, None
+    if dist.world().is_main:
+        try:
+            msg = fn()
+        except Exception as e:
+            msg, bug = f"rank 0 failed in a start-up check ({type(e).__name__}: {e})", e
+    msg = dist.broadcast_object(msg)
+    if bug is not None:
+        raise bug
     if msg:
         fail(msg)
 
@@ -79,9 +78,8 @@ class Run:
         self.main = dist.world().is_main
         self.report_to = getattr(opts, "report_to", "none")
         self.saved = self.finished = False
-        self.created_dir, self.before = None, set()  # what to remove if the run fails before its first save
-        self.lock_path = os.path.join(self.out_dir, ".lock")
-        self.have_lock = False
+        self.created_dir, self.before = None, None  # what to remove if the run fails before its first save
+        self.lock = OutDirLock(self.out_dir)
         self.writer = self.wandb = None
         self.t0, self.step0 = time.time(), 0
 
@@ -107,7 +105,7 @@ class Run:
                 return f"--out_dir {out}: cannot be created ({e.strerror or e})"
             self.created_dir = top
         self.before = set(os.listdir(out))
-        msg = self._lock()
+        msg = self.lock.acquire()
         if msg:
             self._remove_created()
             return msg
@@ -125,36 +123,6 @@ class Run:
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
             self.before -= set(present)
         return None
-
-    def _lock(self):
-        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
-        for _ in range(2):
-            try:
-                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    with open(self.lock_path) as f:
-                        held = json.load(f)
-                    pid, host = int(held["pid"]), held["host"]
-                except (OSError, ValueError, KeyError, TypeError):
-                    pid, host = None, None           # a lock half-written by a killed run
-                if pid is not None and host != socket.gethostname():
-                    return (f"{self.out_dir} is in use by another run (pid {pid} on {host}); if that run is dead, "
-                            f"delete {self.lock_path}")
-                if pid is not None and pid != os.getpid() and _pid_alive(pid):
-                    return (f"{self.out_dir} is in use by another run (pid {pid}); wait for it to finish or "
-                            "choose another --out_dir")
-                if pid != os.getpid():
-                    print(f"note: taking over the stale lock {self.lock_path} (pid {pid} is not running)", flush=True)
-                os.remove(self.lock_path)
-                continue
-            except OSError as e:
-                return f"--out_dir {self.out_dir}: not writable ({e.strerror or e})"
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            self.have_lock = True
-            return None
-        return f"{self.out_dir}: could not take the lock {self.lock_path}"
 
     def _import_backend(self):
         try:
@@ -174,15 +142,13 @@ class Run:
             self.writer = SummaryWriter(os.path.join(self.out_dir, "tensorboard"))
         elif self.report_to == "wandb":
             import wandb
-            from .config import to_dict
             self.wandb = wandb
             wandb.init(project="nano_rlhf", name=os.path.basename(os.path.abspath(self.out_dir)),
-                       config=to_dict(self.opts), resume="allow" if getattr(self.opts, "resume", False) else None)
+                       config=to_dict(self.opts))
 
     def record(self):
         """run.json's content (written by checkpoint.save_state with every save). The data hashes are taken
         at the first save, not in start(): the files may be generated after it (the built-in task)."""
-        from .config import to_dict
         if not hasattr(self, "_sha"):
             self._sha = self._data_sha()
         return {"identity": self.identity, "data_sha256": self._sha, "options": to_dict(self.opts)}
@@ -192,19 +158,25 @@ class Run:
         return {k: (sha256_file(p) if os.path.isfile(p) else None) for k, p in self.data_files.items()}
 
     def _identity_diff(self):
+        """None when the saved run.json describes this run, else the one-line refusal."""
         d = find_state(self.out_dir)
-        saved = checkpoint._read_json(os.path.join(d, "run.json")) if os.path.isfile(os.path.join(d, "run.json")) \
-            else None
-        if saved is None:
-            return (f"--resume: {d} has no run.json (saved by an older version), so it cannot be checked to be "
-                    "the same run; start a new run")
-        now = json.loads(json.dumps(self.identity))
-        diffs = [f"{k} {saved['identity'].get(k)!r} != {now.get(k)!r}"
-                 for k in sorted(set(saved["identity"]) | set(now))
-                 if k not in CHANGEABLE and saved["identity"].get(k) != now.get(k)]
-        sha = self._data_sha()
-        bad = [os.path.basename(self.data_files.get(k, k)) for k in sorted(set(saved.get("data_sha256", {})) | set(sha))
-               if saved.get("data_sha256", {}).get(k) != sha.get(k)]
+        if d is None:
+            return f"--resume: {self.out_dir} has no saved state to resume from (no {self.out_dir}/state/meta.json)"
+        path = os.path.join(d, "run.json")
+        if not os.path.isfile(path):
+            return f"--resume: {path}: missing (a state saved without a run identity cannot be checked)"
+        try:
+            saved = checkpoint._read_json(path)
+            was, now = saved["identity"], json.loads(json.dumps(self.identity))
+            diffs = [f"{k} {was.get(k)!r} != {now.get(k)!r}" for k in sorted(set(was) | set(now))
+                     if k not in CHANGEABLE and was.get(k) != now.get(k)]
+            was_sha, sha = saved["data_sha256"], self._data_sha()
+        except checkpoint.StateError as e:
+            return f"--resume: {e}"
+        except (KeyError, TypeError, AttributeError) as e:
+            return f"--resume: {path}: malformed ({type(e).__name__}: {e})"
+        bad = [os.path.basename(self.data_files.get(k, k)) for k in sorted(set(was_sha) | set(sha))
+               if was_sha.get(k) != sha.get(k)]
         if bad:
             diffs.append(f"data sha256 differs ({', '.join(bad)})")
         if diffs:
@@ -212,34 +184,22 @@ class Run:
         return None
 
     def resume(self, models, optimizers, generators=None):
-        """Check the saved run is this run, then restore models, optimizers and RNG; returns meta
-        (also run.meta) and sets run.step. Collective."""
-        _collective_check(lambda: self._wrap_error(self._identity_diff))
+        """Check the saved run is this run, then restore models, optimizers and RNG (checkpoint.load_state);
+        returns meta (also run.meta) and sets run.step. Collective."""
+        _collective_check(self._identity_diff)
         try:
             self.meta = checkpoint.load_state(self.out_dir, models, optimizers, generators)
         except (checkpoint.StateError, FileNotFoundError) as e:
             fail(f"--resume: {e}")
         self.step = self.step0 = int(self.meta["step"])
-        if self.main:
-            self._trim_log(self.step)
+        if self.main:          # drop what was logged after the checkpoint: those steps are about to be redone
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                path = os.path.join(self.out_dir, name)
+                if os.path.isfile(path):
+                    with open(path) as f:
+                        keep = [ln for ln in f if _step_of(ln) <= self.step]
+                    atomic_write_text(path, "".join(keep))
         return self.meta
-
-    def _wrap_error(self, fn):
-        try:
-            return fn()
-        except checkpoint.StateError as e:
-            return f"--resume: {e}"
-        except (KeyError, TypeError, AttributeError) as e:
-            return f"--resume: {find_state(self.out_dir)}/run.json is malformed ({type(e).__name__}: {e})"
-
-    def _trim_log(self, step):
-        """Drop metrics logged after the resumed checkpoint (they are about to be redone)."""
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            path = os.path.join(self.out_dir, name)
-            if os.path.isfile(path):
-                with open(path) as f:
-                    keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
-                atomic_write_text(path, "".join(keep))
 
     # ---- the end of a step -------------------------------------------------------------------------
     def _due(self, interval, step):
@@ -327,25 +287,26 @@ class Run:
         _current = None
 
     def _close(self):
+        if checkpoint.RUN_INFO == self.record:
+            checkpoint.RUN_INFO = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
-        if self.have_lock:
-            try:
-                os.remove(self.lock_path)
-            except OSError:
-                pass
-            self.have_lock = False
+        self.lock.release()
 
     def _remove_created(self):
-        """Undo what this run wrote into out_dir (nothing was saved yet): the directory if this run created
-        it (and its parents it created, if empty), else the entries that were not there before."""
+        """Undo what this run wrote into out_dir (nothing was saved yet): the directories this run created,
+        else the entries of out_dir that were not there before. Nothing before out_dir was looked at."""
         if self.created_dir is not None:
-            shutil.rmtree(self.created_dir, ignore_errors=True)
-        elif os.path.isdir(self.out_dir):
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+            d = os.path.dirname(os.path.abspath(self.out_dir))
+            while len(d) >= len(self.created_dir) and os.path.isdir(d) and not os.listdir(d):
+                os.rmdir(d)                 # parents this run created, unless something else is in them now
+                d = os.path.dirname(d)
+        elif self.before is not None and os.path.isdir(self.out_dir):
             for name in set(os.listdir(self.out_dir)) - self.before:
                 p = os.path.join(self.out_dir, name)
                 shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
@@ -367,7 +328,11 @@ class Run:
 
 def start(opts, script, identity=None, inputs=None, data_files=None, max_steps=None) -> Run:
     """Check --out_dir, take its lock, open --report_to; before any model is loaded. Collective.
-    max_steps defaults to opts.max_steps; set run.max_steps when the script derives it later (from epochs)."""
+    identity: what defines the run (compared on --resume; "script" and "global_batch" are added, the latter
+    as batch_size x grad_accum x world_size unless given). inputs: {option name: directory} never written to.
+    data_files: {name: path} whose sha256 is recorded at the first save; a path known only later (the
+    built-in task, generated on first use) may be set in run.data_files before that. max_steps defaults to
+    opts.max_steps; set run.max_steps when the script derives it later (from --epochs)."""
     global _current
     if _current is not None:          # a previous run in this process ended without finish() (tests)
         _current.abort()

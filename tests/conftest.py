@@ -60,22 +60,29 @@ def sft_rows(n=64, seed=0):
 
 
 def free_port():
+    """A port that was free a moment ago (another process may take it before it is used: prefer
+    run(..., nproc=N), which lets torchrun pick its own port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run(args, nproc=1, cwd=ROOT, check=True, env=None):
-    """Run a script (list of args after the script path) as a subprocess, optionally under torchrun."""
+def run(args, nproc=1, cwd=ROOT, check=True, env=None, timeout=600):
+    """Run a script (list of args after the script path) as a subprocess, optionally under torchrun.
+
+    Under torchrun, --standalone makes the launcher bind its rendezvous store to port 0 (the OS picks a free
+    port, atomically) and the ranks reuse that store, so no port is guessed in advance: the race of
+    free_port() (another process taking the port before torchrun binds it) cannot happen. A failure shows
+    the full stdout and stderr."""
     e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1" if nproc > 1 else "2", **(env or {}))
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port())] + args
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] + args
     else:
         cmd = [sys.executable] + args
-    p = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n--- stdout ---\n{p.stdout}\n"
+                             f"--- stderr ---\n{p.stderr}")
     return p
 
 

@@ -24,3 +24,37 @@ def test_ranks_with_different_weights_stop_with_a_clear_error(tmp_path):
     assert p.returncode != 0
     assert "first check passed" in p.stdout and "unreachable" not in p.stdout
     assert "policy: weights differ across ranks (ranks [1] differ from rank 0)" in p.stderr
+
+
+TIMEOUT_SCRIPT = """import sys, time
+from nano_rlhf import dist
+world = dist.setup("cpu", timeout_minutes=3 / 60)       # 3 seconds
+assert dist.world() is world
+if world.rank == 1:
+    time.sleep(7)                                       # a hung rank: joins nothing for 7 s
+    sys.exit(0)
+t0 = time.time()
+try:
+    dist.all_reduce_sum(1.0)
+except Exception as e:
+    print(f"collective failed after {time.time() - t0:.1f}s: {type(e).__name__}", flush=True)
+    print(str(e).splitlines()[0], file=sys.stderr, flush=True)
+    sys.exit(3)
+print("unreachable", flush=True)
+"""
+
+
+def test_dist_timeout_reaches_the_process_group(tmp_path):
+    """A rank that never joins makes the others' collective fail after --dist_timeout, not hang."""
+    (tmp_path / "hang.py").write_text(TIMEOUT_SCRIPT)
+    p = run([str(tmp_path / "hang.py")], nproc=2, check=False, timeout=120)
+    assert p.returncode != 0 and "unreachable" not in p.stdout
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("collective failed")]
+    assert line, p.stdout + p.stderr
+    # the 3 s timeout, not the default 10 min (then it would fail only when rank 1 exits, at 7 s)
+    assert 2.5 <= float(line[0].split("after ")[1].split("s")[0]) < 6
+
+
+def test_ddp_scale_is_the_world_size():
+    from nano_rlhf import dist
+    assert dist.setup("cpu") is dist.world() and dist.ddp_scale() == dist.world().world_size == 1

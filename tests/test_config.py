@@ -1,0 +1,89 @@
+"""Declared option ranges: the brace grammar, the one-line error (exit 2) and --help."""
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import pytest
+
+from nano_rlhf.config import build_parser, parse_args, parse_range, range_violation
+
+
+@dataclass
+class Opts:
+    lr: float = 3e-4              # peak learning rate {> 0}
+    grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
+    label_smoothing: float = 0.0  # cDPO eps {0 <= x < 0.5}
+    top_p: float = 1.0            # nucleus sampling {0 < x <= 1}
+    max_len: Optional[int] = None  # cap; none = no cap {>= 1}
+    temp: float = 1.0             # temperature {< inf}
+    name: str = "x"               # a name, no range ({"a"} in the middle is not a range)
+    loss: Literal["dpo", "ipo"] = "dpo"   # which loss
+
+
+@pytest.mark.parametrize("text, conds", [
+    ("{> 0}", [(">", 0.0)]), ("{>= 1}", [(">=", 1.0)]), ("{< 2.5}", [("<", 2.5)]), ("{<= -1}", [("<=", -1.0)]),
+    ("{0 < x < 1}", [(">", 0.0), ("<", 1.0)]), ("{0 <= x <= 1}", [(">=", 0.0), ("<=", 1.0)]),
+    ("{0 < x <= 1}", [(">", 0.0), ("<=", 1.0)]), ("{0 <= x < 0.5}", [(">=", 0.0), ("<", 0.5)]),
+    ("{-inf < x < inf}", [(">", -math.inf), ("<", math.inf)]), ("{>= 1e-3}", [(">=", 1e-3)]),
+    ("{>=1}", [(">=", 1.0)]), ("{ 0<x<1 }", [(">", 0.0), ("<", 1.0)]),
+])
+def test_every_range_form_parses(text, conds):
+    assert parse_range(f"a comment {text}")[1] == conds
+
+
+def test_no_range_and_bad_ranges():
+    assert parse_range("plain comment") is None
+    assert parse_range('{"prompt"} rows, then text') is None          # braces not at the end: not a range
+    for bad in ("{> x}", "{0 < y < 1}", "{1 < x}", "{=> 1}"):
+        with pytest.raises(ValueError, match="bad range"):
+            parse_range(f"comment {bad}")
+
+
+@pytest.mark.parametrize("rng, inside, outside", [
+    ("{> 0}", [1e-9, 5], [0, -1]), ("{>= 1}", [1, 2], [0, 0.999]), ("{< 2}", [1.9, -5], [2, 3]),
+    ("{<= 2}", [2, -5], [2.0001]), ("{0 < x < 1}", [0.5], [0, 1]), ("{0 <= x <= 1}", [0, 1], [-0.1, 1.1]),
+    ("{0 < x <= 1}", [1, 0.1], [0, 1.5]), ("{0 <= x < 0.5}", [0, 0.49], [0.5, -0.01]),
+])
+def test_bounds_are_strict_or_inclusive_as_written(rng, inside, outside):
+    r = parse_range(rng)
+    for v in inside:
+        assert range_violation("v", v, r) is None, (rng, v)
+    for v in outside:
+        assert range_violation("v", v, r) is not None, (rng, v)
+
+
+def test_in_range_values_parse():
+    o = parse_args(Opts, ["--lr", "0.1", "--label_smoothing", "0", "--top_p", "1", "--max_len", "none"])
+    assert (o.lr, o.label_smoothing, o.top_p, o.max_len) == (0.1, 0.0, 1.0, None)
+    assert parse_args(Opts, ["--max_len", "5"]).max_len == 5
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--lr", "-1"], "error: --lr must be > 0 (got -1.0)"),
+    (["--lr", "0"], "error: --lr must be > 0 (got 0.0)"),
+    (["--grad_accum", "0"], "error: --grad_accum must be >= 1 (got 0)"),
+    (["--label_smoothing", "0.5"], "error: --label_smoothing must satisfy 0 <= x < 0.5 (got 0.5)"),
+    (["--top_p", "0"], "error: --top_p must satisfy 0 < x <= 1 (got 0.0)"),
+    (["--max_len", "0"], "error: --max_len must be >= 1 (got 0)"),
+    (["--temp", "inf"], "error: --temp must be < inf (got inf)"),
+])
+def test_out_of_range_is_one_line_and_exit_2(argv, line, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(Opts, argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == line + "\n"
+
+
+def test_help_shows_the_range():
+    text = build_parser(Opts).format_help()
+    assert "peak learning rate {> 0} (default: 0.0003)" in text
+    assert "cDPO eps {0 <= x < 0.5}" in text
+
+
+def test_the_scripts_options_parse_with_their_defaults():
+    """Every script's defaults satisfy their own declared ranges (and no comment is a malformed range)."""
+    import importlib
+    for name in ("train_sft", "train_rm", "train_dpo", "train_ppo"):
+        mod = importlib.import_module(name)
+        parse_args(mod.Options, [])

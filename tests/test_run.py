@@ -1,0 +1,333 @@
+"""nano_rlhf.run: out_dir safety, the lock, resume identity checks, end_of_step, cleanup of failed starts,
+report_to. A toy script (a linear model, the same life cycle as the four scripts) runs in-process where it can,
+in a subprocess where process boundaries matter (the lock, exits, torchrun)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from conftest import ROOT, run
+
+TOY = '''import os, sys, time, torch
+from dataclasses import dataclass
+from typing import Literal
+from nano_rlhf import dist, run as run_mod
+from nano_rlhf.checkpoint import save_state
+from nano_rlhf.config import parse_args
+
+
+@dataclass
+class Options:
+    out_dir: str = "out/toy"       # where
+    init: str = ""                 # an input model directory
+    data: str = ""                 # a data file
+    lr: float = 0.1                # learning rate {> 0}
+    batch_size: int = 2            # per device {>= 1}
+    grad_accum: int = 1            # micro-steps {>= 1}
+    max_steps: int = 6             # steps {>= 1}
+    log_interval: int = 2          # log every N
+    eval_interval: int = 3         # eval every N
+    save_interval: int = 0         # save every N
+    stop_at: int = 0               # stop after step N
+    resume: bool = False           # resume
+    overwrite: bool = False        # allow a non-empty out_dir
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror
+    dist_timeout: float = 10.0     # minutes {> 0}
+    nan_at: int = 0                # the loss is nan at this step
+    fail_at: int = 0               # raise at this step
+    sleep: float = 0               # seconds to hold the lock before training
+
+
+def main(argv=None):
+    opts = parse_args(Options, argv)
+    world = dist.setup("cpu", timeout_minutes=opts.dist_timeout)
+    run = run_mod.start(opts, script="toy", identity={"lr": opts.lr}, inputs={"init": opts.init},
+                        data_files={"data": opts.data})
+    print("started", flush=True)
+    time.sleep(opts.sleep)
+    if world.is_main:
+        with open(os.path.join(opts.out_dir, "tokenizer.json"), "w") as f:   # like SFT's trained tokenizer
+            f.write("{}")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr)
+    if opts.resume:
+        run.resume(models={"m": model}, optimizers={"m": opt})
+    for step in range(run.step + 1, opts.max_steps + 1):
+        g = torch.Generator().manual_seed(step)             # the data of a step: a function of the step
+        x = torch.randn(opts.batch_size * opts.grad_accum * world.world_size, 3, generator=g)
+        x = x[world.rank::world.world_size]
+        loss = model(x + 0.01 * torch.randn(x.shape)).pow(2).mean()   # torch RNG: restored on resume
+        loss.backward()
+        for p in model.parameters():
+            p.grad = dist.all_reduce_mean(p.grad)
+        opt.step()
+        opt.zero_grad()
+        if step == opts.fail_at:
+            raise RuntimeError("boom")
+        metrics = {"train/loss": float("nan") if step == opts.nan_at else dist.all_reduce_mean(loss.item())}
+        if step == 2:
+            run.log_samples(step, [{"prompt": "p|q", "completion": "c", "score": 1.0}])
+        if run.end_of_step(step, metrics, evaluate=lambda: {"eval/loss": 1.5},
+                           save=lambda s: save_state(opts.out_dir, {"m": model}, {"m": opt}, {"step": s})):
+            break
+    print("final", step, model.weight.detach().tolist(), flush=True)
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    """The toy script in tmp_path (for subprocesses) and its main() (for in-process runs, cwd = tmp_path)."""
+    path = tmp_path / "toy.py"
+    path.write_text(TOY)
+    spec = importlib.util.spec_from_file_location("toy", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.chdir(tmp_path)
+    mod.path = str(path)
+    yield mod
+    from nano_rlhf import checkpoint, run as run_mod
+    if run_mod._current is not None:
+        run_mod._current.abort()
+    checkpoint.RUN_INFO = None
+
+
+def fails(toy, argv, capsys, code=1):
+    """Run toy in-process, expecting a one-line error; returns that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        toy.main(argv)
+    assert e.value.code == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err.strip()
+
+
+def final_weights(out):
+    return [ln for ln in out.splitlines() if ln.startswith("final")][-1].split(" ", 2)[2]
+
+
+# ---- a normal run, stop_at and resume --------------------------------------------------------------
+
+def test_end_of_step_logs_evaluates_saves_and_records_identity(toy, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a"}\n')
+    toy.main(["--data", str(data), "--save_interval", "4"])
+    out = capsys.readouterr().out
+    assert "step 2/6 | loss" in out and "eval_loss 1.5" in out and "eta" in out
+    rows = [json.loads(ln) for ln in open("out/toy/metrics.jsonl")]
+    assert [r["step"] for r in rows] == [2, 3, 4, 6]                    # log every 2, eval at 3, last step 6
+    assert [r["step"] for r in rows if "eval/loss" in r] == [3, 6]
+    samples = [json.loads(ln) for ln in open("out/toy/samples.jsonl")]
+    assert samples == [{"step": 2, "prompt": "p|q", "completion": "c", "score": 1.0}]
+    rec = json.load(open("out/toy/state/run.json"))
+    assert rec["identity"] == {"script": "toy", "lr": 0.1, "global_batch": 2}
+    assert rec["data_sha256"]["data"] == __import__("hashlib").sha256(data.read_bytes()).hexdigest()
+    assert rec["step"] == 6 and rec["world_size"] == 1
+    assert not os.path.exists("out/toy/.lock")                          # released by finish()
+
+
+def test_stop_at_then_resume_matches_an_uninterrupted_run(toy, capsys):
+    toy.main(["--out_dir", "full"])
+    full = final_weights(capsys.readouterr().out)
+    toy.main(["--out_dir", "split", "--stop_at", "3"])
+    out = capsys.readouterr().out
+    assert "stopping at step 3 (--stop_at); continue with --resume" in out and "final 3" in out
+    with open("split/metrics.jsonl", "a") as f:            # logged after the checkpoint by a run that then died
+        f.write('{"step": 4, "train/loss": 9.0}\n{"step": 5, "tra')
+    toy.main(["--out_dir", "split", "--resume"])
+    assert final_weights(capsys.readouterr().out) == full
+    steps = [json.loads(ln)["step"] for ln in open("split/metrics.jsonl")]
+    assert steps == [2, 3, 4, 6]                           # the stale step-4 line and the cut line are gone
+
+
+def test_resume_refuses_a_different_run_naming_the_fields(toy, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a"}\n')
+    toy.main(["--data", str(data), "--stop_at", "2"])
+    data.write_text('{"text": "b"}\n')
+    err = fails(toy, ["--data", str(data), "--resume", "--lr", "0.2"], capsys)
+    assert err == ("error: --resume: out/toy was saved by a different run (saved != now): lr 0.1 != 0.2; "
+                   "data sha256 differs (data.jsonl)")
+    err = fails(toy, ["--resume", "--batch_size", "4"], capsys)
+    assert "global_batch 2 != 4" in err and "data sha256 differs (data)" in err
+
+
+def test_resume_allows_the_changeable_options_and_the_same_global_batch(toy, capsys):
+    toy.main(["--stop_at", "2"])
+    toy.main(["--resume", "--max_steps", "4", "--log_interval", "1", "--eval_interval", "0", "--stop_at", "3",
+              "--dist_timeout", "1"])
+    assert "final 3" in capsys.readouterr().out
+    toy.main(["--resume", "--batch_size", "1", "--grad_accum", "2"])       # global batch still 2
+    assert "final 6" in capsys.readouterr().out
+
+
+def test_resume_without_run_json_or_with_a_corrupt_file_is_one_line(toy, capsys):
+    toy.main(["--stop_at", "2"])
+    os.remove("out/toy/state/rng_rank0.safetensors")
+    err = fails(toy, ["--resume"], capsys)
+    assert err == "error: --resume: out/toy/state/rng_rank0.safetensors: missing; the saved state is incomplete"
+    with open("out/toy/state/run.json", "w") as f:
+        f.write("{")
+    err = fails(toy, ["--resume"], capsys)
+    assert err.startswith("error: --resume: out/toy/state/run.json: unreadable or corrupt")
+    os.remove("out/toy/state/run.json")
+    err = fails(toy, ["--resume"], capsys)
+    assert err.startswith("error: --resume: out/toy/state/run.json: missing")
+
+
+def test_world_size_change_with_the_same_global_batch_resumes(toy, tmp_path):
+    """Saved by 1 process (batch 2), resumed by 2 ranks of batch 1: allowed, RNG streams restart."""
+    run([toy.path, "--out_dir", str(tmp_path / "o"), "--stop_at", "3"], cwd=str(tmp_path))
+    p = run([toy.path, "--out_dir", str(tmp_path / "o"), "--resume", "--batch_size", "1"], nproc=2,
+            cwd=str(tmp_path))
+    assert "note: resuming with 2 ranks from a state saved with 1: RNG streams restart" in p.stdout
+    assert "final 6" in p.stdout
+    assert json.load(open(tmp_path / "o" / "state" / "run.json"))["world_size"] == 2
+
+
+# ---- out_dir safety --------------------------------------------------------------------------------
+
+def test_out_dir_equal_to_or_inside_an_input_is_refused(toy, tmp_path, capsys):
+    os.makedirs("model")
+    open("model/config.json", "w").close()
+    assert fails(toy, ["--init", "model", "--out_dir", "model"], capsys) == (
+        "error: --out_dir model is, or is inside, the input --init model; choose another --out_dir")
+    assert "--out_dir model/sub is, or is inside, the input --init model" in fails(
+        toy, ["--init", "model", "--out_dir", "model/sub"], capsys)
+    assert "is, or is inside" in fails(toy, ["--init", str(tmp_path / "model"), "--out_dir", "./model/"], capsys)
+    assert os.listdir("model") == ["config.json"]                 # the input is never touched
+
+
+def test_non_empty_out_dir_needs_resume_or_overwrite(toy, capsys):
+    toy.main([])
+    os.makedirs("out/toy/keep")
+    open("out/toy/notes.txt", "w").close()
+    assert fails(toy, [], capsys) == ("error: --out_dir out/toy already holds a run (metrics.jsonl, samples.jsonl, "
+                                      "state, tokenizer.json); pass --resume to continue it or --overwrite to "
+                                      "replace it")
+    assert "contradict" in fails(toy, ["--resume", "--overwrite"], capsys)
+    toy.main(["--overwrite", "--max_steps", "2"])
+    assert "removing the previous run's files" in capsys.readouterr().out
+    assert [json.loads(ln)["step"] for ln in open("out/toy/metrics.jsonl")] == [2]
+    assert os.path.exists("out/toy/notes.txt") and os.path.isdir("out/toy/keep")   # not ours: kept
+    # a directory holding only files this project does not write is not a run
+    os.makedirs("other")
+    open("other/notes.txt", "w").close()
+    toy.main(["--out_dir", "other", "--max_steps", "1"])
+    assert fails(toy, ["--out_dir", "empty", "--resume"], capsys) == (
+        "error: --resume: empty has no saved state to resume from (no empty/state/meta.json)")
+
+
+def test_unwritable_out_dir_is_one_line_before_any_work(toy, capsys):
+    open("a_file", "w").close()
+    err = fails(toy, ["--out_dir", "a_file/sub"], capsys)
+    assert err == "error: --out_dir a_file/sub: cannot be created (Not a directory)"
+    err = fails(toy, ["--out_dir", "/proc/nano_rlhf_out"], capsys)
+    assert err.startswith("error: --out_dir /proc/nano_rlhf_out: cannot be created")
+    assert "started" not in capsys.readouterr().out
+
+
+def test_a_failed_from_scratch_run_leaves_nothing_behind(toy, tmp_path, capsys):
+    p = run([toy.path, "--out_dir", "new/deep/out", "--fail_at", "1"], cwd=str(tmp_path), check=False)
+    assert p.returncode != 0 and "boom" in p.stderr
+    assert not os.path.exists(tmp_path / "new")                   # every directory it created is gone
+    os.makedirs("existing")
+    open("existing/notes.txt", "w").close()
+    err = fails(toy, ["--out_dir", "existing", "--nan_at", "1"], capsys)
+    assert err.startswith("error: non-finite loss (nan) at step 1; stopping")
+    assert os.listdir("existing") == ["notes.txt"]                # tokenizer.json, metrics, lock removed
+    # after a save the run is kept: the checkpoint is what --resume needs
+    err = fails(toy, ["--out_dir", "saved", "--save_interval", "2", "--nan_at", "3"], capsys)
+    assert os.path.isfile("saved/state/meta.json") and not os.path.exists("saved/.lock")
+
+
+# ---- the lock --------------------------------------------------------------------------------------
+
+def test_second_run_on_the_same_out_dir_is_refused_while_the_first_holds_it(toy, tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    first = subprocess.Popen([sys.executable, toy.path, "--sleep", "30"], cwd=str(tmp_path), env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "started"       # it holds the lock now
+        p = run([toy.path], cwd=str(tmp_path), check=False)
+        assert p.returncode == 1
+        assert p.stderr == (f"error: out/toy is in use by another run (pid {first.pid}); wait for it to end or "
+                            "choose another --out_dir\n")
+        assert os.path.isfile(tmp_path / "out" / "toy" / ".lock")   # the loser did not touch the holder's lock
+    finally:
+        first.kill()
+        first.wait()
+    # the holder died without releasing: the lock is stale and the next run takes it over
+    p = run([toy.path, "--overwrite"], cwd=str(tmp_path))
+    assert f"note: taking over the stale lock out/toy/.lock (pid {first.pid} is not running)" in p.stdout
+
+
+# ---- report_to ---------------------------------------------------------------------------------------
+
+def test_missing_report_to_package_is_one_line_at_start(toy, monkeypatch, capsys):
+    import builtins
+    real = builtins.__import__
+
+    def no_backends(name, *a, **k):
+        if name in ("torch.utils.tensorboard", "wandb"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_backends)
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    assert fails(toy, ["--report_to", "tensorboard"], capsys) == (
+        "error: --report_to tensorboard needs the tensorboard package: pip install tensorboard")
+    assert fails(toy, ["--report_to", "wandb"], capsys) == (
+        "error: --report_to wandb needs the wandb package: pip install wandb")
+    assert not os.path.exists("out")
+
+
+def test_report_to_tensorboard_writes_events(toy, capsys):
+    pytest.importorskip("tensorboard")
+    toy.main(["--report_to", "tensorboard"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    files = os.listdir("out/toy/tensorboard")
+    assert files and files[0].startswith("events.out.tfevents")
+    ev = EventAccumulator("out/toy/tensorboard", size_guidance={"scalars": 0, "tensors": 0})
+    ev.Reload()
+    assert [s.step for s in ev.Scalars("train/loss")] == [2, 3, 4, 6]
+    assert [s.value for s in ev.Scalars("eval/loss")] == [1.5, 1.5]
+    assert "samples/text_summary" in ev.Tags()["tensors"]
+
+
+def test_report_to_wandb_mirrors_metrics_and_samples(toy, monkeypatch, capsys):
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw))
+    fake.log = lambda d, step: calls.append(("log", step, d))
+    fake.finish = lambda: calls.append(("finish",))
+    fake.Table = lambda columns, data: ("table", columns, data)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    toy.main(["--report_to", "wandb", "--max_steps", "2", "--out_dir", "runs/my_run"])
+    assert calls[0][0] == "init" and calls[0][1]["project"] == "nano_rlhf" and calls[0][1]["name"] == "my_run"
+    assert calls[0][1]["config"]["lr"] == 0.1
+    assert ("log", 2, {"samples": ("table", ["prompt", "completion", "score"], [["p|q", "c", 1.0]])}) in calls
+    logged = [c for c in calls if c[0] == "log" and "train/loss" in c[2]]
+    assert [c[1] for c in logged] == [2] and set(logged[0][2]) == {"train/loss", "eval/loss"}
+    assert calls[-1] == ("finish",)
+
+
+def test_start_checks_run_on_rank_0_and_every_rank_stops(toy, tmp_path):
+    """Under torchrun a refused out_dir stops both ranks with the same line (no hang at a barrier)."""
+    os.makedirs(tmp_path / "model")
+    t0 = time.time()
+    p = run([toy.path, "--init", "model", "--out_dir", "model"], nproc=2, cwd=str(tmp_path), check=False)
+    assert p.returncode != 0 and time.time() - t0 < 120
+    assert p.stderr.count("error: --out_dir model is, or is inside, the input --init model") == 2
+    assert "started" not in p.stdout
