@@ -1,7 +1,7 @@
 """PPO (critic, train_ppo.py's defaults) against GRPO on a task that is NOT the built-in one, at equal
 completions per step and equal steps. One command:
 
-    python bench/ppo_vs_grpo.py                    # ~10-15 minutes on 2 CPU cores -> runs/ppo_vs_grpo/
+    python bench/ppo_vs_grpo.py                    # ~8 minutes on 2 shared CPU cores -> runs/ppo_vs_grpo/
     python bench/ppo_vs_grpo.py --steps 100        # longer runs
     python bench/ppo_vs_grpo.py --old_defaults     # also PPO at the previous defaults (16 completions, lr 2e-5)
 
@@ -18,7 +18,12 @@ samples at temperature 1, computed by `python -m nano_rlhf.evaluate --reward ben
 (the reward interface's `module:function` path).
 
 Prints one table: gold before (SFT), after PPO and after GRPO (mean ± standard error), KL to the SFT policy,
-and each run's wall-clock time.
+and each run's wall-clock time. One run (seed 0, 30 steps, RM held-out accuracy 0.990):
+
+    | policy | gold score    | KL to SFT |
+    | sft    | 0.151 ± 0.026 | 0.000     |
+    | ppo    | 0.193 ± 0.029 | 4.133     |
+    | grpo   | 0.229 ± 0.030 | 4.006     |
 """
 import argparse
 import json
