@@ -1,10 +1,13 @@
 """Sample from a policy and score it.
 
     python -m nano_rlhf.evaluate --model out/ppo --prompts data/eval_prompts.jsonl --out samples.jsonl \\
-        [--ref out/sft] [--reward_model out/rm] [--baseline out/sft/samples.jsonl] [--summary summary.json]
+        [--ref out/sft] [--reward_model out/rm] [--reward my_rewards.py:score] [--baseline out/sft/samples.jsonl] \\
+        [--summary summary.json]
 
-Prints: gold reward (built-in task prompts only) as mean ± standard error, win rate against --baseline
-(gold reward, ties count one half), reward-model score, KL to --ref, mean response length, end-of-text rate.
+Prints: the gold reward as mean ± standard error (only when every prompt is the built-in task's), win rate
+against --baseline (on the gold reward, or on --reward; ties count one half), reward-model score (with
+--reward_model), your reward (with --reward module:function), KL to --ref, mean response length, end-of-text
+rate. Every reward goes through nano_rlhf.reward, the interface train_ppo.py uses.
 
 Default decoding is pure sampling at temperature 1 — the distribution RLHF optimises. Greedy decoding
 (--temperature 0) hides how much probability the policy still puts on bad answers.
@@ -21,10 +24,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from . import synthetic
+from . import reward as reward_mod
 from .checkpoint import write_json
-from .data import DataError, collate_prompts, load_records, pad_right, tokenize_prompts
-from .model import GPT, ScoreModel
+from .common import builtin_file, check_vocab, fail
+from .data import DataError, collate_prompts, load_records, tokenize_prompts
+from .model import GPT
 from .tokenizer import Tokenizer
 
 
@@ -47,8 +51,10 @@ def mean_se(xs):
 
 @torch.no_grad()
 def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, samples_per_prompt=1, seed=0,
-                     batch_size=64, ref=None, reward_model=None, top_k=None, top_p=None):
-    """Generate for every prompt (records with "prompt") and score; returns one dict per sample."""
+                     batch_size=64, ref=None, rewards=None, top_k=None, top_p=None):
+    """Generate for every prompt (records with "prompt") and score; returns one dict per sample.
+    rewards: {column name: reward(prompts, completions)} (nano_rlhf.reward); a reward model scores the very
+    token ids sampled."""
     model.eval()
     max_prompt = model.cfg.block_size - max_new_tokens
     if max_prompt < 1:
@@ -56,7 +62,7 @@ def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, sa
     items, _ = tokenize_prompts(prompts, tok, max_prompt)
     work = [(i, j) for i in range(len(items)) for j in range(samples_per_prompt)]
     gen = torch.Generator().manual_seed(seed)
-    gold_ok = all(synthetic.is_task_prompt(p["prompt"]) for p in prompts)
+    rewards = rewards or {}
     out = []
     for s in range(0, len(work), batch_size):
         chunk = work[s:s + batch_size]
@@ -75,17 +81,14 @@ def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, sa
             lp = response_logprobs(model, seq, full_attn, Tp, temperature)
             rlp = response_logprobs(ref, seq, full_attn, Tp, temperature)
             kl = ((lp - rlp) * rmask).sum(1)
-        score = None
-        if reward_model is not None:
-            _, score = reward_model(seq, full_attn, end_only=True)
+        texts = [tok.decode(resp[b, :length[b]].tolist()) for b in range(len(chunk))]
+        chunk_prompts = [prompts[i]["prompt"] for i, _ in chunk]
+        scores = {name: (fn.score_tokens(seq, full_attn).tolist() if isinstance(fn, reward_mod.RewardModel)
+                         else fn(chunk_prompts, texts)) for name, fn in rewards.items()}
         for b, (i, j) in enumerate(chunk):
-            text = tok.decode(resp[b, :length[b]].tolist())
-            rec = {"prompt": prompts[i]["prompt"], "completion": text, "sample": j,
+            rec = {"prompt": prompts[i]["prompt"], "completion": texts[b], "sample": j,
                    "length": int(length[b]), "eos": bool(has_eos[b])}
-            if gold_ok:
-                rec["gold_reward"] = synthetic.gold_reward(prompts[i]["prompt"], text)
-            if score is not None:
-                rec["rm_score"] = float(score[b])
+            rec.update({name: float(s[b]) for name, s in scores.items()})
             if kl is not None:
                 rec["kl"] = float(kl[b])
             out.append(rec)
@@ -96,14 +99,14 @@ def summarize(samples, baseline=None):
     """Aggregate figures of a list of sample records (and win rate against baseline records)."""
     s = {"n": len(samples), "length": sum(r["length"] for r in samples) / len(samples),
          "eos_rate": sum(r["eos"] for r in samples) / len(samples)}
-    for key in ("gold_reward", "rm_score", "kl"):
+    for key in ("gold_reward", "reward", "rm_score", "kl"):
         if samples and key in samples[0]:
             s[key], s[key + "_se"] = mean_se([r[key] for r in samples])
-    if baseline is not None and "gold_reward" in s:
+    judge = next((k for k in ("gold_reward", "reward") if k in s and baseline and k in baseline[0]), None)
+    if baseline is not None and judge is not None:
         if len(baseline) != len(samples) or any(a["prompt"] != b["prompt"] for a, b in zip(samples, baseline)):
             raise ValueError("--baseline samples must come from the same prompts file and --samples_per_prompt")
-        wins = [1.0 if a["gold_reward"] > b["gold_reward"] else 0.5 if a["gold_reward"] == b["gold_reward"] else 0.0
-                for a, b in zip(samples, baseline)]
+        wins = [1.0 if a[judge] > b[judge] else 0.5 if a[judge] == b[judge] else 0.0 for a, b in zip(samples, baseline)]
         s["win_rate"], s["win_rate_se"] = mean_se(wins)
     return s
 
@@ -112,6 +115,8 @@ def format_summary(name, s):
     cols = [name]
     if "gold_reward" in s:
         cols.append(f"gold {s['gold_reward']:+.3f} ± {s['gold_reward_se']:.3f}")
+    if "reward" in s:
+        cols.append(f"reward {s['reward']:+.3f} ± {s['reward_se']:.3f}")
     if "win_rate" in s:
         cols.append(f"win {100 * s['win_rate']:.1f}%")
     if "rm_score" in s:
@@ -130,6 +135,8 @@ def main(argv=None):
     p.add_argument("--out", default="", help="samples.jsonl to write (default: MODEL/samples.jsonl for each model)")
     p.add_argument("--ref", default="", help="reference policy directory for the KL column")
     p.add_argument("--reward_model", default="", help="reward model directory for the RM-score column")
+    p.add_argument("--reward", default="", help="your reward, module:function or path/to/file.py:function, called as "
+                   "f(prompts, completions) -> list of floats, for the reward column")
     p.add_argument("--baseline", default="", help="samples.jsonl of a baseline policy, or a model directory "
                    "(evaluated first), for the win-rate column")
     p.add_argument("--summary", default="", help="also write the summary figures (one entry per model) to this JSON file")
@@ -142,14 +149,17 @@ def main(argv=None):
     p.add_argument("--batch_size", type=int, default=64, help="prompts per generation batch")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every model)")
     a = p.parse_args(argv)
-    if a.out and len(a.model) > 1:
-        p.error("--out takes one model; with several, each writes MODEL/samples.jsonl")
+    check_options(a)
     rows = []
     try:
-        from .common import builtin_file
         prompts = load_records(a.prompts or builtin_file("eval_prompts.jsonl"), "prompts")
         ref = GPT.from_pretrained(a.ref, dropout=0.0).eval() if a.ref else None
-        rm = ScoreModel.from_pretrained(a.reward_model, dropout=0.0).eval() if a.reward_model else None
+        rewards = {}
+        gold = reward_mod.builtin_gold([r["prompt"] for r in prompts])     # None unless every prompt is the task's
+        if gold is not None:
+            rewards["gold_reward"] = gold
+        if a.reward:
+            rewards["reward"] = reward_mod.load_function(a.reward)
         baseline = None
         models = list(a.model)
         if a.baseline and os.path.isdir(a.baseline):
@@ -159,8 +169,13 @@ def main(argv=None):
         for d in models:
             tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
             model = GPT.from_pretrained(d, dropout=0.0).eval()
+            check_vocab(tok, model.cfg, d)
+            if ref is not None:
+                check_vocab(tok, ref.cfg, a.ref)                   # the reference scores this policy's ids
+            if a.reward_model:                                     # likewise the reward model
+                rewards["rm_score"] = reward_mod.load_reward(a.reward_model, tokenizer=tok, batch_size=a.batch_size)
             samples = sample_and_score(model, tok, prompts, a.max_new_tokens, a.temperature, a.samples_per_prompt,
-                                       a.seed, a.batch_size, ref, rm, a.top_k, a.top_p)
+                                       a.seed, a.batch_size, ref, rewards, a.top_k, a.top_p)
             if a.baseline and os.path.isdir(a.baseline) and d == models[0]:
                 baseline = samples
             summary = summarize(samples, baseline)
@@ -182,11 +197,29 @@ def main(argv=None):
     return rows
 
 
+def check_options(a):
+    """Every bad flag is one line before anything is loaded or written."""
+    if a.out and len(a.model) > 1:
+        fail("--out takes one model; with several, each writes MODEL/samples.jsonl")
+    if not a.temperature >= 0:
+        fail(f"--temperature must be >= 0 (0 = greedy; got {a.temperature})")
+    if a.top_p is not None and not 0 < a.top_p <= 1:
+        fail(f"--top_p must be in (0, 1] (got {a.top_p})")
+    for name in ("max_new_tokens", "samples_per_prompt", "batch_size", "top_k"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            fail(f"--{name} must be >= 1 (got {value})")
+    if a.reward and not reward_mod.is_function_spec(a.reward):
+        fail(f"--reward must be module:function or path/to/file.py:function (got {a.reward!r})")
+
+
 def format_table(rows):
     """A markdown table: policy, gold reward ± s.e., win rate vs the baseline, RM score, KL, length, eos rate."""
     cols = [("policy", lambda r: r["name"])]
     if "gold_reward" in rows[0]:
         cols.append(("gold reward", lambda r: f"{r['gold_reward']:+.3f} ± {r['gold_reward_se']:.3f}"))
+    if "reward" in rows[0]:
+        cols.append(("reward", lambda r: f"{r['reward']:+.3f} ± {r['reward_se']:.3f}"))
     if "win_rate" in rows[0]:
         cols.append(("win rate vs " + rows[0]["name"], lambda r: f"{100 * r['win_rate']:.1f}%"))
     if "rm_score" in rows[0]:

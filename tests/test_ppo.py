@@ -6,19 +6,21 @@ import torch
 
 import train_ppo
 from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
-from nano_rlhf import dist
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT, ScoreModel
+from nano_rlhf.reward import load_reward
 
 
 def ppo_args(tmp_path, sft_dir, rm_dir, out, *extra, steps=2):
+    """Tiny runs: 4 prompts x 1 sample (x 4 for the group estimators), no critic warm-up (later flags win)."""
     if not (tmp_path / "prompts.jsonl").exists():
         write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(48))
         write_jsonl(tmp_path / "eval_prompts.jsonl", prompt_rows(8, seed=1))
+    k = "4" if any(x in train_ppo.GROUP for x in extra) else "1"
     return ["--prompts", str(tmp_path / "prompts.jsonl"), "--eval_prompts", str(tmp_path / "eval_prompts.jsonl"),
             "--init", sft_dir, "--reward_model", rm_dir, "--out_dir", str(tmp_path / out), "--max_steps", str(steps),
-            "--batch_size", "4", "--max_new_tokens", "12", "--eval_interval", "0", "--eval_samples", "4",
-            "--lr", "1e-3", "--critic_lr", "1e-3", *extra]
+            "--batch_size", "4", "--samples_per_prompt", k, "--max_new_tokens", "12", "--eval_interval", "0",
+            "--eval_samples", "4", "--lr", "1e-3", "--critic_lr", "1e-3", "--critic_warmup_steps", "0", *extra]
 
 
 def metrics(path):
@@ -37,30 +39,31 @@ def test_rollout_truncates_at_eos_and_scores_there(tok, rm_dir, eos_sft_dir):
     o = train_ppo.Options(samples_per_prompt=2, micro_batch_size=4, max_new_tokens=8, missing_eos_penalty=-7.0,
                           score_clip=100.0)
     policy = GPT.from_pretrained(eos_sft_dir).eval()
-    rm = ScoreModel.from_pretrained(rm_dir).eval()
+    rm = ScoreModel.from_pretrained(rm_dir).eval()                   # saved with reward_mean 0.1, reward_std 0.5
     prompts, _ = tokenize_prompts(prompt_rows(8), tok, 40)
     gen = torch.Generator().manual_seed(0)
-    r = train_ppo.rollout(o, policy, policy, rm, None, prompts, tok, dist.ctx(), gen, (0.1, 0.5))
-    P, m = r["P"], r["resp_mask"]
-    finished = r["has_eos"].bool()
+    models = train_ppo.Models(policy=policy, reward=load_reward(rm_dir, tokenizer=tok), ref=policy)
+    r = train_ppo.rollout(prompts, models, tok, o, gen)
+    P, m = r.query_len, r.response_mask
+    finished = r.has_eos.bool()
     assert 0 < finished.sum() < len(finished), "the test needs both finished and unfinished rows"
     for i in range(len(m)):
         n = int(m[i].sum())
-        resp = r["seq"][i, P:]
+        resp = r.query_response[i, P:]
         if finished[i]:
             assert resp[n - 1] == tok.eos_id and (resp[:n - 1] != tok.eos_id).all()
             assert (resp[n:] == tok.pad_id).all()                    # cut after the first end-of-text
-            full = r["seq"][i, :P + n][r["attn"][i, :P + n].bool()][None]
+            full = r.query_response[i, :P + n][r.attention_mask[i, :P + n].bool()][None]
             with torch.no_grad():
                 want = (rm(full)[1] - 0.1) / 0.5                     # scored alone, unpadded, at its end-of-text
-            assert torch.allclose(r["score"][i], want[0], atol=1e-5)
+            assert torch.allclose(r.scores[i], want[0], atol=1e-5)
         else:
-            assert n == resp.shape[0] and r["score"][i] == -7.0    # replaced by the penalty
+            assert n == resp.shape[0] and r.scores[i] == -7.0      # replaced by the penalty
     # the score is the reward of the end-of-text token itself
-    rewards = train_ppo.token_rewards(r["score"], torch.zeros_like(m), m, 0.1)
+    rewards = train_ppo.token_rewards(r.scores, torch.zeros_like(m), m, 0.1)
     last = m.sum(1).long() - 1
-    assert torch.equal(rewards[torch.arange(len(m)), last], r["score"])
-    assert (rewards.sum(1) == r["score"]).all()
+    assert torch.equal(rewards[torch.arange(len(m)), last], r.scores)
+    assert (rewards.sum(1) == r.scores).all()
 
 
 def test_lr0_first_update_has_ratio_one(tmp_path, sft_dir, rm_dir, eos_sft_dir):
@@ -74,7 +77,7 @@ def test_lr0_first_update_has_ratio_one(tmp_path, sft_dir, rm_dir, eos_sft_dir):
 
 def test_frozen_models_untouched_and_optimizers_hold_only_trainables(tmp_path, sft_dir, rm_dir):
     out = train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "ppo", steps=3))
-    for frozen, src, cls in ((out.ref, sft_dir, GPT), (out.reward_model, rm_dir, ScoreModel)):
+    for frozen, src, cls in ((out.ref, sft_dir, GPT), (out.reward.model, rm_dir, ScoreModel)):
         fresh = cls.from_pretrained(src)
         assert all(torch.equal(a, b) for a, b in zip(frozen.state_dict().values(), fresh.state_dict().values()))
         assert all(not p.requires_grad for p in frozen.parameters()) and not frozen.training
@@ -107,7 +110,7 @@ import train_ppo
 texts, real = [], train_ppo.rollout
 def spy(*a, **k):                        # record what this rank sampled
     r = real(*a, **k)
-    texts.append(r["texts"])
+    texts.append(r.completions)
     return r
 train_ppo.rollout = spy
 out = train_ppo.main(sys.argv[1:])
@@ -160,19 +163,19 @@ def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir
     rows = prompt_rows(6)
     rows[0]["prompt"] = "review"                                       # prompts of very different lengths
     prompts, _ = tokenize_prompts(rows, tok, 40)
-    r = train_ppo.rollout(o, policy, policy, lambda p, c: [0.0] * len(c), None, prompts, tok, dist.ctx(),
-                          torch.Generator().manual_seed(3))
-    P, m = r["P"], r["resp_mask"]
-    assert len({int(a[:P].sum()) for a in r["attn"]}) > 1, "the test needs left padding"
+    models = train_ppo.Models(policy=policy, reward=lambda p, c: [0.0] * len(c), ref=policy)
+    r = train_ppo.rollout(prompts, models, tok, o, torch.Generator().manual_seed(3))
+    P, m = r.query_len, r.response_mask
+    assert len({int(a[:P].sum()) for a in r.attention_mask}) > 1, "the test needs left padding"
     for i in range(len(m)):
         n = int(m[i].sum())
-        ids = r["seq"][i, :P + n][r["attn"][i, :P + n].bool()][None]  # unpadded prompt + response
+        ids = r.query_response[i, :P + n][r.attention_mask[i, :P + n].bool()][None]  # unpadded prompt + response
         with torch.no_grad():
             logp = torch.log_softmax(policy(ids)[0].double() / 0.7, -1)
         plen = ids.shape[1] - n
         want = logp[plen - 1:-1].gather(-1, ids[0, plen:, None]).squeeze(-1)
-        assert torch.allclose(r["old_logp"][i, :n].double(), want, atol=1e-5)
-        assert (r["old_logp"][i, n:] == 0).all()
+        assert torch.allclose(r.logprobs[i, :n].double(), want, atol=1e-5)
+        assert (r.logprobs[i, n:] == 0).all()
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -180,7 +183,7 @@ def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir
     (["--ptx_coef", "0.5"], "needs both --ptx_data FILE and --ptx_coef > 0"),
     (["--advantage", "grpo", "--kl_estimator", "k3"], "applies only with --kl_in_loss"),
     (["--adaptive_kl", "--kl_coef", "0"], "--adaptive_kl needs --kl_coef"),
-    (["--num_minibatches", "0"], "--num_minibatches must be at least 1"),
+    (["--num_minibatches", "0"], "--num_minibatches must be >= 1"),
 ])
 def test_bad_options_exit_before_training(tmp_path, sft_dir, rm_dir, extra, message):
     p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
@@ -211,3 +214,79 @@ def test_option_paths_end_to_end(tmp_path, sft_dir, rm_dir, extra):
     assert (out.ref is None) == ("--kl_coef" in extra)
     if "gold" in extra:
         assert "train/gold_reward" in m[-1] and "eval/gold_reward" in m[-1]
+
+
+@pytest.mark.parametrize("extra, option", [
+    (["--kl_coef", "-0.5"], "--kl_coef"),
+    (["--clip_eps", "-0.2"], "--clip_eps"),
+    (["--eval_samples", "0"], "--eval_samples"),
+    (["--log_interval", "0"], "--log_interval"),
+    (["--batch_size", "0"], "--batch_size"),
+    (["--lr", "-1"], "--lr"),
+    (["--grad_clip", "-1"], "--grad_clip"),
+    (["--max_steps", "-1"], "--max_steps"),
+    (["--critic_warmup_steps", "-1"], "--critic_warmup_steps"),
+    (["--eval_fraction", "1.5"], "--eval_fraction"),
+    (["--reward", "nocolon"], "--reward"),
+    (["--reward", "no_such_module_q:f"], "--reward"),
+    pytest.param(["--device", "cuda"], "--device cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
+])
+def test_bad_flags_one_line_nothing_written(tmp_path, sft_dir, rm_dir, extra, option):
+    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and option in lines[0], p.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_ref_with_a_smaller_vocabulary_is_one_line(tmp_path, tok, sft_dir, rm_dir):
+    small = tmp_path / "small"
+    tiny_model(None, vocab_size=tok.vocab_size - 10).save_pretrained(str(small))
+    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", "--ref", str(small)), check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1 and str(small) in lines[0] and "vocabulary" in lines[0], p.stderr
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_own_prompts_are_evaluated_on_a_held_out_share_of_them(tmp_path, sft_dir, rm_dir, capsys):
+    """--prompts without --eval_prompts: evaluation samples come from --eval_fraction of the user's prompts,
+    never from the built-in task (whose gold reward would then be computed on prompts it does not know)."""
+    rows = [{"prompt": f"say something about item {i}."} for i in range(40)]
+    write_jsonl(tmp_path / "own.jsonl", rows)
+    args = ppo_args(tmp_path, sft_dir, rm_dir, "own")
+    i = args.index("--eval_prompts")
+    del args[i:i + 2]
+    args[args.index("--prompts") + 1] = str(tmp_path / "own.jsonl")
+    train_ppo.main(args + ["--eval_fraction", "0.1"])
+    shown = [line.split("'")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  sample |")]
+    assert shown and all(s in {r["prompt"] for r in rows} for s in shown)
+    last = metrics(tmp_path / "own")[-1]
+    assert "eval/rm_score" in last and not any("gold" in k for k in last)
+
+
+def test_critic_warmup_trains_the_critic_only(tmp_path, sft_dir, rm_dir):
+    out = train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "warm", "--critic_warmup_steps", "2", steps=2))
+    init = GPT.from_pretrained(sft_dir).state_dict()
+    assert all(torch.equal(init[k], v) for k, v in out.policy.state_dict().items())          # policy untouched
+    rm = ScoreModel.from_pretrained(rm_dir).state_dict()
+    assert any(not torch.equal(rm[k], v) for k, v in out.critic.state_dict().items())       # critic trained
+    assert all("train/policy_loss" not in m and "train/value_loss" in m for m in metrics(tmp_path / "warm"))
+
+
+def test_advantages_leave_the_rollout_untouched():
+    g = torch.Generator().manual_seed(0)
+    B, R = 8, 5
+    mask = (torch.arange(R)[None] < torch.randint(1, R + 1, (B,), generator=g)[:, None]).float()
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = train_ppo.Rollout(query_response=torch.zeros(B, R + 3, dtype=torch.long), attention_mask=torch.ones(B, R + 3),
+                          response_mask=mask, logprobs=rnd(B, R), ref_logprobs=rnd(B, R), values=rnd(B, R),
+                          scores=rnd(B), raw_scores=rnd(B), gold=None, has_eos=torch.ones(B), completions=[""] * B)
+    before = {k: v.clone() for k, v in vars(r).items() if torch.is_tensor(v)}
+    for est in ("gae", "reinforce_pp", "rloo", "grpo", "dr_grpo"):
+        out = train_ppo.advantages(r, estimator=est, beta=0.1, k=4)
+        assert out.adv.shape == (B, R) and (out.adv * (1 - mask) == 0).all()
+        assert (out.returns is not None) == (est == "gae")
+    assert all(torch.equal(before[k], getattr(r, k)) for k in before)
+    # the sequence reward's KL part: −β Σ_t k1 for the group estimators
+    want = -0.1 * ((r.logprobs - r.ref_logprobs) * mask).sum(1)
+    assert torch.allclose(train_ppo.advantages(r, estimator="rloo", beta=0.1, k=4).kl_penalty, want)

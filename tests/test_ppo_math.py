@@ -91,8 +91,11 @@ def test_kl_estimate(seed):
 
 @pytest.mark.parametrize("B,R", SHAPES)
 def test_token_rewards(B, R):
+    """Rows of every length, empty ones included (B > 2): an empty row gets no reward at all."""
     g = torch.Generator().manual_seed(B * 100 + R)
-    mask, lens = make_mask(B, R, g)
+    mask, lens = make_mask(B, R, g, min_len=0 if B > 2 else 1)
+    if B > 2:
+        mask[1], lens[1] = 0.0, 0                  # always one empty row
     score, kl, beta = rand((B,), g), garbage(rand((B, R), g), mask), 0.07
     exp = [[0.0] * R for _ in range(B)]
     for b in range(B):
@@ -153,13 +156,27 @@ def o_whiten(x, lens, R):
 WHITEN_SHAPES = [(2, 3), (4, 9), (7, 16)]
 
 
+def whiten(x, mask):
+    """masked_whiten with the statistics of x itself (one rank)."""
+    return train_ppo.masked_whiten(x, mask, *train_ppo.masked_sums(x, mask))
+
+
+@pytest.mark.parametrize("B,R", WHITEN_SHAPES)
+def test_masked_sums(B, R):
+    g = torch.Generator().manual_seed(B + R)
+    mask, lens = make_mask(B, R, g)
+    x = garbage(rand((B, R), g), mask)
+    vals = [x[b, t].item() for b in range(B) for t in range(lens[b])]
+    close(train_ppo.masked_sums(x, mask), [len(vals), sum(vals), sum(v * v for v in vals)])
+
+
 @pytest.mark.parametrize("B,R", WHITEN_SHAPES)
 def test_masked_whiten_formula(B, R):
     """Mean/Bessel-variance/eps/padding, on well-conditioned data, at float32-statistics tolerance."""
     g = torch.Generator().manual_seed(B + R)
     mask, lens = make_mask(B, R, g)
     x = garbage(rand((B, R), g, 3.0) + 5.0, mask)
-    close(train_ppo.masked_whiten(x, mask), o_whiten(x.tolist(), lens, R), atol=1e-6)
+    close(whiten(x, mask), o_whiten(x.tolist(), lens, R), atol=1e-6)
 
 
 @pytest.mark.parametrize("B,R", WHITEN_SHAPES)
@@ -167,16 +184,45 @@ def test_masked_whiten_float64(B, R):
     g = torch.Generator().manual_seed(B + R)
     mask, lens = make_mask(B, R, g)
     x = garbage(rand((B, R), g, 3.0) + 5.0, mask)
-    close(train_ppo.masked_whiten(x, mask), o_whiten(x.tolist(), lens, R))
+    close(whiten(x, mask), o_whiten(x.tolist(), lens, R))
+
+
+@pytest.mark.parametrize("B,R", WHITEN_SHAPES)
+def test_masked_whiten_global_statistics(B, R):
+    """Two 'ranks' holding halves of the batch: their summed masked_sums whiten each half exactly as the whole
+    batch is whitened at once (what the loop's one all-reduce of the sums gives under DDP)."""
+    g = torch.Generator().manual_seed(10 * B + R)
+    mask, lens = make_mask(B, R, g)
+    x = garbage(rand((B, R), g, 2.0) - 1.0, mask)
+    h = B // 2
+    sums = train_ppo.masked_sums(x[:h], mask[:h]) + train_ppo.masked_sums(x[h:], mask[h:])
+    halves = torch.cat([train_ppo.masked_whiten(x[:h], mask[:h], *sums), train_ppo.masked_whiten(x[h:], mask[h:], *sums)])
+    close(halves, o_whiten(x.tolist(), lens, R))
 
 
 def test_masked_whiten_offset_float32():
-    """mean ≫ std (un-centred reward-to-go): a one-pass E[x²] − mean² in float32 would be off by ~0.04 here."""
+    """mean ≫ std (un-centred reward-to-go): a one-pass E[x²] − mean² in float32 would be off by ~0.04 here;
+    the float64 sums keep it exact to float32 output precision."""
     g = torch.Generator().manual_seed(1)
     mask, lens = make_mask(8, 32, g)
     x = garbage(rand((8, 32), g) + 1000.0, mask).float()
     exp = o_whiten(x.double().tolist(), lens, 32)
-    close(train_ppo.masked_whiten(x, mask.float()), exp, atol=1e-3)
+    close(whiten(x, mask.float()), exp, atol=1e-3)
+
+
+@pytest.mark.parametrize("B,R", WHITEN_SHAPES)
+def test_explained_variance(B, R):
+    """1 − Var(G − V)/Var(G) over the valid tokens (population variances), from the sums."""
+    g = torch.Generator().manual_seed(3 * B + R)
+    mask, lens = make_mask(B, R, g)
+    G, V = garbage(rand((B, R), g), mask), garbage(rand((B, R), g), mask)
+    gs = [G[b, t].item() for b in range(B) for t in range(lens[b])]
+    ds = [G[b, t].item() - V[b, t].item() for b in range(B) for t in range(lens[b])]
+    pvar = lambda xs: sum((u - sum(xs) / len(xs)) ** 2 for u in xs) / len(xs)  # noqa: E731
+    got = train_ppo.explained_variance(train_ppo.masked_sums(G, mask), train_ppo.masked_sums(G - V, mask))
+    assert got == pytest.approx(1 - pvar(ds) / pvar(gs), abs=1e-9)
+    assert math.isnan(train_ppo.explained_variance(train_ppo.masked_sums(G * 0 + 2, mask),
+                                                   train_ppo.masked_sums(G - V, mask)))
 
 
 @pytest.mark.parametrize("groups,k", [(1, 2), (3, 4), (5, 3)])

@@ -1,0 +1,178 @@
+"""One reward interface for rollouts and evaluation: `scores = reward(prompts, completions)`.
+
+    from nano_rlhf.reward import load_reward
+    reward = load_reward("out/rm", tokenizer=tok, device=device)      # a reward-model directory
+    reward = load_reward("gold", prompts=prompt_texts)                  # the built-in task's programmatic reward
+    reward = load_reward("my_rewards:length_penalty")                   # a module on sys.path, or
+    reward = load_reward("path/to/rewards.py:exact_match")              # a file
+    reward(["Review the phone.\\nReview:"], [" The battery is great."])  # -> [float, ...], one per completion
+
+prompts are the prompts exactly as given in the prompts file (a string, or a list of chat messages);
+completions are the decoded response texts (no end-of-text token). A user's function receives exactly that
+and returns one float per completion (a list, tuple or 1-D tensor); its answer is checked at every call and
+a wrong length or type stops the run with one line naming the function.
+
+Scores are RAW: a reward model's own output at the response's end-of-text. Normalising a reward model's
+score with the mean/std train_rm.py recorded (and clipping it) is part of the PPO algorithm, so train_ppo.py
+does it (its --normalize_score / --score_clip); the recorded statistics are available as `reward.mean`,
+`reward.std`. A reward model additionally offers `score_tokens(ids, attn)` for callers that already hold the
+token ids (the rollout), which skips a decode/re-encode round trip that need not give back the sampled ids.
+
+Nothing here is specific to an algorithm; nothing outside this module needs to name the built-in task.
+"""
+import importlib
+import importlib.util
+import math
+import os
+import sys
+
+import torch
+
+from . import synthetic
+from .common import fail
+from .data import collate_prompts, pad_right
+
+GOLD = "gold"
+
+
+class RewardModel:
+    """A reward-model directory (train_rm.py's output) as a reward function. Scores are read at the
+    end-of-text appended after the completion, exactly where train_rm.py trained them."""
+
+    def __init__(self, model, tokenizer, batch_size=64, mean=None, std=None):
+        """model: a ScoreModel (frozen here); mean/std: the score statistics train_rm.py recorded (None = none)."""
+        self.model = model.requires_grad_(False).eval()
+        self.tok, self.batch_size = tokenizer, batch_size
+        self.device = next(model.parameters()).device
+        self.has_stats = mean is not None
+        self.mean, self.std = float(mean or 0.0), float(std or 1.0)
+
+    @classmethod
+    def from_dir(cls, model_dir, tokenizer, device="cpu", batch_size=64):
+        from .common import check_vocab
+        from .model import ScoreModel
+        model = ScoreModel.from_pretrained(model_dir, dropout=0.0).to(device)
+        check_vocab(tokenizer, model.cfg, model_dir)             # it scores the policy tokenizer's ids
+        stats = model.extra_config
+        return cls(model, tokenizer, batch_size, stats.get("reward_mean"), stats.get("reward_std"))
+
+    @torch.no_grad()
+    def score_tokens(self, ids, attn):
+        """(B,) raw scores of token sequences (left-padded prompt + right-padded response) at each row's
+        last real token, which must be the end-of-text."""
+        return torch.cat([self.model(ids[i:i + self.batch_size], attn[i:i + self.batch_size], end_only=True)[1].float()
+                          for i in range(0, ids.shape[0], self.batch_size)])
+
+    def __call__(self, prompts, completions):
+        """Prompt and completion tokenized separately (the seam rule of the data pipeline), end-of-text
+        appended; the prompt left-truncated when the pair exceeds the model's context."""
+        block = self.model.cfg.block_size
+        q, r = [], []
+        for p, c in zip(prompts, completions):
+            resp = self.tok.encode_response(c)[:block - 1]
+            q.append(self.tok.render_prompt(p)[-(block - len(resp)):])
+            r.append(resp)
+        q_ids, q_mask = collate_prompts(q, self.tok.pad_id)
+        r_len = max(len(x) for x in r)
+        r_ids = pad_right(r, self.tok.pad_id, r_len)
+        r_mask = torch.tensor([[1] * len(x) + [0] * (r_len - len(x)) for x in r])
+        ids = torch.cat([q_ids, r_ids], 1).to(self.device)
+        attn = torch.cat([q_mask, r_mask], 1).to(self.device)
+        return self.score_tokens(ids, attn).tolist()
+
+
+def builtin_gold(prompts):
+    """The built-in task's programmatic (gold) reward if every prompt is the task's, else None: callers
+    show or log the gold figure only where it means something."""
+    if prompts and all(synthetic.is_task_prompt(p) for p in prompts):
+        return _gold
+    return None
+
+
+def _gold(prompts, completions):
+    bad = next((p for p in prompts if not synthetic.is_task_prompt(p)), None)
+    if bad is not None:
+        raise ValueError(f"--reward gold scores the built-in task's prompts only; not one of them: {bad!r}")
+    return [synthetic.gold_reward(p, c) for p, c in zip(prompts, completions)]
+
+
+class _Checked:
+    """A user's function with its answers checked at every call (a wrong length or type stops the run)."""
+
+    def __init__(self, fn, spec):
+        self.fn, self.name = fn, spec
+
+    def __call__(self, prompts, completions):
+        out = self.fn(list(prompts), list(completions))
+        if torch.is_tensor(out):
+            out = out.detach().flatten().tolist() if out.dim() <= 1 else None
+        if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                         for x in out):
+            fail(f"--reward {self.name}: must return a list of floats (one per completion), got {_kind(out)}")
+        if len(out) != len(completions):
+            fail(f"--reward {self.name}: returned {len(out)} scores for {len(completions)} completions")
+        if not all(math.isfinite(x) for x in out):
+            fail(f"--reward {self.name}: returned a non-finite score ({next(x for x in out if not math.isfinite(x))})")
+        return [float(x) for x in out]
+
+
+def _kind(x):
+    if isinstance(x, (list, tuple)):
+        bad = next((v for v in x if not isinstance(v, (int, float)) or isinstance(v, bool)), None)
+        return f"a {type(x).__name__} holding {type(bad).__name__} {bad!r}"
+    return type(x).__name__
+
+
+def is_function_spec(spec):
+    """`module:function` or `path/to/file.py:function` (a Windows drive letter is not a module)."""
+    return ":" in spec and not os.path.isdir(spec) and len(spec.rsplit(":", 1)[0]) > 1
+
+
+def load_function(spec):
+    """Import a user's reward function at start-up; one-line errors for a missing module, file or function
+    and for a non-callable."""
+    where, name = spec.rsplit(":", 1)
+    if not where or not name:
+        fail(f"--reward {spec}: expected module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py") or os.sep in where or "/" in where:
+            if not os.path.isfile(where):
+                fail(f"--reward {spec}: no such file {where}")
+            module_name = "_nano_rlhf_reward_" + os.path.splitext(os.path.basename(where))[0]
+            loader = importlib.util.spec_from_file_location(module_name, where)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[module_name] = module
+            loader.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())     # `python train_ppo.py --reward my_rewards:f` from the repo
+            module = importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        fail(f"--reward {spec}: cannot import module {where!r} ({e})")
+    except SyntaxError as e:
+        fail(f"--reward {spec}: {where} does not parse: {e.msg} (line {e.lineno})")
+    fn = getattr(module, name, None)
+    if fn is None:
+        fail(f"--reward {spec}: {where} has no {name!r}")
+    if not callable(fn):
+        fail(f"--reward {spec}: {where}.{name} is a {type(fn).__name__}, not a function")
+    return _Checked(fn, spec)
+
+
+def load_reward(spec, *, tokenizer=None, device="cpu", prompts=None, batch_size=64):
+    """spec -> reward(prompts, completions) -> list[float].
+
+    spec: a reward-model directory (needs tokenizer: the policy's, whose ids it scores), "gold" (the built-in
+    task's reward; with prompts given, any prompt that is not the task's is refused here with one line), or
+    a user's function "module:function" / "path/to/file.py:function" (imported now)."""
+    if spec == GOLD:
+        if prompts is not None and builtin_gold(list(prompts)) is None:
+            bad = next((p for p in prompts if not synthetic.is_task_prompt(p)), None)
+            fail(f"--reward gold scores the built-in task's prompts only; this prompt is not one: {str(bad)[:80]!r} "
+                 "(use a reward model or --reward module:function)")
+        return _gold
+    if is_function_spec(spec):
+        return load_function(spec)
+    if tokenizer is None:
+        raise ValueError(f"{spec}: a reward model needs the tokenizer whose ids it scores")
+    return RewardModel.from_dir(spec, tokenizer, device, batch_size)

@@ -1,0 +1,72 @@
+"""python -m nano_rlhf.evaluate: columns through the reward interface, one-line errors for bad flags."""
+import json
+
+import pytest
+
+from conftest import prompt_rows, run, tiny_model, write_jsonl
+from nano_rlhf import evaluate, synthetic
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    return write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(4))
+
+
+def samples(path):
+    return [json.loads(x) for x in open(path)]
+
+
+def test_columns_follow_the_prompts_and_the_options(tmp_path, sft_dir, rm_dir, prompts):
+    """Non-task prompts: no gold column; --reward_model adds rm_score, --reward module:function adds reward."""
+    (tmp_path / "user.py").write_text("def n_words(prompts, completions):\n"
+                                      "    return [float(len(c.split())) for c in completions]\n")
+    out = tmp_path / "s.jsonl"
+    rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--max_new_tokens", "6",
+                          "--reward_model", rm_dir, "--reward", f"{tmp_path / 'user.py'}:n_words"])
+    got = samples(out)
+    assert len(got) == 4 and all("gold_reward" not in s for s in got) and "gold_reward" not in rows[0]
+    assert all(s["reward"] == len(s["completion"].split()) for s in got)
+    assert all(isinstance(s["rm_score"], float) for s in got) and "rm_score" in rows[0] and "reward" in rows[0]
+
+
+def test_gold_column_only_when_every_prompt_is_the_builtin_task(tmp_path, sft_dir):
+    task = write_jsonl(tmp_path / "task.jsonl", [{"prompt": synthetic.make_prompt(p)} for p in ("blender", "kettle")])
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": synthetic.make_prompt("blender")}, {"prompt": "hello"}])
+    evaluate.main(["--model", sft_dir, "--prompts", task, "--out", str(tmp_path / "a.jsonl"), "--max_new_tokens", "4"])
+    assert all(s["gold_reward"] == synthetic.gold_reward(s["prompt"], s["completion"])
+               for s in samples(tmp_path / "a.jsonl"))
+    evaluate.main(["--model", sft_dir, "--prompts", mixed, "--out", str(tmp_path / "b.jsonl"), "--max_new_tokens", "4"])
+    assert all("gold_reward" not in s for s in samples(tmp_path / "b.jsonl"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--top_p", "0"], "--top_p must be in (0, 1]"),
+    (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+    (["--max_new_tokens", "-5"], "--max_new_tokens must be >= 1"),
+    (["--samples_per_prompt", "0"], "--samples_per_prompt must be >= 1"),
+    (["--top_k", "-1"], "--top_k must be >= 1"),
+    (["--batch_size", "0"], "--batch_size must be >= 1"),
+    (["--reward", "nocolon"], "--reward must be module:function"),
+    (["--reward", "no_such_module_q:f"], "cannot import module"),
+])
+def test_bad_flags_one_line_nothing_written(tmp_path, sft_dir, prompts, extra, message):
+    out = tmp_path / "s.jsonl"
+    p = run(["-m", "nano_rlhf.evaluate", "--model", sft_dir, "--prompts", prompts, "--out", str(out), *extra],
+            check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr
+    assert not out.exists()
+
+
+def test_ref_or_model_with_a_smaller_vocabulary_is_one_line(tmp_path, tok, sft_dir, prompts):
+    small = tmp_path / "small"
+    tiny_model(None, vocab_size=tok.vocab_size - 10).save_pretrained(str(small))
+    tok.save(str(small / "tokenizer.json"))
+    for args, where in ((["--model", sft_dir, "--ref", str(small)], str(small)), (["--model", str(small)], str(small))):
+        out = tmp_path / "s.jsonl"
+        p = run(["-m", "nano_rlhf.evaluate", *args, "--prompts", prompts, "--out", str(out)], check=False)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode != 0 and len(lines) == 1 and where in lines[0] and "vocabulary" in lines[0], p.stderr
+        assert not out.exists()

@@ -1,0 +1,96 @@
+"""nano_rlhf.reward: one interface (reward model directory, gold, a user's function) and its one-line errors."""
+import pytest
+import torch
+
+from conftest import run
+from nano_rlhf import synthetic
+from nano_rlhf.data import collate_prompts
+from nano_rlhf.model import ScoreModel
+from nano_rlhf.reward import RewardModel, builtin_gold, load_reward
+
+TASK = synthetic.make_prompt("blender")
+OTHER = "write a short review of the moon."
+
+
+def test_reward_model_text_call_equals_its_score_at_the_end_of_text(tok, rm_dir):
+    """reward(prompts, completions) scores prompt + completion + end-of-text, each row alone and unpadded, and
+    score_tokens gives the same on the padded batch; mean/std are the statistics train_rm.py recorded."""
+    reward = load_reward(rm_dir, tokenizer=tok)
+    assert isinstance(reward, RewardModel) and (reward.mean, reward.std) == (0.1, 0.5)
+    prompts, completions = ["write a short review of the phone.", "review"], [" the screen is great.", " bad"]
+    got = reward(prompts, completions)
+    rm = ScoreModel.from_pretrained(rm_dir).eval()
+    for p, c, score in zip(prompts, completions, got):
+        ids = torch.tensor([tok.encode(p) + tok.encode(c) + [tok.eos_id]])
+        with torch.no_grad():
+            assert score == pytest.approx(rm(ids)[1].item(), abs=1e-5)
+    q, qm = collate_prompts([tok.encode(p) for p in prompts], tok.pad_id)
+    r = [tok.encode(c) + [tok.eos_id] for c in completions]
+    n = max(map(len, r))
+    ids = torch.cat([q, torch.tensor([x + [tok.pad_id] * (n - len(x)) for x in r])], 1)
+    attn = torch.cat([qm, torch.tensor([[1] * len(x) + [0] * (n - len(x)) for x in r])], 1)
+    assert torch.allclose(reward.score_tokens(ids, attn), torch.tensor(got), atol=1e-5)
+
+
+def test_gold_only_on_the_builtin_task():
+    assert builtin_gold([TASK, TASK]) is not None and builtin_gold([TASK, OTHER]) is None
+    gold = load_reward("gold", prompts=[TASK])
+    assert gold([TASK], [" The motor is great."]) == [synthetic.gold_reward(TASK, " The motor is great.")]
+    with pytest.raises(ValueError, match="built-in task"):
+        gold([OTHER], [" fine."])
+
+
+def test_user_function_from_a_file_and_a_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("def length(prompts, completions):\n"
+                                            "    return [float(len(c)) for c in completions]\n")
+    by_file = load_reward(f"{tmp_path / 'my_rewards.py'}:length")
+    assert by_file(["a", "b"], ["xy", "xyz"]) == [2.0, 3.0]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_reward("my_rewards:length")(["a"], ["hello"]) == [5.0]
+
+
+USER = """
+import torch
+def ok(prompts, completions): return torch.ones(len(completions))
+def short(prompts, completions): return [1.0]
+def text(prompts, completions): return ["good"] * len(completions)
+def nan(prompts, completions): return [float("nan")] * len(completions)
+NOT_CALLABLE = 3
+"""
+
+CALL = """import sys
+from nano_rlhf.reward import load_reward
+f = load_reward(sys.argv[1])
+print(f(["p1", "p2"], ["a", "b"]))
+"""
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("FILE:missing", "has no 'missing'"),
+    ("FILE:NOT_CALLABLE", "is a int, not a function"),
+    ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+    ("NOFILE:f", "no such file"),
+    ("FILE:short", "returned 1 scores for 2 completions"),
+    ("FILE:text", "must return a list of floats"),
+    ("FILE:nan", "non-finite score"),
+])
+def test_user_function_errors_are_one_line(tmp_path, spec, message):
+    (tmp_path / "user.py").write_text(USER)
+    (tmp_path / "call.py").write_text(CALL)
+    spec = spec.replace("NOFILE", str(tmp_path / "absent.py")).replace("FILE", str(tmp_path / "user.py"))
+    p = run([str(tmp_path / "call.py"), spec], check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --reward ") and message in lines[0], p.stderr
+
+
+def test_user_function_may_return_a_tensor(tmp_path):
+    (tmp_path / "user.py").write_text(USER)
+    assert load_reward(f"{tmp_path / 'user.py'}:ok")(["p"] * 3, ["c"] * 3) == [1.0, 1.0, 1.0]
+
+
+def test_gold_refuses_other_prompts_at_load(tmp_path):
+    (tmp_path / "call.py").write_text(f"from nano_rlhf.reward import load_reward\n"
+                                      f"load_reward('gold', prompts=[{TASK!r}, {OTHER!r}])\n")
+    p = run([str(tmp_path / "call.py")], check=False)
+    assert p.returncode != 0 and p.stderr.count("\n") == 1 and "--reward gold scores the built-in task" in p.stderr
