@@ -30,8 +30,9 @@ if [ "${TINY:-0}" = "1" ]; then
   OVEROPT="--max_steps 3 --eval_interval 0"
 else
   DATA_ARGS=""
-  SFT=""; RM=""; DPO="--max_steps 200"; PPO=""; GRPO=""; EVAL=""
-  OVEROPT="--max_steps 150 --eval_interval 10"
+  # PPO/GRPO sample 64 completions a step (8 prompts x 8) at their defaults: 30-60 steps fit the time budget
+  SFT=""; RM=""; DPO="--max_steps 200"; PPO="--max_steps 30 --eval_interval 10"; GRPO="--max_steps 40"; EVAL=""
+  OVEROPT="--max_steps 60 --eval_interval 5"
 fi
 export NANO_RLHF_DATA="$DATA"
 
