@@ -228,6 +228,7 @@ def _bench_tokenizer():
     words = ["".join(r.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9))) for _ in range(3000)]
     tok = Tokenizer.train((" ".join(r.choice(words) for _ in range(50)) for _ in range(3000)), 4096)
     tok.eos_id = -1        # TRL's bench forces exactly 64 new tokens: nothing ends early
+    tok.stop_ids = [-1]
     return tok
 
 
@@ -237,35 +238,34 @@ def _rl(a, advantage):
     from nano_rlhf import dist
     from nano_rlhf.common import adamw
     from nano_rlhf.model import GPT, ScoreModel
+    from nano_rlhf.reward import RewardModel
     tok = _bench_tokenizer()
-    ctx = dist.setup("cpu")
+    dist.setup("cpu")
     policy = _model(GPT).train()
     kl = 0.0 if advantage == "grpo" else 0.05
-    o = train_ppo.Options(advantage=advantage, batch_size=4, samples_per_prompt=4 if advantage == "grpo" else 4,
-                          max_new_tokens=64, ppo_epochs=1, num_minibatches=1, micro_batch_size=16, kl_coef=kl,
-                          missing_eos_penalty=None)
-    ref = critic = rm = None
+    opts = train_ppo.Options(advantage=advantage, batch_size=4, samples_per_prompt=4, max_new_tokens=64,
+                             ppo_epochs=1, num_minibatches=1, micro_batch_size=16, kl_coef=kl,
+                             missing_eos_penalty=None, critic_warmup_steps=0)
+    ref = critic = None
     reward = _LetterA()
     if advantage == "gae":                   # PPO: reference, reward model and critic, all on the same shape
         import copy
         ref = copy.deepcopy(policy).requires_grad_(False).eval()
-        rm = _model(ScoreModel).requires_grad_(False).eval()
+        reward = RewardModel(_model(ScoreModel).requires_grad_(False).eval(), tok)
         critic = _model(ScoreModel).train()
-        reward = rm
-    opt_pi = adamw(policy, 1e-5, 0.0, eps=1e-5)
-    opt_v = adamw(critic, 1e-5, 0.0, eps=1e-5) if critic is not None else None
+    models = train_ppo.Models(policy=policy, reward=reward, ref=ref, critic=critic)
+    pi = train_ppo.Learner(policy, policy, adamw(policy, 1e-5, 0.0, eps=1e-5))
+    v = train_ppo.Learner(critic, critic, adamw(critic, 1e-5, 0.0, eps=1e-5)) if critic is not None else None
     prompts = [{"prompt": [t % 4000 + 2 for t in range(i * 32, i * 32 + 32)], "text": ""} for i in range(4)]
     gen, shuffle = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
-    params_v = list(critic.parameters()) if critic is not None else []
     times = {"gen": []}
 
     def step():
         t = time.perf_counter()
-        r = train_ppo.rollout(o, policy, ref, reward, critic, prompts, tok, ctx, gen)
+        r = train_ppo.rollout(prompts, models, tok, opts, gen)
         times["gen"].append(time.perf_counter() - t)
-        adv, ret = train_ppo.advantages(o, r, kl)
-        train_ppo.update(o, r, adv, ret, policy, critic, opt_pi, opt_v, list(policy.parameters()), params_v, None,
-                         tok, ctx, kl, shuffle)
+        targets = train_ppo.advantages(r, estimator=advantage, beta=kl, k=opts.samples_per_prompt)
+        train_ppo.update(r, targets, policy=pi, critic=v, opts=opts, beta=kl, gen=shuffle)
     t, _ = timeit(step, 3, max(5, a.steps // 2))
     rollout = statistics.median(times["gen"][3:])
     out = {"s_per_step": t, "completions_per_step": 16, "completions_per_s": 16 / t, "rollout_s": rollout}
