@@ -29,7 +29,6 @@ small preference sets (Ouyang et al. 2022; the N+ implementation details); linea
 import contextlib
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -41,8 +40,8 @@ import torch.nn.functional as F
 from nano_rlhf import dist, synthetic
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir, save_state
-from nano_rlhf.common import (adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
-                              load_tokenizer, lr_at, set_lr)
+from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
+                              derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs
 from nano_rlhf.model import GPTConfig, ScoreModel
@@ -283,24 +282,9 @@ def build_model(opts, tok):
     return model
 
 
-def derive_max_steps(opts, steps_per_epoch):
-    """--max_steps, or (when it is 0) as many steps as --epochs takes; a warning when the run is shorter than
-    its warm-up (a small preference set at --epochs 1: the learning rate would never reach --lr, and a
-    one-word preference was measured to stay at 0.67-0.80 held-out accuracy after 9 such steps)."""
-    max_steps = opts.max_steps or max(1, int(opts.epochs * steps_per_epoch))
-    if max_steps < opts.warmup_steps and dist.world().is_main:
-        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
-              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
-              file=sys.stderr, flush=True)
-    return max_steps
-
-
 def check_options(opts):
     """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {opts.device}: no CUDA GPU is available here (use --device cpu or auto)", 2)
-    if opts.device not in ("auto", "cpu") and not opts.device.startswith("cuda"):
-        fail(f"--device must be cpu, cuda, cuda:N or auto (got {opts.device!r})", 2)
+    check_device(opts.device)
     if opts.max_steps and opts.stop_at > opts.max_steps:
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
     if not opts.init and not opts.tokenizer:

@@ -24,7 +24,6 @@ Simplifications: no LoRA.
 """
 import contextlib
 import os
-import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -36,8 +35,8 @@ import torch.nn.functional as F
 from nano_rlhf import dist
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir, save_state
-from nano_rlhf.common import (adamw, autocast, builtin_file, check_finite, check_vocab, fail, input_errors,
-                              load_tokenizer, lr_at, set_lr)
+from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
+                              derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_packed, collate_sft, load_train_eval, pack_sft, tokenize_sft
 from nano_rlhf.model import GPT, GPTConfig, token_logprobs
@@ -252,23 +251,9 @@ def evaluate_loss(model, examples, *, pad_id, batch_size, dtype):
     return {"eval/loss": dist.all_reduce_sum(nll_sum) / max(1.0, dist.all_reduce_sum(count))}
 
 
-def derive_max_steps(opts, steps_per_epoch):
-    """--max_steps, or (when it is 0) as many steps as --epochs takes; a warning when the run is shorter than
-    its warm-up (a small data set at --epochs: the learning rate would never reach --lr)."""
-    max_steps = opts.max_steps or max(1, int(opts.epochs * steps_per_epoch))
-    if max_steps < opts.warmup_steps and dist.world().is_main:
-        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
-              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
-              file=sys.stderr, flush=True)
-    return max_steps
-
-
 def check_options(opts):
     """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {opts.device}: no CUDA GPU is available here (use --device cpu or auto)", 2)
-    if opts.device not in ("auto", "cpu") and not opts.device.startswith("cuda"):
-        fail(f"--device must be cpu, cuda, cuda:N or auto (got {opts.device!r})", 2)
+    check_device(opts.device)
     if opts.max_steps and opts.stop_at > opts.max_steps:
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
     if not opts.init and opts.n_embd % opts.n_head:

@@ -161,3 +161,24 @@ def split_off(records, fraction, seed):
     random.Random(seed).shuffle(order)
     n = max(1, int(len(records) * fraction))
     return [records[i] for i in order[n:]], [records[i] for i in order[:n]]
+
+
+def check_device(device: str):
+    """--device must name something this machine has: one line otherwise (before any work)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {device}: no CUDA GPU is available here (use --device cpu or auto)", 2)
+    if device not in ("auto", "cpu") and not device.startswith("cuda"):
+        fail(f"--device must be cpu, cuda, cuda:N or auto (got {device!r})", 2)
+
+
+def derive_max_steps(opts, steps_per_epoch):
+    """--max_steps, or (when it is 0) as many steps as --epochs takes; a warning when the run is shorter than
+    its warm-up (a small data set at --epochs 1: the learning rate would never reach --lr; a reward model on a
+    one-word preference was measured to stay at 0.67-0.80 held-out accuracy after 9 such steps)."""
+    max_steps = opts.max_steps or max(1, int(opts.epochs * steps_per_epoch))
+    if max_steps < opts.warmup_steps and dist.world().is_main:
+        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
+              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
+              file=sys.stderr, flush=True)
+    return max_steps
+

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import inspect
 import io
-import json
 import operator
 import re
 import sys
