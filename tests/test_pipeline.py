@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT
 
 
+@pytest.mark.slow      # every stage of the pipeline, ~1-2 minutes on 2 cores
 def test_pipeline_tiny_end_to_end(tmp_path):
     env = dict(os.environ, TINY="1", OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"), PYTHON=sys.executable,
                OMP_NUM_THREADS="2")
