@@ -113,7 +113,7 @@ def _optional(inner):
 def build_parser(cls, description=None):
     hints = typing.get_type_hints(cls)
     comments = _field_comments(cls)
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -131,9 +131,38 @@ def build_parser(cls, description=None):
     return p
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a bad command line is ONE line on stderr (`error: ...`, exit 2), like every other bad input,
+    instead of the usage block followed by the message."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _join_negative_numbers(argv):
+    """`--lr -1e-4` -> `--lr=-1e-4`: argparse takes a token starting with '-' that is not a plain negative number
+    (an exponent makes it not one) for an option, and then reports a missing value instead of the range error."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            try:
+                float(argv[i + 1])
+                out.append(f"{a}={argv[i + 1]}")
+                i += 2
+                continue
+            except ValueError:
+                pass
+        out.append(a)
+        i += 1
+    return out
+
+
 def parse_args(cls, argv=None, description=None):
     """Parse argv (default sys.argv[1:]) into an instance of the dataclass `cls`."""
-    ns = build_parser(cls, description).parse_args(sys.argv[1:] if argv is None else argv)
+    argv = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
+    ns = build_parser(cls, description).parse_args(argv)
     opts = cls(**vars(ns))
     check_ranges(opts)
     return opts

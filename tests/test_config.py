@@ -87,3 +87,18 @@ def test_the_scripts_options_parse_with_their_defaults():
     for name in ("train_sft", "train_rm", "train_dpo", "train_ppo"):
         mod = importlib.import_module(name)
         parse_args(mod.Options, [])
+
+
+def test_negative_exponent_and_unknown_option_are_one_line(capsys):
+    """`--lr -1e-4` reaches the range check (argparse alone reads '-1e-4' as an option and prints its usage
+    block); an unknown option or a bad choice is one line too."""
+    import train_dpo
+    from nano_rlhf.config import parse_args
+    for argv, needle in ((["--lr", "-1e-4"], "--lr must be > 0 (got -0.0001)"),
+                         (["--no_such_option", "1"], "unrecognized arguments: --no_such_option"),
+                         (["--loss", "nope"], "argument --loss: invalid choice")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(train_dpo.Options, argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and needle in err, err
