@@ -210,3 +210,21 @@ def test_evaluate_module_on_real_family(family, tmp_path):
     for s, row in zip(got, seq[:, P:]):
         if s["eos"]:
             assert row[s["length"] - 1] == tok.eot_id
+
+
+def test_reward_model_text_call_closes_a_conversation_with_end_of_turn(family):
+    """reward(prompts, completions) with conversational prompts scores the rendered prompt + completion +
+    the end-of-turn token (what a rollout samples and train_rm.py scored), not + end-of-text; a text prompt
+    still gets the end-of-text."""
+    name, policy_dir, rm_dir, root = family
+    tok = load_tokenizer("", policy_dir, EOS[name])
+    reward = load_reward(rm_dir, tokenizer=tok)
+    rm = ScoreModel.from_pretrained(rm_dir).eval()
+    prompts = [r["prompt"] for r in prompt_rows(3)] + ["write a short review of the phone."]
+    completions = ["the motor is great.", "the screen is bad and loud.", "fine.", "the phone is nice."]
+    got = reward(prompts, completions)
+    for p, c, score in zip(prompts, completions, got):
+        end = tok.eos_id if isinstance(p, str) else tok.eot_id
+        ids = torch.tensor([tok.render_prompt(p) + tok.encode(c) + [end]])
+        with torch.no_grad():
+            assert score == pytest.approx(rm(ids)[1].item(), abs=1e-5)
