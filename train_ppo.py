@@ -622,6 +622,7 @@ def main(argv=None):
         # what the prompts render to, as the tokenizer resolved it ("auto", an empty --date_string): a resumed
         # run must render the same tokens (checked by run.resume)
         run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
+        torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
         models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device)
         block = models.policy.cfg.block_size
         max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
