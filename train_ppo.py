@@ -451,8 +451,8 @@ def ptx_backward(policy: Learner, ptx: Ptx, opts):
     n_global = dist.all_reduce_sum(float(targets.sum()))
     with policy.ddp.no_sync() if world.enabled else contextlib.nullcontext():
         with autocast(device, opts.dtype):
-            logits = policy.ddp(ids, attn, select=F.pad(targets, (0, 1))).float()
-        nll = F.cross_entropy(logits, ids[:, 1:][targets], reduction="sum")
+            hidden = policy.ddp(ids, attn, select=F.pad(targets, (0, 1)), return_hidden=True)
+            nll = -token_logprobs(hidden, policy.model.output_weight(), ids[:, 1:][targets]).sum()
         (ptx.coef * nll * token_mean_scale(n_global)).backward()
 
 
