@@ -139,7 +139,8 @@ def format_summary(name, s):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, nargs="+", help="policy directories (HF layout of GPT-2, Llama, Qwen2/3 + tokenizer.json); "
+    p.add_argument("--model", required=True, nargs="+", help="policy directories (HF layout of GPT-2, "
+                   "Llama, Qwen2/3 + tokenizer.json); "
                    "several give one table row each")
     p.add_argument("--prompts", default="", help="prompts JSONL (default: the built-in task's eval prompts)")
     p.add_argument("--out", default="", help="samples.jsonl to write (default: MODEL/samples.jsonl for each model)")
