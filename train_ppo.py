@@ -5,9 +5,10 @@ SFT policy) and a reward R(prompt, completion) (frozen): a reward-model director
 programmatic reward (--reward gold), or your own Python function (--reward module:function).
 
 One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
-  1. rollout   k samples per prompt at temperature τ (pure sampling), cut after the first end-of-text
-  2. score     s = clip((R(x, y) − μ_RM)/σ_RM, ±c) for a reward model (R as is for a function);
-               a response without end-of-text gets --missing_eos_penalty instead
+  1. rollout   k samples per prompt at temperature τ (pure sampling), cut after the first stop token
+               (end-of-text, or the chat template's end-of-turn: <|eot_id|>, <|im_end|>)
+  2. score     s = clip((R(x, y) − μ_RM)/σ_RM, ±c) for a reward model (R as is for a function), read
+               at the stop token; a response without one gets --missing_eos_penalty instead
   3. rewards   gae / reinforce_pp: r_t = −β·KL_t on every response token, + s on the end-of-text token
                rloo / grpo / dr_grpo: R_i = s_i − β·Σ_t k1_t (or KL in the loss: --kl_in_loss, k3)
                KL_t = k1 = log π_old − log π_ref (default) or k3 = e^−d − 1 + d; β fixed or adaptive
@@ -27,6 +28,8 @@ Run:
     python train_ppo.py                                     # PPO: out/sft + out/rm -> out/ppo
     python train_ppo.py --advantage grpo --reward gold      # GRPO with the built-in task's verifiable reward
     python train_ppo.py --advantage grpo --reward my_rewards.py:score --prompts my_prompts.jsonl
+    python train_ppo.py --init qwen3_sft --reward_model qwen3_rm --prompts chat_prompts.jsonl --lr 1e-6 \
+        --critic_lr 5e-6 --grad_checkpoint --dtype bfloat16    # a real family: its chat template, stops at <|im_end|>
     torchrun --nproc_per_node 2 train_ppo.py --advantage grpo --reward gold
 
 Choices and deviations: the score lands on the end-of-text token itself (TRL puts it one slot later, on
@@ -54,7 +57,7 @@ from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft
 from nano_rlhf.evaluate import sample_and_score, summarize
-from nano_rlhf.model import GPT, ScoreModel
+from nano_rlhf.model import GPT, ScoreModel, token_logprobs
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
 WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened over the whole batch
@@ -74,6 +77,9 @@ class Options:
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init
     eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
     pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
+    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
+    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
+    grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
     out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
     batch_size: int = 8           # prompts per device per step {>= 1}
     samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
@@ -129,16 +135,16 @@ class Options:
 @dataclass
 class Rollout:
     """One step's samples and everything the update needs. Nothing here changes after the rollout."""
-    query_response: torch.Tensor          # (B, P+R) ids: left-padded prompt | response, padded after its end-of-text
+    query_response: torch.Tensor          # (B, P+R) ids: left-padded prompt | response, padded after its stop token
     attention_mask: torch.Tensor          # (B, P+R) 1 on real tokens
-    response_mask: torch.Tensor           # (B, R) float, 1 up to and including the first end-of-text
+    response_mask: torch.Tensor           # (B, R) float, 1 up to and including the first stop token
     logprobs: Optional[torch.Tensor]      # (B, R) log π_old(y_t); None = the update's own first forward is π_old
     ref_logprobs: Optional[torch.Tensor]  # (B, R) log π_ref(y_t); None when β = 0 (no reference, no KL)
     values: Optional[torch.Tensor]        # (B, R) V_old(x, y_≤t); None without a critic
     scores: torch.Tensor                  # (B,) the reward the policy is trained on (normalised, clipped, eos penalty)
     raw_scores: torch.Tensor              # (B,) the reward as the reward function returned it
     gold: Optional[torch.Tensor]          # (B,) a programmatic reward, logged only (built-in task prompts)
-    has_eos: torch.Tensor                 # (B,) float, 1 if the response ended with end-of-text
+    has_eos: torch.Tensor                 # (B,) float, 1 if the response ended with a stop token (tok.stop_ids)
     completions: list                     # B decoded response texts
 
     @property
@@ -183,22 +189,22 @@ def response_logprobs(model, ids, attn, response_mask, temperature, with_entropy
     """log π(y_t | ...) at temperature τ for each response token, (B, R), 0 on padding; optionally the
     entropy of π(· | ...) at those positions too.
 
-    ids = [left-padded prompt (P) | response (R)]; the logits at position P−1+t predict response token t.
-    Only those positions' logits are computed (select=...), in float32 for the log-softmax.
+    ids = [left-padded prompt (P) | response (R)]; the hidden state at position P−1+t predicts response token t.
+    Only those positions go through the output layer, in chunks (token_logprobs: a real vocabulary's logits
+    are the largest tensors of a step), in float32 for the log-softmax. model may be DDP-wrapped: its forward
+    (return_hidden=True) is what DDP hooks, the output weight is read from the bare module.
     """
     B, T = ids.shape
     P = T - response_mask.shape[1]
     valid = response_mask.bool()
     sel = torch.zeros_like(ids, dtype=torch.bool)
     sel[:, P - 1:T - 1] = valid                                  # the predicting positions
-    logits = model(ids, attn, select=sel).float() / temperature  # (N, V)
-    logp_all = torch.log_softmax(logits, -1)
-    logp = logp_all.gather(-1, ids[:, P:][valid][:, None]).squeeze(-1)
-    out = torch.zeros(response_mask.shape, device=ids.device).masked_scatter(valid, logp)
-    if not with_entropy:
-        return out
-    ent = -(logp_all.exp() * logp_all).sum(-1)                  # H = −Σ p log p
-    return out, torch.zeros(response_mask.shape, device=ids.device).masked_scatter(valid, ent)
+    hidden = model(ids, attn, select=sel, return_hidden=True)    # (N, C)
+    res = token_logprobs(hidden, dist.unwrap(model).output_weight(), ids[:, P:][valid], temperature,
+                         with_entropy=with_entropy)               # log π(y_t) [, H = −Σ p log p]
+    parts = res if with_entropy else (res,)
+    out = [torch.zeros(response_mask.shape, device=ids.device).masked_scatter(valid, x) for x in parts]
+    return tuple(out) if with_entropy else out[0]
 
 
 def kl_estimate(logp, ref_logp, kind="k1"):
@@ -211,7 +217,7 @@ def kl_estimate(logp, ref_logp, kind="k1"):
 # ---- rewards and advantages --------------------------------------------------------------------
 
 def token_rewards(score, kl, response_mask, beta):
-    """r_t = −β·KL_t on every response token; the score is added on the last real token (the end-of-text).
+    """r_t = −β·KL_t on every response token; the score is added on the last real token (the stop token).
     A row with no response token gets no reward at all (all zeros), like every estimator's padding."""
     n = response_mask.sum(1).long()                               # (B,) response lengths
     at_end = F.one_hot((n - 1).clamp(min=0), response_mask.shape[1]).to(kl.dtype) * (n > 0)[:, None]
@@ -376,17 +382,19 @@ def scores_from_reward(raw, has_eos, opts, rm_stats=None):
 
 @torch.no_grad()
 def rollout(prompts, models: Models, tok, opts, gen):
-    """Sample k completions per prompt, cut them after the first end-of-text, score them, and record the
-    log-probs and values the update needs. prompts: tokenized prompt records ({"prompt": ids, "text": ...})."""
+    """Sample k completions per prompt, cut them after the first stop token (end-of-text or the chat template's
+    end-of-turn: tok.stop_ids), score them, and record the log-probs and values the update needs. prompts:
+    tokenized prompt records ({"prompt": ids, "text": ...})."""
     k, device = opts.samples_per_prompt, next(models.policy.parameters()).device
     q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
     seq = dist.unwrap(models.policy).generate(q_ids, q_mask, opts.max_new_tokens, opts.temperature,
-                                              eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, generator=gen)
+                                              eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id, generator=gen)
     P, resp = q_ids.shape[1], seq[:, q_ids.shape[1]:]
-    is_eos = resp == tok.eos_id
+    is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=device))
     has_eos = is_eos.any(1)
-    # response = tokens up to and including the first end-of-text (generate already pads after it)
+    # response = tokens up to and including the first stop token (generate already pads after it); its last
+    # real token is where the reward model reads the score (the end-of-turn token of a conversation)
     length = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
     response_mask = (torch.arange(resp.shape[1], device=device)[None] < length[:, None]).float()
     attn = torch.cat([q_mask, response_mask.long()], 1)
@@ -443,8 +451,8 @@ def ptx_backward(policy: Learner, ptx: Ptx, opts):
     n_global = dist.all_reduce_sum(float(targets.sum()))
     with policy.ddp.no_sync() if world.enabled else contextlib.nullcontext():
         with autocast(device, opts.dtype):
-            logits = policy.ddp(ids, attn, select=F.pad(targets, (0, 1))).float()
-        nll = F.cross_entropy(logits, ids[:, 1:][targets], reduction="sum")
+            hidden = policy.ddp(ids, attn, select=F.pad(targets, (0, 1)), return_hidden=True)
+            nll = -token_logprobs(hidden, policy.model.output_weight(), ids[:, 1:][targets]).sum()
         (ptx.coef * nll * token_mean_scale(n_global)).backward()
 
 
@@ -609,7 +617,12 @@ def main(argv=None):
     with input_errors():
         prompt_records, eval_records = load_prompts(opts)
         ptx_records = load_records(opts.ptx_data, "sft") if opts.ptx_data else None
-        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token)
+        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
+                             opts.date_string)
+        # what the prompts render to, as the tokenizer resolved it ("auto", an empty --date_string): a resumed
+        # run must render the same tokens (checked by run.resume)
+        run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
+        torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
         models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device)
         block = models.policy.cfg.block_size
         max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
@@ -627,6 +640,10 @@ def main(argv=None):
     dist.seed_everything(opts.seed, world.rank)
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
+    if opts.grad_checkpoint:                   # the trained models (before DDP wraps them); frozen ones run without grad
+        for m in (models.policy, models.critic):
+            if m is not None:
+                m.set_grad_checkpointing(True)
     policy = Learner.of(models.policy, opts.lr, opts)
     critic = Learner.of(models.critic, opts.critic_lr, opts) if models.critic is not None else None
     trained = {"policy": policy, **({"critic": critic} if critic else {})}
@@ -699,7 +716,7 @@ def main(argv=None):
             break
     for name, learner in trained.items():
         dist.check_same_weights(learner.model, name)
-    dist.print0(f"saved {opts.out_dir} (HF GPT2LMHeadModel layout)")
+    dist.print0(f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
                            optimizers=state["optimizers"], options=opts)

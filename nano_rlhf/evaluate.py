@@ -9,6 +9,11 @@ against --baseline (on the gold reward, or on --reward; ties count one half), re
 --reward_model), your reward (with --reward module:function), KL to --ref, mean response length, end-of-text
 rate. Every reward goes through nano_rlhf.reward, the interface train_ppo.py uses.
 
+Conversational prompts (a list of messages) are rendered with the model's own chat template (recognised from
+its tokenizer_config.json; --chat_template names one, --date_string fixes Llama 3's date) and a response ends
+at the first stop token: end-of-text or the template's end-of-turn (<|eot_id|>, <|im_end|>), both counted in
+the end-of-text rate.
+
 Default decoding is pure sampling at temperature 1 — the distribution RLHF optimises. Greedy decoding
 (--temperature 0) hides how much probability the policy still puts on bad answers.
 
@@ -26,20 +31,25 @@ import torch.nn.functional as F
 
 from . import reward as reward_mod
 from .checkpoint import write_json
-from .common import builtin_file, check_vocab, fail
+from .common import builtin_file, check_vocab, fail, load_tokenizer
 from .data import DataError, collate_prompts, load_records, tokenize_prompts
-from .model import GPT
-from .tokenizer import Tokenizer
+from .model import GPT, token_logprobs
+from .tokenizer import CHAT_TEMPLATES
 
 
-def response_logprobs(model, ids, attn, prompt_len, temperature=1.0):
-    """log π(token) for every generated position (B, T - prompt_len), logits / temperature, float32."""
-    logits = model(ids, attn)[:, prompt_len - 1:-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    targets = ids[:, prompt_len:]
-    targets = targets.masked_fill(targets >= logits.shape[-1], 0)   # a pad id outside the vocabulary
-    return F.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+def response_logprobs(model, ids, attn, prompt_len, temperature=1.0, response_mask=None):
+    """log π(token) for every generated position (B, T - prompt_len), logits / temperature (none when greedy),
+    float32; 0 where response_mask (B, T - prompt_len) is 0. The output layer runs in chunks (token_logprobs)
+    and only on the positions that predict a response token, so a real vocabulary's logits stay bounded."""
+    R = ids.shape[1] - prompt_len
+    valid = torch.ones(ids.shape[0], R, dtype=torch.bool, device=ids.device) if response_mask is None \
+        else response_mask.bool()
+    sel = F.pad(valid, (prompt_len - 1, 1))                         # position P−1+t predicts response token t
+    targets = ids[:, prompt_len:][valid]
+    targets = targets.masked_fill(targets >= model.output_weight().shape[0], 0)   # a pad id outside the vocabulary
+    lp = token_logprobs(model.hidden_states(ids, attn, select=sel), model.output_weight(), targets,
+                        temperature if temperature > 0 else 1.0)
+    return torch.zeros(valid.shape, device=ids.device).masked_scatter(valid, lp)
 
 
 def mean_se(xs):
@@ -67,20 +77,20 @@ def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, sa
     for s in range(0, len(work), batch_size):
         chunk = work[s:s + batch_size]
         ids, attn = collate_prompts([items[i]["prompt"] for i, _ in chunk], tok.pad_id)
-        seq = model.generate(ids, attn, max_new_tokens, temperature, top_k, top_p, tok.eos_id, tok.pad_id, gen)
+        seq = model.generate(ids, attn, max_new_tokens, temperature, top_k, top_p, tok.stop_ids, tok.pad_id, gen)
         Tp = ids.shape[1]
         resp = seq[:, Tp:]
-        is_eos = resp == tok.eos_id
+        is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=resp.device))   # end-of-text or the template's end-of-turn
         has_eos = is_eos.any(1)
-        # response length up to and including the first end-of-text; positions after it are padding
+        # response length up to and including the first stop token; positions after it are padding
         length = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
         rmask = (torch.arange(resp.shape[1])[None] < length[:, None]).long()
         full_attn = torch.cat([attn, rmask], 1)
         kl = None
         if ref is not None:
-            lp = response_logprobs(model, seq, full_attn, Tp, temperature)
-            rlp = response_logprobs(ref, seq, full_attn, Tp, temperature)
-            kl = ((lp - rlp) * rmask).sum(1)
+            lp = response_logprobs(model, seq, full_attn, Tp, temperature, rmask)
+            rlp = response_logprobs(ref, seq, full_attn, Tp, temperature, rmask)
+            kl = (lp - rlp).sum(1)
         texts = [tok.decode(resp[b, :length[b]].tolist()) for b in range(len(chunk))]
         chunk_prompts = [prompts[i]["prompt"] for i, _ in chunk]
         scores = {name: (fn.score_tokens(seq, full_attn).tolist() if isinstance(fn, reward_mod.RewardModel)
@@ -129,7 +139,8 @@ def format_summary(name, s):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, nargs="+", help="policy directories (HF GPT-2 layout + tokenizer.json); "
+    p.add_argument("--model", required=True, nargs="+", help="policy directories (HF layout of GPT-2, "
+                   "Llama, Qwen2/3 + tokenizer.json); "
                    "several give one table row each")
     p.add_argument("--prompts", default="", help="prompts JSONL (default: the built-in task's eval prompts)")
     p.add_argument("--out", default="", help="samples.jsonl to write (default: MODEL/samples.jsonl for each model)")
@@ -148,6 +159,10 @@ def main(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=48, help="longest response")
     p.add_argument("--batch_size", type=int, default=64, help="prompts per generation batch")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every model)")
+    p.add_argument("--chat_template", default="auto", choices=CHAT_TEMPLATES, help="how conversational prompts are "
+                   "rendered; auto = recognised from the tokenizer's own template")
+    p.add_argument("--date_string", default="", help='Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one '
+                   "saved with the tokenizer, else the template's default")
     a = p.parse_args(argv)
     check_options(a)
     rows = []
@@ -167,7 +182,7 @@ def main(argv=None):
         elif a.baseline:
             baseline = [json.loads(line) for line in open(a.baseline)]
         for d in models:
-            tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+            tok = load_tokenizer("", d, chat_template=a.chat_template, date_string=a.date_string)
             model = GPT.from_pretrained(d, dropout=0.0).eval()
             check_vocab(tok, model.cfg, d)
             if ref is not None:

@@ -12,10 +12,10 @@ completions are the decoded response texts (no end-of-text token). A user's func
 and returns one float per completion (a list, tuple or 1-D tensor); its answer is checked at every call and
 a wrong length or type stops the run with one line naming the function.
 
-Scores are RAW: a reward model's own output at the response's end-of-text. Normalising a reward model's
-score with the mean/std train_rm.py recorded (and clipping it) is part of the PPO algorithm, so train_ppo.py
-does it (its --normalize_score / --score_clip); the recorded statistics are available as `reward.mean`,
-`reward.std`. A reward model additionally offers `score_tokens(ids, attn)` for callers that already hold the
+Scores are RAW: a reward model's own output at the response's end-of-text (the chat template's end-of-turn
+for a conversation). Normalising a reward model's score with the mean/std train_rm.py recorded (and clipping
+it) is part of the PPO algorithm, so train_ppo.py does it (its --normalize_score / --score_clip); the recorded
+statistics are available as `reward.mean`, `reward.std`. A reward model additionally offers `score_tokens(ids, attn)` for callers that already hold the
 token ids (the rollout), which skips a decode/re-encode round trip that need not give back the sampled ids.
 
 Nothing here is specific to an algorithm; nothing outside this module needs to name the built-in task.
@@ -64,12 +64,15 @@ class RewardModel:
                           for i in range(0, ids.shape[0], self.batch_size)])
 
     def __call__(self, prompts, completions):
-        """Prompt and completion tokenized separately (the seam rule of the data pipeline), end-of-text
-        appended; the prompt left-truncated when the pair exceeds the model's context."""
+        """Prompt and completion tokenized separately (the seam rule of the data pipeline), closed as a
+        policy's sample is: end-of-text after a text prompt, the chat template's end-of-turn after a
+        conversational one (where train_rm.py read the score); the prompt left-truncated when the pair exceeds
+        the model's context."""
         block = self.model.cfg.block_size
         q, r = [], []
         for p, c in zip(prompts, completions):
-            resp = self.tok.encode_response(c)[:block - 1]
+            end = self.tok.eos_id if isinstance(p, str) else self.tok.eot_id
+            resp = self.tok.encode(c)[:block - 2] + [end]      # the end token is where the score is read
             q.append(self.tok.render_prompt(p)[-(block - len(resp)):])
             r.append(resp)
         q_ids, q_mask = collate_prompts(q, self.tok.pad_id)
