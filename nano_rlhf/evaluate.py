@@ -226,6 +226,11 @@ def check_options(a):
             fail(f"--{name} must be >= 1 (got {value})")
     if a.reward and not reward_mod.is_function_spec(a.reward):
         fail(f"--reward must be module:function or path/to/file.py:function (got {a.reward!r})")
+    for flag, path in (("--summary", a.summary), ("--out", a.out)):
+        if path:   # checked before the models are loaded and sampled, not after minutes of sampling
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
+                fail(f"{flag} {path}: cannot be written (its directory {folder} does not exist or is not writable)")
 
 
 def format_table(rows):

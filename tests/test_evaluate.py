@@ -70,3 +70,17 @@ def test_ref_or_model_with_a_smaller_vocabulary_is_one_line(tmp_path, tok, sft_d
         lines = p.stderr.strip().splitlines()
         assert p.returncode != 0 and len(lines) == 1 and where in lines[0] and "vocabulary" in lines[0], p.stderr
         assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--summary", "--out"])
+def test_unwritable_output_is_one_line_before_sampling(tmp_path, capsys, flag, monkeypatch):
+    """An output path under a regular file (unwritable even for root) stops before any model is loaded."""
+    from nano_rlhf import evaluate
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setattr(evaluate.GPT, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", str(tmp_path / "m"), flag, str(blocker / "out.json")])
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err, err
