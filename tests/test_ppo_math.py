@@ -1,6 +1,6 @@
 """Independent float64 oracle for the PPO / critic-free math in train_ppo.py.
 
-Written from ../shared/ALGORITHMS.md (sections "PPO" and "Critic-free estimators") and the
+Written from docs/algorithms.md (sections #ppo and #critic-free-estimators) and the
 functions' documented contract only, without reading their bodies. Every oracle is a plain Python
 loop over floats, straight from the equations. Responses are right-padded; padding entries of the
 inputs are filled with garbage so that any leak of padding into valid outputs is caught.

@@ -1,6 +1,6 @@
 """Independent oracle tests for the Bradley-Terry reward-model loss in train_rm.py.
 
-Reference (ALGORITHMS.md, "Reward model"), per pair, written in float64 from the equations only:
+Reference (docs/algorithms.md#reward-model), per pair, written in float64 from the equations only:
   L = -log s(r_w - r_l - m) + c (r_w + r_l)^2 + (lam / 2) (r_w^2 + r_l^2)
 so that the batch mean gives TRL's c * mean((r_w + r_l)^2) and align-anything's lam/(2B) * sum(r_w^2 + r_l^2).
 """
