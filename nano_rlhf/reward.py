@@ -131,16 +131,16 @@ def is_function_spec(spec):
     return ":" in spec and not os.path.isdir(spec) and len(spec.rsplit(":", 1)[0]) > 1
 
 
-def load_function(spec):
-    """Import a user's reward function at start-up; one-line errors for a missing module, file or function
-    and for a non-callable."""
+def load_function(spec, flag="--reward"):
+    """Import a user's reward function at start-up; one-line errors (naming flag) for a missing module, file
+    or function and for a non-callable."""
     where, name = spec.rsplit(":", 1)
     if not where or not name:
-        fail(f"--reward {spec}: expected module:function or path/to/file.py:function")
+        fail(f"{flag} {spec}: expected module:function or path/to/file.py:function")
     try:
         if where.endswith(".py") or os.sep in where or "/" in where:
             if not os.path.isfile(where):
-                fail(f"--reward {spec}: no such file {where}")
+                fail(f"{flag} {spec}: no such file {where}")
             module_name = "_nano_rlhf_reward_" + os.path.splitext(os.path.basename(where))[0]
             loader = importlib.util.spec_from_file_location(module_name, where)
             module = importlib.util.module_from_spec(loader)
@@ -151,14 +151,14 @@ def load_function(spec):
                 sys.path.insert(0, os.getcwd())     # `python train_ppo.py --reward my_rewards:f` from the repo
             module = importlib.import_module(where)
     except ModuleNotFoundError as e:
-        fail(f"--reward {spec}: cannot import module {where!r} ({e})")
+        fail(f"{flag} {spec}: cannot import module {where!r} ({e})")
     except SyntaxError as e:
-        fail(f"--reward {spec}: {where} does not parse: {e.msg} (line {e.lineno})")
+        fail(f"{flag} {spec}: {where} does not parse: {e.msg} (line {e.lineno})")
     fn = getattr(module, name, None)
     if fn is None:
-        fail(f"--reward {spec}: {where} has no {name!r}")
+        fail(f"{flag} {spec}: {where} has no {name!r}")
     if not callable(fn):
-        fail(f"--reward {spec}: {where}.{name} is a {type(fn).__name__}, not a function")
+        fail(f"{flag} {spec}: {where}.{name} is a {type(fn).__name__}, not a function")
     return _Checked(fn, spec)
 
 
