@@ -30,7 +30,7 @@ import torch
 
 from . import synthetic
 from .common import fail
-from .data import collate_prompts, pad_right
+from .data import pad_right
 
 GOLD = "gold"
 
@@ -69,18 +69,16 @@ class RewardModel:
         conversational one (where train_rm.py read the score); the prompt left-truncated when the pair exceeds
         the model's context."""
         block = self.model.cfg.block_size
-        q, r = [], []
+        rows = []
         for p, c in zip(prompts, completions):
             end = self.tok.eos_id if isinstance(p, str) else self.tok.eot_id
             resp = self.tok.encode(c)[:block - 2] + [end]      # the end token is where the score is read
-            q.append(self.tok.render_prompt(p)[-(block - len(resp)):])
-            r.append(resp)
-        q_ids, q_mask = collate_prompts(q, self.tok.pad_id)
-        r_len = max(len(x) for x in r)
-        r_ids = pad_right(r, self.tok.pad_id, r_len)
-        r_mask = torch.tensor([[1] * len(x) + [0] * (r_len - len(x)) for x in r])
-        ids = torch.cat([q_ids, r_ids], 1).to(self.device)
-        attn = torch.cat([q_mask, r_mask], 1).to(self.device)
+            rows.append((self.tok.render_prompt(p) + resp)[-block:])   # an over-long row loses its prompt's start
+        # whole rows right-padded (plain causal attention; the score is read at each row's last real token), so
+        # a row's score does not depend on what else is in the batch
+        n = max(len(x) for x in rows)
+        ids = pad_right(rows, self.tok.pad_id, n).to(self.device)
+        attn = torch.tensor([[1] * len(x) + [0] * (n - len(x)) for x in rows], device=self.device)
         return self.score_tokens(ids, attn).tolist()
 
 
@@ -102,8 +100,8 @@ def _gold(prompts, completions):
 class _Checked:
     """A user's function with its answers checked at every call (a wrong length or type stops the run)."""
 
-    def __init__(self, fn, spec):
-        self.fn, self.name = fn, spec
+    def __init__(self, fn, spec, flag="--reward"):
+        self.fn, self.name, self.flag = fn, spec, flag
 
     def __call__(self, prompts, completions):
         out = self.fn(list(prompts), list(completions))
@@ -111,11 +109,11 @@ class _Checked:
             out = out.detach().flatten().tolist() if out.dim() <= 1 else None
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                          for x in out):
-            fail(f"--reward {self.name}: must return a list of floats (one per completion), got {_kind(out)}")
+            fail(f"{self.flag} {self.name}: must return a list of floats (one per completion), got {_kind(out)}")
         if len(out) != len(completions):
-            fail(f"--reward {self.name}: returned {len(out)} scores for {len(completions)} completions")
+            fail(f"{self.flag} {self.name}: returned {len(out)} scores for {len(completions)} completions")
         if not all(math.isfinite(x) for x in out):
-            fail(f"--reward {self.name}: returned a non-finite score ({next(x for x in out if not math.isfinite(x))})")
+            fail(f"{self.flag} {self.name}: returned a non-finite score ({next(x for x in out if not math.isfinite(x))})")
         return [float(x) for x in out]
 
 
@@ -159,10 +157,10 @@ def load_function(spec, flag="--reward"):
         fail(f"{flag} {spec}: {where} has no {name!r}")
     if not callable(fn):
         fail(f"{flag} {spec}: {where}.{name} is a {type(fn).__name__}, not a function")
-    return _Checked(fn, spec)
+    return _Checked(fn, spec, flag)
 
 
-def load_reward(spec, *, tokenizer=None, device="cpu", prompts=None, batch_size=64):
+def load_reward(spec, *, tokenizer=None, device="cpu", prompts=None, batch_size=64, flag="--reward"):
     """spec -> reward(prompts, completions) -> list[float].
 
     spec: a reward-model directory (needs tokenizer: the policy's, whose ids it scores), "gold" (the built-in
@@ -171,11 +169,11 @@ def load_reward(spec, *, tokenizer=None, device="cpu", prompts=None, batch_size=
     if spec == GOLD:
         if prompts is not None and builtin_gold(list(prompts)) is None:
             bad = next((p for p in prompts if not synthetic.is_task_prompt(p)), None)
-            fail(f"--reward gold scores the built-in task's prompts only; this prompt is not one: {str(bad)[:80]!r} "
-                 "(use a reward model or --reward module:function)")
+            fail(f"{flag} gold scores the built-in task's prompts only; this prompt is not one: {str(bad)[:80]!r} "
+                 f"(use a reward model or {flag} module:function)")
         return _gold
     if is_function_spec(spec):
-        return load_function(spec)
+        return load_function(spec, flag)
     if tokenizer is None:
         raise ValueError(f"{spec}: a reward model needs the tokenizer whose ids it scores")
     return RewardModel.from_dir(spec, tokenizer, device, batch_size)

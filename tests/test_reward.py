@@ -94,3 +94,20 @@ def test_gold_refuses_other_prompts_at_load(tmp_path):
                                       f"load_reward('gold', prompts=[{TASK!r}, {OTHER!r}])\n")
     p = run([str(tmp_path / "call.py")], check=False)
     assert p.returncode != 0 and p.stderr.count("\n") == 1 and "--reward gold scores the built-in task" in p.stderr
+
+
+def test_reward_model_batch_of_long_prompt_and_long_response_fits_its_context(tok, rm_dir):
+    """A long prompt batched with another row's long response (padding prompts and responses separately
+    overflowed block_size): each score equals that row scored alone, its prompt cut from the start."""
+    reward = load_reward(rm_dir, tokenizer=tok)
+    block = reward.model.cfg.block_size
+    long_prompt = " ".join(["write a short review of the phone."] * block)
+    long_resp = " " + " ".join(["great"] * (block // 2))
+    prompts, completions = [long_prompt, "review"], [" ok", long_resp]
+    got = reward(prompts, completions)
+    rm = ScoreModel.from_pretrained(rm_dir).eval()
+    for p, c, score in zip(prompts, completions, got):
+        ids = torch.tensor([(tok.encode(p) + tok.encode(c)[:block - 2] + [tok.eos_id])[-block:]])
+        assert ids.shape[1] <= block
+        with torch.no_grad():
+            assert score == pytest.approx(rm(ids)[1].item(), abs=1e-5)
