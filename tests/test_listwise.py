@@ -310,22 +310,30 @@ def test_dpo_expands_listwise_data_into_pairs(tmp_path, tok):
     assert len(train) + len(evals) == n_all and len(evals) > 0
 
 
-def test_dpo_listwise_flag_on_pairs_data_is_one_line(tmp_path, sft_dir):
+def one_line_exit(capsys, main, argv):
+    """main(argv) must stop with a non-zero exit and exactly one stderr line; returns that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code != 0 and "\n" not in err, err
+    return err
+
+
+def test_dpo_listwise_flag_on_pairs_data_is_one_line(tmp_path, sft_dir, capsys):
     path = write_jsonl(tmp_path / "pref.jsonl", pref_rows(8))
-    p = run(["train_dpo.py", "--data", path, "--listwise_pairs", "best_worst", "--init", sft_dir,
-             "--out_dir", str(tmp_path / "o")], check=False)
-    assert p.returncode != 0
-    assert p.stderr.strip() == (f"error: --listwise_pairs best_worst: {path} is not listwise data (its first row "
-                                f"has no 'completions' field)")
+    err = one_line_exit(capsys, train_dpo.main, ["--data", path, "--listwise_pairs", "best_worst", "--init", sft_dir,
+                                                 "--out_dir", str(tmp_path / "o")])
+    assert err == f"error: --listwise_pairs best_worst: {path} is not listwise data (its first row has no 'completions' field)"
+    assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
-def test_flags_the_loss_would_ignore_are_errors(tmp_path, sft_dir):
+def test_flags_the_loss_would_ignore_are_errors(tmp_path, sft_dir, capsys):
     for args, msg in ((["--loss", "rrhf", "--beta", "0.2"], "error: --beta applies only to --loss lipo"),
                       (["--loss", "pro", "--ref", sft_dir], "error: --ref applies only to --loss lipo")):
-        p = run(["train_listwise.py", *args, "--init", sft_dir, "--out_dir", str(tmp_path / "o")], check=False)
-        assert p.returncode != 0 and p.stderr.startswith(msg), p.stderr
-    p = run(["train_dpo.py", "--loss", "kto", "--listwise_pairs", "all", "--init", sft_dir], check=False)
-    assert p.returncode != 0 and p.stderr.startswith("error: --listwise_pairs applies to the pairwise losses")
+        assert one_line_exit(capsys, L.main, [*args, "--init", sft_dir, "--out_dir", str(tmp_path / "o")]).startswith(msg)
+    assert one_line_exit(capsys, train_dpo.main, ["--loss", "kto", "--listwise_pairs", "all", "--init", sft_dir]) \
+        .startswith("error: --listwise_pairs applies to the pairwise losses")
 
 
 # ---- the built-in task, end to end ---------------------------------------------------------------
@@ -407,20 +415,22 @@ def test_first_step_loss_equals_the_oracle_on_real_log_probs(tmp_path, task_dir,
     assert got["train/nll"] == pytest.approx(nll / n_tok, rel=1e-4)
 
 
-def test_an_old_data_directory_gets_its_listwise_files(tmp_path, monkeypatch, sft_dir):
+def test_an_old_data_directory_gets_its_listwise_files(tmp_path, monkeypatch):
     from nano_rlhf import common
-    synthetic.write_dataset(str(tmp_path / "d"), seed=3, **SMALL)
-    want = (tmp_path / "d" / "listwise_eval.jsonl").read_bytes()
+    d = tmp_path / "d"
+    synthetic.write_dataset(str(d), seed=3, **SMALL)
+    want = (d / "listwise_eval.jsonl").read_bytes()
     for f in ("listwise.jsonl", "listwise_eval.jsonl"):
-        (tmp_path / "d" / f).unlink()
-    monkeypatch.setattr(common, "BUILTIN_DIR", str(tmp_path / "d"))
-    monkeypatch.setattr(L, "BUILTIN_DIR", str(tmp_path / "d"))
-    before = {f.name: f.read_bytes() for f in (tmp_path / "d").iterdir()}
-    L.main(["--init", sft_dir, "--out_dir", str(tmp_path / "o"), "--max_steps", "1", "--batch_size", "2"])
+        (d / f).unlink()
+    monkeypatch.setattr(common, "BUILTIN_DIR", str(d))
+    monkeypatch.setattr(L, "BUILTIN_DIR", str(d))
+    before = {f.name: f.read_bytes() for f in d.iterdir()}
+    opts = types.SimpleNamespace(data="", eval_data="")
+    assert L.data_files(opts) == {"data": str(d / "listwise.jsonl"), "eval_data": str(d / "listwise_eval.jsonl")}
     # written with the task's own seed (3, from task.json), at the default row count; the rest untouched
-    assert (tmp_path / "d" / "listwise_eval.jsonl").read_bytes().startswith(want.split(b"\n")[0] + b"\n")
-    assert (tmp_path / "d" / "listwise.jsonl").stat().st_size > 0
-    assert all((tmp_path / "d" / k).read_bytes() == v for k, v in before.items())
+    assert (d / "listwise_eval.jsonl").read_bytes().startswith(want.split(b"\n")[0] + b"\n")
+    assert len(load_records(str(d / "listwise.jsonl"), "listwise")) == 1900
+    assert all((d / k).read_bytes() == v for k, v in before.items())
 
 
 def test_dpo_end_to_end_on_listwise_data(tmp_path, task_dir, sft_dir):
