@@ -296,6 +296,7 @@ def main(argv=None):
     print(f"gold reward: SFT demonstrations {t['sft_demo_gold_mean']:+.2f}, preference candidates "
           f"{t['pair_gold_mean']:+.2f}, best {t['best_gold_mean']:+.2f} | label noise {100 * t['label_noise']:.1f}% "
           f"| Bradley-Terry accuracy ceiling {100 * t['bt_accuracy_ceiling']:.1f}%")
+    print(f"listwise: {a.n_listwise} prompts x {LISTWISE_K} scored responses in listwise.jsonl / listwise_eval.jsonl")
     return t
 
 
