@@ -456,3 +456,30 @@ def test_ddp_two_ranks_equal_one_process(tmp_path, task_dir, sft_dir):
         assert [x[key] for x in la] == pytest.approx([x[key] for x in lb], rel=1e-4, abs=1e-7), key
     for key in ("eval/loss", "eval/pair_accuracy", "eval/top1_accuracy"):
         assert la[-1][key] == pytest.approx(lb[-1][key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.slow      # four training runs and an evaluation in subprocesses, ~1-2 minutes on a busy 2-core machine
+def test_survey_script_reuses_the_pipeline_models_and_prints_the_table(tmp_path, sft_dir, rm_dir):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = tmp_path / "out"
+    shutil.copytree(sft_dir, out / "sft")
+    shutil.copytree(rm_dir, out / "rm")
+    env = dict(os.environ, TINY="1", OUT=str(out), DATA=str(tmp_path / "data"), PYTHON=sys.executable,
+               OMP_NUM_THREADS="2")
+    p = subprocess.run(["bash", "scripts/survey.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert f"reusing {out}/sft" in lines and f"reusing {out}/rm" in lines
+    assert not any("train_sft.py" in ln or "train_rm.py" in ln for ln in lines if ln.startswith("+ "))
+    policies = ["sft", "rrhf", "pro", "lipo", "dpo_listwise"]
+    for name in policies[1:]:
+        GPT.from_pretrained(str(out / name))
+        assert (out / name / "metrics.jsonl").exists()
+    table = [ln for ln in lines if ln.startswith("| ")]
+    assert [ln.split(" | ")[0][2:] for ln in table[1:]] == policies
+    results = json.loads((out / "survey.json").read_text())
+    assert [r["name"] for r in results] == policies and "kl" in results[1] and "gold_reward" in results[1]
