@@ -25,14 +25,15 @@ if [ "$NPROC" -gt 1 ]; then
 else
   TRAIN="$PY"
 fi
-# budgets: as pipeline.sh for the shared stages; the listwise runs see 4 prompts x 4 completions a step
+# budgets: as pipeline.sh for the shared stages
 if [ "${TINY:-0}" = "1" ]; then
   DATA_ARGS="--n_sft 600 --n_pref 400 --n_unpaired 400 --n_prompts 200 --n_eval_prompts 32"
   SFT="--max_steps 30 --eval_interval 0"; RM="--max_steps 10"; LIST="--max_steps 6"; PAIRS="--max_steps 6"
   EVAL="--batch_size 32"
 else
   DATA_ARGS=""
-  SFT=""; RM=""; LIST="--max_steps 100 --eval_interval 50"; PAIRS="--max_steps 100 --batch_size 8 --eval_interval 50"
+  # equal compute for every method: 100 steps of 32 sequences (8 prompts x 4 completions, or 16 pairs)
+  SFT=""; RM=""; LIST="--max_steps 100 --batch_size 8 --eval_interval 50"; PAIRS="--max_steps 100 --batch_size 16 --eval_interval 50"
   EVAL=""
 fi
 export NANO_RLHF_DATA="$DATA"
