@@ -27,7 +27,8 @@ else
 fi
 # budgets: as pipeline.sh for the shared stages
 if [ "${TINY:-0}" = "1" ]; then
-  DATA_ARGS="--n_sft 600 --n_pref 400 --n_unpaired 400 --n_prompts 200 --n_eval_prompts 32"
+  # pipeline.sh's TINY data (the same files), with fewer listwise rows: their eval set is what a tiny run costs
+  DATA_ARGS="--n_sft 600 --n_pref 400 --n_unpaired 400 --n_prompts 200 --n_eval_prompts 32 --n_listwise 200"
   SFT="--max_steps 30 --eval_interval 0"; RM="--max_steps 10"; LIST="--max_steps 6"; PAIRS="--max_steps 6"
   EVAL="--batch_size 32"
 else
