@@ -8,8 +8,8 @@ K may differ per row (nano_rlhf/data.py). Notation: S(y) = Σ_t log π(y_t | x, 
                 (L_rank over every ordered pair; L_ft = NLL of the best-scored response; no reference)
   --loss pro    −Σ_{k=1}^{K−1} log [ exp(p_k/T_k^k) / Σ_{i=k}^{K} exp(p_i/T_k^i) ]   + w·NLL(y_best)
                 responses sorted by score (y_1 best); T_k^i = 1/(ψ_k − ψ_i) for i > k, T_k^k = min_{i>k} T_k^i
-                (PRO's dynamic temperature; L = L_PRO + β·L_SFT, β = w)    Song et al. 2023, §3.2–3.3
-  --loss lipo   −Σ_{ψ_i > ψ_j} Δ_ij log σ(s_i − s_j),   s = β·u               Liu et al. 2024, LiPO-λ (§4)
+                (PRO's dynamic temperature; L = L_PRO + β·L_SFT, β = w)    Song et al. 2023, §3
+  --loss lipo   −Σ_{ψ_i > ψ_j} Δ_ij log σ(s_i − s_j),   s = β·u               Liu et al. 2024, the LiPO-λ objective
                 Δ_ij = |G_i − G_j| · |1/D(τ_i) − 1/D(τ_j)|, gain G = 2^ψ − 1, discount D(τ) = log₂(1 + τ),
                 τ_i = rank of y_i when the list is sorted by s (1 = highest); Δ is a constant (no gradient),
                 as in LambdaLoss (Wang et al. 2018). For K = 2: (1 − 1/log₂3)·|G_1 − G_2| × DPO's loss.
@@ -111,7 +111,7 @@ def rrhf_rank_loss(p, score, mask):
 
 
 def pro_loss(p, score, mask):
-    """PRO's L_PRO (Song et al. 2023, §3.2–3.3): for each position k of the ranking, the Plackett–Luce
+    """PRO's L_PRO (Song et al. 2023, §3): for each position k of the ranking, the Plackett–Luce
     log-likelihood that y_k beats every lower-ranked y_i, with logits p_i/T_k^i, 1/T_k^i = ψ_k − ψ_i and
     1/T_k^k = max_{i>k}(ψ_k − ψ_i). For K = 2 it is −log σ((ψ_1 − ψ_2)(p_1 − p_2))."""
     key = score.masked_fill(~mask, float("-inf"))
@@ -130,7 +130,7 @@ def pro_loss(p, score, mask):
 
 @torch.no_grad()
 def lambda_weights(s, score, mask):
-    """LiPO-λ's Δ_ij = |G_i − G_j| · |1/D(τ_i) − 1/D(τ_j)| (Liu et al. 2024, §4; LambdaLoss): gain G = 2^ψ − 1,
+    """LiPO-λ's Δ_ij = |G_i − G_j| · |1/D(τ_i) − 1/D(τ_j)| (Liu et al. 2024, LiPO-λ; LambdaLoss): gain G = 2^ψ − 1,
     discount D(τ) = log₂(1 + τ), τ = the rank (1 = top) of each response in the order its current s
     induces (ties in s: stable sort). Computed in float64 (2^ψ), no gradient."""
     key = s.detach().double().masked_fill(~mask, float("-inf"))
@@ -145,7 +145,7 @@ def lambda_weights(s, score, mask):
 
 
 def lipo_lambda_loss(s, score, mask):
-    """LiPO-λ: −Σ_{ψ_i > ψ_j} Δ_ij log σ(s_i − s_j) with s = β·log π/π_ref (Liu et al. 2024, §4)."""
+    """LiPO-λ: −Σ_{ψ_i > ψ_j} Δ_ij log σ(s_i − s_j) with s = β·log π/π_ref (Liu et al. 2024, LiPO-λ)."""
     better = mask[:, :, None] & mask[:, None, :] & (score[:, :, None] > score[:, None, :])  # [i, j]: ψ_i > ψ_j
     nll = -F.logsigmoid(s[:, :, None] - s[:, None, :])
     return torch.where(better, lambda_weights(s, score, mask) * nll, 0.0).sum((1, 2))
