@@ -27,6 +27,7 @@ Run:
     python train_dpo.py --loss ipo --beta 0.1             # -> out/ipo
     python train_dpo.py --loss kto                        # reads the unpaired data -> out/kto
     python train_dpo.py --data prefs.jsonl --init out/sft --precompute_ref --out_dir out/my_dpo
+    python train_dpo.py --data data/listwise.jsonl --listwise_pairs best_worst --out_dir out/dpo_bw   # listwise data
     torchrun --nproc_per_node 2 train_dpo.py --loss simpo
     python train_dpo.py --init Qwen3-0.6B-sft --data prefs.jsonl --lr 5e-7 --grad_checkpoint --out_dir out/qwen3_dpo
 
@@ -35,6 +36,10 @@ with the checkpoint's own chat template (recognised from its tokenizer_config.js
 and each response is scored up to and including the template's end-of-turn token. --date_string fixes the date
 Llama 3's template writes into its system header; the date used is part of the run, so --resume renders the same
 tokens. The output directory loads in transformers like the input did.
+
+Listwise data ({"prompt", "completions", "scores"} rows, as train_listwise.py reads) runs through every pairwise
+loss: each row becomes pairs, --listwise_pairs all (every pair with a higher score over a lower one; ties skipped)
+or best_worst (one pair per row). The eval split is made on rows, before the expansion.
 
 Reading the logs: rewards are β·u (β·S_θ for cpo, β·Ā_θ for simpo, log-odds for orpo). Both chosen and
 rejected rewards usually fall below zero: after SFT on similar data, any other objective lowers the
@@ -63,7 +68,8 @@ from nano_rlhf.checkpoint import save_model_dir, save_state
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
                               set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
-from nano_rlhf.data import Batches, collate_pairs, load_records, pad_right, tokenize_pairs, tokenize_unpaired
+from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records, pad_right,
+                            tokenize_pairs, tokenize_unpaired)
 from nano_rlhf.model import GPT, token_logprobs
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
@@ -87,6 +93,7 @@ class Options:
     data: str = ""                # preference JSONL (unpaired JSONL for kto); empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
+    listwise_pairs: Literal["auto", "all", "best_worst"] = "auto"  # listwise --data/--eval_data (rows with 'completions'/'scores') -> pairs: all = every pair with s_i > s_j (ties skipped), best_worst = best vs worst; auto = all, and pairs data as is
     init: str = "out/sft"         # policy to start from (an SFT model directory)
     ref: str = ""                 # reference model directory; empty = --init
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init
@@ -413,6 +420,8 @@ def check_options(opts):
     loss = opts.loss
     if opts.label_smoothing and loss not in ("dpo", "robust"):
         fail(f"--label_smoothing applies only to --loss dpo or robust, not {loss}")
+    if opts.listwise_pairs != "auto" and loss == "kto":
+        fail("--listwise_pairs applies to the pairwise losses, not --loss kto (which reads unpaired data)")
     if opts.nll_coef and loss == "kto":
         fail("--nll_coef is not supported with --loss kto (unpaired data has no chosen response)")
     if loss == "kto" and opts.batch_size < 2:
@@ -451,19 +460,47 @@ def data_files(opts):
             "eval_data": None if split else opts.eval_data or builtin_file("preference_eval.jsonl")}
 
 
+def read_records(opts, path):
+    """Records of one file as pairs (or KTO's unpaired rows). A listwise file (its first row has 'completions')
+    is read as listwise and expanded into pairs by --listwise_pairs after any eval split (so one prompt's
+    pairs never straddle train and eval): here it is only read; `as_pairs` expands."""
+    if opts.loss == "kto":
+        return load_records(path, "unpaired"), False
+    listwise = is_listwise_file(path)
+    if opts.listwise_pairs != "auto" and not listwise:
+        raise ValueError(f"--listwise_pairs {opts.listwise_pairs}: {path} is not listwise data (its first row has "
+                         f"no 'completions' field)")
+    return load_records(path, "listwise" if listwise else "preference"), listwise
+
+
+def as_pairs(opts, records, listwise, source):
+    """Listwise records -> preference records by --listwise_pairs (auto = all); others unchanged."""
+    if not listwise:
+        return records
+    mode = "all" if opts.listwise_pairs == "auto" else opts.listwise_pairs
+    pairs, empty = listwise_to_pairs(records, mode)
+    dist.print0(f"{source}: {len(records):,} listwise rows -> {len(pairs):,} pairs (--listwise_pairs {mode}"
+                + (f"; {empty} row(s) whose scores all tie give none)" if empty else ")"))
+    if not pairs:
+        raise ValueError(f"{source}: no listwise row has two different scores, so there is no pair to train on")
+    return pairs
+
+
 def load_examples(opts, files, tok, block_size):
     """Tokenized train and eval examples (KTO: with their mismatched completions) and the train counts."""
     kto = opts.loss == "kto"
-    kind = "unpaired" if kto else "preference"
-    records = load_records(files["data"], kind)
+    records, listwise = read_records(opts, files["data"])
     if files["eval_data"]:
-        eval_source, eval_records = files["eval_data"], load_records(files["eval_data"], kind)
+        eval_source = files["eval_data"]
+        eval_records, eval_listwise = read_records(opts, files["eval_data"])
     else:
         records, eval_records = split_off(records, opts.eval_fraction, opts.seed)
-        eval_source = f"{files['data']} (the --eval_fraction {opts.eval_fraction} held out)"
+        eval_source, eval_listwise = f"{files['data']} (the --eval_fraction {opts.eval_fraction} held out)", listwise
         if not records:
             raise ValueError(f"--eval_fraction {opts.eval_fraction} holds out every row of {files['data']} "
                              f"({len(eval_records)}): none is left to train on; pass --eval_data")
+    records = as_pairs(opts, records, listwise, files["data"])
+    eval_records = as_pairs(opts, eval_records, eval_listwise, eval_source)
     tokenize = tokenize_unpaired if kto else tokenize_pairs
     train, counts = tokenize(records, tok, block_size)
     evals, eval_counts = tokenize(eval_records, tok, block_size)

@@ -1,4 +1,4 @@
-"""JSONL data: read and validate the four data kinds, tokenize them, pad them into batches.
+"""JSONL data: read and validate the five data kinds, tokenize them, pad them into batches.
 
 | kind       | standard                                      | conversational (lists of {"role", "content"}) |
 |------------|-----------------------------------------------|-----------------------------------------------|
@@ -6,14 +6,18 @@
 | preference | {"prompt", "chosen", "rejected"} [+ "margin"] | same keys, lists of messages                  |
 | unpaired   | {"prompt", "completion", "label": bool}       | same, messages                                |
 | prompts    | {"prompt": str}                               | {"prompt": [messages]}                        |
+| listwise   | {"prompt", "completions": [..], "scores": [..]} | same keys, each completion a message list |
+
+Listwise rows rank K >= 2 completions of one prompt by score (higher = better; equal scores are ties; K may
+differ between rows).
 
 Every line is validated before anything is built; the first bad line raises DataError with the message
 `FILE:LINE: what is wrong` (scripts print it and exit with status 1): invalid UTF-8 or JSON, JSON nested
 too deeply for the parser, a string holding a lone surrogate escape ("\ud800", which no tokenizer can
 encode), a missing or mistyped field. Blank lines are skipped. Suspicious but usable rows are counted and
 reported in ONE warning line per kind of problem (count + first FILE:LINE): a JSON object with a duplicate
-key (JSON parsers silently keep the last value) and a preference pair whose chosen equals its rejected
-response (it carries no preference).
+key (JSON parsers silently keep the last value), a preference pair whose chosen equals its rejected
+response (it carries no preference) and a listwise row that lists the same completion twice.
 
 Over-long examples (one rule for prompt + response rows): the prompt is truncated from the left, keeping
 at least one prompt token; if the response (with its end-of-text) still does not fit, the example is
@@ -43,7 +47,7 @@ class DataError(ValueError):
     pass
 
 
-KINDS = ("sft", "preference", "unpaired", "prompts")
+KINDS = ("sft", "preference", "unpaired", "prompts", "listwise")
 
 
 def _warn_rank0(msg: str):
@@ -179,6 +183,8 @@ def validate(obj: dict, kind: str, where: str) -> dict:
                 raise DataError(f"{where}: field 'margin' must be a finite number, got {m!r}")
             out["margin"] = float(m)
         return out
+    if kind == "listwise":
+        return validate_listwise(obj, where)
     if kind == "unpaired":
         out = _prompt_and(obj, where, ["completion"])
         if not isinstance(obj.get("label"), bool):
@@ -205,7 +211,12 @@ def load_records(path: str, kind: str, warn: Callable[[str], None] = None) -> Li
         if kind == "preference" and rec["chosen"] == rec["rejected"]:
             ties.append(rec["_where"])
         out.append(rec)
-    if ties:
+        if kind == "listwise" and len({json.dumps(c) for c in rec["completions"]}) < len(rec["completions"]):
+            ties.append(rec["_where"])
+    if ties and kind == "listwise":
+        (warn or _warn_rank0)(f"{len(ties)} listwise row(s) in {path} list the same completion twice (kept), "
+                              f"first at {ties[0]}")
+    elif ties:
         (warn or _warn_rank0)(f"{len(ties)} preference pair(s) in {path} have chosen == rejected (no preference "
                               f"to learn; kept), first at {ties[0]}")
     return out
@@ -399,6 +410,107 @@ def collate_pairs(pairs, pad_id):
     attn = pad_right([[1] * len(s) for s in seqs], 0)
     margin = torch.tensor([float(p.get("margin", 0.0)) for p in pairs])
     return ids, attn, pad_right(resp, 0), margin
+
+
+# ---- listwise data: K scored completions per prompt ---------------------------------------------
+
+def validate_listwise(obj: dict, where: str) -> dict:
+    """One listwise row: a prompt, K >= 2 non-empty completions (strings, or assistant-message lists when the
+    prompt is a message list, as for pairs) and K finite scores (higher = better; equal scores are ties)."""
+    if "prompt" not in obj:
+        raise DataError(f"{where}: missing field 'prompt'")
+    chat = isinstance(obj["prompt"], list)
+    prompt = _messages(obj["prompt"], "prompt", where) if chat else _text(obj, "prompt", where)
+    for k in ("completions", "scores"):
+        if k not in obj:
+            raise DataError(f"{where}: missing field '{k}'")
+        if not isinstance(obj[k], list):
+            raise DataError(f"{where}: field '{k}' must be a list, got {type(obj[k]).__name__}")
+    comps, scores = obj["completions"], obj["scores"]
+    if len(comps) < 2:
+        raise DataError(f"{where}: field 'completions' needs at least two responses to rank, got {len(comps)}")
+    if len(scores) != len(comps):
+        raise DataError(f"{where}: field 'scores' has {len(scores)} value(s) but 'completions' has {len(comps)}")
+    out = []
+    for i, c in enumerate(comps):
+        key = f"completions[{i}]"
+        if chat:
+            out.append(_messages(c, key, where, only_assistant=True))
+        elif isinstance(c, list):
+            raise DataError(f"{where}: field '{key}' is a message list but 'prompt' is a string; use one format")
+        else:
+            out.append(_text({key: c}, key, where))
+    for i, s in enumerate(scores):
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise DataError(f"{where}: field 'scores[{i}]' must be a finite number, got {s!r}")
+    return {"prompt": prompt, "completions": out, "scores": [float(s) for s in scores]}
+
+
+def is_listwise_file(path: str) -> bool:
+    """Does the file's first row look listwise (has 'completions')? The whole file is then validated as
+    listwise, so a later row of another kind is a FILE:LINE error. False when unreadable: the loader reports it."""
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                if raw.strip():
+                    obj = json.loads(raw.decode("utf-8"))
+                    return isinstance(obj, dict) and "completions" in obj
+    except (OSError, ValueError, RecursionError):
+        pass
+    return False
+
+
+def listwise_to_pairs(records, mode: str):
+    """Listwise rows -> preference records, for the pairwise losses. mode "all": every ordered pair (i, j)
+    with s_i > s_j (ties carry no preference: skipped), K(K−1)/2 pairs for distinct scores; "best_worst":
+    the first best-scored completion against the first worst-scored one. A row whose scores all tie gives
+    no pair. Returns (records, number of rows that gave none)."""
+    if mode not in ("all", "best_worst"):
+        raise ValueError(f"unknown listwise pair mode {mode!r} (all or best_worst)")
+    out, empty = [], 0
+    for r in records:
+        c, s = r["completions"], r["scores"]
+        if mode == "all":
+            pairs = [(i, j) for i in range(len(c)) for j in range(len(c)) if s[i] > s[j]]
+        else:
+            best, worst = s.index(max(s)), s.index(min(s))
+            pairs = [(best, worst)] if s[best] > s[worst] else []
+        empty += not pairs
+        out += [{"prompt": r["prompt"], "chosen": c[i], "rejected": c[j], "_where": r.get("_where", "")}
+                for i, j in pairs]
+    return out, empty
+
+
+def tokenize_listwise(records, tok, max_len):
+    """Listwise rows -> [dict(prompt, completions, scores)] (ids; the prompt left-truncated so that it fits
+    with the longest completion, else the row is dropped), Stats."""
+    out, st = [], Stats(kept=0, truncated=0, dropped=0)
+    for r in records:
+        p = tok.render_prompt(r["prompt"])
+        comps = [tok.encode_response(c) for c in r["completions"]]
+        fp = fit_prompt(p, max(len(c) for c in comps), max_len)
+        if fp is None:
+            st["dropped"] += 1
+            continue
+        st["kept"] += 1
+        st["truncated"] += len(fp) < len(p)
+        out.append({"prompt": fp, "completions": comps, "scores": list(r["scores"])})
+    return out, st
+
+
+def collate_listwise(examples, pad_id):
+    """Listwise examples -> one right-padded batch with a row per completion, prompt-major (all of prompt 0's
+    completions, then prompt 1's, ...; K may differ per prompt): ids, attention mask, response mask (R, T),
+    group (R,) = the row's prompt index in the batch, scores (R,)."""
+    seqs, resp, group, scores = [], [], [], []
+    for g, e in enumerate(examples):
+        for c, s in zip(e["completions"], e["scores"]):
+            seqs.append(e["prompt"] + c)
+            resp.append([0] * len(e["prompt"]) + [1] * len(c))
+            group.append(g)
+            scores.append(s)
+    return (pad_right(seqs, pad_id), pad_right([[1] * len(x) for x in seqs], 0), pad_right(resp, 0),
+            torch.tensor(group), torch.tensor(scores, dtype=torch.float64))
 
 
 def collate_prompts(prompt_ids, pad_id):

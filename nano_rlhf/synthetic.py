@@ -22,6 +22,9 @@ like real annotators'. Pairs almost never repeat words or ramble, so a reward mo
 good" much better than "repetition / length are bad" — PPO against it with a small KL coefficient stacks
 praise while the gold reward falls: Gao et al.'s over-optimisation, on a laptop.
 
+Listwise rows (listwise.jsonl): 4 distinct candidates per prompt with noisy scores gold + Gumbel noise, so
+every pair inside a ranking is as noisy as a Bradley–Terry label (`listwise_rows`).
+
     python -m nano_rlhf.synthetic --out_dir data/ [--seed 0]
 """
 import argparse
@@ -180,8 +183,47 @@ def _sigmoid(x):
     return 1 / (1 + math.exp(-x)) if x > -60 else 0.0
 
 
+LISTWISE_K = 4
+_EULER_GAMMA = 0.5772156649015329
+
+
+def listwise_rows(seed, n, k=LISTWISE_K):
+    """n listwise rows: a training prompt, k distinct preference candidates, and noisy scores
+    s = gold + (Gumbel noise − its mean). The difference of two Gumbels is logistic, so every pair of a row
+    is ordered as the Bradley–Terry annotator of the pairs orders it, P(a ≻ b) = σ(g_a − g_b) (T = 1):
+    the same label noise, seen as K-way rankings. Its own random stream (from the seed), so that adding
+    this file left every other file of the task byte for byte as it was."""
+    rng = random.Random(f"listwise:{seed}")
+    products = sorted(PRODUCTS)
+    train_phrasings = [i for i in range(len(PHRASINGS)) if i not in EVAL_PHRASINGS]
+    rows = []
+    for _ in range(n):
+        p = make_prompt(rng.choice(products), rng.choice(train_phrasings))
+        comps = []
+        while len(comps) < k:
+            c = sample_response(rng, parse_product(p), "pair")
+            if c not in comps:
+                comps.append(c)
+        gumbel = [-math.log(-math.log(1.0 - rng.random())) - _EULER_GAMMA for _ in comps]
+        rows.append({"prompt": p, "completions": comps,
+                     "scores": [round(BT_TEMPERATURE * e + gold_reward(p, c), 4) for c, e in zip(comps, gumbel)]})
+    return rows
+
+
+def write_listwise(out_dir, seed=0, n=2000, eval_fraction=0.05):
+    """listwise.jsonl and listwise_eval.jsonl (the first eval_fraction of the rows); returns their counts.
+    Also called alone when a data directory made before these files existed lacks them."""
+    rows = listwise_rows(seed, n)
+    n_eval = max(1, int(n * eval_fraction))
+    os.makedirs(out_dir, exist_ok=True)
+    files = {"listwise.jsonl": rows[n_eval:], "listwise_eval.jsonl": rows[:n_eval]}
+    for name, r in files.items():
+        _write(os.path.join(out_dir, name), r)
+    return {k: len(v) for k, v in files.items()}
+
+
 def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, n_prompts=2000, n_eval_prompts=256,
-                  eval_fraction=0.05):
+                  eval_fraction=0.05, n_listwise=2000):
     """Write every file of the built-in task into out_dir (task.json last); returns task.json's content."""
     rng = random.Random(seed)
     products = sorted(PRODUCTS)
@@ -221,6 +263,7 @@ def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, 
              "eval_prompts.jsonl": evals}
     for name, rows in files.items():
         _write(os.path.join(out_dir, name), rows)
+    write_listwise(out_dir, seed, n_listwise, eval_fraction)      # not in task.json: its bytes stay as they were
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     task = {"seed": seed, "counts": {k: len(v) for k, v in files.items()},
             "bt_temperature": BT_TEMPERATURE, "label_noise": flipped / len(pref), "bt_accuracy_ceiling": ceiling / len(pref),
@@ -244,12 +287,16 @@ def main(argv=None):
     p.add_argument("--n_unpaired", type=int, default=10000, help="unpaired (KTO) examples")
     p.add_argument("--n_prompts", type=int, default=2000, help="RL training prompts")
     p.add_argument("--n_eval_prompts", type=int, default=256, help="held-out evaluation prompts")
+    p.add_argument("--n_listwise", type=int, default=2000,
+                   help=f"listwise rows of {LISTWISE_K} scored responses (5%% become listwise_eval.jsonl)")
     a = p.parse_args(argv)
-    t = write_dataset(a.out_dir, a.seed, a.n_sft, a.n_pref, a.n_unpaired, a.n_prompts, a.n_eval_prompts)
+    t = write_dataset(a.out_dir, a.seed, a.n_sft, a.n_pref, a.n_unpaired, a.n_prompts, a.n_eval_prompts,
+                      n_listwise=a.n_listwise)
     print(f"wrote {a.out_dir}/: " + ", ".join(f"{k} {v}" for k, v in t["counts"].items()))
     print(f"gold reward: SFT demonstrations {t['sft_demo_gold_mean']:+.2f}, preference candidates "
           f"{t['pair_gold_mean']:+.2f}, best {t['best_gold_mean']:+.2f} | label noise {100 * t['label_noise']:.1f}% "
           f"| Bradley-Terry accuracy ceiling {100 * t['bt_accuracy_ceiling']:.1f}%")
+    print(f"listwise: {a.n_listwise} prompts x {LISTWISE_K} scored responses in listwise.jsonl / listwise_eval.jsonl")
     return t
 
 
