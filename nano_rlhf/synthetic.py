@@ -229,7 +229,7 @@ def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, 
             "best_gold_mean": mean([gold_reward(r["prompt"], best_completion(r["prompt"])) for r in evals]),
             "unpaired_desirable_rate": mean([r["label"] for r in unpaired]),
             "eval_phrasings": [PHRASINGS[i] for i in EVAL_PHRASINGS]}
-    write_scored(out_dir, seed)                           # its own RNG: the files above stay byte-identical
+    write_scored(out_dir, seed, n_unpaired)               # its own RNG: the files above stay byte-identical
     with open(os.path.join(out_dir, "task.json.tmp"), "w") as f:
         json.dump(task, f, indent=2)
     os.replace(os.path.join(out_dir, "task.json.tmp"), os.path.join(out_dir, "task.json"))
@@ -261,7 +261,8 @@ SCORE_NOISE = 0.5        # std of the Gaussian noise on each gold score: a label
 
 
 def write_scored(out_dir, seed=0, n=10000):
-    """out_dir/scored.jsonl: {"prompt", "completion", "score"} rows, score = gold reward + N(0, SCORE_NOISE²),
+    """out_dir/scored.jsonl: n {"prompt", "completion", "score"} rows (write_dataset: as many as unpaired rows),
+    score = gold reward + N(0, SCORE_NOISE²),
     rounded to 3 decimals. Its own RNG (seeded from `seed`, offset so it is not the main files' stream), so
     adding this file left every other file of write_dataset byte-identical at a seed. Returns the path."""
     rng = random.Random(f"scored-{seed}")
