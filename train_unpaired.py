@@ -11,7 +11,7 @@ log-ratio to the frozen reference, σ the logistic, y⁻ an undesirable response
                  method stays offline) and saved to out_dir/d2o_samples.jsonl, which --resume reuses
   --method dro   ½·(r − V(x) − τ·u(y))²  on single responses with a scalar reward r ("score", or "label" as
                  ±1) and a value model V(x) read at the prompt's last token, trained jointly   Richemond et al.
-                 2024, DRO-V (eq. 8)
+                 2024, DRO-V
 
 NPO in one sentence: it is DPO with the chosen term dropped (the paper's derivation), so it lowers π(y⁻) with a
 weight σ(β·u(y⁻)) that vanishes as y⁻ becomes unlikely: gradient ascent on the NLL, made bounded. D2O keeps the
@@ -25,7 +25,7 @@ are drawn once from it: the offline special case (the paper's algorithm before i
 the run is one reproducible pass over fixed data like every other script's. With K = 1 and α = β it is DPO
 with the reference's own sample as the chosen response.
 
-DRO's gradients: the paper (Sec. 4) takes the gradient of one loss L(θ, V) with respect to each network: for
+DRO's gradients: the paper takes the gradient of one loss L(θ, V) with respect to each network: for
 the policy −τ·(r − V(x) − τ·u)·∇_θ log π_θ(y|x), for the value −(r − V(x) − τ·u)·∇V(x). The two networks
 share no parameter, so one backward of L gives exactly both (V is a constant in the policy's gradient and π in
 the value's: no stop-gradient is needed). Each has its own optimizer and learning rate (--lr, --value_lr).
