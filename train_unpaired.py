@@ -364,13 +364,12 @@ def data_files(opts):
     return {"data": path, "eval_data": opts.eval_data or None}
 
 
-def read_records(opts, path):
+def read_records(opts, path, builtin=False):
     """Validated records. npo/d2o: a desirable row (label true) is an error (FILE:LINE) unless npo's
     --retain_coef asks for it; in the built-in file (both labels, by design) those rows are left out instead."""
     if opts.method == "dro":
         return load_scored(path)
     records = load_records(path, "unpaired")
-    builtin = not opts.data
     if opts.method == "npo" and opts.retain_coef:
         keep = records
     elif builtin:
@@ -388,8 +387,9 @@ def read_records(opts, path):
     return keep
 
 
-def load_examples(opts, files, tok, block_size):
-    records = read_records(opts, files["data"])
+def read_train_eval(opts, files):
+    """(train records, eval records, eval source): validated before any model is loaded."""
+    records = read_records(opts, files["data"], builtin=not opts.data)
     if files["eval_data"]:
         eval_source, eval_records = files["eval_data"], read_records(opts, files["eval_data"])
     else:
@@ -398,6 +398,10 @@ def load_examples(opts, files, tok, block_size):
         if not records:
             raise ValueError(f"--eval_fraction {opts.eval_fraction} holds out every row of {files['data']}: none "
                              f"is left to train on; pass --eval_data")
+    return records, eval_records, eval_source
+
+
+def tokenize_examples(opts, files, records, eval_records, eval_source, tok, block_size):
     tokenize = tokenize_scored if opts.method == "dro" else tokenize_unpaired
     train, counts = tokenize(records, tok, block_size)
     evals, eval_counts = tokenize(eval_records, tok, block_size)
@@ -440,8 +444,9 @@ def main(argv=None):
                         inputs={"init": opts.init, "ref": opts.ref},
                         data_files={k: v for k, v in files.items() if v})
     with input_errors():
+        records = read_train_eval(opts, files)
         tok, policy, ref, value = load_models(opts)
-        train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
+        train, evals, counts = tokenize_examples(opts, files, *records, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
     models = {"policy": policy} if value is None else {"policy": policy, "value": value}
