@@ -201,6 +201,7 @@ def test_npo_lowers_the_negatives_likelihood(tmp_path, sft_dir):
     assert m[-1]["eval/rewards_negative"] < 0 and m[-1]["train/logps_negative"] < m[0]["train/logps_negative"]
 
 
+@pytest.mark.slow
 def test_d2o_draws_k_samples_once_and_resume_reuses_them(tmp_path, sft_dir, tok):
     one = tu.main(args(tmp_path, sft_dir, "one", "d2o", "--num_samples", "3", "--max_new_tokens", "8", steps=4))
     saved = [json.loads(x) for x in open(tmp_path / "one" / tu.SAMPLES_FILE)]
@@ -231,7 +232,8 @@ def test_d2o_resume_without_its_samples_is_refused(tmp_path, sft_dir, capsys):
                    f"{tmp_path / 'r' / tu.SAMPLES_FILE}: missing")
 
 
-def test_dro_trains_policy_and_value_and_saves_both(tmp_path, sft_dir):
+@pytest.mark.slow
+def test_dro_trains_and_saves_both_networks_and_resumes(tmp_path, sft_dir):
     out = tu.main(args(tmp_path, sft_dir, "dro", "dro", "--value_lr", "1e-2", "--eval_interval", "4", steps=4))
     m = metrics(tmp_path / "dro")
     assert m[0]["train/value"] == 0.0                     # zero head: V(x) = 0 at the start
@@ -240,6 +242,11 @@ def test_dro_trains_policy_and_value_and_saves_both(tmp_path, sft_dir):
     for a, b in zip(v.state_dict().values(), out.value.state_dict().values()):
         assert torch.equal(a, b)
     assert out.value.score.weight.abs().sum() > 0
+    # stop after 2 steps and resume: both networks and both optimizers come back
+    tu.main(args(tmp_path, sft_dir, "two", "dro", "--value_lr", "1e-2", "--eval_interval", "4", "--stop_at", "2", steps=4))
+    two = tu.main(args(tmp_path, sft_dir, "two", "dro", "--value_lr", "1e-2", "--eval_interval", "4", "--resume", steps=4))
+    assert weights_close(out.policy.state_dict(), two.policy.state_dict())
+    assert weights_close(out.value.state_dict(), two.value.state_dict())
 
 
 BAD = [
