@@ -15,7 +15,11 @@ u = S_θ − S_ref (the implicit reward / β), h = u_w − u_l (w = chosen, l = 
                  logodds(y) = Ā_θ(y) − log(1 − exp(Ā_θ(y)))
   --loss kto     unpaired data; z₀ = max(0, detached mean of S_θ − S_ref on mismatched (x, y′));
                  desirable λ_D(1 − σ(β(u − z₀))), undesirable λ_U(1 − σ(β(z₀ − u)))  Ethayarajh et al. 2024, eq. 8
+  --loss tdpo    −log σ(βh − α·(β·D(x, y_l) − sg[β·D(x, y_w)])),  D(x, y) = Σ_t KL(π_ref(·|x, y_<t) ‖ π_θ(·|x, y_<t))
+                 over the full vocabulary at every response position   Zeng et al. 2024, TDPO₂ (δ₂)
   --nll_coef α   adds α·NLL(y_w) to any pair loss (RPO, Pang et al. 2024); kto has no y_w
+  --l1_coef λ    adds λ·Σ|θ − θ_init| over every weight: a sparse preference delta (PAFT, Pentyala et al. 2024),
+                 to be merged with an SFT delta by `python -m nano_rlhf.merge`
 
 The optimizer step minimises  mean over the step's pairs (all ranks) of the loss  +  w·NLL(y_w), where NLL(y_w)
 is the token-mean cross-entropy over all chosen-response tokens of the step (the prompt excluded; TRL's ORPO
@@ -26,6 +30,8 @@ Run:
     python train_dpo.py                                   # DPO on the built-in task, from out/sft -> out/dpo
     python train_dpo.py --loss ipo --beta 0.1             # -> out/ipo
     python train_dpo.py --loss kto                        # reads the unpaired data -> out/kto
+    python train_dpo.py --loss tdpo --alpha 0.5           # token-level KL on both responses -> out/tdpo
+    python train_dpo.py --init base --l1_coef 1e-4 --out_dir out/paft_dpo   # PAFT: then nano_rlhf.merge (docs)
     python train_dpo.py --data prefs.jsonl --init out/sft --precompute_ref --out_dir out/my_dpo
     python train_dpo.py --data data/listwise.jsonl --listwise_pairs best_worst --out_dir out/dpo_bw   # listwise data
     torchrun --nproc_per_node 2 train_dpo.py --loss simpo
@@ -61,6 +67,7 @@ from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from nano_rlhf import dist
 from nano_rlhf import run as run_mod
@@ -70,7 +77,7 @@ from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, 
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records, pad_right,
                             tokenize_pairs, tokenize_unpaired)
-from nano_rlhf.model import GPT, token_logprobs
+from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
 # β defaults: 0.1, except SimPO (its reward is a per-token mean, so it needs a larger scale, as in the paper)
@@ -80,15 +87,16 @@ DEFAULT_BETA = {"simpo": 2.0, "ipo": 0.5}
 
 @dataclass
 class Options:
-    loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo", "kto"] = "dpo"  # which loss
+    loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo", "kto", "tdpo"] = "dpo"  # which loss
     beta: Optional[float] = None  # β (ipo: τ); none = 0.1, or 2.0 for simpo, 0.5 for ipo {> 0}
     label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust) {0 <= x < 0.5}
     gamma: float = 0.5            # SimPO target margin γ {>= 0}
-    alpha: Optional[float] = None # rdpo: length coefficient (none = 0.01); cpo: NLL weight (none = 1.0) {>= 0}
+    alpha: Optional[float] = None # rdpo: length coefficient (none = 0.01); cpo: NLL weight (none = 1.0); tdpo: KL weight (none = 0.5) {>= 0}
     lam: float = 0.1              # ORPO weight λ of the odds-ratio term {>= 0}
     desirable_weight: float = 1.0     # KTO λ_D {> 0}
     undesirable_weight: float = 1.0   # KTO λ_U {> 0}
     nll_coef: float = 0.0         # add this × NLL(chosen) to the loss (RPO); cpo/orpo add their own; not kto {>= 0}
+    l1_coef: float = 0.0          # λ of λ·Σ|θ − θ_init| (PAFT's sparse preference delta); 0 = off {>= 0}
     precompute_ref: bool = False  # compute the reference log-probs once before training, then drop the reference
     data: str = ""                # preference JSONL (unpaired JSONL for kto); empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
@@ -145,6 +153,52 @@ def response_logprobs(model, input_ids, attention_mask, response_mask):
     targets = input_ids[:, 1:][scored]                               # (N,), N = scored.sum()
     logp = token_logprobs(hidden, dist.unwrap(model).output_weight(), targets)   # (N,)
     return torch.zeros(scored.shape, device=logp.device).masked_scatter(scored, logp)
+
+
+def _chunk_kl(h_pi, h_ref, w_pi, w_ref):
+    logp = F.linear(h_pi, w_pi).float().log_softmax(-1)
+    logq = F.linear(h_ref, w_ref).float().log_softmax(-1)
+    return (logq.exp() * (logq - logp)).sum(-1)
+
+
+def token_kl(hidden_pi, hidden_ref, weight_pi, weight_ref, chunk_size=None):
+    """(N, C) policy and reference hidden states at the same N positions -> (N,) float32 KL(π_ref ‖ π_θ) over the
+    whole vocabulary at each position. Chunked and recomputed in backward like model.token_logprobs: the two
+    (N, V) logit tensors are never held at once beyond chunk_size positions; chunked == unchunked."""
+    if chunk_size is None:
+        chunk_size = max(1, LOGITS_BUDGET // (2 * weight_pi.shape[0]))
+    if hidden_pi.shape[0] <= chunk_size:
+        return _chunk_kl(hidden_pi, hidden_ref, weight_pi, weight_ref)
+    grad = torch.is_grad_enabled() and (hidden_pi.requires_grad or weight_pi.requires_grad)
+    parts = []
+    for s in range(0, hidden_pi.shape[0], chunk_size):
+        args = (hidden_pi[s:s + chunk_size], hidden_ref[s:s + chunk_size], weight_pi, weight_ref)
+        parts.append(checkpoint(_chunk_kl, *args, use_reentrant=False) if grad else _chunk_kl(*args))
+    return torch.cat(parts)
+
+
+def _row_sums(values, scored):
+    """(N,) values at the scored positions of a (B, T−1) mask -> (B,) per-row sums, token by token in order."""
+    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
+    return torch.zeros(len(scored), device=values.device).index_add(0, rows, values)
+
+
+def sequence_logps_and_kl(policy, ref, input_ids, attention_mask, response_mask):
+    """TDPO's one pass per model: S_θ (B,) with its graph, |y| (B,), S_ref (B,) and the sequential KL
+    D_SeqKL(x, y; π_ref‖π_θ) = Σ_t KL(π_ref(·|x, y_<t) ‖ π_θ(·|x, y_<t)) (B,), summed over the response
+    positions (the ones whose token is scored, as in response_logprobs). The reference runs without grad."""
+    scored = response_mask[:, 1:].bool()
+    select = F.pad(scored, (0, 1))
+    targets = input_ids[:, 1:][scored]
+    h_pi = policy(input_ids, attention_mask, select=select, return_hidden=True)
+    w_pi = dist.unwrap(policy).output_weight()
+    with torch.no_grad():
+        h_ref = ref(input_ids, attention_mask, select=select, return_hidden=True)
+        w_ref = ref.output_weight()
+        s_ref = _row_sums(token_logprobs(h_ref, w_ref, targets), scored)
+    s_pi = _row_sums(token_logprobs(h_pi, w_pi, targets), scored)
+    kl = _row_sums(token_kl(h_pi, h_ref, w_pi, w_ref), scored)
+    return s_pi, scored.sum(1).float(), s_ref, kl
 
 
 def sequence_logps(model, input_ids, attention_mask, response_mask):
@@ -216,6 +270,19 @@ def kto_z0(kl_sum, kl_count):
     """KTO's reference point z₀ = max(0, mean of S_θ − S_ref over mismatched pairs (x, y′)), detached.
     Pure: in training the caller passes sums over every rank, so every rank uses the same z₀."""
     return (kl_sum.detach() / torch.as_tensor(kl_count).clamp(min=1)).clamp(min=0)
+
+
+def tdpo_loss(h, kl_w, kl_l, beta, alpha):
+    """TDPO₂: −log σ(βh − α·δ₂), δ₂ = β·D_SeqKL(x, y_l; π_ref‖π_θ) − sg[β·D_SeqKL(x, y_w; π_ref‖π_θ)]. The stop-
+    gradient on the chosen KL is the paper's: only the rejected response's token-level KL is pushed down
+    (kept close to the reference), while the chosen one may drift to fit the preference."""
+    return -F.logsigmoid(beta * h - alpha * (beta * kl_l - beta * kl_w.detach()))
+
+
+def l1_delta(params, init_params):
+    """Σ|θ − θ_init| over every weight (PAFT's L1 on the preference delta); its gradient is sign(θ − θ_init),
+    0 where θ = θ_init. Pure: the caller scales it by λ."""
+    return sum((p - p0).abs().sum() for p, p0 in zip(params, init_params))
 
 
 def pair_loss(opts, pi_w, pi_l, ref_w, ref_l, len_w, len_l):
@@ -320,11 +387,23 @@ def mismatched_kl_sum(opts, policy, ref, batch):
 PAIR_STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
               "logps_rejected", "nll")
 KTO_STATS = ("loss", "kl", "rewards_desirable", "rewards_undesirable", "n_desirable", "logps")
+TDPO_STATS = PAIR_STATS + ("seqkl_chosen", "seqkl_rejected")
 
 
 def micro_step(opts, policy, ref, batch, z0=None):
     """Named sums over one micro-batch. 'loss' (Σ of per-example losses) and 'nll' (Σ of −log π over the
     chosen tokens) keep their graph for the backward; the others are for the log."""
+    if opts.loss == "tdpo":       # the reference's whole distribution is needed: one pass of each model together
+        with autocast(batch.ids.device, opts.dtype):
+            pi, length, ref_lp, kl = sequence_logps_and_kl(policy, ref, batch.ids, batch.attn, batch.resp)
+        (pi_w, pi_l), (ref_w, ref_l), (kl_w, kl_l) = pi.chunk(2), ref_lp.chunk(2), kl.chunk(2)
+        h = (pi_w - ref_w) - (pi_l - ref_l)
+        loss = tdpo_loss(h, kl_w, kl_l, opts.beta, opts.alpha)
+        reward_w, reward_l = opts.beta * (pi_w - ref_w), opts.beta * (pi_l - ref_l)
+        return {"loss": loss.sum(), "rewards_chosen": reward_w.sum(), "rewards_rejected": reward_l.sum(),
+                "reward_accuracy": (reward_w > reward_l).float().sum(), "reward_margin": (reward_w - reward_l).sum(),
+                "logps_chosen": pi_w.sum(), "logps_rejected": pi_l.sum(), "nll": -pi_w.sum(),
+                "seqkl_chosen": kl_w.sum(), "seqkl_rejected": kl_l.sum()}
     pi, length, ref_lp = policy_and_ref_logps(opts, policy, ref, batch)
     if opts.loss == "kto":
         label, u = batch.label, pi - ref_lp
@@ -344,7 +423,8 @@ COUNTS = ("items", "chosen_tokens", "tokens")     # summed beside the statistics
 
 
 def zero_sums(opts):
-    return dict.fromkeys((KTO_STATS if opts.loss == "kto" else PAIR_STATS) + COUNTS, 0.0)
+    stats = {"kto": KTO_STATS, "tdpo": TDPO_STATS}.get(opts.loss, PAIR_STATS)
+    return dict.fromkeys(stats + COUNTS, 0.0)
 
 
 def add_to(sums, stats, batch):
@@ -412,6 +492,21 @@ def evaluate(opts, policy, ref, examples, pad_id, device):
     return {f"eval/{k}": v for k, v in means(sum_over_ranks(sums)).items()}
 
 
+def add_l1_grad(policy, init_params, coef):
+    """Add the gradient of coef·Σ|θ − θ_init| (coef·sign(θ − θ_init)) to the policy's gradients, after the
+    all-reduce: weights are identical on every rank, so the term is too and needs no collective (a second
+    backward through DDP's hooks would). Returns Σ|θ − θ_init| for the log."""
+    params = list(policy.parameters())
+    with torch.enable_grad():
+        leaves = [p.detach().requires_grad_(True) for p in params]
+        delta = l1_delta(leaves, init_params)
+        grads = torch.autograd.grad(delta, leaves)
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p.grad = coef * g if p.grad is None else p.grad.add_(g, alpha=coef)
+    return float(delta.detach())
+
+
 # ---- set-up -------------------------------------------------------------------------------------
 
 def check_options(opts):
@@ -426,10 +521,13 @@ def check_options(opts):
         fail("--nll_coef is not supported with --loss kto (unpaired data has no chosen response)")
     if loss == "kto" and opts.batch_size < 2:
         fail(f"--loss kto needs --batch_size >= 2 (got {opts.batch_size})")
+    if loss == "tdpo" and opts.precompute_ref:
+        fail("--precompute_ref cannot be used with --loss tdpo: its KL term needs the reference's whole "
+             "next-token distribution at every response position, so the reference runs live")
     if loss in REFERENCE_FREE and (opts.ref or opts.precompute_ref):
         fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, which uses no reference model")
     opts.beta = DEFAULT_BETA.get(loss, 0.1) if opts.beta is None else opts.beta
-    opts.alpha = (1.0 if loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
+    opts.alpha = {"cpo": 1.0, "tdpo": 0.5}.get(loss, 0.01) if opts.alpha is None else opts.alpha
     opts.out_dir = opts.out_dir or f"out/{loss}"
 
 
@@ -541,6 +639,8 @@ def main(argv=None):
         ref.to(world.device)
         dist.check_same_weights(ref, "reference model")
     dist.check_same_weights(policy, "policy")
+    # PAFT: θ_init is the --init weights, held once (also on --resume, which restores θ but not θ_init)
+    init_params = [p.detach().clone() for p in policy.parameters()] if opts.l1_coef else None
     dist.seed_everything(opts.seed, world.rank)
     reference = "none" if ref is None else "precomputed" if opts.precompute_ref else "live"
     if opts.precompute_ref:
@@ -595,11 +695,14 @@ def main(argv=None):
                 (objective * dist.ddp_scale()).backward()                   # DDP averages over ranks: undo it
             add_to(sums, stats, batch)
         totals = sum_over_ranks(sums)
+        l1 = add_l1_grad(policy, init_params, opts.l1_coef) if opts.l1_coef else None
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), opts.grad_clip or float("inf")).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         metrics = {**{f"train/{k}": v for k, v in means(totals).items()}, "train/lr": lr, "train/grad_norm": grad_norm,
                    "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)}
+        if l1 is not None:
+            metrics["train/l1_delta"] = l1          # Σ|θ − θ_init| before this step's update
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(opts, policy, ref, evals, tok.pad_id, world.device),
                            save=save):
             break

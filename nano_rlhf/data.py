@@ -561,3 +561,54 @@ class Batches:
 
     def load_state_dict(self, d):
         self.epoch, self.pos, self._perm = d["epoch"], d["pos"], None
+
+
+# ---- scored single responses (DRO; NPO and D2O read the unpaired kind) ---------------------------
+#
+# | scored | {"prompt", "completion", "score": number} or {"prompt", "completion", "label": bool} | same, messages |
+#
+# One response per row with a scalar reward: "score" (any finite number), or "label" read as +1 (true) / −1
+# (false), so a KTO file is a scored file too. A row with both is refused: which one is meant is not knowable.
+
+def validate_scored(obj: dict, where: str) -> dict:
+    """One scored row -> {"prompt", "completion", "score": float}; DataError `FILE:LINE: field ...` otherwise."""
+    out = _prompt_and(obj, where, ["completion"])
+    if "score" in obj and "label" in obj:
+        raise DataError(f"{where}: fields 'score' and 'label' are both given; a scored row has one of them")
+    if "score" in obj:
+        s = obj["score"]
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise DataError(f"{where}: field 'score' must be a finite number, got {s!r}")
+        out["score"] = float(s)
+    elif "label" in obj:
+        if not isinstance(obj["label"], bool):
+            raise DataError(f"{where}: field 'label' must be true or false, got {obj['label']!r}")
+        out["score"] = 1.0 if obj["label"] else -1.0
+    else:
+        raise DataError(f"{where}: missing field 'score' (a number) or 'label' (true/false)")
+    return out
+
+
+def load_scored(path: str, warn: Callable[[str], None] = None) -> List[dict]:
+    """Read and validate a whole scored file (each record with its '_where', FILE:LINE)."""
+    out = []
+    for n, obj in read_jsonl(path, warn):
+        rec = validate_scored(obj, f"{path}:{n}")
+        rec["_where"] = f"{path}:{n}"
+        out.append(rec)
+    return out
+
+
+def tokenize_scored(records, tok, max_len):
+    """Scored rows -> [dict(prompt, completion, score, where)] of id lists, Stats (the over-long rule of pairs)."""
+    out, st = [], Stats(kept=0, truncated=0, dropped=0)
+    for r in records:
+        p, c = tok.render_prompt(r["prompt"]), tok.encode_response(r["completion"])
+        fp = fit_prompt(p, len(c), max_len)
+        if fp is None:
+            st["dropped"] += 1
+            continue
+        st["kept"] += 1
+        st["truncated"] += len(fp) < len(p)
+        out.append({"prompt": fp, "completion": c, "score": r["score"], "where": r.get("_where", "")})
+    return out, st

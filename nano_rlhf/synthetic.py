@@ -272,6 +272,7 @@ def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, 
             "best_gold_mean": mean([gold_reward(r["prompt"], best_completion(r["prompt"])) for r in evals]),
             "unpaired_desirable_rate": mean([r["label"] for r in unpaired]),
             "eval_phrasings": [PHRASINGS[i] for i in EVAL_PHRASINGS]}
+    write_scored(out_dir, seed, n_unpaired)               # its own RNG: the files above stay byte-identical
     with open(os.path.join(out_dir, "task.json.tmp"), "w") as f:
         json.dump(task, f, indent=2)
     os.replace(os.path.join(out_dir, "task.json.tmp"), os.path.join(out_dir, "task.json"))
@@ -298,6 +299,31 @@ def main(argv=None):
           f"| Bradley-Terry accuracy ceiling {100 * t['bt_accuracy_ceiling']:.1f}%")
     print(f"listwise: {a.n_listwise} prompts x {LISTWISE_K} scored responses in listwise.jsonl / listwise_eval.jsonl")
     return t
+
+
+# ---- scored single responses (train_unpaired.py --method dro) -----------------------------------
+
+SCORED_FILE = "scored.jsonl"
+SCORE_NOISE = 0.5        # std of the Gaussian noise on each gold score: a labeller's imprecision
+
+
+def write_scored(out_dir, seed=0, n=10000):
+    """out_dir/scored.jsonl: n {"prompt", "completion", "score"} rows (write_dataset: as many as unpaired rows),
+    score = gold reward + N(0, SCORE_NOISE²),
+    rounded to 3 decimals. Its own RNG (seeded from `seed`, offset so it is not the main files' stream), so
+    adding this file left every other file of write_dataset byte-identical at a seed. Returns the path."""
+    rng = random.Random(f"scored-{seed}")
+    products = sorted(PRODUCTS)
+    train_phrasings = [i for i in range(len(PHRASINGS)) if i not in EVAL_PHRASINGS]
+    rows = []
+    for _ in range(n):
+        p = make_prompt(rng.choice(products), rng.choice(train_phrasings))
+        c = sample_response(rng, parse_product(p), "pair")
+        rows.append({"prompt": p, "completion": c, "score": round(gold_reward(p, c) + rng.gauss(0.0, SCORE_NOISE), 3)})
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, SCORED_FILE)
+    _write(path, rows)
+    return path
 
 
 if __name__ == "__main__":
