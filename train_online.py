@@ -11,17 +11,17 @@ One step (docs/algorithms.md, "Online and self-play methods"):
   3. examples and 4. update, per --method (S(y) = Σ_t log π(y_t | x, y_<t), u = S_θ − S_ref):
   online_dpo  pairs (best vs worst by Copeland wins = #{j: D_ij > 0} + ½#{j ≠ i: D_ij = 0}, or all pairs),
               each ordered by the sign of D_ij, kept when |D_ij| ≥ --margin (ties never), then ANY pairwise
-              --loss of train_dpo.py                                              Guo et al. 2024, Alg. 1
+              --loss of train_dpo.py                                         Guo et al. 2024 (OAIF)
   dno         the same, but best/worst by win rate W and the --margin on the win-rate gap W_i − W_j
-              (with --ref_update_every N: iterative DPO / DNO-Prct)   Rosset et al. 2024, Alg. 2; Xiong et al. 2024
+              (with --ref_update_every N: iterative DPO)    Rosset et al. 2024 (DNO-Prct); Xiong et al. 2024
   sppo        (u(y) − η(P̂(y ≻ π_t) − ½))², P̂(y_i ≻ π_t) = W_i from the k samples; π_t = the reference
-                                                                             Wu et al. 2024, eq. 3.8 / Alg. 1
+                                                                    Wu et al. 2024, the SPPO loss (Alg. 1)
   nash_md     y ~ π_θ, y′ ~ mixture; loss = β·Σ_t sg(log π_θ(y_t) − log π_ref(y_t))·log π_θ(y_t)
-              − (P(y ≻ y′) − ½)·S_θ(y)       Munos et al. 2023, §7 (Nash-MD-PG); the estimator of TRL's NashMDTrainer
+              − (P(y ≻ y′) − ½)·S_θ(y)       Munos et al. 2023 (Nash-MD-PG), as TRL's NashMDTrainer estimates it
   cringe      rejected responses (score < --cringe_threshold, or the group's worst) are negatives: at each of
               their tokens, −log(e^{s+} / (e^{s+} + e^{s−})), s = logits/τ, s− the negative token's, s+ that of a
               token sampled from the model's own top-k there (the negative token excluded); accepted responses
-              (score ≥ threshold, or the group's best) get the MLE loss       Adolphs et al. 2022, eq. 1-2
+              (score ≥ threshold, or the group's best) get the MLE loss     Adolphs et al. 2022 (the CRINGE loss)
   --ref_update_every N makes the reference a copy of the policy after every N-th step (0 = never): iterative
   DPO / DNO, and SPPO's π_t (with 0, SPPO runs a single iteration against the initial policy).
 
@@ -129,13 +129,13 @@ class Options:
 # ---- the losses: pure functions, float64-testable ----------------------------------------------
 
 def sppo_loss(logp, ref_logp, p_hat, eta):
-    """SPPO (Wu et al. 2024, eq. 3.8): (log π_θ(y)/π_t(y) − η(P̂(y ≻ π_t) − ½))² per response; logp, ref_logp are
+    """SPPO (Wu et al. 2024, the loss of Alg. 1): (log π_θ(y)/π_t(y) − η(P̂(y ≻ π_t) − ½))² per response; logp, ref_logp are
     summed sequence log-probs S_θ, S_t (B,), p_hat the estimated win probability against π_t (B,)."""
     return (logp - ref_logp - eta * (p_hat - 0.5)) ** 2
 
 
 def nash_md_loss(logp, ref_logp, mask, prob, beta):
-    """Nash-MD policy gradient (Munos et al. 2023, §7, in the form of TRL's NashMDTrainer), per response (B,).
+    """Nash-MD policy gradient (Munos et al. 2023, Nash-MD-PG, in the form of TRL's NashMDTrainer), per response (B,).
     logp, ref_logp: (B, R) per-token log π_θ and log π_ref of y ~ π_θ; mask (B, R); prob: P(y ≻ y′) against the
     mixture's y′ (B,), detached. REINFORCE with ½ as the control variate: −(P − ½)·S_θ(y); the KL(π_θ‖π_ref)
     regulariser by its score-function estimate Σ_t sg(log π_θ − log π_ref)·log π_θ, weighted by β."""
@@ -145,7 +145,7 @@ def nash_md_loss(logp, ref_logp, mask, prob, beta):
 
 
 def cringe_loss(logits, negative, positive):
-    """CRINGE token loss (Adolphs et al. 2022, eq. 1): −log(e^{s+} / (e^{s+} + e^{s−})) = softplus(s− − s+) per
+    """CRINGE token loss (Adolphs et al. 2022): −log(e^{s+} / (e^{s+} + e^{s−})) = softplus(s− − s+) per
     negative token. logits (N, V) at the negative tokens' positions, negative (N,) the negative tokens, positive
     (N,) the sampled positive tokens (cringe_positives)."""
     s_neg = logits.gather(-1, negative[:, None]).squeeze(-1)
@@ -436,7 +436,10 @@ def check_options(opts):
                "label_smoothing": m in PAIRWISE or opts.label_smoothing == 0, "eta": m == "sppo" or opts.eta == 10.0,
                "mixture_coef": m == "nash_md" or opts.mixture_coef == 0.5,
                "cringe_threshold": m == "cringe" or opts.cringe_threshold is None,
-               "beta": m in PAIRWISE or m == "nash_md" or opts.beta is None}
+               "beta": m in PAIRWISE or m == "nash_md" or opts.beta is None,
+               "gamma": m in PAIRWISE or opts.gamma == 0.5, "alpha": m in PAIRWISE or opts.alpha is None,
+               "lam": m in PAIRWISE or opts.lam == 0.1, "cringe_topk": m == "cringe" or opts.cringe_topk == 5,
+               "cringe_alpha": m == "cringe" or opts.cringe_alpha == 1.0}
     bad = next((k for k, ok in ignored.items() if not ok), None)
     if bad:
         fail(f"--{bad} has no effect with --method {m}")

@@ -15,7 +15,7 @@ from nano_rlhf.model import GPT
 # ---- float64 oracles ---------------------------------------------------------------------------
 
 def test_sppo_loss_equals_its_formula_values_and_gradients():
-    """Wu et al. 2024, eq. 3.8: ℓ = (log π(y)/π_t(y) − η(P̂ − ½))²; dℓ/dS_θ = 2(S_θ − S_t − η(P̂ − ½))."""
+    """Wu et al. 2024, the SPPO loss: ℓ = (log π(y)/π_t(y) − η(P̂ − ½))²; dℓ/dS_θ = 2(S_θ − S_t − η(P̂ − ½))."""
     torch.manual_seed(0)
     S = torch.randn(6, dtype=torch.float64, requires_grad=True)
     S_t = torch.randn(6, dtype=torch.float64)
@@ -51,7 +51,7 @@ def test_nash_md_loss_equals_its_formula_values_and_gradients():
 
 
 def test_cringe_loss_equals_its_formula_values_and_gradients():
-    """Adolphs et al. 2022, eq. 1: ℓ = −log(e^{s+} / (e^{s+} + e^{s−})); dℓ/ds+ = −e^{s−}/(e^{s+} + e^{s−}),
+    """Adolphs et al. 2022, the CRINGE loss: ℓ = −log(e^{s+} / (e^{s+} + e^{s−})); dℓ/ds+ = −e^{s−}/(e^{s+} + e^{s−}),
     dℓ/ds− = +e^{s−}/(e^{s+} + e^{s−}), every other logit 0."""
     torch.manual_seed(2)
     N, V = 4, 7
