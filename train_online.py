@@ -483,6 +483,9 @@ def main(argv=None):
         ref_dir = opts.ref or opts.init
         init_ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
         check_vocab(tok, init_ref.cfg, ref_dir)
+        if init_ref.cfg.vocab_size != policy.cfg.vocab_size:     # Nash-MD adds their logits; every method compares them
+            raise ValueError(f"{ref_dir}: the reference's vocabulary ({init_ref.cfg.vocab_size}) differs from the "
+                             f"policy's ({policy.cfg.vocab_size})")
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
                            prompts=texts)
