@@ -56,9 +56,9 @@ from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir, save_state
 from nano_rlhf.common import BUILTIN_DIR, adamw, autocast, check_vocab, fail, input_errors, load_tokenizer, lr_at, set_lr
 from nano_rlhf.config import parse_args, save_config
-from nano_rlhf.data import Batches, collate_prompts, tokenize_prompts
+from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score, summarize
-from nano_rlhf.judge import load_judge
+from nano_rlhf.judge import bradley_terry, load_judge
 from nano_rlhf.model import GPT
 from train_ppo import load_prompts, response_logprobs
 
@@ -301,11 +301,29 @@ def sample(mixture, prompts, prompt_ids, tok, opts, step, device, stream=0):
                    [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())])
 
 
-def group_preferences(judge, s: Samples, k):
+def judge_scores(judge, s: Samples, tok):
+    """The pointwise judge's scores of the samples (N,), float64. A reward model scores the very ids sampled, as
+    the PPO rollout does (a decode/re-encode round trip need not give them back, nor fit the context), each row
+    closed by the end token the score is read at when the response never produced it (end-of-text after a text
+    prompt, the template's end-of-turn after a conversation, as RewardModel.__call__ closes a completion)."""
+    rm = judge.pointwise
+    if not isinstance(rm, reward_mod.RewardModel):
+        return judge.scores(s.prompts, s.completions)
+    rows = []
+    for ids, attn, ended, prompt in zip(s.ids.tolist(), s.attn.tolist(), s.has_eos.tolist(), s.prompts):
+        row = [t for t, a in zip(ids, attn) if a]                  # the row alone, no padding
+        if not ended:
+            row.append(tok.eos_id if isinstance(prompt, str) else tok.eot_id)
+        rows.append(row[-rm.model.cfg.block_size:])
+    ids, attn = pad_right(rows, tok.pad_id), pad_right([[1] * len(r) for r in rows], 0)   # right-padded: plain causal
+    return rm.score_tokens(ids.to(rm.device), attn.to(rm.device)).double().cpu()
+
+
+def group_preferences(judge, s: Samples, k, tok):
     """Per group of k: (P, D) (preference_matrix) and the judge's scores (None for a pairwise judge)."""
     n_groups = len(s.completions) // k
     if judge.pairwise is None:
-        scores = judge.scores(s.prompts, s.completions).view(n_groups, k)
+        scores = judge_scores(judge, s, tok).view(n_groups, k)
         return [preference_matrix(scores=g) for g in scores], scores
     iu = torch.triu_indices(k, k, 1).tolist()
     a = [g * k + i for g in range(n_groups) for i in iu[0]]
@@ -313,7 +331,7 @@ def group_preferences(judge, s: Samples, k):
     p = judge.preference([s.prompts[i] for i in a], [s.completions[i] for i in a], [s.completions[j] for j in b])
     n_pairs = len(iu[0])
     mats = [preference_matrix(pair_probs=p[g * n_pairs:(g + 1) * n_pairs], k=k) for g in range(n_groups)]
-    return mats, (judge.scores(s.prompts, s.completions).view(n_groups, k) if judge.pointwise else None)
+    return mats, (judge_scores(judge, s, tok).view(n_groups, k) if judge.pointwise else None)
 
 
 # ---- one update per method ---------------------------------------------------------------------
@@ -565,10 +583,11 @@ def main(argv=None):
         # 2. judge
         groups, scores, prob, accept_key = None, None, None, None
         if opts.method == "nash_md":
-            prob = judge.preference(s.prompts, s.completions, opponents.completions)
-            scores = judge.scores(s.prompts, s.completions) if judge.pointwise else None
+            scores = judge_scores(judge, s, tok) if judge.pointwise else None
+            prob = judge.preference(s.prompts, s.completions, opponents.completions) if judge.pairwise else \
+                bradley_terry(scores, judge_scores(judge, opponents, tok))
         else:
-            groups, scores = group_preferences(judge, s, k)
+            groups, scores = group_preferences(judge, s, k, tok)
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only
             accept_key = list(scores) if scores is not None else [copeland(D) for _, D in groups]
         # 3.-4. examples, loss, update

@@ -296,3 +296,23 @@ def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, ext
     p = run(["train_online.py"] + online_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
     one_line_error(p, *needles)
     assert not (tmp_path / "x" / "model.safetensors").exists()
+
+
+def test_reward_model_judge_scores_the_sampled_ids_closed_by_the_end_token(tok, rm_dir, eos_sft_dir):
+    """Each row's score is the reward model's score of that row alone (prompt + sampled response, unpadded), read
+    at its stop token; a response that never stopped is closed by an end-of-text first. No decode/re-encode:
+    rows whose texts would re-encode longer than the context still fit."""
+    from nano_rlhf.data import tokenize_prompts
+    from nano_rlhf.judge import load_judge
+    from nano_rlhf.model import ScoreModel
+    policy = GPT.from_pretrained(eos_sft_dir).eval()
+    prompts, _ = tokenize_prompts(prompt_rows(6), tok, 40)
+    opts = T.Options(samples_per_prompt=2, max_new_tokens=12)
+    s = T.sample([(policy, 1.0)], prompts, list(range(6)), tok, opts, 1, "cpu")
+    assert 0 < s.has_eos.sum() < len(s.has_eos), "the test needs finished and unfinished rows"
+    scores = T.judge_scores(load_judge(rm_dir, tokenizer=tok), s, tok)
+    rm = ScoreModel.from_pretrained(rm_dir).eval()
+    for i in range(len(scores)):
+        row = s.ids[i][s.attn[i].bool()].tolist() + ([] if s.has_eos[i] else [tok.eos_id])
+        with torch.no_grad():
+            assert scores[i].item() == pytest.approx(rm(torch.tensor([row]))[1].item(), abs=1e-5)
