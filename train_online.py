@@ -232,7 +232,8 @@ def sample_uniforms(seed, step, prompt_ids, k, length, stream=0):
     rows = []
     for p in prompt_ids:
         for j in range(k):
-            g = torch.Generator().manual_seed((((seed * 1_000_003 + step) * 1_000_003 + p) * 1009 + j) * 7 + stream)
+            g = torch.Generator().manual_seed(((((seed * 1_000_003 + step) * 1_000_003 + p) * 1009 + j) * 7 + stream)
+                                              % (1 << 63))   # any --seed: manual_seed takes 64 bits
             rows.append(torch.rand(length, generator=g, dtype=torch.float64))
     return torch.stack(rows)
 
