@@ -1,0 +1,318 @@
+"""train_online.py: float64 oracles of the SPPO, Nash-MD and CRINGE losses (written from the papers' formulas in
+docs/algorithms.md, "Online and self-play methods", independently of the code), pair construction, DNO's
+win-rate selection, the mixture sampler, DDP ≡ one process, the reference update, judge errors, every method."""
+import json
+import math
+
+import pytest
+import torch
+
+import train_online as T
+from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
+from nano_rlhf.model import GPT
+
+
+# ---- float64 oracles ---------------------------------------------------------------------------
+
+def test_sppo_loss_equals_its_formula_values_and_gradients():
+    """Wu et al. 2024, the SPPO loss: ℓ = (log π(y)/π_t(y) − η(P̂ − ½))²; dℓ/dS_θ = 2(S_θ − S_t − η(P̂ − ½))."""
+    torch.manual_seed(0)
+    S = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    S_t = torch.randn(6, dtype=torch.float64)
+    p_hat = torch.rand(6, dtype=torch.float64)
+    eta = 3.7
+    loss = T.sppo_loss(S, S_t, p_hat, eta)
+    loss.sum().backward()
+    for i in range(6):
+        r = S[i].item() - S_t[i].item() - eta * (p_hat[i].item() - 0.5)
+        assert loss[i].item() == pytest.approx(r * r, rel=1e-12)
+        assert S.grad[i].item() == pytest.approx(2 * r, rel=1e-12)
+
+
+def test_nash_md_loss_equals_its_formula_values_and_gradients():
+    """Munos et al. 2023, Nash-MD-PG as TRL's NashMDTrainer estimates it: per response,
+    ℓ = β Σ_t sg(lp_t − ref_t)·lp_t − (P − ½) Σ_t lp_t over the response's tokens, so
+    dℓ/dlp_t = m_t·(β(lp_t − ref_t) − (P − ½)) (the log-ratio is a constant: no gradient through it)."""
+    torch.manual_seed(1)
+    B, R, beta = 3, 5, 0.3
+    lp = (-torch.rand(B, R, dtype=torch.float64) * 3).requires_grad_(True)
+    ref = -torch.rand(B, R, dtype=torch.float64) * 3
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.float64)
+    prob = torch.tensor([0.9, 0.2, 0.5], dtype=torch.float64)
+    loss = T.nash_md_loss(lp, ref, mask, prob, beta)
+    loss.sum().backward()
+    for b in range(B):
+        want = sum(mask[b, t].item() * (beta * (lp[b, t].item() - ref[b, t].item()) * lp[b, t].item()
+                                        - (prob[b].item() - 0.5) * lp[b, t].item()) for t in range(R))
+        assert loss[b].item() == pytest.approx(want, rel=1e-12)
+        for t in range(R):
+            g = mask[b, t].item() * (beta * (lp[b, t].item() - ref[b, t].item()) - (prob[b].item() - 0.5))
+            assert lp.grad[b, t].item() == pytest.approx(g, rel=1e-12, abs=1e-15)
+
+
+def test_cringe_loss_equals_its_formula_values_and_gradients():
+    """Adolphs et al. 2022, the CRINGE loss: ℓ = −log(e^{s+} / (e^{s+} + e^{s−})); dℓ/ds+ = −e^{s−}/(e^{s+} + e^{s−}),
+    dℓ/ds− = +e^{s−}/(e^{s+} + e^{s−}), every other logit 0."""
+    torch.manual_seed(2)
+    N, V = 4, 7
+    logits = (torch.randn(N, V, dtype=torch.float64) * 2).requires_grad_(True)
+    neg = torch.tensor([0, 3, 6, 2])
+    pos = torch.tensor([1, 5, 0, 4])
+    loss = T.cringe_loss(logits, neg, pos)
+    loss.sum().backward()
+    for i in range(N):
+        sp, sn = logits[i, pos[i]].item(), logits[i, neg[i]].item()
+        z = math.exp(sp) + math.exp(sn)
+        assert loss[i].item() == pytest.approx(-math.log(math.exp(sp) / z), rel=1e-12)
+        want = [0.0] * V
+        want[pos[i]], want[neg[i]] = -math.exp(sn) / z, math.exp(sn) / z
+        assert logits.grad[i].tolist() == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+def test_cringe_positives_come_from_the_top_k_without_the_negative_token():
+    torch.manual_seed(3)
+    logits = torch.randn(200, 11)
+    neg = logits.argmax(-1)                       # the negative token is the model's own favourite
+    neg[::2] = 0
+    gen = torch.Generator().manual_seed(0)
+    pos = T.cringe_positives(logits, neg, 3, gen)
+    allowed = logits.scatter(-1, neg[:, None], float("-inf")).topk(3, -1).indices
+    assert (pos != neg).all() and (allowed == pos[:, None]).any(1).all()
+    # top-1: deterministically the best token other than the negative one
+    assert torch.equal(T.cringe_positives(logits, neg, 1, gen), allowed[:, 0])
+
+
+# ---- preferences and example selection ---------------------------------------------------------
+
+def test_best_worst_pairs_ties_and_margin_on_fixed_scores():
+    def pairs(scores, mode="best_worst", margin=0.0):
+        P, D = T.preference_matrix(scores=torch.tensor(scores, dtype=torch.float64))
+        return T.select_pairs(D, T.copeland(D), mode, margin)
+    assert pairs([1.0, 3.0, 3.0, 0.5]) == [(1, 3)]            # best = first of the equal best, worst = the lowest
+    assert pairs([2.0, 2.0, 2.0, 2.0]) == []                  # all tied: no pair
+    assert pairs([1.0, 1.4]) == [(1, 0)]
+    assert pairs([1.0, 1.4], margin=0.5) == []                # score gap 0.4 < margin
+    assert pairs([1.0, 1.5], margin=0.5) == [(1, 0)]          # gap ≥ margin is kept
+    assert sorted(pairs([0.0, 1.0, 1.0, 3.0], "all")) == [(1, 0), (2, 0), (3, 0), (3, 1), (3, 2)]   # (1, 2) tied
+    assert sorted(pairs([0.0, 1.0, 1.0, 3.0], "all", margin=1.5)) == [(3, 0), (3, 1), (3, 2)]
+
+
+def test_pairwise_judge_matrix_copeland_and_order():
+    """P(y_i ≻ y_j) for i < j (row-major) -> P_ji = 1 − P_ij; best/worst by Copeland; the pair ordered by P."""
+    P, D = T.preference_matrix(pair_probs=[0.8, 0.5, 0.9, 0.3, 0.6, 0.7], k=4)   # (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
+    assert P[1, 0] == pytest.approx(0.2) and P[2, 0] == pytest.approx(0.5) and P[3, 2] == pytest.approx(0.3)
+    assert torch.allclose(P + P.T, torch.ones(4, 4, dtype=torch.float64))
+    assert torch.allclose(D, torch.log(P / (1 - P)))
+    # wins: 0 beats 1, 3, ties 2 -> 2.5; 1 beats 3 -> 1; 2 beats 1, 3, ties 0 -> 2.5; 3 -> 0
+    assert T.copeland(D).tolist() == [2.5, 1.0, 2.5, 0.0]
+    assert T.select_pairs(D, T.copeland(D)) == [(0, 3)]
+    assert T.win_rates(P).tolist() == pytest.approx([(0.8 + 0.5 + 0.9) / 3, (0.2 + 0.3 + 0.6) / 3,
+                                                     (0.5 + 0.7 + 0.7) / 3, (0.1 + 0.4 + 0.3) / 3])
+    # logit margin: P(0 ≻ 3) = 0.9 -> log 9 ≈ 2.197
+    assert T.select_pairs(D, T.copeland(D), margin=2.1) == [(0, 3)]
+    assert T.select_pairs(D, T.copeland(D), margin=2.3) == []
+
+
+def test_dno_selects_by_win_rate_and_its_gap():
+    """Best / worst by the win rate W_i = mean_{j≠i} P_ij, pairs kept when the win-rate gap is ≥ the margin."""
+    P, _ = T.preference_matrix(pair_probs=[0.55, 0.05, 0.55, 0.45, 0.55, 0.99], k=4)
+    W = T.win_rates(P)
+    # W = [0.383, 0.483, 0.830, 0.303]: best 2, worst 3
+    assert W.tolist() == pytest.approx([(0.55 + 0.05 + 0.55) / 3, (0.45 + 0.45 + 0.55) / 3,
+                                        (0.95 + 0.55 + 0.99) / 3, (0.45 + 0.45 + 0.01) / 3])
+    gap = W[:, None] - W[None, :]
+    assert T.select_pairs(gap, W) == [(2, 3)]
+    assert T.select_pairs(gap, W, margin=0.6) == []                        # gap 0.527 < 0.6
+    assert sorted(T.select_pairs(gap, W, "all", margin=0.4)) == [(2, 0), (2, 3)]   # 0.447, 0.527 (not 2-1: 0.347)
+
+
+def test_cringe_labels():
+    assert T.cringe_labels([0.1, 0.9, 0.9, -2.0]).tolist() == [0, 1, 0, -1]
+    assert T.cringe_labels([1.0, 1.0, 1.0]).tolist() == [0, 0, 0]
+    assert T.cringe_labels([0.1, 0.9, 0.5, -2.0], threshold=0.5).tolist() == [-1, 1, 1, -1]
+
+
+# ---- the mixture sampler -----------------------------------------------------------------------
+
+def test_mixture_sampler_draws_each_token_from_the_normalised_geometric_mixture(tok):
+    """Every sampled token equals the inverse-CDF sample of softmax(((1−c)·logits_π + c·logits_ref)/τ) at its u,
+    where both models' logits come from a plain full forward of the row alone (unpadded): checks the two KV
+    caches, the left padding, the mixing and the uniforms."""
+    pi, ref = eos_prone(tiny_model(tok, seed=0), tok, 1.0), tiny_model(tok, seed=5)
+    prompts = [tok.encode("write a short review of the phone."), tok.encode("the motor")]
+    from nano_rlhf.data import collate_prompts
+    ids, mask = collate_prompts(prompts, tok.pad_id)
+    u = torch.rand(2, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    c, tau = 0.3, 0.8
+    seq = T.generate_mixture([(pi, 1 - c), (ref, c)], ids, mask, u, tau, [tok.eos_id], tok.pad_id)
+    for b, p in enumerate(prompts):
+        new = seq[b, ids.shape[1]:].tolist()
+        for t, token in enumerate(new):
+            prefix = torch.tensor([p + new[:t]])
+            with torch.no_grad():
+                mixed = (1 - c) * pi(prefix)[0, -1] + c * ref(prefix)[0, -1]
+            cdf = (mixed / tau).softmax(-1).cumsum(-1)
+            assert token == int(torch.searchsorted(cdf, u[b, t].float() * cdf[-1:], right=True).clamp(max=len(cdf) - 1))
+            if token == tok.eos_id:
+                assert all(x == tok.pad_id for x in new[t + 1:])
+                break
+
+
+# ---- whole runs --------------------------------------------------------------------------------
+
+def online_args(tmp_path, sft_dir, rm_dir, out, *extra, steps=2):
+    if not (tmp_path / "prompts.jsonl").exists():
+        write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(48))
+        write_jsonl(tmp_path / "eval_prompts.jsonl", prompt_rows(8, seed=1))
+    return ["--prompts", str(tmp_path / "prompts.jsonl"), "--eval_prompts", str(tmp_path / "eval_prompts.jsonl"),
+            "--init", sft_dir, "--judge", rm_dir, "--out_dir", str(tmp_path / out), "--max_steps", str(steps),
+            "--batch_size", "4", "--samples_per_prompt", "3", "--max_new_tokens", "10", "--eval_interval", "0",
+            "--eval_samples", "4", "--lr", "1e-3", *extra]
+
+
+def metrics(path):
+    return [json.loads(x) for x in open(path / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from nano_rlhf import synthetic
+    d = tmp_path_factory.mktemp("task")
+    synthetic.main(["--out_dir", str(d), "--n_sft", "50", "--n_pref", "20", "--n_unpaired", "20", "--n_prompts", "40",
+                    "--n_eval_prompts", "8"])
+    return d
+
+
+@pytest.fixture
+def eos_sft_dir(tmp_path, tok):
+    m = eos_prone(tiny_model(tok), tok)
+    m.save_pretrained(str(tmp_path / "eos_sft"))
+    tok.save(str(tmp_path / "eos_sft" / "tokenizer.json"))
+    return str(tmp_path / "eos_sft")
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("online_dpo", ["--loss", "ipo", "--pairs", "all"]),
+    ("online_dpo", ["--loss", "simpo", "--nll_coef", "0.5"]),
+    ("dno", ["--ref_update_every", "1"]),
+    ("sppo", ["--ref_update_every", "1"]),
+    ("nash_md", ["--mixture_coef", "0.25"]),
+    ("cringe", []),
+    ("cringe", ["--cringe_threshold", "0.0"]),
+], ids=["online_dpo-ipo-all", "online_dpo-simpo-nll", "dno", "sppo", "nash_md", "cringe", "cringe-threshold"])
+def test_every_method_end_to_end_on_the_builtin_task(tmp_path, eos_sft_dir, task, method, extra):
+    """Gold judge on the built-in task's prompts: every method trains, logs its figures and the generation
+    share, and saves a loadable model; the initial reference (eval KL) is never touched."""
+    args = online_args(tmp_path, eos_sft_dir, "", "run", "--method", method, "--judge", "gold", "--prompts",
+                       str(task / "prompts.jsonl"), "--eval_prompts", str(task / "eval_prompts.jsonl"),
+                       "--samples_per_prompt", "4", *extra)
+    out = T.main(args)
+    m = metrics(tmp_path / "run")
+    assert len(m) == 2
+    last = m[-1]
+    for key in ("train/gold_reward", "train/score", "time/rollout_frac", "eval/gold_reward", "eval/kl"):
+        assert key in last and math.isfinite(last[key]), key
+    assert 0 < last["time/rollout_frac"] < 1
+    # a step whose groups are all ties has nothing to learn from (no update, no loss); the seeded run has some
+    assert any("train/loss" in x and math.isfinite(x["train/loss"]) for x in m)
+    moved = GPT.from_pretrained(str(tmp_path / "run")).state_dict()
+    start = GPT.from_pretrained(eos_sft_dir).state_dict()
+    assert any(not torch.equal(moved[k], v) for k, v in start.items())
+    assert all(torch.equal(a, start[k]) for k, a in out.init_ref.state_dict().items())
+    if "--ref_update_every" in extra:           # updated every step: the reference is the final policy
+        assert all(torch.equal(a, moved[k]) for k, a in out.ref.state_dict().items())
+
+
+def test_pairwise_judge_end_to_end(tmp_path, sft_dir):
+    """A pairwise-only judge (no --judge): the preference comes from the user's function, every pair asked once."""
+    (tmp_path / "judges.py").write_text(
+        "calls = []\n"
+        "def longer(prompts, a, b):\n"
+        "    calls.append(len(a))\n"
+        "    return [1.0 if len(x) > len(y) else 0.0 if len(x) < len(y) else 0.5 for x, y in zip(a, b)]\n")
+    out = T.main(online_args(tmp_path, sft_dir, "", "pj", "--method", "dno", "--judge", "", "--pair_judge",
+                             f"{tmp_path / 'judges.py'}:longer"))
+    m = metrics(tmp_path / "pj")
+    assert len(m) == 2 and m[-1]["train/pairs"] > 0 and "train/score" not in m[-1]
+    assert out.judge.pairwise.fn.__globals__["calls"][0] == 4 * 3       # 4 prompts x C(3, 2) pairs in one call
+
+
+def test_reference_update_equals_a_restart_from_the_snapshot(tmp_path, sft_dir, rm_dir):
+    """--ref_update_every 2: after step 2 the reference is a bit-identical copy of the policy at step 2 (the model
+    saved by a run stopped there), and a run stopped at step 2 and resumed (reference restored from its state)
+    ends bit-identical to the uninterrupted run; without the update the run ends elsewhere."""
+    a = T.main(online_args(tmp_path, sft_dir, rm_dir, "a", "--method", "sppo", "--ref_update_every", "2",
+                           "--save_interval", "0", steps=3))
+    T.main(online_args(tmp_path, sft_dir, rm_dir, "b", "--method", "sppo", "--ref_update_every", "2",
+                       "--save_interval", "0", "--stop_at", "2", steps=3))
+    snapshot = GPT.from_pretrained(str(tmp_path / "b")).state_dict()
+    b = T.main(online_args(tmp_path, sft_dir, rm_dir, "b", "--method", "sppo", "--ref_update_every", "2",
+                           "--save_interval", "0", "--resume", steps=3))
+    assert all(torch.equal(v, snapshot[k]) for k, v in a.ref.state_dict().items())   # π_t = π_θ at step 2
+    assert all(torch.equal(v, snapshot[k]) for k, v in b.ref.state_dict().items())
+    pa = a.policy.state_dict()
+    assert all(torch.equal(pa[k], v) for k, v in b.policy.state_dict().items())
+    c = T.main(online_args(tmp_path, sft_dir, rm_dir, "c", "--method", "sppo", "--save_interval", "0", steps=3))
+    assert any(not torch.equal(pa[k], v) for k, v in c.policy.state_dict().items())
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_at_lr0(tmp_path, sft_dir, rm_dir):
+    """lr 0, frozen judge: 2 ranks x 2 prompts sample, judge and weigh exactly what 1 process x 4 prompts does
+    (per-prompt sampling streams, global normalisers), so every logged figure agrees."""
+    common = ["--lr", "0", "--method", "online_dpo", "--pairs", "all", "--nll_coef", "0.3", "--samples_per_prompt", "4"]
+    run(["train_online.py"] + online_args(tmp_path, sft_dir, rm_dir, "one", *common, "--batch_size", "4", steps=2))
+    run(["train_online.py"] + online_args(tmp_path, sft_dir, rm_dir, "two", *common, "--batch_size", "2", steps=2),
+        nproc=2)
+    for one, two in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two")):
+        for key in ("train/loss", "train/pairs", "train/nll", "train/reward_margin", "train/score", "train/grad_norm",
+                    "train/response_length"):
+            assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
+
+
+def one_line_error(p, *needles):
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--judge", "no/such/rm_dir"], ["--judge no/such/rm_dir", "not a directory"]),
+    (["--judge", "no_such_module_xyz:score"], ["--judge no_such_module_xyz:score", "cannot import"]),
+    (["--pair_judge", "gold"], ["--pair_judge gold", "module:function"]),
+    (["--pair_judge", "PJ:missing"], ["--pair_judge", "has no 'missing'"]),
+    (["--pair_judge", "PJ:bad"], ["--pair_judge", "not a probability"]),
+    (["--judge", "", "--pair_judge", ""], ["a judge is needed"]),
+    (["--method", "sppo", "--samples_per_prompt", "1"], ["--samples_per_prompt >= 2"]),
+    (["--method", "online_dpo", "--eta", "3"], ["--eta has no effect with --method online_dpo"]),
+    (["--method", "cringe", "--ref_update_every", "2"], ["--ref_update_every has no effect"]),
+], ids=["judge-dir", "judge-module", "pair-not-function", "pair-missing", "pair-bad-values", "no-judge", "k1",
+        "ignored-flag", "cringe-ref-update"])
+def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, extra, needles):
+    (tmp_path / "pj.py").write_text("def bad(prompts, a, b):\n    return [1.5] * len(a)\n")
+    extra = [x.replace("PJ", str(tmp_path / "pj.py")) for x in extra]
+    p = run(["train_online.py"] + online_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
+    one_line_error(p, *needles)
+    assert not (tmp_path / "x" / "model.safetensors").exists()
+
+
+def test_reward_model_judge_scores_the_sampled_ids_closed_by_the_end_token(tok, rm_dir, eos_sft_dir):
+    """Each row's score is the reward model's score of that row alone (prompt + sampled response, unpadded), read
+    at its stop token; a response that never stopped is closed by an end-of-text first. No decode/re-encode:
+    rows whose texts would re-encode longer than the context still fit."""
+    from nano_rlhf.data import tokenize_prompts
+    from nano_rlhf.judge import load_judge
+    from nano_rlhf.model import ScoreModel
+    policy = GPT.from_pretrained(eos_sft_dir).eval()
+    prompts, _ = tokenize_prompts(prompt_rows(6), tok, 40)
+    opts = T.Options(samples_per_prompt=2, max_new_tokens=12)
+    s = T.sample([(policy, 1.0)], prompts, list(range(6)), tok, opts, 1, "cpu")
+    assert 0 < s.has_eos.sum() < len(s.has_eos), "the test needs finished and unfinished rows"
+    scores = T.judge_scores(load_judge(rm_dir, tokenizer=tok), s, tok)
+    rm = ScoreModel.from_pretrained(rm_dir).eval()
+    for i in range(len(scores)):
+        row = s.ids[i][s.attn[i].bool()].tolist() + ([] if s.has_eos[i] else [tok.eos_id])
+        with torch.no_grad():
+            assert scores[i].item() == pytest.approx(rm(torch.tensor([row]))[1].item(), abs=1e-5)

@@ -1,0 +1,633 @@
+"""Online and self-play preference optimisation: sample from the current policy, let a judge compare the samples,
+learn from the comparison, repeat. One loop, five methods, one flag apart.
+
+One step (docs/algorithms.md, "Online and self-play methods"):
+  1. sample   k responses per prompt from π_θ at temperature τ, cut after the first stop token (as train_ppo.py);
+              nash_md also samples k opponents per prompt from the geometric mixture π_θ^(1−β')·π_ref^β'
+  2. judge    a pointwise judge (reward-model directory, gold, module:function: --judge) gives scores r, and
+              P(a ≻ b) = σ(r(a) − r(b)) (Bradley–Terry); a pairwise judge (--pair_judge module:function) gives
+              P(a ≻ b) directly. Per prompt: the k×k matrix P_ij = P(y_i ≻ y_j), its logit D_ij (= r_i − r_j for
+              a pointwise judge) and the win rates W_i = mean_{j≠i} P_ij
+  3. examples and 4. update, per --method (S(y) = Σ_t log π(y_t | x, y_<t), u = S_θ − S_ref):
+  online_dpo  pairs (best vs worst by Copeland wins = #{j: D_ij > 0} + ½#{j ≠ i: D_ij = 0}, or all pairs),
+              each ordered by the sign of D_ij, kept when |D_ij| ≥ --margin (ties never), then ANY pairwise
+              --loss of train_dpo.py                                         Guo et al. 2024 (OAIF)
+  dno         the same, but best/worst by win rate W and the --margin on the win-rate gap W_i − W_j
+              (with --ref_update_every N: iterative DPO)    Rosset et al. 2024 (DNO-Prct); Xiong et al. 2024
+  sppo        (u(y) − η(P̂(y ≻ π_t) − ½))², P̂(y_i ≻ π_t) = W_i from the k samples; π_t = the reference
+                                                                    Wu et al. 2024, the SPPO loss (Alg. 1)
+  nash_md     y ~ π_θ, y′ ~ mixture; loss = β·Σ_t sg(log π_θ(y_t) − log π_ref(y_t))·log π_θ(y_t)
+              − (P(y ≻ y′) − ½)·S_θ(y)       Munos et al. 2023 (Nash-MD-PG), as TRL's NashMDTrainer estimates it
+  cringe      rejected responses (score < --cringe_threshold, or the group's worst) are negatives: at each of
+              their tokens, −log(e^{s+} / (e^{s+} + e^{s−})), s = logits/τ, s− the negative token's, s+ that of a
+              token sampled from the model's own top-k there (the negative token excluded); accepted responses
+              (score ≥ threshold, or the group's best) get the MLE loss     Adolphs et al. 2022 (the CRINGE loss)
+  --ref_update_every N makes the reference a copy of the policy after every N-th step (0 = never): iterative
+  DPO / DNO, and SPPO's π_t (with 0, SPPO runs a single iteration against the initial policy).
+
+Run:
+    python train_online.py                                          # online DPO, judge out/rm -> out/online_dpo
+    python train_online.py --judge gold --loss ipo                  # the built-in task's gold reward as judge
+    python train_online.py --method sppo --judge gold --ref_update_every 10
+    python train_online.py --method nash_md --judge out/rm --mixture_coef 0.125
+    python train_online.py --method dno --pair_judge my_judges.py:prefer --judge "" --ref_update_every 20
+    python train_online.py --method cringe --judge gold --cringe_threshold 0.5
+    torchrun --nproc_per_node 2 train_online.py --method sppo
+
+Choices: every log-prob (and CRINGE's logits) uses logits/τ, as train_ppo.py; one optimizer step per rollout
+(on-policy); each rank samples and judges its own prompts' groups, so group statistics need no communication;
+sampling draws its uniform numbers from a generator per (step, prompt, sample), so the samples do not depend
+on how prompts are split across ranks (N ranks ≡ one process) and a resumed run samples what it would have.
+A pairwise judge is asked once per unordered pair, and P_ji = 1 − P_ij.
+"""
+import os
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+import train_dpo
+from nano_rlhf import dist
+from nano_rlhf import reward as reward_mod
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.common import BUILTIN_DIR, adamw, autocast, check_vocab, fail, input_errors, load_tokenizer, lr_at, set_lr
+from nano_rlhf.config import parse_args, save_config
+from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
+from nano_rlhf.evaluate import sample_and_score, summarize
+from nano_rlhf.judge import bradley_terry, load_judge
+from nano_rlhf.model import GPT
+from train_ppo import load_prompts, response_logprobs
+
+PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
+# the pairwise losses of train_dpo.py (its --loss table minus kto, which takes unpaired data): the loss itself is
+# train_dpo.pair_loss, imported, never re-implemented here
+PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
+
+
+@dataclass
+class Options:
+    method: Literal["online_dpo", "dno", "sppo", "nash_md", "cringe"] = "online_dpo"  # which online method
+    judge: str = "out/rm"         # pointwise judge: reward-model directory, gold (built-in task), module:function / file.py:function; empty = --pair_judge only
+    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b) per pair; empty = Bradley–Terry from --judge
+    loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo"] = "dpo"  # online_dpo / dno: train_dpo.py's pair loss
+    beta: Optional[float] = None  # pair loss β (train_dpo.py's default per loss); nash_md: KL coefficient β (none = 0.1) {> 0}
+    label_smoothing: float = 0.0  # pair loss ε (dpo, robust) {0 <= x < 0.5}
+    gamma: float = 0.5            # SimPO target margin γ {>= 0}
+    alpha: Optional[float] = None # rdpo length coefficient (none = 0.01); cpo NLL weight (none = 1.0) {>= 0}
+    lam: float = 0.1              # ORPO weight λ {>= 0}
+    nll_coef: float = 0.0         # online_dpo / dno: add this × NLL(chosen) (RPO) {>= 0}
+    pairs: Literal["best_worst", "all"] = "best_worst"  # online_dpo / dno: which pairs of each group
+    margin: float = 0.0           # keep a pair when its gap ≥ this (online_dpo: logit of P, = score gap; dno: win-rate gap) {>= 0}
+    ref_update_every: int = 0     # the reference becomes a copy of the policy after every N steps; 0 = never {>= 0}
+    eta: float = 10.0             # SPPO η: the target log-ratio is η(P̂ − ½) {> 0}
+    mixture_coef: float = 0.5     # Nash-MD β′: opponents sample from π_θ^(1−β′)·π_ref^β′ (per token) {0 <= x <= 1}
+    cringe_threshold: Optional[float] = None  # CRINGE: score < this = negative, ≥ = positive; none = the group's worst / best
+    cringe_topk: int = 5          # CRINGE: positive tokens are sampled from the model's top-k {>= 1}
+    cringe_alpha: float = 1.0     # CRINGE: weight of the contrastive term beside the MLE term {>= 0}
+    init: str = "out/sft"         # policy to start from (also the reference unless --ref)
+    ref: str = ""                 # reference policy directory; empty = --init
+    prompts: str = ""             # prompts JSONL {"prompt": ...}; empty = built-in task
+    eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
+    eval_fraction: float = 0.05   # share of --prompts held out when no --eval_prompts {0 < x < 1}
+    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
+    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
+    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
+    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational prompts are rendered
+    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer, else the template's default
+    out_dir: str = ""             # output directory; empty = out/<method>
+    batch_size: int = 8           # prompts per device per step {>= 1}
+    samples_per_prompt: int = 4   # k responses per prompt (nash_md: k policy samples, each against its own opponent) {>= 1}
+    max_new_tokens: int = 40      # response length limit {>= 1}
+    temperature: float = 1.0      # sampling temperature; log-probs use logits / τ everywhere {> 0}
+    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = block_size − max_new_tokens {>= 0}
+    lr: float = 5e-5              # learning rate (constant after warm-up); 0.5-1.5B models: 5e-7 {>= 0}
+    warmup_steps: int = 0         # linear warm-up steps {>= 0}
+    weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
+    beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
+    beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
+    grad_clip: float = 1.0        # clip the global gradient norm (0 = off) {>= 0}
+    max_steps: int = 100          # sample + judge + update iterations {>= 1}
+    seed: int = 0                 # seed of the prompt order and of every sample
+    device: str = "auto"          # cpu, cuda, or auto
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (log-softmax always float32)
+    grad_checkpoint: bool = False # recompute each block's activations in backward
+    log_interval: int = 1         # print and log every N steps {>= 1}
+    eval_interval: int = 20       # evaluate on held-out prompts every N steps (and at the end); 0 = end only {>= 0}
+    eval_samples: int = 128       # held-out prompts sampled per evaluation {>= 1}
+    save_interval: int = 50       # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
+    resume: bool = False          # continue from out_dir/state
+    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later) {>= 0}
+    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
+
+
+# ---- the losses: pure functions, float64-testable ----------------------------------------------
+
+def sppo_loss(logp, ref_logp, p_hat, eta):
+    """SPPO (Wu et al. 2024, the loss of Alg. 1): (log π_θ(y)/π_t(y) − η(P̂(y ≻ π_t) − ½))² per response; logp, ref_logp are
+    summed sequence log-probs S_θ, S_t (B,), p_hat the estimated win probability against π_t (B,)."""
+    return (logp - ref_logp - eta * (p_hat - 0.5)) ** 2
+
+
+def nash_md_loss(logp, ref_logp, mask, prob, beta):
+    """Nash-MD policy gradient (Munos et al. 2023, Nash-MD-PG, in the form of TRL's NashMDTrainer), per response (B,).
+    logp, ref_logp: (B, R) per-token log π_θ and log π_ref of y ~ π_θ; mask (B, R); prob: P(y ≻ y′) against the
+    mixture's y′ (B,), detached. REINFORCE with ½ as the control variate: −(P − ½)·S_θ(y); the KL(π_θ‖π_ref)
+    regulariser by its score-function estimate Σ_t sg(log π_θ − log π_ref)·log π_θ, weighted by β."""
+    log_ratio = (logp - ref_logp).detach()
+    kl_term = (log_ratio * logp * mask).sum(1)
+    return beta * kl_term - (prob - 0.5) * (logp * mask).sum(1)
+
+
+def cringe_loss(logits, negative, positive):
+    """CRINGE token loss (Adolphs et al. 2022): −log(e^{s+} / (e^{s+} + e^{s−})) = softplus(s− − s+) per
+    negative token. logits (N, V) at the negative tokens' positions, negative (N,) the negative tokens, positive
+    (N,) the sampled positive tokens (cringe_positives)."""
+    s_neg = logits.gather(-1, negative[:, None]).squeeze(-1)
+    s_pos = logits.gather(-1, positive[:, None]).squeeze(-1)
+    return F.softplus(s_neg - s_pos)
+
+
+def cringe_positives(logits, negative, top_k, generator=None):
+    """CRINGE's positive token at each position: a sample from softmax over the model's top-k logits, the negative
+    token excluded (it must not be its own contrast). Not differentiable: the ids are returned."""
+    masked = logits.detach().float().scatter(-1, negative[:, None], float("-inf"))
+    top = masked.topk(min(top_k, logits.shape[-1] - 1), dim=-1)
+    pick = torch.multinomial(top.values.softmax(-1), 1, generator=generator)
+    return top.indices.gather(-1, pick).squeeze(-1)
+
+
+# ---- group preferences and example selection: pure functions -----------------------------------
+
+def preference_matrix(scores=None, pair_probs=None, k=None):
+    """One group's P (k, k), P_ij = P(y_i ≻ y_j), and its logit D. From pointwise scores (k,): Bradley–Terry,
+    with D_ij = r_i − r_j exactly (no round trip through σ). From pair_probs: P(y_i ≻ y_j) for i < j in
+    row-major order (k(k−1)/2,), P_ji = 1 − P_ij. The diagonal is ½ (D = 0)."""
+    if scores is not None:
+        s = torch.as_tensor(scores, dtype=torch.float64)
+        D = s[:, None] - s[None, :]
+        return torch.sigmoid(D), D
+    P = torch.full((k, k), 0.5, dtype=torch.float64)
+    iu = torch.triu_indices(k, k, 1)
+    p = torch.as_tensor(pair_probs, dtype=torch.float64)
+    P[iu[0], iu[1]], P[iu[1], iu[0]] = p, 1 - p
+    return P, torch.log(P) - torch.log1p(-P)
+
+
+def win_rates(P):
+    """W_i = mean_{j≠i} P(y_i ≻ y_j): the estimate of P(y_i ≻ π) from the group (SPPO's P̂, DNO's ranking)."""
+    k = P.shape[0]
+    return (P.sum(1) - P.diagonal()) / (k - 1)
+
+
+def copeland(D):
+    """Copeland score: pairwise wins, a tie counting ½ (the diagonal is not a tie)."""
+    return (D > 0).double().sum(1) + 0.5 * ((D == 0).double().sum(1) - 1)
+
+
+def select_pairs(gap, rank_key, pairs="best_worst", margin=0.0):
+    """(chosen, rejected) index pairs of one group. gap (k, k), antisymmetric: how much y_i beats y_j; rank_key
+    (k,): best = its first maximum, worst = its first minimum. Each candidate pair is ordered by the sign of its
+    gap and kept when the gap is > 0 and ≥ margin: ties (gap 0) are never pairs."""
+    k = gap.shape[0]
+    key = rank_key.tolist()
+    if pairs == "best_worst":
+        candidates = [(key.index(max(key)), key.index(min(key)))]
+    else:
+        candidates = [(i, j) for i in range(k) for j in range(i + 1, k)]
+    out = []
+    for i, j in candidates:
+        g = float(gap[i, j])
+        if g < 0:
+            i, j, g = j, i, -g
+        if g > 0 and g >= margin:
+            out.append((i, j))
+    return out
+
+
+def cringe_labels(scores, threshold=None):
+    """Per response of one group: +1 accepted (MLE), −1 rejected (CRINGE), 0 unused. With a threshold: score ≥ it
+    accepted, below it rejected; without: the group's best accepted and its worst rejected (first of equals),
+    nothing when every score is equal."""
+    s = torch.as_tensor(scores, dtype=torch.float64)
+    if threshold is not None:
+        return torch.where(s >= threshold, 1, -1)
+    labels = torch.zeros(len(s), dtype=torch.long)
+    if s.max() > s.min():
+        key = s.tolist()
+        labels[key.index(max(key))], labels[key.index(min(key))] = 1, -1
+    return labels
+
+
+# ---- sampling ----------------------------------------------------------------------------------
+
+def sample_uniforms(seed, step, prompt_ids, k, length, stream=0):
+    """(len(prompt_ids)·k, length) uniform numbers, row (prompt p, sample j) from its own generator seeded by
+    (seed, step, p, j, stream): a sample does not depend on which rank or batch row its prompt landed in."""
+    rows = []
+    for p in prompt_ids:
+        for j in range(k):
+            g = torch.Generator().manual_seed(((((seed * 1_000_003 + step) * 1_000_003 + p) * 1009 + j) * 7 + stream)
+                                              % (1 << 63))   # any --seed: manual_seed takes 64 bits
+            rows.append(torch.rand(length, generator=g, dtype=torch.float64))
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def generate_mixture(mixture, input_ids, attention_mask, uniforms, temperature, stop_ids, pad_id):
+    """Sample from the normalised geometric mixture Π_m π_m^{w_m} (mixture = [(model, w_m)], Σ w_m = 1): at each
+    step the logits are Σ_m w_m·logits_m (softmax renormalises per token), divided by τ, and token t of row b is
+    the inverse-CDF sample of uniforms[b, t]. A single (policy, 1.0) is plain sampling. Each model keeps its own
+    KV cache (trunk.forward_cached), as GPT.generate does. Returns (B, Tp + n) ids, pad after a row's stop token."""
+    B, Tp = input_ids.shape
+    n_new = uniforms.shape[1]
+    mask = attention_mask.long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ends = torch.tensor(sorted(stop_ids), device=input_ids.device)
+    caches, hidden = [], []
+    for model, _ in mixture:
+        model.eval()
+        W, cfg = model.output_weight(), model.cfg
+        shape = (B, cfg.kv_heads, Tp + n_new, cfg.hd)
+        caches.append([(W.new_empty(shape), W.new_empty(shape)) for _ in range(cfg.n_layer)])
+        hidden.append(model.trunk.forward_cached(input_ids, mask, pos, caches[-1], 0)[:, -1])
+    next_pos, finished, new = pos[:, -1:] + 1, torch.zeros(B, dtype=torch.bool, device=input_ids.device), []
+    for t in range(n_new):
+        logits = sum(w * F.linear(h, m.output_weight()).float() for (m, w), h in zip(mixture, hidden))
+        cdf = (logits / temperature).softmax(-1).cumsum(-1)
+        u = uniforms[:, t:t + 1].to(cdf) * cdf[:, -1:]
+        tok = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
+        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
+        new.append(tok)
+        finished |= torch.isin(tok, ends)
+        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+        if bool(finished.all()) or t == n_new - 1:
+            break
+        hidden = [m.trunk.forward_cached(tok[:, None], mask, next_pos, cache, Tp + t)[:, -1]
+                  for (m, _), cache in zip(mixture, caches)]
+        next_pos = next_pos + 1
+    return torch.cat([input_ids, torch.stack(new, 1)], 1)
+
+
+@dataclass
+class Samples:
+    """k responses per prompt, groups of k consecutive rows. R = longest response."""
+    ids: torch.Tensor             # (N, P+R) left-padded prompt | response, padded after its stop token
+    attn: torch.Tensor            # (N, P+R) 1 on real tokens
+    resp: torch.Tensor            # (N, R) float, 1 up to and including the first stop token
+    has_eos: torch.Tensor         # (N,) float
+    prompts: list                 # N prompt texts (as given in the prompts file)
+    completions: list             # N decoded responses
+
+
+def sample(mixture, prompts, prompt_ids, tok, opts, step, device, stream=0):
+    """k responses per prompt from the (mixture of) model(s): tokenized prompt records, their dataset indices."""
+    k = opts.samples_per_prompt
+    q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
+    u = sample_uniforms(opts.seed, step, prompt_ids, k, opts.max_new_tokens, stream)
+    seq = generate_mixture(mixture, q_ids.to(device), q_mask.to(device), u.to(device), opts.temperature,
+                           tok.stop_ids, tok.pad_id)
+    resp = seq[:, q_ids.shape[1]:]
+    is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=device))
+    has_eos = is_eos.any(1)
+    length = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
+    resp_mask = (torch.arange(resp.shape[1], device=device)[None] < length[:, None]).float()
+    return Samples(seq, torch.cat([q_mask.to(device), resp_mask.long()], 1), resp_mask, has_eos.float(),
+                   [p["text"] for p in prompts for _ in range(k)],
+                   [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())])
+
+
+def judge_scores(judge, s: Samples, tok):
+    """The pointwise judge's scores of the samples (N,), float64. A reward model scores the very ids sampled, as
+    the PPO rollout does (a decode/re-encode round trip need not give them back, nor fit the context), each row
+    closed by the end token the score is read at when the response never produced it (end-of-text after a text
+    prompt, the template's end-of-turn after a conversation, as RewardModel.__call__ closes a completion)."""
+    rm = judge.pointwise
+    if not isinstance(rm, reward_mod.RewardModel):
+        return judge.scores(s.prompts, s.completions)
+    rows = []
+    for ids, attn, ended, prompt in zip(s.ids.tolist(), s.attn.tolist(), s.has_eos.tolist(), s.prompts):
+        row = [t for t, a in zip(ids, attn) if a]                  # the row alone, no padding
+        if not ended:
+            row.append(tok.eos_id if isinstance(prompt, str) else tok.eot_id)
+        rows.append(row[-rm.model.cfg.block_size:])
+    ids, attn = pad_right(rows, tok.pad_id), pad_right([[1] * len(r) for r in rows], 0)   # right-padded: plain causal
+    return rm.score_tokens(ids.to(rm.device), attn.to(rm.device)).double().cpu()
+
+
+def group_preferences(judge, s: Samples, k, tok):
+    """Per group of k: (P, D) (preference_matrix) and the judge's scores (None for a pairwise judge)."""
+    n_groups = len(s.completions) // k
+    if judge.pairwise is None:
+        scores = judge_scores(judge, s, tok).view(n_groups, k)
+        return [preference_matrix(scores=g) for g in scores], scores
+    iu = torch.triu_indices(k, k, 1).tolist()
+    a = [g * k + i for g in range(n_groups) for i in iu[0]]
+    b = [g * k + j for g in range(n_groups) for j in iu[1]]
+    p = judge.preference([s.prompts[i] for i in a], [s.completions[i] for i in a], [s.completions[j] for j in b])
+    n_pairs = len(iu[0])
+    mats = [preference_matrix(pair_probs=p[g * n_pairs:(g + 1) * n_pairs], k=k) for g in range(n_groups)]
+    return mats, (judge_scores(judge, s, tok).view(n_groups, k) if judge.pointwise else None)
+
+
+# ---- one update per method ---------------------------------------------------------------------
+
+def seq_logps(model, s: Samples, opts):
+    """Per-token log π(y_t) at τ (N, R) (through the DDP wrapper when given one) and S = Σ_t (N,)."""
+    with autocast(s.ids.device, opts.dtype):
+        lp = response_logprobs(model, s.ids, s.attn, s.resp, opts.temperature)
+    return lp, (lp * s.resp).sum(1)
+
+
+def pairwise_terms(opts, policy, ref, s, pairs):
+    """online_dpo / dno: Σ of train_dpo.pair_loss over this rank's pairs (with graph), Σ NLL(chosen) (with graph)
+    and sums for the log."""
+    _, S = seq_logps(policy, s, opts)
+    S_ref = None if ref is None else seq_logps(ref, s, opts)[1].detach()
+    w = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=S.device)
+    l = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=S.device)
+    lengths = s.resp.sum(1)
+    ref_w, ref_l = (None, None) if S_ref is None else (S_ref[w], S_ref[l])
+    loss, rw, rl = train_dpo.pair_loss(opts, S[w], S[l], ref_w, ref_l, lengths[w], lengths[l])
+    sums = {"loss": loss.sum(), "rewards_chosen": rw.sum(), "rewards_rejected": rl.sum(),
+            "reward_accuracy": (rw > rl).float().sum(), "reward_margin": (rw - rl).sum()}
+    # a rank without pairs still runs its backward (DDP all-reduces every rank's gradients): 0·S keeps the graph
+    return loss.sum() + 0 * S.sum(), -S[w].sum(), sums
+
+
+def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=None):
+    """This rank's share of the step's objective (with graph, divided by the global counts; None when no rank has
+    anything to learn from) and the log's figures as {name: (this rank's sum, global denominator)}. The counts
+    are all-reduced first, so every rank divides by the same numbers."""
+    k, device = opts.samples_per_prompt, s.ids.device
+    if opts.method in PAIRWISE:
+        pairs = []
+        for g, (P, D) in enumerate(groups):
+            if opts.method == "online_dpo":
+                gap, key = D, copeland(D)
+            else:
+                W = win_rates(P)
+                gap, key = W[:, None] - W[None, :], W
+            pairs += [(g * k + i, g * k + j) for i, j in select_pairs(gap, key, opts.pairs, opts.margin)]
+        chosen_tokens = sum(float(s.resp[i].sum()) for i, _ in pairs)
+        n_pairs, n_chosen = dist.all_reduce_sum(torch.tensor([len(pairs), chosen_tokens], dtype=torch.float64)).tolist()
+        if n_pairs == 0:
+            return None, {"pairs": (0.0, 1)}
+        loss_sum, nll_sum, sums = pairwise_terms(opts, policy, ref, s, pairs)
+        objective = loss_sum / n_pairs                                  # mean over the step's pairs (all ranks) ...
+        nll_w = train_dpo.nll_weight(opts)
+        if nll_w:                                                       # ... + w · token-mean NLL(y_w), as train_dpo
+            objective = objective + nll_w * nll_sum / max(n_chosen, 1)
+        log = {name: (float(v.detach()), n_pairs) for name, v in sums.items()}
+        return objective, {**log, "pairs": (float(len(pairs)), 1), "nll": (float(nll_sum.detach()), max(n_chosen, 1))}
+    n = dist.all_reduce_sum(float(s.ids.shape[0]))
+    if opts.method == "sppo":
+        p_hat = torch.cat([win_rates(P) for P, _ in groups]).to(device, torch.float32)
+        _, S = seq_logps(policy, s, opts)
+        S_ref = seq_logps(ref, s, opts)[1].detach()
+        loss = sppo_loss(S, S_ref, p_hat, opts.eta)
+        return loss.sum() / n, {"loss": (float(loss.detach().sum()), n), "p_hat": (float(p_hat.sum()), n),
+                                "log_ratio": (float((S.detach() - S_ref).sum()), n)}
+    if opts.method == "nash_md":
+        lp, _ = seq_logps(policy, s, opts)
+        ref_lp = seq_logps(ref, s, opts)[0].detach()
+        loss = nash_md_loss(lp, ref_lp, s.resp, prob.to(lp), opts.beta)
+        return loss.sum() / n, {"loss": (float(loss.detach().sum()), n), "probability": (float(prob.sum()), n),
+                                "kl": (float(((lp.detach() - ref_lp) * s.resp).sum()), n)}
+    # cringe: accepted responses' tokens get the MLE loss, rejected responses' tokens the CRINGE loss
+    labels = torch.cat([cringe_labels(g, opts.cringe_threshold) for g in accept_key]).to(device)
+    valid = s.resp.bool()
+    is_pos = (labels == 1)[:, None].expand_as(valid)[valid]            # per response token, row-major
+    is_neg = (labels == -1)[:, None].expand_as(valid)[valid]
+    n_pos, n_neg = dist.all_reduce_sum(torch.tensor([float(is_pos.sum()), float(is_neg.sum())],
+                                                    dtype=torch.float64)).tolist()
+    if n_pos + n_neg == 0:
+        return None, {"positive_tokens": (0.0, 1), "negative_tokens": (0.0, 1)}
+    P = s.ids.shape[1] - s.resp.shape[1]
+    sel = torch.zeros_like(s.ids, dtype=torch.bool)
+    sel[:, P - 1:-1] = valid                                           # the positions predicting response tokens
+    with autocast(device, opts.dtype):
+        hidden = policy(s.ids, s.attn, select=sel, return_hidden=True)
+    logits = F.linear(hidden, dist.unwrap(policy).output_weight()).float() / opts.temperature   # (M, V)
+    targets = s.ids[:, P:][valid]
+    nll = F.cross_entropy(logits, targets, reduction="none")
+    # the positive tokens: a fresh generator per (step, rank), so a resumed run draws what it would have
+    gen = torch.Generator(device=logits.device).manual_seed(opts.seed * 1_000_003 + step * 1009 + dist.world().rank)
+    cr = cringe_loss(logits, targets, cringe_positives(logits, targets, opts.cringe_topk, gen))
+    nll_sum, cr_sum = (nll * is_pos).sum(), (cr * is_neg).sum()
+    objective = nll_sum / max(n_pos, 1) + opts.cringe_alpha * cr_sum / max(n_neg, 1)
+    return objective, {"loss": (float(objective.detach()), 1), "positive_tokens": (float(is_pos.sum()), 1),
+                       "negative_tokens": (float(is_neg.sum()), 1), "nll": (float(nll_sum.detach()), max(n_pos, 1)),
+                       "cringe_loss": (float(cr_sum.detach()), max(n_neg, 1))}
+
+
+# ---- set-up ------------------------------------------------------------------------------------
+
+def check_options(opts):
+    """Rules between options; each option's own range is declared on Options (checked on parsing)."""
+    m = opts.method
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
+    if not opts.judge and not opts.pair_judge:
+        fail("a judge is needed: give --judge (reward-model directory, gold, module:function) and/or --pair_judge")
+    if opts.judge and opts.judge != reward_mod.GOLD and not reward_mod.is_function_spec(opts.judge) \
+            and not os.path.isdir(opts.judge):
+        fail(f"--judge {opts.judge}: not a directory, gold, or module:function / path/to/file.py:function")
+    if opts.judge and reward_mod.is_function_spec(opts.judge):
+        reward_mod.load_function(opts.judge, "--judge")          # its import errors name --judge, not --reward
+    if opts.pair_judge and not reward_mod.is_function_spec(opts.pair_judge):
+        fail(f"--pair_judge {opts.pair_judge}: expected module:function or path/to/file.py:function")
+    if m != "nash_md" and opts.samples_per_prompt < 2:
+        fail(f"--method {m} compares the samples of a prompt: it needs --samples_per_prompt >= 2")
+    if opts.ref_update_every and not needs_reference(opts):
+        fail(f"--ref_update_every has no effect with --method {m}" + (f" --loss {opts.loss} (reference-free)"
+                                                                      if m in PAIRWISE else ""))
+    if m == "cringe" and opts.cringe_threshold is not None and not opts.judge:
+        fail("--cringe_threshold compares scores: it needs a pointwise --judge")
+    # a flag the method would ignore is an error, not a silent no-op
+    ignored = {"loss": m in PAIRWISE or opts.loss == "dpo", "pairs": m in PAIRWISE or opts.pairs == "best_worst",
+               "margin": m in PAIRWISE or opts.margin == 0, "nll_coef": m in PAIRWISE or opts.nll_coef == 0,
+               "label_smoothing": m in PAIRWISE or opts.label_smoothing == 0, "eta": m == "sppo" or opts.eta == 10.0,
+               "mixture_coef": m == "nash_md" or opts.mixture_coef == 0.5,
+               "cringe_threshold": m == "cringe" or opts.cringe_threshold is None,
+               "beta": m in PAIRWISE or m == "nash_md" or opts.beta is None,
+               "gamma": m in PAIRWISE or opts.gamma == 0.5, "alpha": m in PAIRWISE or opts.alpha is None,
+               "lam": m in PAIRWISE or opts.lam == 0.1, "cringe_topk": m == "cringe" or opts.cringe_topk == 5,
+               "cringe_alpha": m == "cringe" or opts.cringe_alpha == 1.0}
+    bad = next((k for k, ok in ignored.items() if not ok), None)
+    if bad:
+        fail(f"--{bad} has no effect with --method {m}")
+    if m in PAIRWISE:
+        if opts.label_smoothing and opts.loss not in ("dpo", "robust"):
+            fail(f"--label_smoothing applies only to --loss dpo or robust, not {opts.loss}")
+        opts.beta = train_dpo.DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
+        opts.alpha = (1.0 if opts.loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
+    elif m == "nash_md":
+        opts.beta = 0.1 if opts.beta is None else opts.beta
+    opts.out_dir = opts.out_dir or f"out/{m}"
+
+
+def needs_reference(opts):
+    """A training reference: every method but CRINGE and a reference-free pair loss (simpo, cpo, orpo)."""
+    return opts.method != "cringe" and not (opts.method in PAIRWISE and opts.loss in train_dpo.REFERENCE_FREE)
+
+
+NOT_IDENTITY = ("prompts", "eval_prompts", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint",
+                "log_interval", "eval_interval", "eval_samples", "save_interval", "report_to", "dist_timeout", "stop_at",
+                "max_steps", "resume", "overwrite")
+
+
+def main(argv=None):
+    opts = parse_args(Options, argv, __doc__)
+    check_options(opts)
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    run = run_mod.start(opts, script="online", identity={k: v for k, v in vars(opts).items() if k not in NOT_IDENTITY},
+                        inputs={"init": opts.init, "ref": opts.ref, "judge": opts.judge},
+                        data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
+                                    "eval_prompts": opts.eval_prompts})
+    with input_errors():
+        prompt_records, eval_records = load_prompts(opts)
+        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
+                             opts.date_string)
+        run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
+        policy = GPT.from_pretrained(opts.init, dropout=0.0)
+        check_vocab(tok, policy.cfg, opts.init)
+        # the initial reference: the KL of the evaluation is always to it; training uses `ref`, the same model
+        # unless --ref_update_every replaces it with copies of the policy
+        ref_dir = opts.ref or opts.init
+        init_ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+        check_vocab(tok, init_ref.cfg, ref_dir)
+        if init_ref.cfg.vocab_size != policy.cfg.vocab_size:     # Nash-MD adds their logits; every method compares them
+            raise ValueError(f"{ref_dir}: the reference's vocabulary ({init_ref.cfg.vocab_size}) differs from the "
+                             f"policy's ({policy.cfg.vocab_size})")
+        texts = [p["prompt"] for p in prompt_records + eval_records]
+        judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
+                           prompts=texts)
+        block = policy.cfg.block_size
+        max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
+        if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
+            raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
+                             f"block_size {block}")
+        prompts, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
+        prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
+    gold = reward_mod.builtin_gold(texts)
+    policy.to(world.device)
+    init_ref.to(world.device)
+    ref = None
+    if needs_reference(opts):
+        ref = init_ref
+        if opts.ref_update_every:        # a separate copy, replaced every N steps; init_ref stays for the eval KL
+            ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval().to(world.device)
+    for name, m in (("policy", policy), ("reference", init_ref)):
+        dist.check_same_weights(m, name)
+    dist.seed_everything(opts.seed, world.rank)
+    if opts.grad_checkpoint:
+        policy.set_grad_checkpointing(True)
+    ddp = dist.wrap_ddp(policy)
+    optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    models = {"policy": policy, **({"ref": ref} if opts.ref_update_every and ref is not None else {})}
+    if opts.resume:
+        prompt_batches.load_state_dict(run.resume(models=models, optimizers={"policy": optimizer})["data"])
+    if world.is_main:
+        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size)
+    k = opts.samples_per_prompt
+    dist.print0(f"{opts.method.upper()} | judge {opts.judge or '-'}{' + pairwise ' + opts.pair_judge if opts.pair_judge else ''}"
+                f" | {len(prompts):,} prompts ({prompt_stats}) | {opts.batch_size} prompts x {k} samples x "
+                f"{world.world_size} ranks per step | reference update every {opts.ref_update_every or 'never'} | "
+                f"{opts.max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
+    run.show = ["train/loss", "train/pairs", "train/score", "train/gold_reward", "train/response_length",
+                "time/rollout_frac", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]
+    run.loss_key = ("train/loss", "train/grad_norm")
+    eval_prompts = eval_records[:opts.eval_samples]
+
+    def evaluate(step):
+        """Held-out prompts, pure sampling at T = 1 with a fixed seed, KL to the initial reference; rank 0 only."""
+        metrics = {}
+        if world.is_main:
+            cols = {}
+            if judge.pointwise is not None and judge.pointwise is not gold:
+                cols["rm_score" if isinstance(judge.pointwise, reward_mod.RewardModel) else "reward"] = judge.pointwise
+            if gold is not None:
+                cols["gold_reward"] = gold
+            samples = sample_and_score(policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
+                                       ref=init_ref, rewards=cols)
+            metrics = {f"eval/{k_}": v for k_, v in summarize(samples).items() if not k_.endswith("_se") and k_ != "n"}
+            run.log_samples(step, samples[:8])
+        dist.barrier()
+        return metrics
+
+    def save(step):
+        save_state(opts.out_dir, models, {"policy": optimizer}, {"step": step, "data": prompt_batches.state_dict()})
+        save_model_dir(opts.out_dir, policy, tok)
+
+    if run.step == 0 and opts.eval_interval:
+        run.log(0, evaluate(0))
+    for step in range(run.step + 1, opts.max_steps + 1):
+        t0 = time.time()
+        lr = lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant")
+        set_lr(optimizer, lr)
+        idx = prompt_batches.next_step()[0]
+        batch = [prompts[i] for i in idx]
+        # 1. sample (nash_md: and the opponents from the geometric mixture of policy and reference)
+        s = sample([(policy, 1.0)], batch, idx, tok, opts, step, world.device)
+        opponents = None
+        if opts.method == "nash_md":
+            opponents = sample([(policy, 1 - opts.mixture_coef), (ref, opts.mixture_coef)], batch, idx, tok, opts,
+                               step, world.device, stream=1)
+        policy.train()
+        t_gen = time.time() - t0
+        # 2. judge
+        groups, scores, prob, accept_key = None, None, None, None
+        if opts.method == "nash_md":
+            scores = judge_scores(judge, s, tok) if judge.pointwise else None
+            prob = judge.preference(s.prompts, s.completions, opponents.completions) if judge.pairwise else \
+                bradley_terry(scores, judge_scores(judge, opponents, tok))
+        else:
+            groups, scores = group_preferences(judge, s, k, tok)
+        if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only
+            accept_key = list(scores) if scores is not None else [copeland(D) for _, D in groups]
+        # 3.-4. examples, loss, update
+        objective, stats = step_objective(opts, ddp, ref, s, groups, step, prob, accept_key)
+        grad_norm = 0.0
+        if objective is not None:        # no pair / no labelled token on any rank: no update at all
+            (objective * dist.ddp_scale()).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), opts.grad_clip or float("inf")).item()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if opts.ref_update_every and ref is not None and step % opts.ref_update_every == 0:
+            ref.load_state_dict(policy.state_dict())     # iterative DPO / DNO / SPPO: π_t ← π_θ
+        metrics = step_metrics(s, scores, stats, gold)
+        t_step = time.time() - t0
+        metrics.update({"train/lr": lr, "train/grad_norm": grad_norm, "train/step_time": t_step,
+                        "train/generate_time": t_gen, "time/rollout_frac": t_gen / max(t_step, 1e-9)})
+        if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
+            break
+    dist.check_same_weights(policy, "policy")
+    dist.print0(f"saved {opts.out_dir} (HF {policy.architecture} layout)")
+    run.finish()
+    return SimpleNamespace(policy=policy, ref=ref, init_ref=init_ref, judge=judge, optimizer=optimizer, options=opts)
+
+
+def step_metrics(s: Samples, scores, stats, gold):
+    """The step's figures over all ranks, in one all-reduce: sequence means (judge score, gold reward, length,
+    end-of-text rate) and the method's {name: (this rank's sum, global denominator)}."""
+    seq = {"response_length": s.resp.sum(1), "eos_rate": s.has_eos}
+    if scores is not None:
+        seq["score"] = scores.flatten()
+    if gold is not None:
+        seq["gold_reward"] = torch.tensor(gold(s.prompts, s.completions))
+    names = ["sequences", *seq, *stats]
+    local = [float(s.ids.shape[0]), *(float(v.sum()) for v in seq.values()), *(v[0] for v in stats.values())]
+    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
+    metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
+    metrics.update({f"train/{k}": total[k] / denominator for k, (_, denominator) in stats.items()})
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
