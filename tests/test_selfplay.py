@@ -181,30 +181,39 @@ def test_spo_with_a_self_rewarding_llm_judge_runs(tmp_path, sft_dir, capfd):
     assert all(x["train/rm_score_raw"] == 0.5 for x in m if "train/rm_score_raw" in x)
 
 
+def test_one_sample_per_prompt_is_refused_in_one_line(tmp_path, sft_dir):
+    p = run(["train_ppo.py"] + spo_args(tmp_path, sft_dir, "x", "--samples_per_prompt", "1", "--judge", "gold"),
+            check=False)
+    assert p.returncode != 0 and p.stderr.strip() == ("error: --reward selfplay needs --samples_per_prompt >= 2 (a "
+                                                      "sample's reward is its win rate against the others)")
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("extra,message", [
-    (["--samples_per_prompt", "1", "--judge", "gold"], "--reward selfplay needs --samples_per_prompt >= 2"),
     ([], "--reward selfplay needs a judge"),
     (["--pair_judge", "no_such_module_xyz:f"], "--pair_judge no_such_module_xyz:f: cannot import module"),
     (["--pair_judge", "llm:out/sft"], "an LLM judge gives scores, not pairwise preferences"),
     (["--judge", "llm:/nonexistent/judge"], "--judge llm:/nonexistent/judge: no such model directory"),
     (["--judge", "gold", "--judge_template", "t.txt"], "--judge_template t.txt: applies only to --judge llm:"),
-    (["--judge", "gold"], "--reward gold scores the built-in task's prompts only"),
+    (["--judge", "gold"], "gold scores the built-in task's prompts only"),
     (["--reward", "model", "--judge", "gold"], "--judge applies only to --reward selfplay"),
 ])
-def test_bad_selfplay_options_are_one_line(tmp_path, sft_dir, extra, message):
-    p = run(["train_ppo.py"] + spo_args(tmp_path, sft_dir, "x", *extra), check=False)
-    assert p.returncode != 0 and message in p.stderr, p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+def test_bad_selfplay_options_are_one_line(tmp_path, sft_dir, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        train_ppo.main(spo_args(tmp_path, sft_dir, "x", *extra))
+    err = capsys.readouterr().err
+    assert e.value.code != 0 and message in err and err.startswith("error: "), err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
-def test_llm_judge_template_needs_both_placeholders(tmp_path, sft_dir):
+def test_llm_judge_template_needs_both_placeholders(tmp_path, sft_dir, capsys):
     (tmp_path / "t.txt").write_text("Rate this: {response}\n")
-    code = (f"from nano_rlhf.judge import load_judge; "
-            f"load_judge('llm:{sft_dir}', template={str(tmp_path / 't.txt')!r})")
-    p = run(["-c", code], check=False)
-    assert p.returncode != 0 and "must contain {prompt} and {response} (missing {prompt})" in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:
+        load_judge(f"llm:{sft_dir}", template=str(tmp_path / "t.txt"))
+    err = capsys.readouterr().err
+    assert e.value.code != 0 and "must contain {prompt} and {response} (missing {prompt})" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_gold_judge_loads_as_the_gold_reward():
