@@ -170,15 +170,16 @@ def test_spo_end_to_end(tmp_path, sft_dir, rm_dir, advantage, judge):
     GPT.from_pretrained(str(tmp_path / "spo"))
 
 
-def test_spo_with_a_self_rewarding_llm_judge_runs(tmp_path, sft_dir, capfd):
-    """The policy's own starting point judges (a tiny random model: no score in its answers, so every
-    sample gets the fallback, ties everywhere, and GRPO's advantages are exactly 0); the warning counts it."""
-    out = train_ppo.main(spo_args(tmp_path, sft_dir, "llm", "--advantage", "grpo", "--judge", f"llm:{sft_dir}",
-                                  "--kl_coef", "0"))
-    assert out.reward.pointwise.unparsed == out.reward.pointwise.answered == 2 * 2 * 3 + 4
-    assert "answers hold no score in [1, 10]" in capfd.readouterr().err
+def test_spo_with_an_llm_judge(tmp_path, sft_dir, tok):
+    """An LLM judge built to answer "7" to everything: every answer parsed (no warning), every sample ties, so
+    every win rate is exactly ½; the judge answered each rollout sample and each evaluation sample once."""
+    from test_label import judge_dir
+    out = train_ppo.main(spo_args(tmp_path, sft_dir, "llm", "--advantage", "grpo", "--judge",
+                                  f"llm:{judge_dir(tmp_path, tok, '7')}", "--kl_coef", "0"))
+    assert out.reward.pointwise.answered == 2 * 2 * 3 + 4 and out.reward.pointwise.unparsed == 0
     m = [json.loads(x) for x in open(tmp_path / "llm" / "metrics.jsonl")]
-    assert all(x["train/rm_score_raw"] == 0.5 for x in m if "train/rm_score_raw" in x)
+    assert [x["train/rm_score_raw"] for x in m if "train/rm_score_raw" in x] == [0.5, 0.5]
+    assert m[-1]["eval/reward"] == 7.0
 
 
 def test_one_sample_per_prompt_is_refused_in_one_line(tmp_path, sft_dir):
