@@ -202,3 +202,13 @@ def test_label_with_an_llm_judge(setup, tok, sft_dir):
                                                                                   f"llm:{judge_dir(setup, tok, '7')}"])
     rows = read(setup / "lw.jsonl")
     assert rows and all(s == 7.0 for r in rows for s in r["scores"])
+
+
+def test_label_with_a_reward_model_judge(setup, sft_dir, rm_dir, tok):
+    """A reward-model judge's scores are its raw scores of (prompt, completion), as nano_rlhf.reward gives them."""
+    from nano_rlhf.reward import load_reward
+    label.main(label_args(setup, sft_dir, "lw.jsonl", "--format", "listwise") + ["--judge", rm_dir])
+    rm = load_reward(rm_dir, tokenizer=tok)
+    for r in read(setup / "lw.jsonl"):
+        want = rm([r["prompt"]] * len(r["completions"]), r["completions"])
+        assert r["scores"] == pytest.approx(want, abs=1e-5)
