@@ -97,7 +97,8 @@ def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", promp
     pairwise = None
     if pair_spec is not None:
         if pair_spec.startswith(LLM):
-            fail(f"--pair_judge {pair_spec}: an LLM judge gives scores, not pairwise preferences; use --judge {pair_spec}")
+            fail(f"--pair_judge {pair_spec}: an LLM judge gives scores, not pairwise preferences; "
+                 f"use --judge {pair_spec}")
         if not reward_mod.is_function_spec(pair_spec):
             fail(f"--pair_judge {pair_spec}: expected module:function or path/to/file.py:function")
         pairwise = _CheckedPairwise(reward_mod.load_function(pair_spec, "--pair_judge").fn, pair_spec)
@@ -214,7 +215,8 @@ class LLMJudge:
         device = next(self.model.parameters()).device
         out = []
         for s in range(0, len(completions), self.batch_size):
-            ids = [self.render(p, c) for p, c in zip(prompts[s:s + self.batch_size], completions[s:s + self.batch_size])]
+            chunk = slice(s, s + self.batch_size)
+            ids = [self.render(p, c) for p, c in zip(prompts[chunk], completions[chunk])]
             self.truncated += sum(len(x) > room for x in ids)
             # left-truncated, as the data pipeline truncates prompts: the question that closes the template survives
             q, mask = collate_prompts([x[-room:] for x in ids], self.tok.pad_id)

@@ -93,27 +93,43 @@ def check_options(o):
 
 
 @torch.no_grad()
-def sample(model, tok, items, k, o, device):
+def sample(model, tok, items, k, o, device, rm=None):
     """k completions per tokenized prompt, prompt-major (the samples of prompt i are rows i·k … i·k + k − 1),
-    each cut after its first stop token. Returns (texts, finished flags)."""
+    each cut after its first stop token. Returns (texts, finished flags, scores): with a reward model `rm`,
+    its raw scores of the very ids sampled (no decode/re-encode round trip, which need not give the sampled ids
+    back), each response closed as train_rm.py scored them: a response cut at --max_new_tokens gets the end
+    token (end-of-text, or the template's end-of-turn) appended, in the position the prompts left free."""
     rows = [it["prompt"] for it in items for _ in range(k)]
+    ends = [tok.eos_id if isinstance(it["text"], str) else tok.eot_id for it in items for _ in range(k)]
     gen = torch.Generator(device=device).manual_seed(o.seed)
-    texts, finished = [], []
+    stops = torch.tensor(tok.stop_ids, device=device)
+    texts, finished, scores = [], [], []
     for s in range(0, len(rows), o.batch_size):
         ids, mask = collate_prompts(rows[s:s + o.batch_size], tok.pad_id)
-        seq = model.generate(ids.to(device), mask.to(device), o.max_new_tokens, o.temperature,
-                             eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id, generator=gen)
-        for resp in seq[:, ids.shape[1]:].tolist():
-            finished.append(any(t in tok.stop_ids for t in resp))
-            texts.append(tok.decode(resp))
-    return texts, finished
+        ids, mask = ids.to(device), mask.to(device)
+        seq = model.generate(ids, mask, o.max_new_tokens, o.temperature, eos_token_id=tok.stop_ids,
+                             pad_token_id=tok.pad_id, generator=gen)
+        resp = seq[:, ids.shape[1]:]
+        is_stop = torch.isin(resp, stops)
+        length = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, resp.shape[1])
+        response_mask = torch.arange(resp.shape[1], device=device)[None] < length[:, None]
+        if rm is not None:
+            cut = ~is_stop.any(1)
+            end = torch.tensor(ends[s:s + o.batch_size], device=device)
+            closed = torch.cat([seq, torch.where(cut, end, tok.pad_id)[:, None]], 1)
+            attn = torch.cat([mask, response_mask.long(), cut.long()[:, None]], 1)
+            scores.append(rm.score_tokens(closed, attn).double().cpu())
+        finished += is_stop.any(1).tolist()
+        texts += [tok.decode(row) for row in resp.tolist()]
+    return texts, finished, torch.cat(scores) if rm is not None else None
 
 
-def group_scores(judge, prompts, completions, k):
-    """(G, k) float64: the judge's scores, or with a pairwise judge each sample's win rate against the other
-    k − 1 of its group, 1/(k−1) Σ_{j≠i} P(y_i ≻ y_j) (preference_matrix's diagonal is exactly ½)."""
+def group_scores(judge, prompts, completions, k, scores=None):
+    """(G, k) float64: the judge's scores (or `scores`, a reward model's of the sampled ids), or with a pairwise
+    judge each sample's win rate against the other k − 1 of its group, 1/(k−1) Σ_{j≠i} P(y_i ≻ y_j)
+    (preference_matrix's diagonal is exactly ½)."""
     if judge.pairwise is None:
-        return judge.scores(prompts, completions).view(-1, k)
+        return (judge.scores(prompts, completions) if scores is None else scores).view(-1, k)
     return (preference_matrix(judge, prompts, completions, k).sum(-1) - 0.5) / (k - 1)
 
 
@@ -170,7 +186,7 @@ def main(argv=None):
         tok = load_tokenizer("", o.model, chat_template=o.chat_template, date_string=o.date_string)
         model = GPT.from_pretrained(o.model, dropout=0.0).to(device).eval()
         check_vocab(tok, model.cfg, o.model)
-        max_prompt = model.cfg.block_size - o.max_new_tokens
+        max_prompt = model.cfg.block_size - o.max_new_tokens - 1     # one position for a reward model's end token
         if max_prompt < 1:
             raise ValueError(f"--max_new_tokens {o.max_new_tokens} leaves no room for a prompt in block_size "
                              f"{model.cfg.block_size}")
@@ -179,9 +195,10 @@ def main(argv=None):
                            batch_size=o.batch_size, template=o.judge_template)
         items, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
     k = o.samples_per_prompt
-    texts, finished = sample(model, tok, items, k, o, device)
+    rm = judge.pointwise if judge.pairwise is None and isinstance(judge.pointwise, reward_mod.RewardModel) else None
+    texts, finished, rm_scores = sample(model, tok, items, k, o, device, rm)
     t_sample = time.time() - t0
-    scores = group_scores(judge, [p for p in prompts for _ in range(k)], texts, k)
+    scores = group_scores(judge, [p for p in prompts for _ in range(k)], texts, k, rm_scores)
     counts = {"empty": 0, "too few": 0, "ties": 0, "at median": 0}
     rows = list(records(prompts, texts, scores, o, counts))
     atomic_write_text(o.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

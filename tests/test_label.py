@@ -205,10 +205,23 @@ def test_label_with_an_llm_judge(setup, tok, sft_dir):
 
 
 def test_label_with_a_reward_model_judge(setup, sft_dir, rm_dir, tok):
-    """A reward-model judge's scores are its raw scores of (prompt, completion), as nano_rlhf.reward gives them."""
-    from nano_rlhf.reward import load_reward
+    """A reward-model judge scores the very ids sampled, each row closed by end-of-text as train_rm.py scored
+    responses (appended to a response cut at --max_new_tokens): rebuilt here from model.generate at the same
+    seed, each row scored alone without padding."""
+    from nano_rlhf.data import collate_prompts
+    from nano_rlhf.model import GPT, ScoreModel
     label.main(label_args(setup, sft_dir, "lw.jsonl", "--format", "listwise") + ["--judge", rm_dir])
-    rm = load_reward(rm_dir, tokenizer=tok)
-    for r in read(setup / "lw.jsonl"):
-        want = rm([r["prompt"]] * len(r["completions"]), r["completions"])
-        assert r["scores"] == pytest.approx(want, abs=1e-5)
+    policy, rm = GPT.from_pretrained(sft_dir).eval(), ScoreModel.from_pretrained(rm_dir).eval()
+    prompts = [tok.render_prompt(r["prompt"]) for r in prompt_rows(6) for _ in range(4)]
+    gen, want = torch.Generator().manual_seed(0), []
+    with torch.no_grad():
+        for s in (0, 12):                                    # --batch_size 12
+            ids, mask = collate_prompts(prompts[s:s + 12], tok.pad_id)
+            seq = policy.generate(ids, mask, 8, 1.0, eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id,
+                                  generator=gen)
+            for p, resp in zip(prompts[s:s + 12], seq[:, ids.shape[1]:].tolist()):
+                n = next((i + 1 for i, t in enumerate(resp) if t == tok.eos_id), None)
+                row = p + (resp[:n] if n else resp + [tok.eos_id])
+                want.append(rm(torch.tensor([row]))[1].item())
+    got = [s for r in read(setup / "lw.jsonl") for s in r["scores"]]
+    assert len(got) == 24 and got == pytest.approx(want, abs=1e-5)

@@ -1,6 +1,7 @@
 """SPO (--reward selfplay in train_ppo.py): win-rate rewards against a float64 oracle written from the paper,
 the judge's preference matrix, the rollout's scores, every estimator family end to end, one-line errors."""
 import json
+import math
 import textwrap
 
 import pytest
@@ -72,8 +73,7 @@ def test_preference_matrix_from_scores_is_bradley_terry():
         for i in range(3):
             for j in range(3):
                 d = len(comps[3 * g + i]) - len(comps[3 * g + j])
-                assert P[g, i, j].item() == pytest.approx(1 / (1 + torch.exp(torch.tensor(-d, dtype=torch.float64)).item()),
-                                                         abs=1e-15)
+                assert P[g, i, j].item() == pytest.approx(1 / (1 + math.exp(-d)), abs=1e-15)
     # given scores (the rollout's reward-model scores of the sampled ids) are used instead of calling the judge
     P2 = preference_matrix(Judge(pointwise=lambda p, c: 1 / 0), ["q"] * 6, comps, 3,
                            scores=torch.tensor([float(len(c)) for c in comps]))
