@@ -51,7 +51,7 @@ class Options:
     judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default (1-10)
     samples_per_prompt: int = 4   # k responses per prompt {>= 1}
     temperature: float = 1.0      # sampling temperature (pure sampling) {> 0}
-    max_new_tokens: int = 48      # response length limit {>= 1}
+    max_new_tokens: int = 40      # response length limit (as train_ppo.py: a built-in prompt fits beside it) {>= 1}
     batch_size: int = 64          # sequences per generation batch and per judge batch {>= 1}
     threshold: Optional[float] = None  # unpaired: label = score >= this; none = above the group's median
     max_prompts: int = 0          # label only the first N prompts; 0 = all {>= 0}
