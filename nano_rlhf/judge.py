@@ -226,7 +226,12 @@ class LLMJudge:
         return out
 
     def __call__(self, prompts, completions):
+        truncated = self.truncated
         answers = self.answers(list(prompts), list(completions))
+        if self.truncated > truncated:
+            print(f"warning: {self.name}: {self.truncated - truncated} of {len(answers)} judge inputs were longer than "
+                  f"its context ({self.model.cfg.block_size} tokens with {self.max_new_tokens} for the answer) and "
+                  "lost their beginning", file=sys.stderr, flush=True)
         scores = [parse_score(a, self.low, self.high) for a in answers]
         bad = [a for a, x in zip(answers, scores) if x is None]
         self.answered += len(answers)

@@ -178,11 +178,14 @@ def test_llm_judge_parses_its_generated_answer(tmp_path, tok, capsys):
     prompts, comps = ["write a short review of the phone."] * 3, [" great.", " bad screen.", " fine"]
     assert judge.pointwise.answers(prompts, comps) == ["7"] * 3         # really generated, then parsed
     assert judge.scores(prompts, comps).tolist() == [7.0] * 3
-    assert judge.pointwise.unparsed == 0 and capsys.readouterr().err == ""
+    assert judge.pointwise.unparsed == 0 and "no score" not in capsys.readouterr().err
     # an answer outside 1..10 is no score: the fallback (the lowest grade), counted in a warning
     zero = load_judge(f"llm:{judge_dir(tmp_path, tok, '0')}")
     assert zero.scores(prompts, comps).tolist() == [1.0] * 3 and zero.pointwise.unparsed == 3
-    assert "3 of 3 answers hold no score in [1, 10] and score 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "3 of 3 answers hold no score in [1, 10] and score 1" in err
+    # the default template does not fit a 64-token context: the inputs lose their beginning, and the user is told
+    assert zero.pointwise.truncated == 3 and "3 of 3 judge inputs were longer than its context (64 tokens" in err
 
 
 def test_llm_judge_renders_the_template_as_a_user_message(tmp_path, tok):
