@@ -2,13 +2,16 @@
 
 Models: policy π_θ (trained), critic V (trained; --advantage gae only), reference π_ref (frozen copy of the
 SFT policy) and a reward R(prompt, completion) (frozen): a reward-model directory, the built-in task's
-programmatic reward (--reward gold), or your own Python function (--reward module:function).
+programmatic reward (--reward gold), your own Python function (--reward module:function), or self-play
+(--reward selfplay, SPO): each sample's win rate against the other k − 1 samples of its prompt under a
+judge's preference (--judge and/or --pair_judge, nano_rlhf/judge.py), with no reward model fitted to it.
 
 One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
   1. rollout   k samples per prompt at temperature τ (pure sampling), cut after the first stop token
                (end-of-text, or the chat template's end-of-turn: <|eot_id|>, <|im_end|>)
   2. score     s = clip((R(x, y) − μ_RM)/σ_RM, ±c) for a reward model (R as is for a function), read
                at the stop token; a response without one gets --missing_eos_penalty instead
+               selfplay:     s_i = 1/(k−1) Σ_{j≠i} P(y_i ≻ y_j), the win rate in its group  (Swamy et al. 2024)
   3. rewards   gae / reinforce_pp: r_t = −β·KL_t on every response token, + s on the end-of-text token
                rloo / grpo / dr_grpo: R_i = s_i − β·Σ_t k1_t (or KL in the loss: --kl_in_loss, k3)
                KL_t = k1 = log π_old − log π_ref (default) or k3 = e^−d − 1 + d; β fixed or adaptive
@@ -28,6 +31,8 @@ Run:
     python train_ppo.py                                     # PPO: out/sft + out/rm -> out/ppo
     python train_ppo.py --advantage grpo --reward gold      # GRPO with the built-in task's verifiable reward
     python train_ppo.py --advantage grpo --reward my_rewards.py:score --prompts my_prompts.jsonl
+    python train_ppo.py --advantage grpo --reward selfplay --judge out/rm      # SPO, the reward model as judge
+    python train_ppo.py --advantage grpo --reward selfplay --pair_judge my_judges.py:prefer   # a pairwise judge
     python train_ppo.py --init qwen3_sft --reward_model qwen3_rm --prompts chat_prompts.jsonl --lr 1e-6 \
         --critic_lr 5e-6 --grad_checkpoint --dtype bfloat16    # a real family: its chat template, stops at <|im_end|>
     torchrun --nproc_per_node 2 train_ppo.py --advantage grpo --reward gold
@@ -57,6 +62,7 @@ from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft
 from nano_rlhf.evaluate import sample_and_score, summarize
+from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
@@ -66,7 +72,10 @@ WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened o
 @dataclass
 class Options:
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
-    reward: str = "model"         # model (--reward_model), gold (built-in task only), or module:function / file.py:function
+    reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge / --pair_judge), or module:function / file.py:function
+    judge: str = ""               # --reward selfplay: pointwise judge, preferences by Bradley-Terry (reward-model dir, gold, module:function, llm:MODEL_DIR)
+    pair_judge: str = ""          # --reward selfplay: pairwise judge module:function(prompts, a, b) -> P(a ≻ b) (used over --judge)
+    judge_template: str = ""      # --judge llm:MODEL_DIR: template file with {prompt} and {response}; empty = nano_rlhf/templates/judge_default.txt
     init: str = "out/sft"         # policy to start from (also the reference unless --ref)
     ref: str = ""                 # reference policy directory; empty = --init
     reward_model: str = "out/rm"  # reward model directory (with --reward model)
@@ -156,7 +165,7 @@ class Rollout:
 class Models:
     """Frozen = requires_grad_(False), eval(), never wrapped in DDP, in no optimizer."""
     policy: GPT                           # π_θ (trained)
-    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen)
+    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen); SPO: a Judge
     ref: Optional[GPT] = None             # π_ref (frozen); None when β = 0: no KL term anywhere
     critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
     gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
@@ -215,6 +224,17 @@ def kl_estimate(logp, ref_logp, kind="k1"):
 
 
 # ---- rewards and advantages --------------------------------------------------------------------
+
+def selfplay_rewards(pref):
+    """SPO (Swamy et al. 2024, "A Minimaximalist Approach to RLHF"): the reward of a sample is its win rate
+    against the current policy, r(y) = P(y ≻ π_t), estimated on the k samples of its prompt as the mean
+    preference over the k − 1 others, r_i = 1/(k−1) Σ_{j≠i} P(y_i ≻ y_j). pref: (G, k, k) with
+    pref[g, i, j] = P(y_i ≻ y_j); its diagonal is never read (a sample against itself is no evidence, and
+    leaving it out keeps the estimate unbiased). Returns (G, k)."""
+    k = pref.shape[-1]
+    off_diagonal = ~torch.eye(k, dtype=torch.bool, device=pref.device)
+    return torch.where(off_diagonal, pref, torch.zeros_like(pref)).sum(-1) / (k - 1)
+
 
 def token_rewards(score, kl, response_mask, beta):
     """r_t = −β·KL_t on every response token; the score is added on the last real token (the stop token).
@@ -417,7 +437,12 @@ def rollout(prompts, models: Models, tok, opts, gen):
     models.policy.train()
     completions = [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
     prompt_texts = [p["text"] for p in prompts for _ in range(k)]
-    if isinstance(models.reward, reward_mod.RewardModel):   # the very ids sampled: no decode/re-encode round trip
+    if isinstance(models.reward, Judge):                    # SPO: win rates within each prompt's k samples
+        rm = models.reward.pointwise if models.reward.pairwise is None else None
+        ids_scores = rm.score_tokens(seq, attn) if isinstance(rm, reward_mod.RewardModel) else None
+        pref = preference_matrix(models.reward, prompt_texts, completions, k, scores=ids_scores)
+        raw, rm_stats = selfplay_rewards(pref).view(-1).float().to(device), None
+    elif isinstance(models.reward, reward_mod.RewardModel):   # the very ids sampled: no decode/re-encode round trip
         raw, rm_stats = models.reward.score_tokens(seq, attn), (models.reward.mean, models.reward.std)
     else:
         raw, rm_stats = torch.tensor(models.reward(prompt_texts, completions), dtype=torch.float32, device=device), None
@@ -530,8 +555,18 @@ def check_options(opts):
     if opts.advantage in GROUP and opts.kl_estimator != "k1" and not opts.kl_in_loss:
         fail(f"--advantage {opts.advantage} folds the sequence KL Σk1 into its reward; --kl_estimator k3 applies only "
              "with --kl_in_loss (which always uses k3) or with gae / reinforce_pp")
-    if opts.reward not in ("model", "gold") and not reward_mod.is_function_spec(opts.reward):
-        fail(f"--reward must be model, gold, or module:function / path/to/file.py:function (got {opts.reward!r})")
+    if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
+        fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function (got {opts.reward!r})")
+    if opts.reward == "selfplay":
+        if opts.samples_per_prompt < 2:
+            fail("--reward selfplay needs --samples_per_prompt >= 2 (a sample's reward is its win rate against the others)")
+        if not (opts.judge or opts.pair_judge):
+            fail("--reward selfplay needs a judge: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) "
+                 "and/or --pair_judge module:function")
+    else:
+        for flag in ("judge", "pair_judge", "judge_template"):
+            if getattr(opts, flag):
+                fail(f"--{flag} applies only to --reward selfplay (got --reward {opts.reward})")
     rollout_size = opts.batch_size * opts.samples_per_prompt
     if rollout_size % opts.num_minibatches:
         fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x --samples_per_prompt "
@@ -565,8 +600,12 @@ def load_models(opts, tok, prompt_texts, device):
         ref = GPT.from_pretrained(opts.ref or opts.init, dropout=0.0).requires_grad_(False).eval()
         check_vocab(tok, ref.cfg, opts.ref or opts.init)
     spec = opts.reward_model if opts.reward == "model" else opts.reward
-    reward = reward_mod.load_reward(spec, tokenizer=tok, device=device, prompts=prompt_texts,
-                                    batch_size=opts.micro_batch_size)
+    if opts.reward == "selfplay":
+        reward = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=device,
+                            prompts=prompt_texts, batch_size=opts.micro_batch_size, template=opts.judge_template)
+    else:
+        reward = reward_mod.load_reward(spec, tokenizer=tok, device=device, prompts=prompt_texts,
+                                        batch_size=opts.micro_batch_size)
     if isinstance(reward, reward_mod.RewardModel) and opts.normalize_score and not reward.has_stats:
         dist.print0(f"note: {spec}/config.json has no reward_mean/reward_std; scores are not normalised")
     critic = None
@@ -578,8 +617,9 @@ def load_models(opts, tok, prompt_texts, device):
     for name in ("policy", "ref", "critic"):
         if getattr(models, name) is not None:
             dist.check_same_weights(getattr(models, name), name)
-    if isinstance(reward, reward_mod.RewardModel):
-        dist.check_same_weights(reward.model, "reward model")
+    for rm in (reward, getattr(reward, "pointwise", None)):
+        if isinstance(rm, reward_mod.RewardModel):
+            dist.check_same_weights(rm.model, "reward model")
     return models
 
 
@@ -611,7 +651,8 @@ def main(argv=None):
     opts.micro_batch_size = opts.micro_batch_size or mb_size
     world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
     run = run_mod.start(opts, script="ppo", identity=run_identity(opts),
-                        inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model},
+                        inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model,
+                                "judge": judge_dir(opts.judge)},
                         data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
                                     "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
     with input_errors():
@@ -729,14 +770,24 @@ def run_identity(opts):
     identity = {k: getattr(opts, k) for k in keys}
     if opts.reward == "model":
         identity["reward_model"] = opts.reward_model
+    if opts.reward == "selfplay":
+        identity.update(judge=opts.judge, pair_judge=opts.pair_judge, judge_template=opts.judge_template)
     return identity
+
+
+def judge_dir(spec):
+    """The model directory a --judge reads (a reward model, or llm:DIR), which the run must never write into."""
+    path = spec[len("llm:"):] if spec.startswith("llm:") else spec
+    return path if path and os.path.isdir(path) else ""
 
 
 def eval_rewards(models: Models, opts):
     """Evaluation columns: the trained reward (a reward model's raw score as rm_score, a function's as reward)
-    and the programmatic gold reward when one applies to these prompts."""
-    cols = {"rm_score" if isinstance(models.reward, reward_mod.RewardModel) else "reward": models.reward}
-    if models.gold is models.reward:           # --reward gold: one column, under its usual name
+    and the programmatic gold reward when one applies to these prompts. SPO: a win rate needs a group, so the
+    judge's own pointwise score stands in (none for a pairwise-only judge)."""
+    reward = models.reward.pointwise if isinstance(models.reward, Judge) else models.reward
+    cols = {} if reward is None else {"rm_score" if isinstance(reward, reward_mod.RewardModel) else "reward": reward}
+    if models.gold is not None and models.gold is reward:   # --reward gold (or --judge gold): one column, its usual name
         return {"gold_reward": models.gold}
     if models.gold is not None:
         cols["gold_reward"] = models.gold

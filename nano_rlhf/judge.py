@@ -5,15 +5,27 @@
     judge = load_judge("gold", prompts=prompt_texts)                       # the built-in task's reward
     judge = load_judge("my_judges:score")                                  # a pointwise function (as --reward)
     judge = load_judge("out/rm", pair_spec="my_judges:prefer")             # plus a pairwise function
+    judge = load_judge("llm:out/sft", template="my_template.txt")          # LLM-as-a-judge (greedy answer, 1-10)
     judge.scores(prompts, completions)          # (N,) float64 tensor, one score per completion
     judge.preference(prompts, a, b)             # (N,) float64 tensor, P(a[i] ≻ b[i]) for each i
+    preference_matrix(judge, prompts, completions, k)   # (G, k, k) P(y_i ≻ y_j) within each group of k samples
 
 A pointwise judge is anything `nano_rlhf.reward.load_reward` accepts. A pairwise judge is a user's
 `module:function(prompts, a, b) -> list[float]` returning P(a[i] ≻ b[i]) in [0, 1] for each i (one call for a
 whole batch of pairs, like the reward functions). Methods that need a preference take it from the pairwise
 judge when one is given, otherwise from the pointwise scores under Bradley–Terry: P(a ≻ b) = σ(r(a) − r(b)).
+
+LLM-as-a-judge (`llm:MODEL_DIR`, a pointwise judge): each (prompt, response) is written into a template
+(`{prompt}` and `{response}` placeholders; default templates/judge_default.txt, asking for a score from 1 to
+10), sent as one user message through the judge model's own chat template, and answered greedily; the score
+is the first number of the answer inside [1, 10]. An answer without one scores the lowest grade (1) and is
+counted in a warning: a policy must gain nothing by confusing its judge (a self-rewarding policy, whose
+judge is its own starting point `llm:out/sft`, could otherwise learn to).
 """
 import math
+import os
+import re
+import sys
 
 import torch
 
@@ -68,16 +80,164 @@ class Judge:
         return bradley_terry(self.scores(prompts, a), self.scores(prompts, b))
 
 
-def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", prompts=None, batch_size=64):
-    """spec: what load_reward accepts (a reward-model directory, "gold", module:function) or None;
-    pair_spec: a pairwise module:function or None. Import/load errors are one line naming the flag."""
+def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", prompts=None, batch_size=64,
+               template=""):
+    """spec: what load_reward accepts (a reward-model directory, "gold", module:function), llm:MODEL_DIR or None;
+    pair_spec: a pairwise module:function or None; template: the LLM judge's template file ("" = the default).
+    Import/load errors are one line naming the flag."""
     if spec is None and pair_spec is None:
-        fail("a judge is needed: give --judge (reward model, gold, module:function) and/or --pair_judge")
-    pointwise = None if spec is None else reward_mod.load_reward(spec, tokenizer=tokenizer, device=device,
-                                                                 prompts=prompts, batch_size=batch_size)
+        fail("a judge is needed: give --judge (reward model, gold, module:function, llm:MODEL_DIR) and/or --pair_judge")
+    if template and not (spec or "").startswith(LLM):
+        fail(f"--judge_template {template}: applies only to --judge llm:MODEL_DIR")
+    if spec is not None and spec.startswith(LLM):
+        pointwise = LLMJudge.from_dir(spec[len(LLM):], template, device=device, spec=spec, batch_size=batch_size)
+    else:
+        pointwise = None if spec is None else reward_mod.load_reward(spec, tokenizer=tokenizer, device=device,
+                                                                     prompts=prompts, batch_size=batch_size, flag="--judge")
     pairwise = None
     if pair_spec is not None:
+        if pair_spec.startswith(LLM):
+            fail(f"--pair_judge {pair_spec}: an LLM judge gives scores, not pairwise preferences; "
+                 f"use --judge {pair_spec}")
         if not reward_mod.is_function_spec(pair_spec):
             fail(f"--pair_judge {pair_spec}: expected module:function or path/to/file.py:function")
         pairwise = _CheckedPairwise(reward_mod.load_function(pair_spec, "--pair_judge").fn, pair_spec)
     return Judge(pointwise, pairwise)
+
+
+# ---- the preferences within a group of samples (self-play, labelling) --------------------------------
+
+def preference_matrix(judge, prompts, completions, k, scores=None):
+    """(G, k, k) float64, P[g, i, j] = P(y_i ≻ y_j) for G groups of k consecutive samples (prompts repeated k
+    times, as a rollout lays them out); the diagonal is ½.
+
+    Pointwise judge: each completion is scored once (or `scores` (G·k,) is used as given: a rollout holds the
+    reward model's scores of the very ids sampled), then Bradley–Terry. Pairwise judge (preferred when given):
+    asked about every ordered pair i ≠ j in one call, then made antisymmetric, P̃(i ≻ j) = ½(P(i ≻ j) + 1 −
+    P(j ≻ i)), so that P̃(i ≻ j) + P̃(j ≻ i) = 1 and a judge that favours a position (LLM judges often prefer
+    the first answer shown) favours no sample."""
+    n = len(completions)
+    if n % k or len(prompts) != n:
+        raise ValueError(f"preference_matrix: {len(prompts)} prompts and {n} completions do not form groups of {k}")
+    G = n // k
+    if judge.pairwise is None:
+        s = (judge.scores(prompts, completions) if scores is None else torch.as_tensor(scores)).double().view(G, k)
+        return bradley_terry(s[:, :, None], s[:, None, :])
+    pairs = [(g, i, j) for g in range(G) for i in range(k) for j in range(k) if i != j]
+    p = judge.preference([prompts[g * k + i] for g, i, _ in pairs], [completions[g * k + i] for g, i, _ in pairs],
+                         [completions[g * k + j] for g, _, j in pairs])
+    P = torch.full((G, k, k), 0.5, dtype=torch.float64)
+    g, i, j = (torch.tensor(x) for x in zip(*pairs))
+    P[g, i, j] = p
+    return 0.5 * (P + 1 - P.transpose(1, 2))
+
+
+# ---- LLM-as-a-judge --------------------------------------------------------------------------------
+
+LLM = "llm:"
+DEFAULT_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", "judge_default.txt")
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+_PLACEHOLDER = re.compile(r"\{(prompt|response)\}")
+
+
+def parse_score(answer, low=1.0, high=10.0):
+    """The first number in `answer` that lies in [low, high] ("8", "Score: 7/10", "8.5"), or None."""
+    for m in _NUMBER.finditer(answer):
+        x = float(m.group())
+        if low <= x <= high:
+            return x
+    return None
+
+
+def prompt_as_text(prompt):
+    """A prompt for the template's {prompt}: a string as is; a conversation as "Role: content" paragraphs."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in prompt)
+
+
+def fill_template(template, prompt, response):
+    """{prompt} and {response} replaced in one pass (a response that contains "{prompt}" stays as written;
+    other braces in the template, e.g. a JSON example, are left alone)."""
+    values = {"prompt": prompt_as_text(prompt), "response": response}
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def read_template(path, flag="--judge_template"):
+    """The template text; one line naming the flag if it is missing or lacks a placeholder."""
+    if not os.path.isfile(path):
+        fail(f"{flag} {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    missing = [p for p in ("{prompt}", "{response}") if p not in text]
+    if missing:
+        fail(f"{flag} {path}: the template must contain {{prompt}} and {{response}} (missing {', '.join(missing)})")
+    return text
+
+
+class LLMJudge:
+    """A language model as a pointwise judge: score = the first number in [low, high] of its greedy answer to
+    the template, rendered as a user message with the judge's own chat template. A frozen copy: it never
+    changes during a run, even when it was loaded from the policy's own starting directory."""
+
+    def __init__(self, model, tok, template, *, low=1.0, high=10.0, fallback=None, max_new_tokens=8,
+                 batch_size=16, name="llm"):
+        self.model, self.tok, self.template = model.requires_grad_(False).eval(), tok, template
+        self.low, self.high = float(low), float(high)
+        self.fallback = self.low if fallback is None else float(fallback)
+        self.max_new_tokens, self.batch_size, self.name = max_new_tokens, batch_size, name
+        self.answered = self.unparsed = self.truncated = 0   # running counts, for the warnings and the caller
+
+    @classmethod
+    def from_dir(cls, model_dir, template_path="", device="cpu", spec=None, **kw):
+        from .common import load_tokenizer
+        from .model import GPT
+        flag = f"--judge {spec or LLM + model_dir}"
+        if not model_dir or not os.path.isdir(model_dir):
+            fail(f"{flag}: no such model directory {model_dir!r}")
+        template = read_template(template_path or DEFAULT_TEMPLATE)
+        try:
+            tok = load_tokenizer("", model_dir)
+            model = GPT.from_pretrained(model_dir, dropout=0.0).to(device)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            fail(f"{flag}: {e}")
+        return cls(model, tok, template, name=flag, **kw)
+
+    def render(self, prompt, response):
+        """Ids of the judge's input: the filled template as one user message plus the generation prompt."""
+        return self.tok.render_prompt([{"role": "user", "content": fill_template(self.template, prompt, response)}])
+
+    @torch.no_grad()
+    def answers(self, prompts, completions):
+        """The judge's greedy answers (text up to its first stop token), one per (prompt, completion)."""
+        from .data import collate_prompts
+        room = self.model.cfg.block_size - self.max_new_tokens
+        device = next(self.model.parameters()).device
+        out = []
+        for s in range(0, len(completions), self.batch_size):
+            chunk = slice(s, s + self.batch_size)
+            ids = [self.render(p, c) for p, c in zip(prompts[chunk], completions[chunk])]
+            self.truncated += sum(len(x) > room for x in ids)
+            # left-truncated, as the data pipeline truncates prompts: the question that closes the template survives
+            q, mask = collate_prompts([x[-room:] for x in ids], self.tok.pad_id)
+            seq = self.model.generate(q.to(device), mask.to(device), self.max_new_tokens, temperature=0,
+                                      eos_token_id=self.tok.stop_ids, pad_token_id=self.tok.pad_id)
+            out += [self.tok.decode(row) for row in seq[:, q.shape[1]:].tolist()]
+        return out
+
+    def __call__(self, prompts, completions):
+        truncated = self.truncated
+        answers = self.answers(list(prompts), list(completions))
+        if self.truncated > truncated:
+            print(f"warning: {self.name}: {self.truncated - truncated} of {len(answers)} judge inputs were longer than "
+                  f"its context ({self.model.cfg.block_size} tokens with {self.max_new_tokens} for the answer) and "
+                  "lost their beginning", file=sys.stderr, flush=True)
+        scores = [parse_score(a, self.low, self.high) for a in answers]
+        bad = [a for a, x in zip(answers, scores) if x is None]
+        self.answered += len(answers)
+        self.unparsed += len(bad)
+        if bad:
+            print(f"warning: {self.name}: {len(bad)} of {len(answers)} answers hold no score in "
+                  f"[{self.low:g}, {self.high:g}] and score {self.fallback:g} ({self.unparsed} of {self.answered} so "
+                  f"far); first: {bad[0][:60]!r}", file=sys.stderr, flush=True)
+        return [self.fallback if x is None else x for x in scores]

@@ -1,0 +1,218 @@
+"""RLAIF labelling: sample k responses per prompt from a model, score them with a judge, write training data.
+
+    python -m nano_rlhf.label --model out/sft --judge out/rm --format pairs --out data/rlaif.jsonl
+    python train_dpo.py --init out/sft --data data/rlaif.jsonl --out_dir out/dpo_rlaif       # the AI-feedback loop
+    python -m nano_rlhf.label --model out/sft --judge llm:out/sft --format pairs --out self.jsonl   # self-rewarding
+    python -m nano_rlhf.label --model out/sft --pair_judge my_judges.py:prefer --format listwise --out lw.jsonl
+
+The judge (nano_rlhf/judge.py): --judge gives one score per response (a reward-model directory, gold for the
+built-in task, your module:function, or llm:MODEL_DIR, an LLM-as-a-judge answering --judge_template); with
+--pair_judge module:function(prompts, a, b) -> P(a ≻ b), a response's score is instead its win rate against
+the other k − 1 samples of its prompt (every ordered pair asked, position bias cancelled; SPO's reward).
+
+Formats (TRL's; a conversational prompt keeps its messages and each response becomes [assistant message]):
+  pairs     {"prompt", "chosen", "rejected", "score_chosen", "score_rejected"}: the best and the worst of each
+            prompt's samples; a prompt whose samples all score the same gives no pair (counted)
+  listwise  {"prompt", "completions": [...], "scores": [...]}: every sample of a prompt, in sampling order
+  unpaired  {"prompt", "completion", "label", "score"}: every sample; label = score >= --threshold, or without
+            one, score above its group's median (samples exactly at the median carry no label and are left out)
+pairs is train_dpo.py's preference data, unpaired its KTO data. Empty responses are left out (the data
+loaders refuse empty text); responses cut at --max_new_tokens are kept (the judge sees them as they are).
+
+Sampling is pure sampling at --temperature with one seeded generator over the prompts in file order, so a
+seed (and --batch_size) fixes the output byte for byte. The file is written to OUT.tmpPID and renamed.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from . import reward as reward_mod
+from .checkpoint import atomic_write_text
+from .common import builtin_file, check_vocab, fail, input_errors, load_tokenizer
+from .config import parse_args
+from .data import collate_prompts, load_records, tokenize_prompts
+from .judge import LLM, load_judge, preference_matrix
+
+
+@dataclass
+class Options:
+    model: str = "out/sft"        # policy directory to sample from (HF layout + tokenizer.json)
+    prompts: str = ""             # prompts JSONL {"prompt": str or [messages]}; empty = the built-in task's prompts
+    out: str = ""                 # output JSONL (required)
+    format: Literal["pairs", "listwise", "unpaired"] = "pairs"  # pairs: best vs worst; listwise: all with scores; unpaired: labelled singles
+    judge: str = ""               # pointwise judge: reward-model dir, gold, module:function or llm:MODEL_DIR
+    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b); scores = win rates
+    judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default (1-10)
+    samples_per_prompt: int = 4   # k responses per prompt {>= 1}
+    temperature: float = 1.0      # sampling temperature (pure sampling) {> 0}
+    max_new_tokens: int = 40      # response length limit (as train_ppo.py: a built-in prompt fits beside it) {>= 1}
+    batch_size: int = 64          # sequences per generation batch and per judge batch {>= 1}
+    threshold: Optional[float] = None  # unpaired: label = score >= this; none = above the group's median
+    max_prompts: int = 0          # label only the first N prompts; 0 = all {>= 0}
+    seed: int = 0                 # sampling seed
+    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational prompts are rendered; auto = from the tokenizer
+    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer, else the template's default
+    device: str = "auto"          # cpu, cuda, or auto
+    overwrite: bool = False       # replace an existing --out
+
+
+def check_options(o):
+    """Every bad flag is one line before anything is loaded or sampled."""
+    if not o.out:
+        fail("--out is required (the JSONL file to write)")
+    if os.path.isdir(o.out):
+        fail(f"--out {o.out}: is a directory")
+    if os.path.exists(o.out) and not o.overwrite:
+        fail(f"--out {o.out}: exists; pass --overwrite to replace it")
+    folder = os.path.dirname(os.path.abspath(o.out))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        fail(f"--out {o.out}: cannot be written (its directory {folder} does not exist or is not writable)")
+    if o.prompts and os.path.abspath(o.prompts) == os.path.abspath(o.out):
+        fail(f"--out {o.out}: is the --prompts file")
+    if not os.path.isdir(o.model):
+        fail(f"--model {o.model}: no such model directory")
+    if not (o.judge or o.pair_judge):
+        fail("a judge is needed: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) and/or --pair_judge")
+    if o.pair_judge and not reward_mod.is_function_spec(o.pair_judge):
+        fail(f"--pair_judge {o.pair_judge}: expected module:function or path/to/file.py:function")
+    if o.threshold is not None and o.format != "unpaired":
+        fail(f"--threshold labels unpaired data only (got --format {o.format})")
+    if o.samples_per_prompt < 2 and not (o.format == "unpaired" and o.threshold is not None):
+        fail(f"--format {o.format} needs --samples_per_prompt >= 2 (it compares the samples of a prompt; "
+             "only unpaired data with --threshold can label single samples)")
+    if o.pair_judge and o.samples_per_prompt < 2:
+        fail("--pair_judge needs --samples_per_prompt >= 2 (a score is a win rate against the other samples)")
+    if o.device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {o.device}: no CUDA GPU is available (use --device cpu or auto)")
+
+
+@torch.no_grad()
+def sample(model, tok, items, k, o, device, rm=None):
+    """k completions per tokenized prompt, prompt-major (the samples of prompt i are rows i·k … i·k + k − 1),
+    each cut after its first stop token. Returns (texts, finished flags, scores): with a reward model `rm`,
+    its raw scores of the very ids sampled (no decode/re-encode round trip, which need not give the sampled ids
+    back), each response closed as train_rm.py scored them: a response cut at --max_new_tokens gets the end
+    token (end-of-text, or the template's end-of-turn) appended, in the position the prompts left free."""
+    rows = [it["prompt"] for it in items for _ in range(k)]
+    ends = [tok.eos_id if isinstance(it["text"], str) else tok.eot_id for it in items for _ in range(k)]
+    gen = torch.Generator(device=device).manual_seed(o.seed)
+    stops = torch.tensor(tok.stop_ids, device=device)
+    texts, finished, scores = [], [], []
+    for s in range(0, len(rows), o.batch_size):
+        ids, mask = collate_prompts(rows[s:s + o.batch_size], tok.pad_id)
+        ids, mask = ids.to(device), mask.to(device)
+        seq = model.generate(ids, mask, o.max_new_tokens, o.temperature, eos_token_id=tok.stop_ids,
+                             pad_token_id=tok.pad_id, generator=gen)
+        resp = seq[:, ids.shape[1]:]
+        is_stop = torch.isin(resp, stops)
+        length = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, resp.shape[1])
+        response_mask = torch.arange(resp.shape[1], device=device)[None] < length[:, None]
+        if rm is not None:
+            cut = ~is_stop.any(1)
+            end = torch.tensor(ends[s:s + o.batch_size], device=device)
+            closed = torch.cat([seq, torch.where(cut, end, tok.pad_id)[:, None]], 1)
+            attn = torch.cat([mask, response_mask.long(), cut.long()[:, None]], 1)
+            scores.append(rm.score_tokens(closed, attn).double().cpu())
+        finished += is_stop.any(1).tolist()
+        texts += [tok.decode(row) for row in resp.tolist()]
+    return texts, finished, torch.cat(scores) if rm is not None else None
+
+
+def group_scores(judge, prompts, completions, k, scores=None):
+    """(G, k) float64: the judge's scores (or `scores`, a reward model's of the sampled ids), or with a pairwise
+    judge each sample's win rate against the other k − 1 of its group, 1/(k−1) Σ_{j≠i} P(y_i ≻ y_j)
+    (preference_matrix's diagonal is exactly ½)."""
+    if judge.pairwise is None:
+        return (judge.scores(prompts, completions) if scores is None else scores).view(-1, k)
+    return (preference_matrix(judge, prompts, completions, k).sum(-1) - 0.5) / (k - 1)
+
+
+def response(prompt, text):
+    """A response field in the prompt's format: text, or [assistant message] for a conversation."""
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+
+
+def records(prompts, texts, scores, o, counts):
+    """The output rows of one format from G prompts, their G·k texts and (G, k) scores."""
+    k = scores.shape[1]
+    for g, prompt in enumerate(prompts):
+        group = [(texts[g * k + i], float(scores[g, i])) for i in range(k)]
+        kept = [(t, s) for t, s in group if t.strip()]
+        counts["empty"] += k - len(kept)
+        if o.format == "listwise":
+            if len(kept) < 2:
+                counts["too few"] += 1
+                continue
+            yield {"prompt": prompt, "completions": [response(prompt, t) for t, _ in kept],
+                   "scores": [s for _, s in kept]}
+        elif o.format == "pairs":
+            if not kept:
+                counts["too few"] += 1
+                continue
+            best = max(kept, key=lambda x: x[1])        # the first of equal scores: sampling order decides
+            worst = min(kept, key=lambda x: x[1])
+            if best[1] == worst[1]:
+                counts["ties"] += 1
+                continue
+            yield {"prompt": prompt, "chosen": response(prompt, best[0]), "rejected": response(prompt, worst[0]),
+                   "score_chosen": best[1], "score_rejected": worst[1]}
+        else:
+            cut = o.threshold if o.threshold is not None else statistics.median(s for _, s in group)
+            for t, s in kept:
+                if o.threshold is None and s == cut:
+                    counts["at median"] += 1
+                    continue
+                yield {"prompt": prompt, "completion": response(prompt, t),
+                       "label": s >= cut if o.threshold is not None else s > cut, "score": s}
+
+
+def main(argv=None):
+    o = parse_args(Options, argv, __doc__)
+    check_options(o)
+    t0 = time.time()
+    device = torch.device("cuda" if o.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if o.device == "auto" else o.device)
+    from .model import GPT
+    with input_errors():
+        prompt_records = load_records(o.prompts or builtin_file("prompts.jsonl"), "prompts")
+        if o.max_prompts:
+            prompt_records = prompt_records[:o.max_prompts]
+        tok = load_tokenizer("", o.model, chat_template=o.chat_template, date_string=o.date_string)
+        model = GPT.from_pretrained(o.model, dropout=0.0).to(device).eval()
+        check_vocab(tok, model.cfg, o.model)
+        max_prompt = model.cfg.block_size - o.max_new_tokens - 1     # one position for a reward model's end token
+        if max_prompt < 1:
+            raise ValueError(f"--max_new_tokens {o.max_new_tokens} leaves no room for a prompt in block_size "
+                             f"{model.cfg.block_size}")
+        prompts = [r["prompt"] for r in prompt_records]
+        judge = load_judge(o.judge or None, o.pair_judge or None, tokenizer=tok, device=device, prompts=prompts,
+                           batch_size=o.batch_size, template=o.judge_template)
+        items, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
+    k = o.samples_per_prompt
+    rm = judge.pointwise if judge.pairwise is None and isinstance(judge.pointwise, reward_mod.RewardModel) else None
+    texts, finished, rm_scores = sample(model, tok, items, k, o, device, rm)
+    t_sample = time.time() - t0
+    scores = group_scores(judge, [p for p in prompts for _ in range(k)], texts, k, rm_scores)
+    counts = {"empty": 0, "too few": 0, "ties": 0, "at median": 0}
+    rows = list(records(prompts, texts, scores, o, counts))
+    atomic_write_text(o.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    notes = [f"{v} {name}" for name, v in counts.items() if v]
+    llm = judge.pointwise if (o.judge or "").startswith(LLM) else None
+    if llm is not None and llm.unparsed:
+        print(f"warning: {llm.unparsed} of {llm.answered} judge answers held no score (scored {llm.fallback:g})",
+              file=sys.stderr, flush=True)
+    print(f"labelled {len(prompts)} prompts x {k} samples ({prompt_stats}; eos rate "
+          f"{sum(finished) / len(finished):.0%}; sampling {t_sample:.1f}s, judging {time.time() - t0 - t_sample:.1f}s)"
+          f" -> {len(rows)} {o.format} rows in {o.out}" + (f" | left out: {', '.join(notes)}" if notes else ""),
+          flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
