@@ -151,6 +151,8 @@ def main(argv=None):
     p.add_argument("--baseline", default="", help="samples.jsonl of a baseline policy, or a model directory "
                    "(evaluated first), for the win-rate column")
     p.add_argument("--summary", default="", help="also write the summary figures (one entry per model) to this JSON file")
+    p.add_argument("--times", default="", help="TSV of training wall-clock seconds (NAME<TAB>SECONDS, NAME = the "
+                   "model directory's basename), shown as a column (scripts/survey.sh writes one)")
     p.add_argument("--name", default="", help="row label when one model is given (default: the directory)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens only")
@@ -165,6 +167,7 @@ def main(argv=None):
                    "saved with the tokenizer, else the template's default")
     a = p.parse_args(argv)
     check_options(a)
+    times = read_times(a.times) if a.times else {}
     rows = []
     try:
         prompts = load_records(a.prompts or builtin_file("eval_prompts.jsonl"), "prompts")
@@ -204,12 +207,30 @@ def main(argv=None):
     except (DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    for r in rows:
+        if os.path.basename(os.path.normpath(r["model"])) in times:
+            r["train_seconds"] = times[os.path.basename(os.path.normpath(r["model"]))]
     if len(rows) > 1:
         print()
         print(format_table(rows))
     if a.summary:
         write_json(a.summary, rows)
     return rows
+
+
+def read_times(path):
+    """NAME<TAB>SECONDS lines -> {name: seconds}; a bad line is one error naming FILE:LINE."""
+    times = {}
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                parts = line.rstrip("\n").split("\t")
+                try:
+                    times[parts[0]] = float(parts[1])
+                    assert len(parts) == 2
+                except (IndexError, ValueError, AssertionError):
+                    fail(f"--times {path}:{i}: expected NAME<TAB>SECONDS, got {line.strip()[:60]!r}")
+    return times
 
 
 def check_options(a):
@@ -224,6 +245,8 @@ def check_options(a):
         value = getattr(a, name)
         if value is not None and value < 1:
             fail(f"--{name} must be >= 1 (got {value})")
+    if a.times and not os.path.isfile(a.times):
+        fail(f"--times {a.times}: no such file")
     if a.reward and not reward_mod.is_function_spec(a.reward):
         fail(f"--reward must be module:function or path/to/file.py:function (got {a.reward!r})")
     for flag, path in (("--summary", a.summary), ("--out", a.out)):
@@ -247,6 +270,8 @@ def format_table(rows):
     if "kl" in rows[0]:
         cols.append(("KL to ref", lambda r: f"{r['kl']:.3f}"))
     cols += [("length", lambda r: f"{r['length']:.1f}"), ("eos rate", lambda r: f"{100 * r['eos_rate']:.0f}%")]
+    if any("train_seconds" in r for r in rows):
+        cols.append(("training time", lambda r: f"{r['train_seconds']:.0f} s" if "train_seconds" in r else "—"))
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in rows]
     return "\n".join(lines)

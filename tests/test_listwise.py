@@ -475,7 +475,8 @@ def test_survey_script_reuses_the_pipeline_models_and_prints_the_table(tmp_path,
     lines = p.stdout.splitlines()
     assert f"reusing {out}/sft" in lines and f"reusing {out}/rm" in lines
     assert not any("train_sft.py" in ln or "train_rm.py" in ln for ln in lines if ln.startswith("+ "))
-    policies = ["sft", "rrhf", "pro", "lipo", "dpo_listwise"]
+    policies = ["sft", "rrhf", "pro", "lipo", "dpo_listwise", "npo", "d2o", "dro", "tdpo", "paft_sft", "paft_dpo",
+                "paft", "dpo_offline_matched", "online_dpo", "online_dpo_gold", "dno", "sppo", "nash_md", "cringe", "spo"]
     for name in policies[1:]:
         GPT.from_pretrained(str(out / name))
         assert (out / name / "metrics.jsonl").exists()
@@ -483,3 +484,6 @@ def test_survey_script_reuses_the_pipeline_models_and_prints_the_table(tmp_path,
     assert [ln.split(" | ")[0][2:] for ln in table[1:]] == policies
     results = json.loads((out / "survey.json").read_text())
     assert [r["name"] for r in results] == policies and "kl" in results[1] and "gold_reward" in results[1]
+    # every trained policy's wall-clock time is in the table (the merged PAFT model and SFT were not trained here)
+    assert "training time" in table[0]
+    assert all(("train_seconds" in r) == (r["name"] not in ("sft", "paft")) for r in results)
