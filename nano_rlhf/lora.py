@@ -315,7 +315,7 @@ def check_options(opts, needs_init=""):
     return None
 
 
-def attach(model, opts, base_dir, trainable=(), prefix="lora"):
+def attach(model, opts, base_dir, trainable=(), prefix="lora", seed=None):
     """--lora_r > 0: put adapters (rank --lora_r, scale --lora_alpha / --lora_r, --lora_dropout) on the
     --lora_targets of `model` (in place, before it is moved, wrapped or optimised) and freeze everything
     else but `trainable` (a reward model's or critic's "score" head). Returns what the run's identity must
@@ -323,15 +323,16 @@ def attach(model, opts, base_dir, trainable=(), prefix="lora"):
     weights, which --resume re-reads from base_dir instead of the state (a changed base is then refused
     with one line naming `<prefix>_base_checksum`); {} when --lora_r is 0 (nothing changes).
 
-    The adapters' A is drawn from a generator seeded with --seed, apart from the global stream, so the
-    same seed gives the same adapters on every rank and in every script."""
+    The adapters' A is drawn with the RNG seeded with `seed` (default --seed) inside a fork of the global
+    stream, which is left as it was: the same seed gives the same adapters on every rank, on any device."""
     if not opts.lora_r:
         return {}
     model = dist.unwrap(model)
     base_checksum = f"{dist.weights_checksum(model):016x}"
     targets = parse_targets(opts.lora_targets)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(opts.seed)
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(opts.seed if seed is None else seed)
         try:
             adapted = apply_lora(model, opts.lora_r, opts.lora_alpha, opts.lora_dropout, targets, trainable)
         except ValueError as e:     # a target this model does not have: name the flag
