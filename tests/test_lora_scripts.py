@@ -315,3 +315,33 @@ def test_lora_from_scratch_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train_sft.main(["--lora_r", "4", "--out_dir", str(tmp_path / "o")])
     assert e.value.code == 2 and "needs --init" in capsys.readouterr().err
+
+
+# ---- a Llama-family checkpoint: its projection names, an untied output layer, PEFT's Linear layout --------
+
+def test_sft_lora_on_llama_loads_in_transformers_and_peft(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from hf_fixtures import make_hf_dir
+    from hf_fixtures import sft_rows as chat_rows
+    init = make_hf_dir(tmp_path / "llama", "llama")
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+    targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
+    out = train_sft.main(["--init", init, "--data", str(tmp_path / "chat.jsonl"), "--out_dir", str(tmp_path / "o"),
+                          "--max_steps", "2", "--batch_size", "4", "--lr", "1e-2", "--warmup_steps", "0",
+                          "--eval_fraction", "0.2", "--eval_interval", "0", "--packing", *LORA,
+                          "--lora_targets", targets])
+    names = {n.rsplit(".", 1)[-1] for n, _ in lora_modules(out.model)}
+    assert names == set(targets.split(","))
+    assert_base_untouched(out.model, GPT.from_pretrained(init))
+    assert_only_adapters_optimised(out.model, out.optimizer)
+    assert_merged_export_exact(out.model, tmp_path / "o")
+    cfg = json.load(open(tmp_path / "o" / "adapter" / "adapter_config.json"))
+    assert cfg["fan_in_fan_out"] is False and sorted(cfg["target_modules"]) == sorted(names)
+    x = torch.randint(0, out.model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = out.model.eval()(x)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "o")).eval()(x).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(init)
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "o" / "adapter")).eval()(x).logits
+    assert torch.allclose(merged, ours, atol=1e-5) and torch.allclose(adapted, ours, atol=1e-5)
