@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import pref_rows, prompt_rows, sft_rows, tiny_model, unpaired_rows, write_jsonl
+from conftest import pref_rows, prompt_rows, run, sft_rows, tiny_model, unpaired_rows, weights_close, write_jsonl
 from safetensors.torch import load_file
 
 import train_dpo
@@ -229,6 +229,20 @@ def test_ppo_lora_with_zero_kl_has_no_reference(tmp_path, sft_dir, rm_dir):
     out = train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "o", *LORA, "--advantage", "grpo", "--kl_coef", "0",
                                   steps=1))
     assert out.ref is None
+
+
+@pytest.mark.slow
+def test_dpo_lora_ddp_two_ranks_equal_one_process(tmp_path, sft_dir):
+    """Under DDP the frozen base is skipped by the gradient all-reduce and the reference (the bare policy with
+    adapters off, outside DDP's forward) is the same on every rank: 2 ranks follow 1 process."""
+    run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "one", "dpo", *LORA, "--batch_size", "4", "--grad_accum", "2"))
+    run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "two", "dpo", *LORA, "--batch_size", "2", "--grad_accum", "2"),
+        nproc=2)
+    for f in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        assert weights_close(*(load_file(str(tmp_path / d / f)) for d in ("one", "two"))), f
+    la, lb = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for key in ("train/loss", "train/grad_norm", "train/reward_margin"):
+        assert [x[key] for x in la] == pytest.approx([x[key] for x in lb], rel=1e-4, abs=1e-7), key
 
 
 # ---- resume --------------------------------------------------------------------------------------
