@@ -359,3 +359,20 @@ def test_sft_lora_on_llama_loads_in_transformers_and_peft(tmp_path):
         base = transformers.AutoModelForCausalLM.from_pretrained(init)
         adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "o" / "adapter")).eval()(x).logits
     assert torch.allclose(merged, ours, atol=1e-5) and torch.allclose(adapted, ours, atol=1e-5)
+
+
+def test_overwrite_removes_a_lora_runs_adapter(tmp_path, sft_dir):
+    train_sft.main(sft_args(tmp_path, sft_dir, "o", *LORA, steps=1))
+    assert os.path.isdir(tmp_path / "o" / "adapter")
+    train_sft.main(sft_args(tmp_path, sft_dir, "o", "--overwrite", steps=1))     # a full fine-tune now
+    assert not os.path.exists(tmp_path / "o" / "adapter")       # no stale adapter beside the new model
+
+
+def test_lora_grad_checkpoint_gives_the_same_step(tmp_path, sft_dir):
+    """Activation checkpointing recomputes the blocks in backward with the base frozen (inputs that need no
+    grad): the first step's loss and gradient norm are those without it."""
+    train_sft.main(sft_args(tmp_path, sft_dir, "plain", *LORA, steps=1))
+    train_sft.main(sft_args(tmp_path, sft_dir, "ckpt", *LORA, "--grad_checkpoint", steps=1))
+    a, b = metrics(tmp_path / "plain")[0], metrics(tmp_path / "ckpt")[0]
+    assert a["train/grad_norm"] > 0 and a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    assert a["train/loss"] == b["train/loss"]
