@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from nano_rlhf import dist, lora
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
                               set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
@@ -549,7 +550,7 @@ def main(argv=None):
     def save(step):
         save_state(opts.out_dir, {"policy": lora.checkpointed(policy)}, {"policy": optimizer},
                    {"step": step, "data": batches.state_dict()})
-        lora.save_model_dir(opts.out_dir, policy, tok)     # merged, + out_dir/adapter, under --lora_r
+        save_model_dir(opts.out_dir, policy, tok)
 
     nll_w = nll_weight(opts)
     for step in range(run.step + 1, max_steps + 1):           # step = optimizer steps done after this one

@@ -57,6 +57,7 @@ from nano_rlhf import dist, lora
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config
@@ -706,7 +707,7 @@ def main(argv=None):
         if ptx is not None:
             meta["ptx_data"] = ptx.batches.state_dict()
         save_state(opts.out_dir, meta=meta, **state)
-        lora.save_model_dir(opts.out_dir, models.policy, tok)     # merged, + out_dir/adapter, under --lora_r
+        save_model_dir(opts.out_dir, models.policy, tok)
 
     if run.step == 0 and opts.eval_interval:       # the starting point of the eval curves
         run.log(0, evaluate(0))

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from nano_rlhf import dist, lora, synthetic
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
@@ -361,7 +362,7 @@ def main(argv=None):
         # here at the last step without reward_mean/std would make PPO skip normalisation if the run
         # died before that save (a --resume at max_steps then only evaluates and saves)
         if step != max_steps:
-            lora.save_model_dir(opts.out_dir, model, tok)    # merged, + out_dir/adapter, under --lora_r
+            save_model_dir(opts.out_dir, model, tok)
 
     step = run.step
     for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
@@ -376,7 +377,7 @@ def main(argv=None):
         # score statistics on the eval set, for PPO's reward normalisation (OpenRLHF normalize_reward);
         # the last step already evaluated these weights unless this run resumed at max_steps
         final = evaluated.get(step) or evaluate_now(step)
-        lora.save_model_dir(opts.out_dir, model, tok, reward_mean=final["eval/score_mean"],
+        save_model_dir(opts.out_dir, model, tok, reward_mean=final["eval/score_mean"],
                        reward_std=final["eval/score_std"])
         dist.check_same_weights(model, "reward model")
         gold_note = (f" (the gold reward itself: {final['eval/gold_ranker_accuracy']:.3f}) | correlation with gold "

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from nano_rlhf import dist, lora
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
@@ -326,7 +327,7 @@ def main(argv=None):
     def save(step):
         save_state(opts.out_dir, {"policy": lora.checkpointed(model)}, {"policy": optimizer},
                    {"step": step, "data": batches.state_dict()})
-        lora.save_model_dir(opts.out_dir, model, tok)      # merged, + out_dir/adapter, under --lora_r
+        save_model_dir(opts.out_dir, model, tok)
 
     for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
         lr = lr_at(step - 1, max_steps, opts.lr, opts.warmup_steps, "cosine", opts.min_lr_ratio)

@@ -16,6 +16,12 @@ layout (adapter_config.json + adapter_model.safetensors) for `peft.PeftModel.fro
 
 Module names are HF's (model.py's convention: transformer.h.0.attn.c_attn for GPT-2,
 model.layers.0.self_attn.q_proj for the Llama family), so PEFT key names are our names with a prefix.
+
+The scripts' --lora_r / --lora_alpha / --lora_dropout / --lora_targets go through the second half of this file:
+`attach` (adapters on a loaded model, before it is moved, wrapped or optimised; returns the run-identity
+fields, the base's checksum among them), `BaseView` (the reference = the policy with adapters off),
+`checkpointed` (what the state holds: the adapters, not the base) and `save_model_dir` (merged model +
+out_dir/adapter in PEFT's layout).
 """
 import contextlib
 import copy
@@ -328,7 +334,8 @@ def attach(model, opts, base_dir, trainable=(), prefix="lora", seed=None):
     if not opts.lora_r:
         return {}
     model = dist.unwrap(model)
-    base_checksum = f"{dist.weights_checksum(model):016x}"
+    # only rank 0 compares identities (nano_rlhf.run): the other ranks skip hashing every weight
+    base_checksum = f"{dist.weights_checksum(model):016x}" if dist.ctx().is_main else ""
     targets = parse_targets(opts.lora_targets)
     cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=cuda):
