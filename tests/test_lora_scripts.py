@@ -261,7 +261,7 @@ def _case(script, tmp_path, sft_dir, rm_dir, lora=None):
     return train_ppo, lambda out, *x: ppo_args(tmp_path, sft_dir, rm_dir, out, *lora, *x, steps=4)
 
 
-@pytest.mark.parametrize("script", ["sft", "rm", "dpo", "ppo"])
+@pytest.mark.parametrize("script", ["sft", "rm", "dpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_lora_resume_is_exact(tmp_path, sft_dir, rm_dir, script):
     mod, args = _case(script, tmp_path, sft_dir, rm_dir)
     mod.main(args("straight"))
