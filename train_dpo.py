@@ -51,6 +51,10 @@ Reading the logs: rewards are β·u (β·S_θ for cpo, β·Ā_θ for simpo, log-
 rejected rewards usually fall below zero: after SFT on similar data, any other objective lowers the
 likelihood of the data; what DPO optimises is the margin between them (eric-mitchell/dpo#8, #32).
 
+--lora_r R trains low-rank adapters on the frozen --init model (nano_rlhf/lora.py). The reference is then, when
+it is --init (no other --ref), the policy itself with its adapters switched off: no second copy in memory. The
+output directory holds the merged model and out_dir/adapter the adapters alone in PEFT's layout.
+
 Simplifications: the reference is a frozen copy of the initial policy (or precomputed log-probs); no
 reference-model syncing (TR-DPO); KTO's mismatched completion for example i is that of a fixed other
 example (a seeded derangement), so its reference log-probs can be precomputed like the others; KTO's z₀ is
@@ -69,9 +73,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nano_rlhf import dist
+from nano_rlhf import dist, lora
 from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
                               set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
@@ -134,6 +139,10 @@ class Options:
     overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
     dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
+    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model; the reference is then the policy with adapters off; 0 = off {>= 0}
+    lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
+    lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
+    lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
 
 
 # ---- the one log-prob gather --------------------------------------------------------------------
@@ -526,6 +535,9 @@ def check_options(opts):
              "next-token distribution at every response position, so the reference runs live")
     if loss in REFERENCE_FREE and (opts.ref or opts.precompute_ref):
         fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, which uses no reference model")
+    msg = lora.check_options(opts)
+    if msg:
+        fail(msg, 2)
     opts.beta = DEFAULT_BETA.get(loss, 0.1) if opts.beta is None else opts.beta
     opts.alpha = {"cpo": 1.0, "tdpo": 0.5}.get(loss, 0.01) if opts.alpha is None else opts.alpha
     opts.out_dir = opts.out_dir or f"out/{loss}"
@@ -539,7 +551,7 @@ def load_models(opts):
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
     ref = None
-    if opts.loss not in REFERENCE_FREE:
+    if opts.loss not in REFERENCE_FREE and not lora.shares_base(opts, opts.ref):   # (else: main's BaseView)
         ref_dir = opts.ref or opts.init
         ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
         check_vocab(tok, ref.cfg, ref_dir)
@@ -611,9 +623,10 @@ def load_examples(opts, files, tok, block_size):
     return train, evals, counts
 
 
-# options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs
+# options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs;
+# the --lora_* options are recorded by lora.attach (with the base's checksum) only when LoRA is on
 NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
-                "precompute_ref", "grad_checkpoint")
+                "precompute_ref", "grad_checkpoint", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -627,6 +640,9 @@ def main(argv=None):
                         inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
     with input_errors():
         tok, policy, ref = load_models(opts)
+        run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
+        if ref is None and opts.loss not in REFERENCE_FREE:             # LoRA, reference = --init: the policy
+            ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     # what the tokenizer resolved, not the flags: "auto" and an empty --date_string stand for a template and a
@@ -643,6 +659,7 @@ def main(argv=None):
     init_params = [p.detach().clone() for p in policy.parameters()] if opts.l1_coef else None
     dist.seed_everything(opts.seed, world.rank)
     reference = "none" if ref is None else "precomputed" if opts.precompute_ref else "live"
+    reference += " (the policy with its LoRA adapters off)" if isinstance(ref, lora.BaseView) else ""
     if opts.precompute_ref:
         t0 = time.time()
         for examples in (train, evals):
@@ -655,11 +672,12 @@ def main(argv=None):
     optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
     if opts.resume:
-        batches.load_state_dict(run.resume(models={"policy": policy}, optimizers={"policy": optimizer})["data"])
+        batches.load_state_dict(run.resume(models={"policy": lora.checkpointed(policy)},
+                                           optimizers={"policy": optimizer})["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
-    dist.print0(f"{opts.loss.upper()} | beta {opts.beta} | {len(train):,} train examples ({counts}) | {len(evals):,} "
+    dist.print0(f"{opts.loss.upper()} | beta {opts.beta}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | {len(evals):,} "
                 f"eval | global batch {batches.global_batch} | {max_steps} steps | reference: {reference}"
                 + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
@@ -667,7 +685,8 @@ def main(argv=None):
     run.loss_key = ("train/loss", "train/grad_norm")      # a NaN/inf in either stops the run (checkpoint intact)
 
     def save(step):
-        save_state(opts.out_dir, {"policy": policy}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
+        save_state(opts.out_dir, {"policy": lora.checkpointed(policy)}, {"policy": optimizer},
+                   {"step": step, "data": batches.state_dict()})
         save_model_dir(opts.out_dir, policy, tok)
 
     nll_w = nll_weight(opts)

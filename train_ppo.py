@@ -37,6 +37,11 @@ Run:
         --critic_lr 5e-6 --grad_checkpoint --dtype bfloat16    # a real family: its chat template, stops at <|im_end|>
     torchrun --nproc_per_node 2 train_ppo.py --advantage grpo --reward gold
 
+--lora_r R trains low-rank adapters on the frozen policy and critic (the critic's score head fully), as
+OpenRLHF's --lora_rank does for actor and critic (nano_rlhf/lora.py). The reference is then, when it is --init
+(no other --ref), the policy with its adapters switched off: no second copy in memory. The output directory
+holds the merged policy and out_dir/adapter its adapters alone in PEFT's layout.
+
 Choices and deviations: the score lands on the end-of-text token itself (TRL puts it one slot later, on
 padding); rloo feeds its advantage to the token-level clipped loss (TRL clips one sequence ratio); every
 forward uses position ids from the attention mask (left-padded prompts); log-probs always at temperature τ;
@@ -53,10 +58,11 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist
+from nano_rlhf import dist, lora
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config
@@ -136,6 +142,10 @@ class Options:
     overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
     dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
+    lora_r: int = 0               # LoRA rank for the policy and the critic (its score head trains fully); the reference is then the policy with adapters off; 0 = off {>= 0}
+    lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
+    lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
+    lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
 
 
 # ---- the rollout container and the models ---------------------------------------------------------
@@ -166,7 +176,7 @@ class Models:
     """Frozen = requires_grad_(False), eval(), never wrapped in DDP, in no optimizer."""
     policy: GPT                           # π_θ (trained)
     reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen); SPO: a Judge
-    ref: Optional[GPT] = None             # π_ref (frozen); None when β = 0: no KL term anywhere
+    ref: Optional[GPT] = None             # π_ref (frozen; --lora_r: a lora.BaseView of the policy); None when β = 0
     critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
     gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
 
@@ -575,6 +585,9 @@ def check_options(opts):
     if mb_size % (opts.micro_batch_size or mb_size):
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
              f"{opts.micro_batch_size}")
+    msg = lora.check_options(opts)
+    if msg:
+        fail(msg, 2)
 
 
 def load_prompts(opts):
@@ -591,12 +604,17 @@ def load_prompts(opts):
     return split_off(records, opts.eval_fraction, opts.seed)
 
 
-def load_models(opts, tok, prompt_texts, device):
-    """Policy, reference (only if β > 0), reward and critic (only for gae), on the device."""
+def load_models(opts, tok, prompt_texts, device, identity):
+    """Policy, reference (only if β > 0), reward and critic (only for gae), on the device. With --lora_r the
+    policy and critic get adapters (what that adds to the run's identity goes into `identity`) and a
+    reference that is --init is the policy with its adapters off (lora.BaseView), not a second model."""
     policy = GPT.from_pretrained(opts.init, dropout=0.0)      # dropout off: rollout log-probs must be reproducible
     check_vocab(tok, policy.cfg, opts.init)
+    identity.update(lora.attach(policy, opts, opts.init))     # --lora_r: adapters, the base frozen
     ref = None
-    if opts.kl_coef > 0 or opts.adaptive_kl:                  # with β = 0 no KL is ever computed: no reference
+    if (opts.kl_coef > 0 or opts.adaptive_kl) and lora.shares_base(opts, opts.ref):
+        ref = lora.BaseView(policy)
+    elif opts.kl_coef > 0 or opts.adaptive_kl:               # with β = 0 no KL is ever computed: no reference
         ref = GPT.from_pretrained(opts.ref or opts.init, dropout=0.0).requires_grad_(False).eval()
         check_vocab(tok, ref.cfg, opts.ref or opts.init)
     spec = opts.reward_model if opts.reward == "model" else opts.reward
@@ -612,6 +630,7 @@ def load_models(opts, tok, prompt_texts, device):
     if opts.advantage == "gae":
         src = opts.reward_model if opts.critic_init == "reward_model" else opts.init
         critic = ScoreModel.from_pretrained(src, new_head=opts.critic_init == "policy", dropout=0.0)
+        identity.update(lora.attach(critic, opts, src, trainable=("score",), prefix="critic_lora", seed=opts.seed + 1))
     models = Models(policy=policy.to(device), reward=reward, ref=ref and ref.to(device),
                     critic=critic and critic.to(device), gold=reward_mod.builtin_gold(prompt_texts))
     for name in ("policy", "ref", "critic"):
@@ -664,7 +683,8 @@ def main(argv=None):
         # run must render the same tokens (checked by run.resume)
         run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
         torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
-        models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device)
+        models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device,
+                             run.identity)
         block = models.policy.cfg.block_size
         max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
         if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
@@ -688,7 +708,7 @@ def main(argv=None):
     policy = Learner.of(models.policy, opts.lr, opts)
     critic = Learner.of(models.critic, opts.critic_lr, opts) if models.critic is not None else None
     trained = {"policy": policy, **({"critic": critic} if critic else {})}
-    state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
+    state = dict(models={k: lora.checkpointed(v.model) for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
     if opts.resume:
@@ -703,6 +723,8 @@ def main(argv=None):
                 f"{opts.batch_size} prompts x {opts.samples_per_prompt} samples x {world.world_size} ranks per step | "
                 f"{opts.ppo_epochs} epochs x {opts.num_minibatches} minibatches of {mb_size} (micro "
                 f"{opts.micro_batch_size}) | critic: {opts.critic_init if critic else 'none'} | {opts.max_steps} steps"
+                + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
+                                                  if isinstance(models.ref, lora.BaseView) else "")
                 + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac",
                 "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]

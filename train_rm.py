@@ -23,6 +23,10 @@ Run:
     python train_rm.py --data chat_prefs.jsonl --init llama_sft_dir --lr 5e-6 --grad_checkpoint
     torchrun --nproc_per_node 2 train_rm.py
 
+--lora_r R trains low-rank adapters on the frozen trunk and the whole score head (nano_rlhf/lora.py); the
+output directory holds the merged model and out_dir/adapter the adapters in PEFT's layout (SEQ_CLS, the
+head as a module to save).
+
 Simplifications: pairwise only (no K-wise ranking); one epoch by default because reward models overfit
 small preference sets (Ouyang et al. 2022; the N+ implementation details); linear decay to zero.
 """
@@ -37,9 +41,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, synthetic
+from nano_rlhf import dist, lora, synthetic
 from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
@@ -90,6 +95,10 @@ class Options:
     chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
     date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
+    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init trunk (the score head fully); 0 = off {>= 0}
+    lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
+    lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
+    lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
 
 
 # ---- the loss and the scores -----------------------------------------------------------------------
@@ -291,6 +300,9 @@ def check_options(opts):
         fail("a reward model from scratch needs --tokenizer (or --init with a tokenizer.json)", 2)
     if not opts.init and opts.n_embd % opts.n_head:
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
+    msg = lora.check_options(opts, needs_init="init")
+    if msg:
+        fail(msg, 2)
 
 
 def main(argv=None):
@@ -312,6 +324,7 @@ def main(argv=None):
         # what the data renders to: a resumed run must render the same tokens (checked by run.resume)
         run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
         model = build_model(opts, tok)
+        run.identity.update(lora.attach(model, opts, opts.init, trainable=("score",)))   # --lora_r; head trains
         train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
         evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
@@ -327,11 +340,11 @@ def main(argv=None):
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
-        batches.load_state_dict(run.resume(models={"rm": model}, optimizers={"rm": optimizer})["data"])
+        batches.load_state_dict(run.resume(models={"rm": lora.checkpointed(model)}, optimizers={"rm": optimizer})["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
-    dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train):,} train pairs "
+    dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters{lora.describe(model)} | {len(train):,} train pairs "
                 f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | global batch {batches.global_batch} "
                 f"pairs | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "eval/gold_corr"]
@@ -343,7 +356,8 @@ def main(argv=None):
         return evaluated[step]
 
     def save(step):
-        save_state(opts.out_dir, {"rm": model}, {"rm": optimizer}, {"step": step, "data": batches.state_dict()})
+        save_state(opts.out_dir, {"rm": lora.checkpointed(model)}, {"rm": optimizer},
+                   {"step": step, "data": batches.state_dict()})
         # the final model directory is written once, below, with its score statistics: a model saved
         # here at the last step without reward_mean/std would make PPO skip normalisation if the run
         # died before that save (a --resume at max_steps then only evaluates and saves)

@@ -20,7 +20,9 @@ Run:
 example keeping its own positions (restarting at 0) and attending only to itself (a block-diagonal causal
 mask), so the loss is exactly the unpacked one with fewer pad tokens; the eval loss runs unpacked.
 
-Simplifications: no LoRA.
+--lora_r R trains low-rank adapters on the frozen --init model instead of every weight (nano_rlhf/lora.py):
+the output directory holds the merged model (an ordinary HF checkpoint) and the adapters alone in
+out_dir/adapter (PEFT's layout); the state holds only the adapters, and --resume re-reads the base.
 """
 import contextlib
 import os
@@ -32,9 +34,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist
+from nano_rlhf import dist, lora
 from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
@@ -86,6 +89,10 @@ class Options:
     date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
     packing: bool = False         # concatenate several examples per row up to the context (each attends only to itself)
+    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model instead of every weight; 0 = off {>= 0}
+    lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
+    lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
+    lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
 
 
 # ---- the loss --------------------------------------------------------------------------------------
@@ -258,6 +265,9 @@ def check_options(opts):
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
     if not opts.init and opts.n_embd % opts.n_head:
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
+    msg = lora.check_options(opts, needs_init="init")
+    if msg:
+        fail(msg, 2)
 
 
 def main(argv=None):
@@ -282,6 +292,7 @@ def main(argv=None):
         # what the data renders to: a resumed run must render the same tokens (checked by run.resume)
         run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string, packing=opts.packing)
         model = build_model(opts, tok)
+        run.identity.update(lora.attach(model, opts, opts.init))   # --lora_r: adapters, the base frozen
         train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
         evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
         if opts.packing:
@@ -299,11 +310,12 @@ def main(argv=None):
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
-        batches.load_state_dict(run.resume(models={"policy": model}, optimizers={"policy": optimizer})["data"])
+        batches.load_state_dict(run.resume(models={"policy": lora.checkpointed(model)},
+                                           optimizers={"policy": optimizer})["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
-    dist.print0(f"SFT | {model.num_params():,} parameters | {len(train):,} train examples ({train_stats}) | "
+    dist.print0(f"SFT | {model.num_params():,} parameters{lora.describe(model)} | {len(train):,} train examples ({train_stats}) | "
                 f"{len(evals):,} eval ({eval_stats}) | global batch {batches.global_batch} = {opts.batch_size} "
                 f"x {opts.grad_accum} accum x {world.world_size} ranks | {max_steps} steps" +
                 (f" | resuming at step {run.step}" if run.step else ""))
@@ -313,7 +325,8 @@ def main(argv=None):
         return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
 
     def save(step):
-        save_state(opts.out_dir, {"policy": model}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
+        save_state(opts.out_dir, {"policy": lora.checkpointed(model)}, {"policy": optimizer},
+                   {"step": step, "data": batches.state_dict()})
         save_model_dir(opts.out_dir, model, tok)
 
     for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one

@@ -12,6 +12,7 @@ out_dir/
     meta.json                                       step, data position, KL controller, ... (script-defined)
     run.json                                        what defines the run (nano_rlhf.run checks it on --resume)
   samples.jsonl, tensorboard/                       sampled completions; the --report_to tensorboard mirror
+  adapter/                                          --lora_r runs: the adapters alone, in PEFT's layout
   .lock                                             pid + host of the run using out_dir (held with flock)
 
 The state directory is written to `state.tmp/`, then swapped in with renames (state -> state.old,
@@ -230,7 +231,8 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
 
 # Everything this project writes into an out_dir: a directory holding any of these holds a run.
 RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_config.json",
-             "metrics.jsonl", "samples.jsonl", "tensorboard", "state", "state.old", "state.tmp")
+             "metrics.jsonl", "samples.jsonl", "tensorboard", "state", "state.old", "state.tmp",
+             "adapter")          # a LoRA run's adapters in PEFT's layout (nano_rlhf/lora.py)
 
 
 def sha256_file(path):

@@ -16,6 +16,12 @@ layout (adapter_config.json + adapter_model.safetensors) for `peft.PeftModel.fro
 
 Module names are HF's (model.py's convention: transformer.h.0.attn.c_attn for GPT-2,
 model.layers.0.self_attn.q_proj for the Llama family), so PEFT key names are our names with a prefix.
+
+The scripts' --lora_r / --lora_alpha / --lora_dropout / --lora_targets go through the second half of this file:
+`attach` (adapters on a loaded model, before it is moved, wrapped or optimised; returns the run-identity
+fields, the base's checksum among them), `BaseView` (the reference = the policy with adapters off),
+`checkpointed` (what the state holds: the adapters, not the base) and `save_model_dir` (merged model +
+out_dir/adapter in PEFT's layout).
 """
 import contextlib
 import copy
@@ -258,3 +264,215 @@ def save_peft_adapter(model, out_dir, base_model_name_or_path, task_type="CAUSAL
     with open(tmp, "w") as f:
         f.write(json.dumps(config, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def trainable_and_frozen_bytes(model):
+    """(bytes of parameters that train, bytes of frozen ones): with LoRA the first is the adapters (+ a
+    score head), the second the base. A memory plan multiplies the first by 4 (weights, gradients, two
+    AdamW moments, all float32) and counts the second once."""
+    trainable = frozen = 0
+    for p in dist.unwrap(model).parameters():
+        n = p.numel() * p.element_size()
+        if p.requires_grad:
+            trainable += n
+        else:
+            frozen += n
+    return trainable, frozen
+
+
+# ---- what the four scripts use: flags, the reference without a copy, checkpoints, export -----------
+
+# every nn.Linear name a policy or reward model of either family can have (GPT-2's output layer is tied:
+# no lm_head; a Llama with untied embeddings has one)
+KNOWN_TARGETS = GPT2_TARGETS + LLAMA_TARGETS + ("lm_head",)
+ADAPTER_DIR = "adapter"            # out_dir/adapter: the PEFT layout, beside the merged model
+
+
+def parse_targets(spec: str):
+    """--lora_targets "c_attn, c_fc" -> ("c_attn", "c_fc"); "" -> None (the attention and MLP projections
+    the model has). A name no model here has is a ValueError naming it (checked before any model loads)."""
+    if not spec.strip():
+        return None
+    names = [s.strip() for s in spec.split(",")]
+    for n in names:
+        if not n:
+            raise ValueError(f"--lora_targets {spec!r}: an empty name in the comma list")
+        if n not in KNOWN_TARGETS:
+            raise ValueError(f"--lora_targets: unknown module name {n!r} (the models here have: "
+                             f"{', '.join(KNOWN_TARGETS)})")
+    return tuple(dict.fromkeys(names))
+
+
+def check_options(opts, needs_init=""):
+    """The --lora_* rules between options, as a one-line message (None when fine): a LoRA flag without
+    --lora_r would be silently ignored; LoRA needs a pretrained base to re-read on --resume (needs_init:
+    the flag that must then be given, for the scripts that can start from scratch)."""
+    import dataclasses
+    defaults = {f.name: f.default for f in dataclasses.fields(opts) if f.name.startswith("lora_")}
+    if not opts.lora_r:
+        given = [f"--{k}" for k, d in defaults.items() if k != "lora_r" and getattr(opts, k) != d]
+        return f"{', '.join(given)} has no effect without --lora_r > 0" if given else None
+    if needs_init and not getattr(opts, needs_init):
+        return f"--lora_r trains adapters on a pretrained model: it needs --{needs_init} DIR (not a model from scratch)"
+    try:
+        parse_targets(opts.lora_targets)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def attach(model, opts, base_dir, trainable=(), prefix="lora", seed=None):
+    """--lora_r > 0: put adapters (rank --lora_r, scale --lora_alpha / --lora_r, --lora_dropout) on the
+    --lora_targets of `model` (in place, before it is moved, wrapped or optimised) and freeze everything
+    else but `trainable` (a reward model's or critic's "score" head). Returns what the run's identity must
+    record, as `<prefix>_r`, ... `<prefix>_base_checksum`: the adapter settings and a checksum of the base
+    weights, which --resume re-reads from base_dir instead of the state (a changed base is then refused
+    with one line naming `<prefix>_base_checksum`); {} when --lora_r is 0 (nothing changes).
+
+    The adapters' A is drawn with the RNG seeded with `seed` (default --seed) inside a fork of the global
+    stream, which is left as it was: the same seed gives the same adapters on every rank, on any device."""
+    if not opts.lora_r:
+        return {}
+    model = dist.unwrap(model)
+    # only rank 0 compares identities (nano_rlhf.run): the other ranks skip hashing every weight
+    base_checksum = f"{dist.weights_checksum(model):016x}" if dist.ctx().is_main else ""
+    targets = parse_targets(opts.lora_targets)
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(opts.seed if seed is None else seed)
+        try:
+            adapted = apply_lora(model, opts.lora_r, opts.lora_alpha, opts.lora_dropout, targets, trainable)
+        except ValueError as e:     # a target this model does not have: name the flag
+            raise ValueError(f"--lora_targets: {e}") from None
+    model.lora_base = base_dir
+    return {f"{prefix}_r": opts.lora_r, f"{prefix}_alpha": opts.lora_alpha, f"{prefix}_dropout": opts.lora_dropout,
+            f"{prefix}_targets": ",".join(sorted({_last(n) for n in adapted})),
+            f"{prefix}_base_checksum": base_checksum}
+
+
+def describe(model):
+    """' | LoRA r 8 on 24 layers: 0.29M of 135M parameters train' for the start-up line ('' without)."""
+    mods = lora_modules(model)
+    if not mods:
+        return ""
+    trainable = sum(p.numel() for p in lora_parameters(model))
+    total = sum(p.numel() for p in dist.unwrap(model).parameters())
+    return (f" | LoRA r {mods[0][1].r} alpha {mods[0][1].alpha} on {len(mods)} layers: {trainable:,} of "
+            f"{total:,} parameters train")
+
+
+@contextlib.contextmanager
+def _frozen_mode(model):
+    """eval() for the duration (no dropout, as a frozen reference runs), each module's flag restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, t in modes:
+            m.training = t
+
+
+class BaseView:
+    """The frozen base model under a LoRA model, without a second copy: every call runs the model with
+    its adapters switched off and in eval mode (as a frozen reference runs), then switches them back.
+    It is DPO's and PPO's reference policy when the reference is the initial model. It owns no parameters:
+    `.to()`, `.eval()`, `.requires_grad_()` change nothing and return the view; other attributes (cfg, ...)
+    are the model's, and its methods (hidden_states, output_weight, ...) run with the adapters off.
+    Only calls without gradients make sense: it is the reference, never trained."""
+
+    def __init__(self, model):
+        self.model = dist.unwrap(model)
+        if not lora_modules(self.model):
+            raise ValueError("BaseView: the model has no LoRA adapters")
+        if getattr(self.model, "lora_trainable", ()):
+            raise ValueError("BaseView: the model has fully trained modules, so adapters off is not the base")
+
+    def _off(self, fn, *args, **kwargs):
+        with adapters_disabled(self.model), _frozen_mode(self.model):
+            return fn(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self._off(self.model, *args, **kwargs)
+
+    def to(self, *args, **kwargs):
+        return self
+
+    def eval(self):
+        return self
+
+    def requires_grad_(self, requires_grad=True):
+        return self
+
+    def __getattr__(self, name):
+        if name == "model":          # not set yet (copy / unpickling): no recursion
+            raise AttributeError(name)
+        attr = getattr(self.model, name)
+        if callable(attr) and not isinstance(attr, nn.Module):
+            return lambda *args, **kwargs: self._off(attr, *args, **kwargs)
+        return attr
+
+    def __repr__(self):
+        return f"BaseView({type(self.model).__name__} with adapters off)"
+
+
+def shares_base(opts, ref_dir):
+    """True when --lora_r is on and the reference is the initial model (ref_dir empty or --init itself):
+    then the reference is BaseView(policy), no second model."""
+    return bool(opts.lora_r) and (not ref_dir or os.path.realpath(ref_dir) == os.path.realpath(opts.init))
+
+
+class Adapters:
+    """What a LoRA run checkpoints of a model: the adapters (and the fully trained modules), never the
+    frozen base, which --resume re-reads from --init (and checks by checksum). It has the two methods
+    checkpoint.save_state / load_state call on a model, so those save and restore it unchanged."""
+
+    def __init__(self, model):
+        self.model = dist.unwrap(model)
+
+    def _params(self):
+        out = {}
+        for name, m in lora_modules(self.model):
+            out[f"{name}.lora_A"], out[f"{name}.lora_B"] = m.lora_A, m.lora_B
+        for name, m in _trainable_modules(self.model):
+            for pname, p in m.named_parameters():
+                out[f"{name}.{pname}"] = p
+        return out
+
+    def state_dict(self):
+        return adapter_state_dict(self.model)
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        """Copy saved adapters in, exactly; a missing, unexpected or misshapen tensor is a RuntimeError
+        (load_state turns it into one line naming the file)."""
+        params = self._params()
+        missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        if missing or unexpected:
+            raise RuntimeError(f"the saved adapters do not match the model's: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
+        for k, p in params.items():
+            if state[k].shape != p.shape:
+                raise RuntimeError(f"{k}: shape {tuple(state[k].shape)} != {tuple(p.shape)} (another --lora_r?)")
+            p.copy_(state[k])
+
+
+def checkpointed(model):
+    """What save_state / load_state should hold for `model`: its adapters under LoRA, else the model."""
+    return Adapters(model) if lora_modules(model) else model
+
+
+def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
+    """checkpoint.save_model_dir for a model that may carry adapters (rank 0 writes): with adapters, the
+    merged plain model (W + (alpha / r) B A), which loads in transformers as an ordinary checkpoint, plus
+    the adapters alone in PEFT's layout in out_dir/adapter (base_model_name_or_path: the base directory
+    attach() was given; a score model's adapter is SEQ_CLS). Without adapters, exactly save_model_dir."""
+    from .checkpoint import save_model_dir as save_plain
+    if not lora_modules(model):
+        return save_plain(out_dir, model, tokenizer, **extra_config)
+    if not dist.ctx().is_main:
+        return
+    bare = dist.unwrap(model)
+    save_plain(out_dir, merged_copy(bare), tokenizer, **extra_config)
+    save_peft_adapter(bare, os.path.join(out_dir, ADAPTER_DIR), getattr(bare, "lora_base", ""),
+                      task_type="SEQ_CLS" if getattr(bare, "head", "lm") == "score" else "CAUSAL_LM")

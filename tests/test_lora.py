@@ -10,8 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import tiny_config, tiny_model
 
-from nano_rlhf.lora import (LoRALinear, adapter_state_dict, adapters_disabled, apply_lora, lora_modules,
-                            lora_parameters, merge_lora, merged_copy, save_peft_adapter)
+from nano_rlhf.lora import (Adapters, BaseView, LoRALinear, adapter_state_dict, adapters_disabled, apply_lora,
+                            checkpointed, lora_modules, lora_parameters, merge_lora, merged_copy, parse_targets,
+                            save_peft_adapter, trainable_and_frozen_bytes)
 from nano_rlhf.model import ScoreModel
 
 R, ALPHA = 4, 8.0
@@ -260,3 +261,64 @@ def test_peft_loads_our_reward_adapter(tmp_path):
     x = ids().clamp(min=1)                                            # no pad ids: HF scores the last token
     with torch.no_grad():
         assert torch.allclose(pm(x).logits.squeeze(-1), rm(x)[1], atol=1e-5)
+
+
+def test_trainable_and_frozen_bytes():
+    model = tiny_model()
+    total = sum(p.numel() for p in model.parameters()) * 4
+    assert trainable_and_frozen_bytes(model) == (total, 0)
+    apply_lora(model, R, ALPHA, targets=("c_attn",))
+    # per layer: A (r, 32) and B (96, r), float32
+    adapters = 2 * (R * 32 + 96 * R) * 4
+    assert trainable_and_frozen_bytes(model) == (adapters, total)
+
+
+def test_base_view_runs_the_base_in_eval_mode_and_restores():
+    base = tiny_model(dropout=0.5)                                    # dropout: train mode would be random
+    model = copy.deepcopy(base).train()
+    apply_lora(model, R, ALPHA, dropout=0.1)
+    randomize_adapters(model)
+    view = BaseView(model)
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(view(x), base.eval()(x))
+        assert torch.equal(view.hidden_states(x), base.hidden_states(x))  # methods run with adapters off too
+    assert model.training and all(m.training for m in model.modules())  # modes and switches restored
+    assert all(m.enabled for _, m in lora_modules(model))
+    assert view.to("cpu") is view and view.eval() is view and view.cfg is model.cfg
+    assert [id(p) for p in view.parameters()] == [id(p) for p in model.parameters()]    # none of its own
+    rm = ScoreModel(tiny_config())
+    apply_lora(rm, R, ALPHA, trainable=("score",))
+    with pytest.raises(ValueError, match="fully trained"):
+        BaseView(rm)                            # a trained head is not reverted: adapters off is not the base
+    with pytest.raises(ValueError, match="no LoRA"):
+        BaseView(tiny_model())
+
+
+def test_adapters_checkpoint_round_trip_and_mismatch():
+    model = tiny_model()
+    assert checkpointed(model) is model                               # no LoRA: the model itself
+    apply_lora(model, R, ALPHA)
+    randomize_adapters(model, seed=1)
+    saved = checkpointed(model).state_dict()
+    assert set(saved) == set(adapter_state_dict(model)) and all(".lora_" in k for k in saved)
+    other = tiny_model()
+    apply_lora(other, R, ALPHA)
+    Adapters(other).load_state_dict(saved)
+    x = ids()
+    assert torch.equal(other(x), model(x))
+    with pytest.raises(RuntimeError, match="missing"):
+        Adapters(other).load_state_dict({k: v for k, v in saved.items() if "h.0." not in k})
+    small = tiny_model()
+    apply_lora(small, 2, ALPHA)
+    with pytest.raises(RuntimeError, match="shape"):
+        Adapters(small).load_state_dict(saved)
+
+
+def test_parse_targets():
+    assert parse_targets("") is None and parse_targets("  ") is None
+    assert parse_targets("c_attn, c_fc,c_attn") == ("c_attn", "c_fc")
+    with pytest.raises(ValueError, match="'attn'"):
+        parse_targets("c_attn,attn")
+    with pytest.raises(ValueError, match="empty name"):
+        parse_targets("c_attn,")
