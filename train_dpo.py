@@ -63,7 +63,8 @@ from nano_rlhf.checkpoint import save_model_dir, save_state
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
                               set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
-from nano_rlhf.data import Batches, collate_pairs, load_records, pad_right, tokenize_pairs, tokenize_unpaired
+from nano_rlhf.data import (Batches, collate_pairs, load_records, pad_right, tokenize_pairs, tokenize_unpaired,
+                            training_length)
 from nano_rlhf.model import GPT, token_logprobs
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
@@ -111,6 +112,7 @@ class Options:
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
     compile: bool = False         # torch.compile the policy
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
+    max_length: int = 0           # training sequence length: prompts are left-truncated so prompt + response fits; 0 = min(block_size, 1024) {>= 0}
     log_interval: int = 10        # print and log every N steps {>= 1}
     eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
     save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
@@ -425,21 +427,23 @@ def check_options(opts):
 
 
 def load_models(opts):
-    """Tokenizer, policy and (unless the loss is reference-free) the frozen reference: no grad, eval mode,
-    never in DDP or the optimizer. Raises on bad input (input_errors turns that into one line)."""
+    """Tokenizer, policy, (unless the loss is reference-free) the frozen reference: no grad, eval mode, never in
+    DDP or the optimizer, and the training length (--max_length resolved against the policy). Raises on bad
+    input (input_errors turns that into one line)."""
     tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
                          opts.date_string)
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
+    max_length = training_length(opts.max_length, policy.cfg.block_size, opts.init)
     ref = None
     if opts.loss not in REFERENCE_FREE:
         ref_dir = opts.ref or opts.init
         ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
         check_vocab(tok, ref.cfg, ref_dir)
-        if ref.cfg.block_size < policy.cfg.block_size:
+        if ref.cfg.block_size < max_length:
             raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the "
-                             f"policy's {policy.cfg.block_size}")
-    return tok, policy, ref
+                             f"training length {max_length} (--max_length, default min(policy block_size, 1024))")
+    return tok, policy, ref, max_length
 
 
 def data_files(opts):
@@ -451,7 +455,7 @@ def data_files(opts):
             "eval_data": None if split else opts.eval_data or builtin_file("preference_eval.jsonl")}
 
 
-def load_examples(opts, files, tok, block_size):
+def load_examples(opts, files, tok, max_length):
     """Tokenized train and eval examples (KTO: with their mismatched completions) and the train counts."""
     kto = opts.loss == "kto"
     kind = "unpaired" if kto else "preference"
@@ -465,11 +469,11 @@ def load_examples(opts, files, tok, block_size):
             raise ValueError(f"--eval_fraction {opts.eval_fraction} holds out every row of {files['data']} "
                              f"({len(eval_records)}): none is left to train on; pass --eval_data")
     tokenize = tokenize_unpaired if kto else tokenize_pairs
-    train, counts = tokenize(records, tok, block_size)
-    evals, eval_counts = tokenize(eval_records, tok, block_size)
+    train, counts = tokenize(records, tok, max_length)
+    evals, eval_counts = tokenize(eval_records, tok, max_length)
     for examples, source, c in ((train, files["data"], counts), (evals, eval_source, eval_counts)):
         if not examples:     # an empty eval set would log a loss and an accuracy of 0
-            raise ValueError(f"{source}: no example fits the model's block_size {block_size} ({c})")
+            raise ValueError(f"{source}: no example fits the training length {max_length} ({c})")
     if kto:
         add_mismatched(train, opts.seed)
         add_mismatched(evals, opts.seed)
@@ -477,8 +481,10 @@ def load_examples(opts, files, tok, block_size):
 
 
 # options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs
+# (max_length: its resolved value enters the identity once the model is read, and only when it is not the
+# block_size that earlier runs always used, so their states still resume)
 NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
-                "precompute_ref", "grad_checkpoint")
+                "precompute_ref", "grad_checkpoint", "max_length")
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -491,8 +497,10 @@ def main(argv=None):
     run = run_mod.start(opts, script="dpo", identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
                         inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
     with input_errors():
-        tok, policy, ref = load_models(opts)
-        train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
+        tok, policy, ref, max_length = load_models(opts)
+        if max_length != policy.cfg.block_size:
+            run.identity.update(max_length=max_length)
+        train, evals, counts = load_examples(opts, files, tok, max_length)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     # what the tokenizer resolved, not the flags: "auto" and an empty --date_string stand for a template and a
     # date that a later --resume must render again (a Llama 3 date may default to today)
@@ -523,7 +531,7 @@ def main(argv=None):
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
     dist.print0(f"{opts.loss.upper()} | beta {opts.beta} | {len(train):,} train examples ({counts}) | {len(evals):,} "
-                f"eval | global batch {batches.global_batch} | {max_steps} steps | reference: {reference}"
+                f"eval | max length {max_length} | global batch {batches.global_batch} | {max_steps} steps | reference: {reference}"
                 + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
                 "eval/loss", "eval/reward_accuracy"]
