@@ -108,7 +108,8 @@ def sft_nll(model, input_ids, attention_mask, loss_mask, position_ids=None, doc_
     """
     target_mask = loss_mask[:, 1:].bool()                          # (B, T-1): is token t+1 supervised?
     select = F.pad(target_mask, (0, 1))                            # (B, T): the positions that predict them
-    hidden = model(input_ids, attention_mask, position_ids, select=select, return_hidden=True, doc_ids=doc_ids)
+    packed = {} if doc_ids is None else {"position_ids": position_ids, "doc_ids": doc_ids}
+    hidden = model(input_ids, attention_mask, select=select, return_hidden=True, **packed)          # (N, C)
     targets = input_ids[:, 1:][target_mask]                        # (N,)
     return -token_logprobs(hidden, dist.unwrap(model).output_weight(), targets).sum(), targets.numel()
 
