@@ -1,6 +1,6 @@
 """Benchmark at a real model shape: SmolLM2-135M (random weights) against TRL and HF transformers, on this CPU.
 
-    python bench/real.py                        # everything, raw output to docs/bench/real/ (~20-30 min on 2 cores)
+    python bench/real.py                        # everything, raw output to docs/bench/real/ (tens of minutes)
     python bench/real.py --only gen,mem         # some rows: sft, dpo, gen, mem, bf16
     python bench/real.py --out ""               # print only
 
