@@ -81,7 +81,7 @@ from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, 
                               set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records, pad_right,
-                            tokenize_pairs, tokenize_unpaired)
+                            tokenize_pairs, tokenize_unpaired, training_length)
 from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
@@ -131,6 +131,7 @@ class Options:
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
     compile: bool = False         # torch.compile the policy
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
+    max_length: int = 0           # training sequence length: prompts are left-truncated so prompt + response fits; 0 = min(block_size, 1024) {>= 0}
     log_interval: int = 10        # print and log every N steps {>= 1}
     eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
     save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
@@ -544,21 +545,23 @@ def check_options(opts):
 
 
 def load_models(opts):
-    """Tokenizer, policy and (unless the loss is reference-free) the frozen reference: no grad, eval mode,
-    never in DDP or the optimizer. Raises on bad input (input_errors turns that into one line)."""
+    """Tokenizer, policy, (unless the loss is reference-free) the frozen reference: no grad, eval mode, never in
+    DDP or the optimizer, and the training length (--max_length resolved against the policy). Raises on bad
+    input (input_errors turns that into one line)."""
     tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
                          opts.date_string)
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
+    max_length = training_length(opts.max_length, policy.cfg.block_size, opts.init)
     ref = None
     if opts.loss not in REFERENCE_FREE and not lora.shares_base(opts, opts.ref):   # (else: main's BaseView)
         ref_dir = opts.ref or opts.init
         ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
         check_vocab(tok, ref.cfg, ref_dir)
-        if ref.cfg.block_size < policy.cfg.block_size:
+        if ref.cfg.block_size < max_length:
             raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the "
-                             f"policy's {policy.cfg.block_size}")
-    return tok, policy, ref
+                             f"training length {max_length} (--max_length, default min(policy block_size, 1024))")
+    return tok, policy, ref, max_length
 
 
 def data_files(opts):
@@ -596,7 +599,7 @@ def as_pairs(opts, records, listwise, source):
     return pairs
 
 
-def load_examples(opts, files, tok, block_size):
+def load_examples(opts, files, tok, max_length):
     """Tokenized train and eval examples (KTO: with their mismatched completions) and the train counts."""
     kto = opts.loss == "kto"
     records, listwise = read_records(opts, files["data"])
@@ -612,11 +615,11 @@ def load_examples(opts, files, tok, block_size):
     records = as_pairs(opts, records, listwise, files["data"])
     eval_records = as_pairs(opts, eval_records, eval_listwise, eval_source)
     tokenize = tokenize_unpaired if kto else tokenize_pairs
-    train, counts = tokenize(records, tok, block_size)
-    evals, eval_counts = tokenize(eval_records, tok, block_size)
+    train, counts = tokenize(records, tok, max_length)
+    evals, eval_counts = tokenize(eval_records, tok, max_length)
     for examples, source, c in ((train, files["data"], counts), (evals, eval_source, eval_counts)):
         if not examples:     # an empty eval set would log a loss and an accuracy of 0
-            raise ValueError(f"{source}: no example fits the model's block_size {block_size} ({c})")
+            raise ValueError(f"{source}: no example fits the training length {max_length} ({c})")
     if kto:
         add_mismatched(train, opts.seed)
         add_mismatched(evals, opts.seed)
@@ -624,9 +627,12 @@ def load_examples(opts, files, tok, block_size):
 
 
 # options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs;
-# the --lora_* options are recorded by lora.attach (with the base's checksum) only when LoRA is on
+# the --lora_* options are recorded by lora.attach (with the base's checksum) only when LoRA is on;
+# max_length: its resolved value enters the identity once the model is read, and only when it is not the
+# block_size that earlier runs always used, so their states still resume
 NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
-                "precompute_ref", "grad_checkpoint", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+                "precompute_ref", "grad_checkpoint", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+                "max_length")
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -639,11 +645,13 @@ def main(argv=None):
     run = run_mod.start(opts, script="dpo", identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
                         inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
     with input_errors():
-        tok, policy, ref = load_models(opts)
+        tok, policy, ref, max_length = load_models(opts)
+        if max_length != policy.cfg.block_size:
+            run.identity.update(max_length=max_length)
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
         if ref is None and opts.loss not in REFERENCE_FREE:             # LoRA, reference = --init: the policy
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
-        train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
+        train, evals, counts = load_examples(opts, files, tok, max_length)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     # what the tokenizer resolved, not the flags: "auto" and an empty --date_string stand for a template and a
     # date that a later --resume must render again (a Llama 3 date may default to today)
@@ -678,7 +686,7 @@ def main(argv=None):
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
     dist.print0(f"{opts.loss.upper()} | beta {opts.beta}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | {len(evals):,} "
-                f"eval | global batch {batches.global_batch} | {max_steps} steps | reference: {reference}"
+                f"eval | max length {max_length} | global batch {batches.global_batch} | {max_steps} steps | reference: {reference}"
                 + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
                 "eval/loss", "eval/reward_accuracy"]

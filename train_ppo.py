@@ -66,7 +66,8 @@ from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the
 from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config
-from nano_rlhf.data import Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft
+from nano_rlhf.data import (Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft,
+                            training_length)
 from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
@@ -100,7 +101,7 @@ class Options:
     samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
     max_new_tokens: int = 40      # response length limit (also Dr. GRPO's constant normaliser) {>= 1}
     temperature: float = 1.0      # sampling temperature; log-probs use logits / temperature everywhere {> 0}
-    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = block_size − max_new_tokens {>= 0}
+    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens {>= 0}
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
     kl_estimator: Literal["k1", "k3"] = "k1"  # per-token KL estimate in the reward
     adaptive_kl: bool = False     # adapt β towards --kl_target (Ziegler et al. 2019)
@@ -686,15 +687,19 @@ def main(argv=None):
         models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device,
                              run.identity)
         block = models.policy.cfg.block_size
-        max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
+        # the sequence length, as --max_length's default in the other scripts: an --init model may declare 128k
+        # positions, which no prompt + response needs (and the KV cache would be sized by)
+        length = training_length(0, block, opts.init)
+        max_prompt = opts.max_prompt_len or length - opts.max_new_tokens
         if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
             raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
-                             f"block_size {block}")
+                             f"block_size {block}" + ("" if opts.max_prompt_len else
+                                                      " (--max_prompt_len 0 = min(block_size, 1024) - --max_new_tokens)"))
         prompts, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
         ptx = None
         if ptx_records is not None:
-            ptx_examples, _ = tokenize_sft(ptx_records, tok, block)
+            ptx_examples, _ = tokenize_sft(ptx_records, tok, length)
             ptx = Ptx(Batches(len(ptx_examples), opts.ptx_batch_size, 1, world.rank, world.world_size, opts.seed),
                       ptx_examples, opts.ptx_coef, tok.pad_id)
     eval_prompts = eval_records[:opts.eval_samples]

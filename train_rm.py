@@ -48,7 +48,7 @@ from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
-from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs
+from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs, training_length
 from nano_rlhf.model import GPTConfig, ScoreModel
 
 
@@ -95,6 +95,7 @@ class Options:
     chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
     date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
+    max_length: int = 0           # training sequence length: prompts are left-truncated so each pair fits; 0 = min(block_size, 1024) {>= 0}
     lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init trunk (the score head fully); 0 = off {>= 0}
     lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
     lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
@@ -300,6 +301,8 @@ def check_options(opts):
         fail("a reward model from scratch needs --tokenizer (or --init with a tokenizer.json)", 2)
     if not opts.init and opts.n_embd % opts.n_head:
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
+    if not opts.init and opts.max_length > opts.block_size:
+        fail(f"--max_length {opts.max_length} is above --block_size {opts.block_size}", 2)
     msg = lora.check_options(opts, needs_init="init")
     if msg:
         fail(msg, 2)
@@ -325,8 +328,11 @@ def main(argv=None):
         run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init, trainable=("score",)))   # --lora_r; head trains
-        train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
-        evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
+        max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
+        if max_length != model.cfg.block_size:   # what the data is cut to (absent = block_size, as before)
+            run.identity.update(max_length=max_length)
+        train, train_stats = tokenize(records, tok, max_length, data_path)
+        evals, eval_stats = tokenize(eval_records, tok, max_length, eval_path)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     # the gold-reward diagnostic only where it is defined: every eval prompt is one of the built-in task's
     gold = builtin_gold_reward if all(isinstance(p["texts"][0], str) and synthetic.is_task_prompt(p["texts"][0])
@@ -345,7 +351,8 @@ def main(argv=None):
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters{lora.describe(model)} | {len(train):,} train pairs "
-                f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | global batch {batches.global_batch} "
+                f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | max length {max_length} | global batch "
+                f"{batches.global_batch} "
                 f"pairs | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "eval/gold_corr"]
     evaluated = {}      # step -> metrics of the last evaluation: the final save reuses it

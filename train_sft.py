@@ -16,7 +16,10 @@ Run:
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train_sft.py
     python train_sft.py --resume                          # continue out/sft from its last checkpoint
 
---packing concatenates consecutive examples (in data order) into rows of up to the context length, each
+--max_length is the training sequence length (default min(block_size, 1024): an --init model may declare 128k
+positions): longer examples are truncated by the over-long rule (nano_rlhf/data.py), packed rows fill up to it.
+
+--packing concatenates consecutive examples (in data order) into rows of up to --max_length tokens, each
 example keeping its own positions (restarting at 0) and attending only to itself (a block-diagonal causal
 mask), so the loss is exactly the unpacked one with fewer pad tokens; the eval loss runs unpacked.
 
@@ -41,7 +44,8 @@ from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
-from nano_rlhf.data import Batches, collate_packed, collate_sft, load_train_eval, pack_sft, tokenize_sft
+from nano_rlhf.data import (Batches, collate_packed, collate_sft, load_train_eval, pack_sft, tokenize_sft,
+                            training_length)
 from nano_rlhf.model import GPT, GPTConfig, token_logprobs
 from nano_rlhf.tokenizer import Tokenizer
 
@@ -88,7 +92,8 @@ class Options:
     chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
     date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
-    packing: bool = False         # concatenate several examples per row up to the context (each attends only to itself)
+    packing: bool = False         # concatenate several examples per row up to --max_length (each attends only to itself)
+    max_length: int = 0           # training sequence length: longer examples follow the over-long rule, packed rows fill up to it; 0 = min(block_size, 1024) {>= 0}
     lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model instead of every weight; 0 = off {>= 0}
     lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
     lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
@@ -97,7 +102,7 @@ class Options:
 
 # ---- the loss --------------------------------------------------------------------------------------
 
-def sft_nll(model, input_ids, attention_mask, loss_mask, packing=None):
+def sft_nll(model, input_ids, attention_mask, loss_mask, position_ids=None, doc_ids=None):
     """Sum over supervised tokens of −log π(y_t | y_<t), and how many there are.
 
     Shift: the hidden state at position t predicts token t+1, so token t+1 is scored iff loss_mask[t+1] = 1;
@@ -105,49 +110,15 @@ def sft_nll(model, input_ids, attention_mask, loss_mask, packing=None):
     go through the output layer (select=...), in chunks bounded in memory for real vocabularies
     (token_logprobs), in float32 for the log-softmax whatever the autocast dtype. `model` may be DDP-wrapped:
     the hidden states come through its forward (return_hidden=True), which is what DDP hooks.
-    packing: (position_ids, segment_ids) of packed rows (a PackedLM model), None for one example per row.
+    Packed rows (--packing) pass their per-example positions and example ids as doc_ids: the model then lets each
+    example attend only to itself (a block-diagonal causal mask), so its loss is the one it has alone in a row.
     """
     target_mask = loss_mask[:, 1:].bool()                          # (B, T-1): is token t+1 supervised?
     select = F.pad(target_mask, (0, 1))                            # (B, T): the positions that predict them
-    if packing is None:
-        hidden = model(input_ids, attention_mask, select=select, return_hidden=True)           # (N, C)
-    else:
-        position_ids, segment_ids = packing
-        hidden = model(input_ids, position_ids, segment_ids, select=select, return_hidden=True)
+    packed = {} if doc_ids is None else {"position_ids": position_ids, "doc_ids": doc_ids}
+    hidden = model(input_ids, attention_mask, select=select, return_hidden=True, **packed)          # (N, C)
     targets = input_ids[:, 1:][target_mask]                        # (N,)
     return -token_logprobs(hidden, dist.unwrap(model).output_weight(), targets).sum(), targets.numel()
-
-
-# ---- packing: several examples per row, each attending only to itself -----------------------------
-
-def segment_attention_mask(segment_ids):
-    """(B, T) segment id per token -> (B, 1, T, T) bool SDPA mask: query t sees key s iff s <= t and both
-    lie in the same segment (block-diagonal causal). Padding carries its own segment id (-1), so a pad sees
-    only pads (never an empty row, which SDPA would turn into NaN) and no real token sees a pad."""
-    T = segment_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
-    return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
-
-
-class PackedLM(torch.nn.Module):
-    """The policy's forward on packed rows: positions restart at 0 in each example and attention is
-    block-diagonal, so every example's logits are those it has alone in a row (no cross-contamination).
-    A module (not a function) so that DDP wraps it and hooks its forward; it owns no parameters of its own."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def output_weight(self):
-        return self.model.output_weight()
-
-    def forward(self, input_ids, position_ids, segment_ids, select=None, return_hidden=False):
-        trunk = self.model.trunk
-        # the trunk's own embedding (and pad handling) at these positions; the mask is ours
-        x, rope, _ = trunk.inputs(input_ids, None, position_ids)
-        h = trunk.final_norm(trunk.run_blocks(trunk.blocks, x, rope, segment_attention_mask(segment_ids)))
-        h = h if select is None else h[select]
-        return h if return_hidden else F.linear(h, self.output_weight())
 
 
 # ---- data and tokenizer ----------------------------------------------------------------------------
@@ -223,12 +194,12 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
     n_loss_tokens = max(1, dist.all_reduce_sum(sum(int(mb[2][:, 1:].sum()) for mb in micro_batches)))
     nll_sum, n_tokens = 0.0, 0
     for j, mb in enumerate(micro_batches):
-        # (ids, attn, loss mask) or, packed, (ids, attn, loss mask, position ids, segment ids)
-        ids, attn, lm, *packing = (t.to(world.device) for t in mb)
+        # (ids, attn, loss mask) or, packed, (ids, attn, loss mask, position ids, example ids)
+        ids, attn, lm, *packed = (t.to(world.device) for t in mb)
         last = j == len(micro_batches) - 1     # all-reduce gradients only on the last micro-step
         with (ddp.no_sync() if world.enabled and not last else contextlib.nullcontext()):
             with autocast(world.device, opts.dtype):
-                nll, _ = sft_nll(ddp, ids, attn, lm, packing or None)
+                nll, _ = sft_nll(ddp, ids, attn, lm, *packed)
             (nll * world.world_size / n_loss_tokens).backward()
         nll_sum += nll.item()
         n_tokens += int(attn.sum())
@@ -265,6 +236,8 @@ def check_options(opts):
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
     if not opts.init and opts.n_embd % opts.n_head:
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
+    if not opts.init and opts.max_length > opts.block_size:
+        fail(f"--max_length {opts.max_length} is above --block_size {opts.block_size}", 2)
     msg = lora.check_options(opts, needs_init="init")
     if msg:
         fail(msg, 2)
@@ -293,11 +266,14 @@ def main(argv=None):
         run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string, packing=opts.packing)
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init))   # --lora_r: adapters, the base frozen
-        train, train_stats = tokenize(records, tok, model.cfg.block_size, data_path)
-        evals, eval_stats = tokenize(eval_records, tok, model.cfg.block_size, eval_path)
+        max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
+        if max_length != model.cfg.block_size:   # what the data is cut to (absent = block_size, as before)
+            run.identity.update(max_length=max_length)
+        train, train_stats = tokenize(records, tok, max_length, data_path)
+        evals, eval_stats = tokenize(eval_records, tok, max_length, eval_path)
         if opts.packing:
             n_examples = len(train)
-            train = pack_sft(train, model.cfg.block_size)
+            train = pack_sft(train, max_length)
             train_stats = f"{train_stats}; packed {n_examples} into {len(train)} rows"
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     model.to(world.device)
@@ -305,8 +281,7 @@ def main(argv=None):
         model.set_grad_checkpointing(True)
     dist.check_same_weights(model, "policy")
     dist.seed_everything(opts.seed, world.rank)           # from here on ranks differ (dropout)
-    trained = PackedLM(model) if opts.packing else model
-    ddp = dist.wrap_ddp(torch.compile(trained) if opts.compile else trained)
+    ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
@@ -316,7 +291,8 @@ def main(argv=None):
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"SFT | {model.num_params():,} parameters{lora.describe(model)} | {len(train):,} train examples ({train_stats}) | "
-                f"{len(evals):,} eval ({eval_stats}) | global batch {batches.global_batch} = {opts.batch_size} "
+                f"{len(evals):,} eval ({eval_stats}) | max length {max_length} | global batch {batches.global_batch}"
+                f" = {opts.batch_size} "
                 f"x {opts.grad_accum} accum x {world.world_size} ranks | {max_steps} steps" +
                 (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/loss", "eval/loss", "train/lr", "train/grad_norm"]

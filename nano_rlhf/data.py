@@ -19,6 +19,9 @@ reported in ONE warning line per kind of problem (count + first FILE:LINE): a JS
 key (JSON parsers silently keep the last value), a preference pair whose chosen equals its rejected
 response (it carries no preference) and a listwise row that lists the same completion twice.
 
+Training length: SFT, reward and DPO examples are fitted to --max_length tokens (training_length: default
+min(block_size, 1024), never above block_size); SFT packing fills rows up to it.
+
 Over-long examples (one rule for prompt + response rows): the prompt is truncated from the left, keeping
 at least one prompt token; if the response (with its end-of-text) still does not fit, the example is
 dropped. For {"messages"} rows "the response" is everything from the start of the final trained span.
@@ -27,8 +30,8 @@ does: the first max_len tokens, with the end-of-text only if it still fits. All 
 logged.
 
 Packing (SFT --packing): consecutive examples share a row up to the context length (pack_sft), with
-per-token position ids restarting at 0 and segment ids from which the script builds a block-diagonal
-causal attention mask.
+per-token position ids restarting at 0 and segment ids, which the model takes as document ids (doc_ids: a
+block-diagonal causal attention mask).
 
 Padding: training batches are right-padded (real tokens first, so positions need no mask); prompts for
 generation are left-padded (so every row's next token is at the same index).
@@ -238,6 +241,19 @@ def load_train_eval(kind: str, *, data: str, eval_data: str, eval_fraction: floa
 
 # ---- tokenization with the over-long rule ------------------------------------------------------
 
+DEFAULT_MAX_LENGTH = 1024   # TRL's default max_length for SFT, reward and DPO training
+
+
+def training_length(max_length: int, block_size: int, where: str) -> int:
+    """--max_length resolved against the model's context: 0 = min(block_size, 1024). Why not block_size itself:
+    real checkpoints declare 8k-128k positions, and truncating (or packing) to that would make every batch as
+    long as the longest example allows, far beyond what SFT/RM/DPO data needs. Above block_size is an error
+    (positions the model has no embedding / rope calibration for); `where` names the model."""
+    if max_length > block_size:
+        raise ValueError(f"--max_length {max_length} is above the block_size {block_size} of {where}")
+    return max_length or min(block_size, DEFAULT_MAX_LENGTH)
+
+
 def fit_prompt(prompt_ids: List[int], response_len: int, max_len: int):
     """Left-truncate the prompt so prompt + response fits in max_len; None if it cannot (drop)."""
     if len(prompt_ids) + response_len <= max_len:
@@ -309,7 +325,7 @@ def pack_sft(examples, max_len):
 def collate_packed(rows, pad_id):
     """Packed rows -> input_ids, attention_mask, loss_mask, position_ids, segment_ids, all (B, T),
     right-padded. Positions restart at 0 in each example; segment ids number the examples of a row 0, 1, ...
-    and are -1 on padding (see train_sft.segment_attention_mask)."""
+    and are -1 on padding (the model's doc_ids, see model.document_attention)."""
     ids, attn, loss = collate_sft([(r[0], r[1]) for r in rows], pad_id)
     pos = pad_right([[p for n in r[2] for p in range(n)] for r in rows], 0, ids.shape[1])
     seg = pad_right([[k for k, n in enumerate(r[2]) for _ in range(n)] for r in rows], -1, ids.shape[1])

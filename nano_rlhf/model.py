@@ -14,6 +14,13 @@ Padding. With an attention mask (1 = token, 0 = pad), position ids are cumsum(ma
 right-padded row gives the same logits on its real tokens as the row alone. Right-padded batches (SFT,
 DPO, reward training) need no mask at all: causal attention never lets a real token see a later pad and
 positions 0..T-1 are already right, so they take the fast `is_causal` path.
+
+Documents (packed rows). `doc_ids` (B, T) numbers the documents of each row (any ids; pads may carry their
+own, e.g. -1, or be marked by a (B, T) attention_mask): a token attends only to earlier tokens of its own
+document and its position is its index inside that document, so every document gets exactly the logits it
+has alone in a row. A (B, T, T) attention_mask (query, key; True/1 = may attend) is taken as it is, for any
+other structure; its positions default to the number of keys each query sees, minus one (= the index inside
+the document for a block-diagonal causal mask).
 """
 import math
 from dataclasses import asdict, dataclass, fields
@@ -276,20 +283,61 @@ def padding_attention(attention_mask: torch.Tensor, q_len: int):
     return pos[:, K - q_len:], mask
 
 
+def document_attention(doc_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
+    """(B, T) document ids [, (B, T) padding mask] -> position ids (B, T) and the boolean SDPA mask (B, 1, T, T).
+
+    Query t sees key s iff s <= t, both carry the same document id and (with a padding mask) both are real
+    tokens; its position is the number of such keys minus one, which restarts at 0 with each document. Every
+    query also sees itself, so a pad's row is never fully masked (SDPA would return NaN there) while no real
+    token ever sees a pad or another document."""
+    T = doc_ids.shape[1]
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        same = same & real[:, :, None] & real[:, None, :]
+    allowed = same & torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    pos = (allowed.sum(-1) - 1).clamp(min=0)
+    return pos, (allowed | torch.eye(T, dtype=torch.bool, device=doc_ids.device))[:, None]
+
+
+def full_attention(mask: torch.Tensor):
+    """A (B, T, T) query-by-key mask (bool or 0/1) -> position ids (keys each query sees, minus one) and the SDPA
+    mask (B, 1, T, T), each query also seeing itself (never a fully masked row)."""
+    m = mask.bool()
+    T = m.shape[-1]
+    pos = (m.sum(-1) - 1).clamp(min=0)
+    return pos, (m | torch.eye(T, dtype=torch.bool, device=m.device))[:, None]
+
+
 # ---- the trunk: one ordinary forward, two faster paths beside it --------------------------------
 
 class _Trunk(nn.Module):
     """Embeddings -> blocks -> final norm. Each family gives embed(ids, pos), rope(pos), blocks, final_norm."""
     gradient_checkpointing = False
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        """The ordinary forward: (B, T) ids [, mask, positions] -> hidden states (B, T, C)."""
-        x, rope, mask = self.inputs(input_ids, attention_mask, position_ids)
+    def forward(self, input_ids, attention_mask=None, position_ids=None, doc_ids=None):
+        """The ordinary forward: (B, T) ids [, mask, positions, document ids] -> hidden states (B, T, C)."""
+        x, rope, mask = self.inputs(input_ids, attention_mask, position_ids, doc_ids=doc_ids)
         return self.final_norm(self.run_blocks(self.blocks, x, rope, mask))
 
-    def inputs(self, input_ids, attention_mask, position_ids, cache_pos=0, cached=False):
+    def inputs(self, input_ids, attention_mask, position_ids, cache_pos=0, cached=False, doc_ids=None):
         """Embedded tokens, rotary (cos, sin) or None, and the attention mask (None = plain causal)."""
         B, T = input_ids.shape
+        if doc_ids is not None or (attention_mask is not None and attention_mask.dim() == 3):
+            if cached:
+                raise ValueError("document ids and (B, T, T) masks are for full forwards, not KV-cache decoding")
+            if doc_ids is not None and doc_ids.shape != input_ids.shape:
+                raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must have the shape of input_ids {(B, T)}")
+            if attention_mask is not None and attention_mask.shape not in ((B, T), (B, T, T)):
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must be (B, T) or (B, T, T), "
+                                 f"input_ids {(B, T)}")
+            if doc_ids is not None and attention_mask is not None and attention_mask.dim() == 3:
+                raise ValueError("give doc_ids or a (B, T, T) attention_mask, not both")
+            pos, mask = (document_attention(doc_ids, attention_mask) if doc_ids is not None
+                         else full_attention(attention_mask))
+            # the padding mask is folded into `mask`; what follows sees no attention_mask
+            x, rope, _ = self.inputs(input_ids, None, pos if position_ids is None else position_ids, cache_pos)
+            return x, rope, mask
         if cache_pos + T > self.cfg.block_size:
             raise ValueError(f"sequence of {cache_pos + T} tokens exceeds block_size {self.cfg.block_size}")
         pad = self.cfg.pad_token_id
@@ -473,18 +521,20 @@ class GPT(_Pretrained):
         """(V, C) output layer weight."""
         return self.trunk.embedding.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
-    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, select=None):
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, select=None, doc_ids=None):
         """Final hidden states (B, T, C), or (N, C) at the positions of the (B, T) bool `select` (row-major)."""
-        h = self.trunk(input_ids, attention_mask, position_ids)
+        h = self.trunk(input_ids, attention_mask, position_ids, doc_ids)
         return h if select is None else h[select]
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None, return_hidden=False):
-        """(B, T) ids [, (B, T) mask] -> (B, T, V) logits; with select (B, T) bool, (N, V) at those positions.
+    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None, return_hidden=False,
+                doc_ids=None):
+        """(B, T) ids [, (B, T) or (B, T, T) mask] -> (B, T, V) logits; with select (B, T) bool, (N, V) there.
+        doc_ids (B, T): packed documents, each attending only to itself with positions from 0 (module docstring).
         Why select: scripts pass the positions that predict response tokens, which skips the output layer
         (a quarter of the FLOPs at vocab 4096) on prompt and padding positions. return_hidden=True returns the
         final hidden states instead (what token_logprobs takes, so a real vocabulary's logits are made in
         chunks); it goes through forward so that a DDP-wrapped model can be called for it."""
-        h = self.hidden_states(input_ids, attention_mask, position_ids, select)
+        h = self.hidden_states(input_ids, attention_mask, position_ids, select, doc_ids)
         return h if return_hidden else F.linear(h, self.output_weight())
 
     @classmethod

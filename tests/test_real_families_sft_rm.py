@@ -81,7 +81,7 @@ def test_packed_loss_and_gradients_equal_unpacked_with_rope(family_dir):
     """The packed loss and gradients of a real family's model (rotary positions restarting per example,
     grouped-query attention under the block-diagonal mask) equal the unpacked ones, several of the fixture's
     conversations per row."""
-    from train_sft import PackedLM, sft_nll
+    from train_sft import sft_nll
     family, init, root = family_dir
     tok = load_tokenizer("", init)
     model = GPT.from_pretrained(init, block_size=512)     # rope: any context; rows of ~70 tokens pack 3-7 per row
@@ -93,7 +93,7 @@ def test_packed_loss_and_gradients_equal_unpacked_with_rope(family_dir):
     for batch in (collate_packed(packed, tok.pad_id), collate_sft(examples, tok.pad_id)):
         model.zero_grad()
         ids, attn, lm, *packing = batch
-        nll, n = sft_nll(PackedLM(model) if packing else model, ids, attn, lm, packing or None)
+        nll, n = sft_nll(model, ids, attn, lm, *packing)
         nll.backward()
         results.append((nll.item(), n, [p.grad.clone() for p in model.parameters()]))
     (p_nll, p_n, p_g), (u_nll, u_n, u_g) = results

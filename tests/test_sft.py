@@ -314,7 +314,6 @@ def packing_examples(tok):
 def packed_and_unpacked(model, examples, block_size):
     """(packed NLL sum, count, grads) and (unpacked NLL sum, count, grads) of the same examples."""
     from nano_rlhf.data import collate_packed, collate_sft, pack_sft
-    from train_sft import PackedLM
     rows = pack_sft(examples, block_size)
     assert len(rows) < len(examples) and max(len(r[0]) for r in rows) <= block_size
     out = []
@@ -322,7 +321,7 @@ def packed_and_unpacked(model, examples, block_size):
         model.zero_grad()
         if packed:
             ids, attn, lm, pos, seg = collate_packed(rows, model.cfg.pad_token_id)
-            nll, n = sft_nll(PackedLM(model), ids, attn, lm, (pos, seg))
+            nll, n = sft_nll(model, ids, attn, lm, pos, seg)
         else:
             ids, attn, lm = collate_sft(examples, model.cfg.pad_token_id)
             nll, n = sft_nll(model, ids, attn, lm)
@@ -345,12 +344,11 @@ def test_packed_loss_and_gradients_equal_unpacked(tok):
 
 def test_packed_logits_of_each_example_equal_it_alone(tok):
     from nano_rlhf.data import collate_packed, pack_sft
-    from train_sft import PackedLM
     model, examples = tiny_model(tok), packing_examples(tok)
     rows = pack_sft(examples, 40)
     ids, _, _, pos, seg = collate_packed(rows, tok.pad_id)
     with torch.no_grad():
-        logits = PackedLM(model)(ids, pos, seg)
+        logits = model(ids, position_ids=pos, doc_ids=seg)
         i = 0
         for b, row in enumerate(rows):
             start = 0
@@ -366,7 +364,7 @@ def test_packed_logits_of_each_example_equal_it_alone(tok):
 
 
 def test_segment_mask_is_block_diagonal_causal():
-    from train_sft import segment_attention_mask
+    from nano_rlhf.model import document_attention
     seg = torch.tensor([[0, 0, 1, 1, 1, -1]])
     want = torch.tensor([[1, 0, 0, 0, 0, 0],
                          [1, 1, 0, 0, 0, 0],
@@ -374,13 +372,14 @@ def test_segment_mask_is_block_diagonal_causal():
                          [0, 0, 1, 1, 0, 0],
                          [0, 0, 1, 1, 1, 0],
                          [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
-    assert torch.equal(segment_attention_mask(seg), want[None, None])
+    pos, mask = document_attention(seg)
+    assert torch.equal(mask, want[None, None]) and pos.tolist() == [[0, 1, 0, 1, 2, 0]]
 
 
 @pytest.mark.slow
 def test_packing_end_to_end_and_ddp_equals_one_process(tmp_path):
     """--packing trains (fewer rows than examples, logged), and 2 ranks x 1 packed row == 1 process x 2 rows
-    (the PackedLM forward is what DDP wraps and hooks)."""
+    (the model's forward with doc_ids is what DDP wraps and hooks)."""
     p = run(sft_args(tmp_path, "a", "--packing", "--batch_size", "2"))
     assert "packed" in p.stdout and "rows" in p.stdout
     tk = str(tmp_path / "a" / "tokenizer.json")
