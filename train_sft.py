@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist
+from nano_rlhf import dist, parallel
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir, save_state
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
@@ -86,6 +86,7 @@ class Options:
     date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
     packing: bool = False         # concatenate several examples per row up to the context (each attends only to itself)
+    fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
 
 
 # ---- the loss --------------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
         n_tokens += int(attn.sum())
     loss = dist.all_reduce_sum(nll_sum) / n_loss_tokens
     check_finite(loss, step, opts.out_dir)             # never apply a non-finite update
-    grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), opts.grad_clip or float("inf")).item()
+    grad_norm = parallel.clip_grad_norm(ddp.parameters(), opts.grad_clip)
     check_finite(grad_norm, step, opts.out_dir, "gradient norm")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -256,6 +257,8 @@ def check_options(opts):
     check_device(opts.device)
     if opts.max_steps and opts.stop_at > opts.max_steps:
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
+    if opts.fsdp and opts.compile:
+        fail("--compile with --fsdp is not supported; drop one of them", 2)
     if not opts.init and opts.n_embd % opts.n_head:
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
 
@@ -295,7 +298,8 @@ def main(argv=None):
     dist.check_same_weights(model, "policy")
     dist.seed_everything(opts.seed, world.rank)           # from here on ranks differ (dropout)
     trained = PackedLM(model) if opts.packing else model
-    ddp = dist.wrap_ddp(torch.compile(trained) if opts.compile else trained)
+    ddp = parallel.wrap(model, opts.fsdp, trained, opts.dtype) if opts.fsdp else \
+        dist.wrap_ddp(torch.compile(trained) if opts.compile else trained)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
@@ -310,7 +314,8 @@ def main(argv=None):
     run.show = ["train/loss", "eval/loss", "train/lr", "train/grad_norm"]
 
     def evaluate():
-        return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
+        with parallel.gathered(ddp if opts.packing else None):    # FSDP: the unpacked eval bypasses PackedLM
+            return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
 
     def save(step):
         save_state(opts.out_dir, {"policy": model}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
