@@ -57,7 +57,7 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist
+from nano_rlhf import dist, parallel
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir, save_state
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
@@ -111,6 +111,9 @@ class Options:
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
     compile: bool = False         # torch.compile the policy
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
+    fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
+    frozen: Literal["shard", "replicate"] = "shard"  # --fsdp: the frozen reference / reward model sharded too, or whole on every rank
+    offload_frozen: bool = False  # keep the frozen models in CPU memory; they visit the GPU for their forwards
     log_interval: int = 10        # print and log every N steps {>= 1}
     eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
     save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
@@ -407,10 +410,24 @@ def evaluate(opts, policy, ref, examples, pad_id, device):
 
 # ---- set-up -------------------------------------------------------------------------------------
 
+def evaluate_gathered(opts, policy, ref, examples, pad_id, device):
+    """evaluate() on gathered weights under FSDP: ranks may hold different numbers of eval batches, so the
+    forwards must not all-gather."""
+    with parallel.gathered(policy, ref):
+        return evaluate(opts, policy, ref, examples, pad_id, device)
+
+
 def check_options(opts):
     """Rules between options (each option's own range is declared on Options and checked by parse_args),
     then the defaults that depend on --loss. A flag the loss would silently ignore is an error."""
     loss = opts.loss
+    if opts.fsdp and opts.compile:
+        fail("--compile with --fsdp is not supported; drop one of them", 2)
+    if opts.frozen != "shard" and not opts.fsdp:
+        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
+    if opts.offload_frozen and (loss in REFERENCE_FREE or opts.precompute_ref):
+        fail("--offload_frozen: this run holds no reference model "
+             f"({'--precompute_ref' if opts.precompute_ref else f'--loss {loss} is reference-free'})", 2)
     if opts.label_smoothing and loss not in ("dpo", "robust"):
         fail(f"--label_smoothing applies only to --loss dpo or robust, not {loss}")
     if opts.nll_coef and loss == "kto":
@@ -514,8 +531,11 @@ def main(argv=None):
         dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in {time.time() - t0:.1f}s")
     if opts.compile:
         policy = torch.compile(policy)
-    ddp = dist.wrap_ddp(policy)
+    ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
+    ddp = parallel.wrap(policy, opts.fsdp, dtype=opts.dtype)
     optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    dist.print0(parallel.startup_plan({"policy": policy, "ref": ref}, "fsdp" if parallel.is_sharded(policy) else "ddp",
+                                      opts.frozen, opts.offload_frozen))
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
     if opts.resume:
         batches.load_state_dict(run.resume(models={"policy": policy}, optimizers={"policy": optimizer})["data"])
@@ -558,13 +578,13 @@ def main(argv=None):
                 (objective * dist.ddp_scale()).backward()                   # DDP averages over ranks: undo it
             add_to(sums, stats, batch)
         totals = sum_over_ranks(sums)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), opts.grad_clip or float("inf")).item()
+        grad_norm = parallel.clip_grad_norm(policy.parameters(), opts.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         metrics = {**{f"train/{k}": v for k, v in means(totals).items()}, "train/lr": lr, "train/grad_norm": grad_norm,
                    "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)}
-        if run.end_of_step(step, metrics, evaluate=lambda: evaluate(opts, policy, ref, evals, tok.pad_id, world.device),
-                           save=save):
+        if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
+                                                                             world.device), save=save):
             break
     dist.check_same_weights(policy, "policy")
     dist.print0(f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")

@@ -37,7 +37,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, synthetic
+from nano_rlhf import dist, parallel, synthetic
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir, save_state
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
@@ -90,6 +90,7 @@ class Options:
     chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
     date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
+    fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
 
 
 # ---- the loss and the scores -----------------------------------------------------------------------
@@ -181,7 +182,7 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
         n_tokens += int(attn.sum())
     metrics = pair_metrics(reduce_sums(sums), "train")
     check_finite(metrics["train/loss"], step, opts.out_dir)          # never apply a non-finite update
-    grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), opts.grad_clip or float("inf")).item()
+    grad_norm = parallel.clip_grad_norm(ddp.parameters(), opts.grad_clip)
     check_finite(grad_norm, step, opts.out_dir, "gradient norm")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -287,6 +288,8 @@ def check_options(opts):
     check_device(opts.device)
     if opts.max_steps and opts.stop_at > opts.max_steps:
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
+    if opts.fsdp and opts.compile:
+        fail("--compile with --fsdp is not supported; drop one of them", 2)
     if not opts.init and not opts.tokenizer:
         fail("a reward model from scratch needs --tokenizer (or --init with a tokenizer.json)", 2)
     if not opts.init and opts.n_embd % opts.n_head:
@@ -323,8 +326,10 @@ def main(argv=None):
         model.set_grad_checkpointing(True)
     dist.check_same_weights(model, "reward model")
     dist.seed_everything(opts.seed, world.rank)
-    ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
+    ddp = parallel.wrap(model, opts.fsdp, dtype=opts.dtype) if opts.fsdp else \
+        dist.wrap_ddp(torch.compile(model) if opts.compile else model)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    dist.print0(parallel.startup_plan({"rm": model}, "fsdp" if parallel.is_sharded(model) else "ddp"))
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
         batches.load_state_dict(run.resume(models={"rm": model}, optimizers={"rm": optimizer})["data"])
@@ -339,7 +344,8 @@ def main(argv=None):
 
     def evaluate_now(step):
         evaluated.clear()
-        evaluated[step] = evaluate(model, evals, pad_id=tok.pad_id, opts=opts, reward=gold)
+        with parallel.gathered(ddp):      # FSDP: ranks may hold different numbers of eval batches
+            evaluated[step] = evaluate(model, evals, pad_id=tok.pad_id, opts=opts, reward=gold)
         return evaluated[step]
 
     def save(step):

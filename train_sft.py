@@ -301,6 +301,7 @@ def main(argv=None):
     ddp = parallel.wrap(model, opts.fsdp, trained, opts.dtype) if opts.fsdp else \
         dist.wrap_ddp(torch.compile(trained) if opts.compile else trained)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    dist.print0(parallel.startup_plan({"policy": model}, "fsdp" if parallel.is_sharded(model) else "ddp"))
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
         batches.load_state_dict(run.resume(models={"policy": model}, optimizers={"policy": optimizer})["data"])
@@ -314,7 +315,7 @@ def main(argv=None):
     run.show = ["train/loss", "eval/loss", "train/lr", "train/grad_norm"]
 
     def evaluate():
-        with parallel.gathered(ddp if opts.packing else None):    # FSDP: the unpacked eval bypasses PackedLM
+        with parallel.gathered(ddp):      # FSDP: ranks may hold different numbers of eval batches
             return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
 
     def save(step):

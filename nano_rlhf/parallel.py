@@ -140,12 +140,12 @@ def gib(n):
 
 
 def format_plan(rows, title=""):
-    """The plan as a text table (GiB per rank)."""
+    """The plan as a text table, in GiB per rank (MiB when the total is under 1 GiB)."""
+    unit, div = ("GiB", 2**30) if rows[-1]["total"] >= 2**30 else ("MiB", 2**20)
     lines = [title] if title else []
-    lines.append(f"{'model':<8} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8}  (GiB per rank)")
+    lines.append(f"{'model':<8} {'params':>9} {'grads':>9} {'optim':>9} {'total':>9}  ({unit} per rank)")
     for r in rows:
-        lines.append(f"{r['model']:<8} {gib(r['params']):>8} {gib(r['grads']):>8} {gib(r['optim']):>8} "
-                     f"{gib(r['total']):>8}")
+        lines.append(f"{r['model']:<8} " + " ".join(f"{r[k] / div:>9.2f}" for k in ("params", "grads", "optim", "total")))
     return "\n".join(lines)
 
 
@@ -184,7 +184,8 @@ def startup_plan(models: dict, strategy, frozen="shard", offload=False, lora=Fal
         spec[name] = {"params": n - (trainable if lora_now else 0), "trainable": trainable > 0,
                       "adapters": trainable if lora_now else 0, "shared": False}
     rows = memory_plan(spec, strategy, dist.world().world_size, lora=lora, offload=offload, frozen=frozen)
-    what = strategy + (f", frozen {frozen}" if strategy == "fsdp" else "") + (", offload" if offload else "") + \
+    has_frozen = any(not v["trainable"] for v in spec.values())
+    what = strategy + (f", frozen {frozen}" if strategy == "fsdp" and has_frozen else "") + (", offload" if offload else "") + \
         (", lora" if lora else "")
     return format_plan(rows, f"memory plan ({what}; {dist.world().world_size} rank(s); weights and optimizer only):")
 
@@ -251,6 +252,8 @@ def _no_sync(root):
 def wrap(model, fsdp=False, root=None, dtype="float32"):
     """What a trainable model's forward/backward go through: FSDP-sharded with --fsdp under torchrun, else
     DDP (dist.wrap_ddp), else the module itself. The optimizer must be built after this (on the shards)."""
+    if dist.world().device.type != "cpu":
+        Offloaded.training_hook(model)
     if fsdp and dist.world().enabled:
         return shard(model, root, dtype)
     return dist.wrap_ddp(model if root is None else root)
