@@ -234,6 +234,9 @@ def shard(model, root=None, dtype="float32", offload=False):
     for block in units:
         fully_shard(block, **kw)
     fully_shard(root, **kw)
+    # FSDP picks its root at the first forward; a first call that reaches a block without the root's forward
+    # (evaluate.py's log-probs through hidden_states, under gathered()) would make that block a root. Fix it now.
+    root._get_fsdp_state()._lazy_init()
     root.no_sync = lambda: _no_sync(root)     # the DDP name the scripts use for gradient accumulation
     return root
 
