@@ -587,6 +587,7 @@ def main(argv=None):
                                                                              world.device), save=save):
             break
     dist.check_same_weights(policy, "policy")
+    parallel.check_frozen({"reference": ref})
     dist.print0(f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)

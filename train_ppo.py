@@ -732,6 +732,7 @@ def main(argv=None):
             break
     for name, learner in trained.items():
         dist.check_same_weights(learner.model, name)
+    parallel.check_frozen({"ref": models.ref, "reward model": getattr(models.reward, "model", None)})
     dist.print0(f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,

@@ -268,11 +268,28 @@ def prepare_frozen(model, fsdp=False, frozen="shard", offload=False, dtype="floa
     device around each forward (Offloaded). Returns the module to call."""
     if model is None:
         return None
+    model._frozen_checksum = dist.weights_checksum(model)      # check_frozen compares the end with this
     if fsdp and frozen == "shard" and dist.world().enabled:
         return shard(model, dtype=dtype, offload=offload)
     if offload and dist.world().device.type != "cpu":
         Offloaded.register(model, dist.world().device)
     return model
+
+
+def check_frozen(models: dict):
+    """Raise if a frozen model (placed by prepare_frozen) no longer holds its start-up weights bit for bit;
+    print the verdict (rank 0). Collective under FSDP (the checksum gathers the shards)."""
+    done = []
+    for name, m in models.items():
+        if m is None or not hasattr(m, "_frozen_checksum"):
+            continue
+        now = dist.weights_checksum(m)
+        if now != m._frozen_checksum:
+            raise RuntimeError(f"{name}: a frozen model changed during training (checksum {m._frozen_checksum:016x} "
+                               f"-> {now:016x})")
+        done.append(f"{name} {now:016x}")
+    if done:
+        dist.print0(f"frozen models bit-identical to the start: {', '.join(done)}")
 
 
 class Offloaded:
