@@ -113,18 +113,18 @@ def test_tensor_source_reads_any_rows_across_rank_files(tmp_path):
 
 # ---- the scripts under torchrun -------------------------------------------------------------------
 
-NO_PICKLE = '''import os
-if os.environ.get("NANO_RLHF_NO_PICKLE"):
-    import pickle
-    def _refuse(*a, **k):
-        raise RuntimeError("unpickling attempted")
-    class _Refuse(pickle.Unpickler):
-        def __init__(self, *a, **k):
-            _refuse()
-    pickle.loads, pickle.load, pickle.Unpickler = _refuse, _refuse, _Refuse
-    import torch
-    torch.load = _refuse
-'''
+# Run a script in a process where unpickling raises (pickle and torch.load), then the script itself.
+NO_PICKLE = """import pickle, runpy, sys
+import torch
+def _refuse(*a, **k):
+    raise RuntimeError("unpickling attempted")
+class _Refuse(pickle.Unpickler):
+    def __init__(self, *a, **k):
+        _refuse()
+pickle.loads, pickle.load, pickle.Unpickler, torch.load = _refuse, _refuse, _Refuse, _refuse
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def metrics(d):
@@ -176,16 +176,13 @@ def test_sft_fsdp_equals_one_process_and_resumes_across_world_sizes(tmp_path):
 
     # 2 -> 1: saved by 2 sharded ranks at step 2, resumed by one process that may not unpickle
     run(args("two_one", *two, "--stop_at", "2"), nproc=2)
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(NO_PICKLE)
-    env = {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.path.dirname(os.path.dirname(__file__))}",
-           "NANO_RLHF_NO_PICKLE": "1"}
-    p = run(args("two_one", "--batch_size", "4", "--resume", *tk), env=env)
+    p = run(["-c", NO_PICKLE, *args("two_one", "--batch_size", "4", "--resume", *tk)])
     assert "RNG streams restart" in p.stdout
     assert weights_close(weights(tmp_path / "one"), weights(tmp_path / "two_one"))
     close_metrics(tmp_path / "one", tmp_path / "two_one", ["train/loss", "train/grad_norm"])
-    # the guard is real: the same process refuses torch.load
-    bad = run(["-c", "import torch; torch.load('x')"], env=env, check=False)
+    # the guard is real: the same wrapper refuses torch.load
+    (tmp_path / "load.py").write_text("import torch; torch.load('x')")
+    bad = run(["-c", NO_PICKLE, str(tmp_path / "load.py")], check=False)
     assert "unpickling attempted" in bad.stderr
 
     # 1 -> 2: saved by one process (unsharded files), resumed on 2 FSDP ranks
