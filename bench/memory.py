@@ -46,6 +46,11 @@ def worker(a):
     from nano_rlhf.model import GPT, GPTConfig
     w = dist.setup("cpu")
     torch.set_num_threads(1)
+    if a.default_malloc:      # undo dist.keep_freed_memory: glibc returns freed blocks to the OS again
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, ctypes.c_int(128 * 1024))    # M_TRIM_THRESHOLD (glibc default)
+        libc.mallopt(-3, ctypes.c_int(128 * 1024))    # M_MMAP_THRESHOLD (glibc default)
     base = rss_mb()
     torch.manual_seed(0)                                   # identical random weights on every rank
     model = GPT(GPTConfig(**SMOLLM2_135M))
@@ -105,7 +110,7 @@ def launch(mode, a):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(a.ranks),
            os.path.abspath(__file__), "--worker", "--mode", mode, "--steps", str(a.steps), "--seq", str(a.seq),
            "--batch", str(a.batch), "--lora_r", str(a.lora_r), "--new_tokens", str(a.new_tokens),
-           "--result_dir", result_dir]
+           "--result_dir", result_dir] + (["--default_malloc"] if a.default_malloc else [])
     if a.rollout:
         cmd.append("--rollout")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
@@ -133,6 +138,9 @@ def main():
     ap.add_argument("--lora_r", type=int, default=16)
     ap.add_argument("--new_tokens", type=int, default=32)
     ap.add_argument("--result_dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--default_malloc", action="store_true",
+                    help="glibc's default thresholds (freed memory returned to the OS) instead of the training "
+                         "scripts' keep-freed-memory setting")
     ap.add_argument("--rollout", action="store_true", default=True)
     ap.add_argument("--no_rollout", dest="rollout", action="store_false")
     a = ap.parse_args()
