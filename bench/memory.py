@@ -12,11 +12,11 @@ AdamW state + allocator cache), and the median time of a training step (forward,
 random tokens. The LoRA mode uses nano_rlhf.lora when it is there (skipped otherwise). The last table is the
 arithmetic for a 7B model on 8 and 16 GPUs (python -m nano_rlhf.parallel --plan).
 
-Use --default_malloc to see the training state itself: the scripts (dist.setup) make glibc keep freed memory
-in the process, so FSDP's transient full-size buffers (a block's all-gathered weights and its unsharded
-gradients) stay resident after being freed and the RSS then hides the 1/N saving (measured on this machine,
-2 ranks: FSDP 3.1 GB vs DDP 3.2 GB peak with the scripts' setting; 1.5 GB vs 3.1 GB peak and 0.9 GB vs 2.2 GB
-steady with glibc's defaults).
+The DDP and LoRA modes run with the scripts' allocator setting (dist.keep_freed_memory: glibc keeps freed
+memory in the process, faster on CPU); --default_malloc gives them glibc's defaults too. FSDP on CPU always
+returns freed memory (parallel.shard): its transient full-size buffers (a block's all-gathered weights and
+unsharded gradients), kept resident, would hide the 1/N saving (measured before that rule, 2 ranks: FSDP
+3.1 GB vs DDP 3.2 GB peak; with glibc's defaults 1.5 GB vs 3.1 GB peak and 0.9 GB vs 2.2 GB steady).
 """
 import argparse
 import json

@@ -226,6 +226,8 @@ def shard(model, root=None, dtype="float32", offload=False):
     if not w.enabled:
         return root
     kw = {"mesh": device_mesh()}
+    if w.device.type == "cpu":
+        return_freed_memory()
     if w.device.type == "cuda" and dtype == "bfloat16":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload and w.device.type == "cuda":
@@ -239,6 +241,19 @@ def shard(model, root=None, dtype="float32", offload=False):
     root._get_fsdp_state()._lazy_init()
     root.no_sync = lambda: _no_sync(root)     # the DDP name the scripts use for gradient accumulation
     return root
+
+
+def return_freed_memory():
+    """Undo dist.keep_freed_memory (glibc's defaults again). FSDP allocates and frees a block's full weights
+    and gradients at every use; kept in the process, those freed buffers would make every rank's RSS as large
+    as DDP's (measured: bench/memory.py --default_malloc). Linux/glibc only; no-op elsewhere."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, ctypes.c_int(128 * 1024))   # M_TRIM_THRESHOLD
+        libc.mallopt(-3, ctypes.c_int(128 * 1024))   # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 @contextlib.contextmanager
