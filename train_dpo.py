@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nano_rlhf import dist, lora
+from nano_rlhf import dist, lora, parallel
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_state
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
@@ -132,6 +132,9 @@ class Options:
     compile: bool = False         # torch.compile the policy
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
     max_length: int = 0           # training sequence length: prompts are left-truncated so prompt + response fits; 0 = min(block_size, 1024) {>= 0}
+    fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
+    frozen: Literal["shard", "replicate"] = "shard"  # --fsdp: the frozen reference / reward model sharded too, or whole on every rank
+    offload_frozen: bool = False  # keep the frozen models in CPU memory; they visit the GPU for their forwards
     log_interval: int = 10        # print and log every N steps {>= 1}
     eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
     save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
@@ -519,10 +522,24 @@ def add_l1_grad(policy, init_params, coef):
 
 # ---- set-up -------------------------------------------------------------------------------------
 
+def evaluate_gathered(opts, policy, ref, examples, pad_id, device):
+    """evaluate() on gathered weights under FSDP: ranks may hold different numbers of eval batches, so the
+    forwards must not all-gather."""
+    with parallel.gathered(policy, ref):
+        return evaluate(opts, policy, ref, examples, pad_id, device)
+
+
 def check_options(opts):
     """Rules between options (each option's own range is declared on Options and checked by parse_args),
     then the defaults that depend on --loss. A flag the loss would silently ignore is an error."""
     loss = opts.loss
+    if opts.fsdp and opts.compile:
+        fail("--compile with --fsdp is not supported; drop one of them", 2)
+    if opts.frozen != "shard" and not opts.fsdp:
+        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
+    if opts.offload_frozen and (loss in REFERENCE_FREE or opts.precompute_ref):
+        fail("--offload_frozen: this run holds no reference model "
+             f"({'--precompute_ref' if opts.precompute_ref else f'--loss {loss} is reference-free'})", 2)
     if opts.label_smoothing and loss not in ("dpo", "robust"):
         fail(f"--label_smoothing applies only to --loss dpo or robust, not {loss}")
     if opts.listwise_pairs != "auto" and loss == "kto":
@@ -536,6 +553,8 @@ def check_options(opts):
              "next-token distribution at every response position, so the reference runs live")
     if loss in REFERENCE_FREE and (opts.ref or opts.precompute_ref):
         fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, which uses no reference model")
+    if opts.l1_coef and opts.fsdp:   # θ_init is held whole; under --fsdp the parameters are shards
+        fail("--l1_coef with --fsdp is not supported yet (θ_init would have to be sharded like the policy)", 2)
     msg = lora.check_options(opts)
     if msg:
         fail(msg, 2)
@@ -676,8 +695,11 @@ def main(argv=None):
         dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in {time.time() - t0:.1f}s")
     if opts.compile:
         policy = torch.compile(policy)
-    ddp = dist.wrap_ddp(policy)
+    ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
+    ddp = parallel.wrap(policy, opts.fsdp, dtype=opts.dtype)
     optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    dist.print0(parallel.startup_plan({"policy": policy, "ref": ref}, "fsdp" if parallel.is_sharded(policy) else "ddp",
+                                      opts.frozen, opts.offload_frozen))
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
     if opts.resume:
         batches.load_state_dict(run.resume(models={"policy": lora.checkpointed(policy)},
@@ -723,17 +745,18 @@ def main(argv=None):
             add_to(sums, stats, batch)
         totals = sum_over_ranks(sums)
         l1 = add_l1_grad(policy, init_params, opts.l1_coef) if opts.l1_coef else None
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), opts.grad_clip or float("inf")).item()
+        grad_norm = parallel.clip_grad_norm(policy.parameters(), opts.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         metrics = {**{f"train/{k}": v for k, v in means(totals).items()}, "train/lr": lr, "train/grad_norm": grad_norm,
                    "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)}
         if l1 is not None:
             metrics["train/l1_delta"] = l1          # Σ|θ − θ_init| before this step's update
-        if run.end_of_step(step, metrics, evaluate=lambda: evaluate(opts, policy, ref, evals, tok.pad_id, world.device),
-                           save=save):
+        if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
+                                                                             world.device), save=save):
             break
     dist.check_same_weights(policy, "policy")
+    parallel.check_frozen({"reference": ref})
     dist.print0(f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)

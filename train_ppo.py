@@ -58,7 +58,7 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora
+from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_state
@@ -96,6 +96,9 @@ class Options:
     chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
     date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
+    fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
+    frozen: Literal["shard", "replicate"] = "shard"  # --fsdp: the frozen reference / reward model sharded too, or whole on every rank
+    offload_frozen: bool = False  # keep the frozen models in CPU memory; they visit the GPU for their forwards
     out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
     batch_size: int = 8           # prompts per device per step {>= 1}
     samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
@@ -192,12 +195,12 @@ class Learner:
 
     @classmethod
     def of(cls, model, lr, opts):
-        return cls(model, dist.wrap_ddp(model), adamw(model, lr, opts.weight_decay, eps=opts.adam_eps))
+        return cls(model, parallel.wrap(model, opts.fsdp, dtype=opts.dtype), adamw(model, lr, opts.weight_decay, eps=opts.adam_eps))
 
     def step(self, grad_clip):
         """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf")).item()
+        norm = parallel.clip_grad_norm(params, grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return norm
@@ -419,8 +422,9 @@ def rollout(prompts, models: Models, tok, opts, gen):
     k, device = opts.samples_per_prompt, next(models.policy.parameters()).device
     q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
-    seq = dist.unwrap(models.policy).generate(q_ids, q_mask, opts.max_new_tokens, opts.temperature,
-                                              eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id, generator=gen)
+    with parallel.gathered(models.policy):      # FSDP: one all-gather for the whole decoding, not one per token
+        seq = dist.unwrap(models.policy).generate(q_ids, q_mask, opts.max_new_tokens, opts.temperature,
+                                                  eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id, generator=gen)
     P, resp = q_ids.shape[1], seq[:, q_ids.shape[1]:]
     is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=device))
     has_eos = is_eos.any(1)
@@ -557,6 +561,8 @@ def check_options(opts):
     """Rules between options; each option's own range is declared on its Options field (checked on parsing)."""
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
+    if opts.frozen != "shard" and not opts.fsdp:
+        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
     if opts.advantage in GROUP and opts.samples_per_prompt < 2:
         fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)")
     if opts.adaptive_kl and not opts.kl_coef > 0:
@@ -710,12 +716,20 @@ def main(argv=None):
         for m in (models.policy, models.critic):
             if m is not None:
                 m.set_grad_checkpointing(True)
+    models.ref = parallel.prepare_frozen(models.ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
+    if isinstance(models.reward, reward_mod.RewardModel):
+        models.reward.model = parallel.prepare_frozen(models.reward.model, opts.fsdp, opts.frozen, opts.offload_frozen,
+                                                      opts.dtype)
     policy = Learner.of(models.policy, opts.lr, opts)
     critic = Learner.of(models.critic, opts.critic_lr, opts) if models.critic is not None else None
     trained = {"policy": policy, **({"critic": critic} if critic else {})}
     state = dict(models={k: lora.checkpointed(v.model) for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
+    dist.print0(parallel.startup_plan({"policy": models.policy, "critic": models.critic, "ref": models.ref,
+                                       "reward": getattr(models.reward, "model", None)},
+                                      "fsdp" if parallel.is_sharded(models.policy) else "ddp", opts.frozen,
+                                      opts.offload_frozen))
     if opts.resume:
         meta = run.resume(**state)
         kl_ctl.beta = meta["kl_coef"]
@@ -738,13 +752,15 @@ def main(argv=None):
     def evaluate(step):
         """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps); rank 0 only."""
         metrics = {}
-        if world.is_main:
-            samples = sample_and_score(models.policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
-                                       ref=models.ref, rewards=eval_rewards(models, opts))
-            metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
-            run.log_samples(step, samples[:8])
-            for smp in samples[:3]:
-                dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}")
+        # FSDP: rank 0 samples alone, so the models it uses are gathered (on every rank) for the duration
+        with parallel.gathered(models.policy, models.ref, getattr(models.reward, "model", None)):
+            if world.is_main:
+                samples = sample_and_score(models.policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
+                                           ref=models.ref, rewards=eval_rewards(models, opts))
+                metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
+                run.log_samples(step, samples[:8])
+                for smp in samples[:3]:
+                    dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}")
         dist.barrier()
         return metrics
 
@@ -784,6 +800,7 @@ def main(argv=None):
             break
     for name, learner in trained.items():
         dist.check_same_weights(learner.model, name)
+    parallel.check_frozen({"ref": models.ref, "reward model": getattr(models.reward, "model", None)})
     dist.print0(f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,

@@ -37,7 +37,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora
+from nano_rlhf import dist, lora, parallel
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_state
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
@@ -98,6 +98,7 @@ class Options:
     lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
     lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
     lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
+    fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
 
 
 # ---- the loss --------------------------------------------------------------------------------------
@@ -205,7 +206,7 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
         n_tokens += int(attn.sum())
     loss = dist.all_reduce_sum(nll_sum) / n_loss_tokens
     check_finite(loss, step, opts.out_dir)             # never apply a non-finite update
-    grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), opts.grad_clip or float("inf")).item()
+    grad_norm = parallel.clip_grad_norm(ddp.parameters(), opts.grad_clip)
     check_finite(grad_norm, step, opts.out_dir, "gradient norm")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -234,6 +235,8 @@ def check_options(opts):
     check_device(opts.device)
     if opts.max_steps and opts.stop_at > opts.max_steps:
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
+    if opts.fsdp and opts.compile:
+        fail("--compile with --fsdp is not supported; drop one of them", 2)
     if not opts.init and opts.n_embd % opts.n_head:
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
     if not opts.init and opts.max_length > opts.block_size:
@@ -281,8 +284,10 @@ def main(argv=None):
         model.set_grad_checkpointing(True)
     dist.check_same_weights(model, "policy")
     dist.seed_everything(opts.seed, world.rank)           # from here on ranks differ (dropout)
-    ddp = dist.wrap_ddp(torch.compile(model) if opts.compile else model)
+    ddp = parallel.wrap(model, opts.fsdp, None, opts.dtype) if opts.fsdp else \
+        dist.wrap_ddp(torch.compile(model) if opts.compile else model)
     optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    dist.print0(parallel.startup_plan({"policy": model}, "fsdp" if parallel.is_sharded(model) else "ddp"))
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     if opts.resume:
         batches.load_state_dict(run.resume(models={"policy": lora.checkpointed(model)},
@@ -298,7 +303,8 @@ def main(argv=None):
     run.show = ["train/loss", "eval/loss", "train/lr", "train/grad_norm"]
 
     def evaluate():
-        return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
+        with parallel.gathered(ddp):      # FSDP: ranks may hold different numbers of eval batches
+            return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
 
     def save(step):
         save_state(opts.out_dir, {"policy": lora.checkpointed(model)}, {"policy": optimizer},

@@ -8,6 +8,9 @@ out_dir/
   state/                                            everything --resume needs:
     model_<name>.safetensors                        weights of each trained model (our key names)
     optim_<name>.safetensors + optim_<name>.json    optimizer tensors + param groups / scalars
+      (under --fsdp: model_<name>.rank<r>.safetensors + model_<name>.json, optim_<name>.rank<r>.safetensors +
+       optim_<name>.json: each rank's shards and an index of global shapes; nano_rlhf.parallel reads either
+       layout on any number of ranks)
     rng_rank<r>.safetensors + rng_rank<r>.json      RNG states of every rank (torch, cuda, python, numpy)
     meta.json                                       step, data position, KL controller, ... (script-defined)
     run.json                                        what defines the run (nano_rlhf.run checks it on --resume)
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import dist
+from . import dist, parallel
 
 # A function returning the run's identity record, registered by nano_rlhf.run.start(); save_state writes it
 # into every state directory as run.json, inside the atomic swap, so a state never exists without it.
@@ -77,7 +80,10 @@ def write_json(path, obj):
 
 
 def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
-    """The model as a HF directory (config.json, model.safetensors) plus tokenizer.json; rank 0 only."""
+    """The model as a HF directory (config.json, model.safetensors) plus tokenizer.json; rank 0 writes it.
+    A FSDP-sharded model is gathered first (collective: then every rank must call this)."""
+    if parallel.is_sharded(model):
+        model = parallel.plain_copy(model)
     if not dist.ctx().is_main:
         return
     os.makedirs(out_dir, exist_ok=True)
@@ -161,10 +167,18 @@ def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: 
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        for name, m in models.items():
+    dist.barrier()
+    for name, m in models.items():
+        if parallel.is_sharded(m):      # FSDP: every rank writes its shards (parallel.save_sharded)
+            parallel.save_sharded(tmp, f"model_{name}", dist.unwrap(m).state_dict())
+        elif ctx.is_main:
             sd = {k: v.detach().to("cpu").contiguous() for k, v in dist.unwrap(m).state_dict().items()}
             save_file(sd, os.path.join(tmp, f"model_{name}.safetensors"))
-        for name, opt in optimizers.items():
+    for name, opt in optimizers.items():
+        if any(parallel.is_sharded(p) for g in opt.param_groups for p in g["params"]):
+            tensors, ometa = parallel.optimizer_tensors(opt)
+            parallel.save_sharded(tmp, f"optim_{name}", tensors, ometa)
+        elif ctx.is_main:
             tensors, ometa = _optim_to_flat(opt)
             save_file(tensors, os.path.join(tmp, f"optim_{name}.safetensors"))
             write_json(os.path.join(tmp, f"optim_{name}.json"), ometa)
@@ -204,15 +218,25 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
     meta = _read_json(os.path.join(d, "meta.json"))
     for name, m in models.items():
         path = os.path.join(d, f"model_{name}.safetensors")
+        if parallel.is_sharded(m) or not os.path.isfile(path):      # sharded now, or saved sharded
+            try:
+                parallel.load_model(parallel.TensorSource(d, f"model_{name}"), m)
+            except RuntimeError as e:
+                raise StateError(f"{d}/model_{name}: does not fit the model ({str(e).splitlines()[0]})") from None
+            continue
         try:
             dist.unwrap(m).load_state_dict(_read_tensors(path))
         except RuntimeError as e:       # missing / unexpected keys, shape mismatch
             raise StateError(f"{path}: does not fit the model ({str(e).splitlines()[0]})") from None
     for name, opt in optimizers.items():
         tpath, jpath = (os.path.join(d, f"optim_{name}.{ext}") for ext in ("safetensors", "json"))
+        sharded_now = any(parallel.is_sharded(p) for g in opt.param_groups for p in g["params"])
         try:
-            _optim_from_flat(opt, _read_tensors(tpath), _read_json(jpath))
-        except (KeyError, TypeError, RuntimeError) as e:
+            if sharded_now or not os.path.isfile(tpath):
+                parallel.load_optimizer(parallel.TensorSource(d, f"optim_{name}"), opt, _read_json(jpath))
+            else:
+                _optim_from_flat(opt, _read_tensors(tpath), _read_json(jpath))
+        except (KeyError, TypeError, IndexError, RuntimeError) as e:
             raise StateError(f"{tpath}: does not fit the optimizer ({type(e).__name__}: {e})") from None
     rank, world_size = dist.ctx().rank, dist.ctx().world_size
     rpath, rjson = os.path.join(d, f"rng_rank{rank}.safetensors"), os.path.join(d, f"rng_rank{rank}.json")

@@ -179,11 +179,13 @@ def unwrap(model):
 
 
 def weights_checksum(model) -> int:
-    """A 63-bit hash of every parameter and buffer, bit-exact."""
+    """A 63-bit hash of every parameter and buffer, bit-exact (of the gathered full tensors under FSDP:
+    collective then)."""
     h = hashlib.sha256()
+    from .parallel import checksum_tensor      # FSDP shards are gathered: the checksum is of the full weights
     for name, t in unwrap(model).state_dict().items():
         h.update(name.encode())
-        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(checksum_tensor(t).view(-1).view(torch.uint8).numpy().tobytes())
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 

@@ -314,6 +314,8 @@ def check_options(opts, needs_init=""):
         return f"{', '.join(given)} has no effect without --lora_r > 0" if given else None
     if needs_init and not getattr(opts, needs_init):
         return f"--lora_r trains adapters on a pretrained model: it needs --{needs_init} DIR (not a model from scratch)"
+    if getattr(opts, "fsdp", False):   # the merged export copies the whole module, which a sharded one is not
+        return "--lora_r with --fsdp is not supported yet: use LoRA under DDP (its training state is small)"
     try:
         parse_targets(opts.lora_targets)
     except ValueError as e:
