@@ -12,7 +12,7 @@ Read `generate` first. It is the whole algorithm:
 The fast path sits beside the eager loop and computes the same numbers: `compile=True` runs the decode step
 (trunk + output layer) as one `torch.compile`d graph over a static-shape cache (every cache slot attended, the
 unwritten ones masked), so its shapes never change between steps; compaction then shrinks the batch only to a
-few bucket sizes (B, B/2, B/4, ...), one compiled graph each. Where compile is unavailable (no C++ compiler for
+few bucket sizes (B, B/2, B/4, B/8), one compiled graph each. Where compile is unavailable (no C++ compiler for
 inductor's CPU kernels) or fails, one notice line goes to stderr and the same step runs eagerly.
 
 Random numbers. A sampled row draws one uniform number per step (`inverse_cdf_sample`), and every step draws
@@ -71,9 +71,11 @@ def stop_table(stop_ids, vocab_size, device):
 
 
 def bucket_sizes(batch):
-    """Batch sizes the compiled decode step is compiled for: batch, then halved down to 1."""
+    """Batch sizes the compiled decode step is compiled for: batch, batch/2, batch/4, batch/8 (rounded up).
+    Why stop at an eighth: each size is one more compile (seconds to a minute on CPU), and below an eighth of
+    the batch the step costs little more than its weights' reads whatever the row count."""
     sizes = [batch]
-    while sizes[-1] > 1:
+    while len(sizes) < 4 and sizes[-1] > 1:
         sizes.append(math.ceil(sizes[-1] / 2))
     return sizes
 
@@ -145,7 +147,9 @@ def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k,
                      compile, share_prefix, compact, stats):
     B, Tp = input_ids.shape
     device, trunk, W = input_ids.device, model.trunk, model.output_weight()
-    step_fn = _compiled_step(model, device) if compile else None
+    tc = time.perf_counter()
+    step_fn = _compiled_step(model, device) if compile else None     # (imports dynamo/inductor the first time)
+    stats["compile_s"] = time.perf_counter() - tc
     stats["compiled"] = step_fn is not None
     left_padded = not bool(mask.all())
     static = step_fn is not None                       # static shapes: attend to every cache slot, masked
@@ -184,19 +188,20 @@ def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k,
         keys = F.pad(mask.bool(), (0, L - Tp))[:, None, None, :]
     buckets = bucket_sizes(B)
     seen_shapes = _SEEN.setdefault(model, set())
-    t0, n = time.perf_counter(), 0
+    t0, n, compile_s = time.perf_counter(), 0, stats["compile_s"]
     for step in range(max_new_tokens):
-        u = torch.rand(B, generator=generator, device=device)[rows] if temperature else None
+        sel = rows if len(rows) < B else slice(None)   # until the first compaction: views, no gathers
+        u = torch.rand(B, generator=generator, device=device)[sel] if temperature else None
         tok = sample_token(logits, temperature, top_k, top_p, generator, u)
-        ended = done[rows]
-        out[rows, step] = tok.masked_fill(ended, pad)
-        done[rows] = ended | is_stop[tok]
+        ended = done[sel]
+        out[sel, step] = tok.masked_fill(ended, pad)
+        done[sel] = ended | is_stop[tok]
         stats["steps"] += 1
         stats["row_steps"] += len(rows)
         n = step + 1
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        if compact:
+        if compact and stops:                          # (without stop ids no row ends early)
             alive = (~done[rows]).nonzero().squeeze(1)
             # eager: shrink to the running rows once a quarter has ended (each shrink copies the cache);
             # static: to the smallest bucket that holds them, so only len(buckets) shapes are ever compiled
@@ -226,7 +231,7 @@ def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k,
             m = None if keys is None else keys[:, :, :, :write + 1]
             logits = F.linear(trunk.forward_cached(tok[:, None], m, next_pos, cache, write)[:, -1], W)
         next_pos = next_pos + 1
-    stats["decode_s"] = time.perf_counter() - t0 - stats["compile_s"]
+    stats["decode_s"] = time.perf_counter() - t0 - (stats["compile_s"] - compile_s)
     return torch.cat([input_ids, out[:, :n]], 1)
 
 
