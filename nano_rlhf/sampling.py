@@ -39,7 +39,9 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None
     u: (B,) uniform numbers in [0, 1) to sample with (default: drawn here from generator)."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:                   # (x / 1.0 == x exactly: the division is skipped, not approximated)
+        logits = logits / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
