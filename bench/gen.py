@@ -140,7 +140,8 @@ def part_rl(a, out):
     seq = m.generate(rep_ids, rep_mask, new, temperature=1.0, eos_token_id=eos, pad_token_id=1, generator=gen)
     resp = seq[:, Tp:]
     ended = (resp == eos).any(1)
-    length = torch.where(ended, (resp == eos).float().argmax(1) + 1, torch.full_like(ended, resp.shape[1], dtype=torch.long))
+    first_eos = (resp == eos).float().argmax(1) + 1
+    length = torch.where(ended, first_eos, torch.full_like(first_eos, resp.shape[1]))
     out["rl_lengths"] = {"mean": float(length.float().mean()), "max": int(length.max()),
                          "ended": float(ended.float().mean())}
     out["rl_work"] = {"row_steps": stats["row_steps"], "steps": stats["steps"], "rows": P * k,

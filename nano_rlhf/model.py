@@ -5,7 +5,8 @@ Read the ordinary forward first: `_Trunk.forward` (embeddings -> blocks -> final
 `GPT.forward` (hidden states -> logits). The faster paths live beside it, each named, tested against it and
 computing the same numbers: `_Trunk.forward_cached` (KV-cache decoding, driven by the rollout engine in
 sampling.py), `_Trunk.forward_at` (the hidden state at one position per row, for end scores), `select` in
-`GPT.hidden_states` (the output layer only where a loss needs it) and `token_logprobs` (the output layer in chunks of positions, for real vocabularies).
+`GPT.hidden_states` (the output layer only where a loss needs it) and `token_logprobs` (the output layer in
+chunks of positions, for real vocabularies).
 
 Module names follow HF (GPT-2: transformer.wte, transformer.h.0.attn.c_attn, ...; Llama family: model.embed_tokens,
 model.layers.0.self_attn.q_proj, ..., lm_head), so a checkpoint converts key for key (hf_io.py).

@@ -68,7 +68,8 @@ def test_sample_token_with_given_uniforms_inverts_the_cdf():
     assert sampling.inverse_cdf_sample(probs, u=u).tolist() == [2, 0]
     # without u, one draw per row from the generator: the same numbers as torch.rand(B)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    assert torch.equal(sampling.inverse_cdf_sample(probs, g1), sampling.inverse_cdf_sample(probs, u=torch.rand(2, generator=g2)))
+    drawn_here = sampling.inverse_cdf_sample(probs, g1)
+    assert torch.equal(drawn_here, sampling.inverse_cdf_sample(probs, u=torch.rand(2, generator=g2)))
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
