@@ -175,14 +175,13 @@ def main():
     torch.set_num_threads(a.threads)
     out = {"load_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
            "torch": torch.__version__, "threads": a.threads, "calls": a.calls}
-    if a.part in ("all", "decode"):
-        part_decode(a, out)
-    if a.part in ("all", "rl"):
-        part_rl(a, out)
-    out["load_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+    for part, run in (("decode", part_decode), ("rl", part_rl)):
+        if a.part in ("all", part):
+            run(a, out)
+            out["load_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+            with open(a.out, "w") as f:      # after each part: a long run keeps what it measured
+                json.dump(out, f, indent=1)
     for part in ("decode", "rl"):
         for name, r in out.get(part, {}).items():
             extra = f"  {r['new_tok_per_s']:8.0f} new tok/s" if "new_tok_per_s" in r else ""
