@@ -104,6 +104,10 @@ class Options:
     samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
     max_new_tokens: int = 40      # response length limit (also Dr. GRPO's constant normaliser) {>= 1}
     temperature: float = 1.0      # sampling temperature; log-probs use logits / temperature everywhere {> 0}
+    compile_rollout: bool = False # decode with a torch.compile'd static-cache step (compiles once per batch bucket)
+    share_prompt_prefill: bool = True  # the k samples of a prompt share one prefill of it (same tokens at a seed)
+    compact_rollout: bool = True  # ended samples leave the decode batch (same tokens at a seed)
+    rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
     max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens {>= 0}
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
     kl_estimator: Literal["k1", "k3"] = "k1"  # per-token KL estimate in the reward
@@ -414,17 +418,26 @@ def scores_from_reward(raw, has_eos, opts, rm_stats=None):
     return score
 
 
+def engine_options(opts):
+    """The rollout engine's keyword options (nano_rlhf.sampling.generate) from the command line."""
+    return dict(compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill, compact=opts.compact_rollout,
+                dtype=getattr(torch, opts.rollout_dtype))
+
+
 @torch.no_grad()
-def rollout(prompts, models: Models, tok, opts, gen):
+def rollout(prompts, models: Models, tok, opts, gen, gen_stats=None):
     """Sample k completions per prompt, cut them after the first stop token (end-of-text or the chat template's
     end-of-turn: tok.stop_ids), score them, and record the log-probs and values the update needs. prompts:
     tokenized prompt records ({"prompt": ids, "text": ...})."""
     k, device = opts.samples_per_prompt, next(models.policy.parameters()).device
     q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
+    # the sampled tokens are all the update takes from generation: log-probs (π_old) are recomputed below or
+    # in the update by the float32 policy, so a bfloat16 sampling copy keeps the ratio exactly 1 at lr 0
     with parallel.gathered(models.policy):      # FSDP: one all-gather for the whole decoding, not one per token
         seq = dist.unwrap(models.policy).generate(q_ids, q_mask, opts.max_new_tokens, opts.temperature,
-                                                  eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id, generator=gen)
+                                                  eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id, generator=gen,
+                                                  stats=gen_stats, **engine_options(opts))
     P, resp = q_ids.shape[1], seq[:, q_ids.shape[1]:]
     is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=device))
     has_eos = is_eos.any(1)
@@ -756,7 +769,8 @@ def main(argv=None):
         with parallel.gathered(models.policy, models.ref, getattr(models.reward, "model", None)):
             if world.is_main:
                 samples = sample_and_score(models.policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
-                                           ref=models.ref, rewards=eval_rewards(models, opts))
+                                           ref=models.ref, rewards=eval_rewards(models, opts),
+                                           engine=engine_options(opts))
                 metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
                 run.log_samples(step, samples[:8])
                 for smp in samples[:3]:
@@ -777,7 +791,8 @@ def main(argv=None):
         t0 = time.time()
         set_lr(policy.opt, lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant"))
         batch = [prompts[i] for i in prompt_batches.next_step()[0]]
-        r = rollout(batch, models, tok, opts, gen)
+        gen_stats = {}
+        r = rollout(batch, models, tok, opts, gen, gen_stats)
         t_gen = time.time() - t0
         beta = kl_ctl.beta
         targets = advantages(r, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,
@@ -796,6 +811,8 @@ def main(argv=None):
                                                      masked_sums(targets.returns - r.values, r.response_mask)]))
             metrics["train/explained_variance"] = explained_variance(ev_sums[:3], ev_sums[3:])
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
+        if opts.compile_rollout:               # compiling (first steps, each new batch bucket) timed apart
+            metrics["train/generate_compile_time"] = gen_stats["compile_s"]
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
     for name, learner in trained.items():

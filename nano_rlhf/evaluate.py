@@ -61,8 +61,9 @@ def mean_se(xs):
 
 @torch.no_grad()
 def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, samples_per_prompt=1, seed=0,
-                     batch_size=64, ref=None, rewards=None, top_k=None, top_p=None):
+                     batch_size=64, ref=None, rewards=None, top_k=None, top_p=None, engine=None):
     """Generate for every prompt (records with "prompt") and score; returns one dict per sample.
+    engine: keyword options of the rollout engine (nano_rlhf.sampling.generate: compile, share_prefix, ...).
     rewards: {column name: reward(prompts, completions)} (nano_rlhf.reward); a reward model scores the very
     token ids sampled."""
     model.eval()
@@ -77,7 +78,8 @@ def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, sa
     for s in range(0, len(work), batch_size):
         chunk = work[s:s + batch_size]
         ids, attn = collate_prompts([items[i]["prompt"] for i, _ in chunk], tok.pad_id)
-        seq = model.generate(ids, attn, max_new_tokens, temperature, top_k, top_p, tok.stop_ids, tok.pad_id, gen)
+        seq = model.generate(ids, attn, max_new_tokens, temperature, top_k, top_p, tok.stop_ids, tok.pad_id, gen,
+                             **(engine or {}))
         Tp = ids.shape[1]
         resp = seq[:, Tp:]
         is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=resp.device))   # end-of-text or the template's end-of-turn
@@ -161,6 +163,10 @@ def main(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=48, help="longest response")
     p.add_argument("--batch_size", type=int, default=64, help="prompts per generation batch")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every model)")
+    p.add_argument("--compile", action="store_true", help="decode with a torch.compile'd static-cache step "
+                   "(compile time is paid once per batch bucket)")
+    p.add_argument("--sample_dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the "
+                   "sampling copy of each model (log-probs for the KL column stay float32)")
     p.add_argument("--chat_template", default="auto", choices=CHAT_TEMPLATES, help="how conversational prompts are "
                    "rendered; auto = recognised from the tokenizer's own template")
     p.add_argument("--date_string", default="", help='Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one '
@@ -193,7 +199,8 @@ def main(argv=None):
             if a.reward_model:                                     # likewise the reward model
                 rewards["rm_score"] = reward_mod.load_reward(a.reward_model, tokenizer=tok, batch_size=a.batch_size)
             samples = sample_and_score(model, tok, prompts, a.max_new_tokens, a.temperature, a.samples_per_prompt,
-                                       a.seed, a.batch_size, ref, rewards, a.top_k, a.top_p)
+                                       a.seed, a.batch_size, ref, rewards, a.top_k, a.top_p,
+                                       engine=dict(compile=a.compile, dtype=getattr(torch, a.sample_dtype)))
             if a.baseline and os.path.isdir(a.baseline) and d == models[0]:
                 baseline = samples
             summary = summarize(samples, baseline)

@@ -3,9 +3,10 @@ Qwen3). GPT is the policy, ScoreModel (trunk + scalar head) the reward model and
 
 Read the ordinary forward first: `_Trunk.forward` (embeddings -> blocks -> final norm -> hidden states) and
 `GPT.forward` (hidden states -> logits). The faster paths live beside it, each named, tested against it and
-computing the same numbers: `_Trunk.forward_cached` (KV-cache decoding), `_Trunk.forward_at` (the hidden state
-at one position per row, for end scores), `select` in `GPT.hidden_states` (the output layer only where a loss
-needs it) and `token_logprobs` (the output layer in chunks of positions, for real vocabularies).
+computing the same numbers: `_Trunk.forward_cached` (KV-cache decoding, driven by the rollout engine in
+sampling.py), `_Trunk.forward_at` (the hidden state at one position per row, for end scores), `select` in
+`GPT.hidden_states` (the output layer only where a loss needs it) and `token_logprobs` (the output layer in
+chunks of positions, for real vocabularies).
 
 Module names follow HF (GPT-2: transformer.wte, transformer.h.0.attn.c_attn, ...; Llama family: model.embed_tokens,
 model.layers.0.self_attn.q_proj, ..., lm_head), so a checkpoint converts key for key (hf_io.py).
@@ -30,6 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from . import sampling
+from .sampling import inverse_cdf_sample, sample_token  # noqa: F401  (re-exported: they lived here)
 
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
 ARCHITECTURES = {  # model_type -> (language model class, sequence classification class) in transformers
@@ -365,15 +369,29 @@ class _Trunk(nn.Module):
 
     def forward_cached(self, input_ids, attention_mask, position_ids, cache, cache_pos):
         """KV-cache decoding. Why: a new token attends to the stored keys/values of the prefix instead of
-        recomputing them. cache: per block (k, v) of (B, n_kv_head, max_len, head_dim); this call's keys and
-        values are written at cache_pos:cache_pos+T. attention_mask covers all cache_pos+T tokens."""
-        x, rope, mask = self.inputs(input_ids, attention_mask, position_ids, cache_pos,
-                                    cached=attention_mask is not None)
-        end = cache_pos + input_ids.shape[1]
+        recomputing them. cache: per block (k, v) of (B, n_kv_head, L, head_dim); this call's keys and values
+        are written at cache_pos:cache_pos+T and it attends to cache[:, :, :cache_pos+T]. attention_mask: None
+        (all real), (B, cache_pos+T) 1/0 over every token so far, or a ready (B, 1, T, K) bool SDPA mask (the
+        rollout engine keeps one; position_ids are then required and nothing is checked per step).
+        cache_pos may be a (T,) long tensor of write positions (the compiled static-shape decode step of
+        nano_rlhf.sampling): then all L slots are attended and the (B, 1, T, L) mask hides the unwritten ones."""
+        if attention_mask is not None and attention_mask.dim() == 4:
+            x, rope, mask = self.embed(input_ids, position_ids), self.rope(position_ids), attention_mask
+        else:
+            x, rope, mask = self.inputs(input_ids, attention_mask, position_ids, cache_pos,
+                                        cached=attention_mask is not None)
+        static = isinstance(cache_pos, torch.Tensor)
+        end = None if static else cache_pos + input_ids.shape[1]
         for block, (k_cache, v_cache) in zip(self.blocks, cache):
             q, k, v = block.attention.qkv(block.norm_1(x), rope)
-            k_cache[:, :, cache_pos:end], v_cache[:, :, cache_pos:end] = k, v
-            x = x + block.attention.out(attend(q, k_cache[:, :, :end], v_cache[:, :, :end], mask))
+            if static:
+                k_cache.index_copy_(2, cache_pos, k)
+                v_cache.index_copy_(2, cache_pos, v)
+                k_all, v_all = k_cache, v_cache
+            else:
+                k_cache[:, :, cache_pos:end], v_cache[:, :, cache_pos:end] = k, v
+                k_all, v_all = k_cache[:, :, :end], v_cache[:, :, :end]
+            x = x + block.attention.out(attend(q, k_all, v_all, mask))
             x = x + block.mlp(block.norm_2(x))
         return self.final_norm(x)
 
@@ -542,77 +560,14 @@ class GPT(_Pretrained):
         """Load a *ForCausalLM directory (HF or ours); a reward model's trunk loads too (score.weight dropped)."""
         return cls._from_dir(model_dir, overrides)[0]
 
-    @torch.no_grad()
     def generate(self, input_ids, attention_mask=None, max_new_tokens=32, temperature=1.0, top_k=None,
-                 top_p=None, eos_token_id=None, pad_token_id=None, generator=None, use_cache=True):
-        """Sample continuations of left-padded prompts.
-
-        input_ids, attention_mask: (B, Tp) prompts, left-padded (mask 0 on pads). temperature 0 = greedy.
-        eos_token_id: an id or a list/set of ids (end-of-text and end-of-turn tokens) that end a row.
-        Returns (B, Tp + n) ids, n <= max_new_tokens: prompts followed by the new tokens; after a row's
-        first end token every position holds pad_token_id. Stops early when every row has ended.
-        With use_cache the KV cache is preallocated once and the prompt's logits are taken at its last position.
-        """
-        B, Tp = input_ids.shape
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if Tp + max_new_tokens > self.cfg.block_size:
-            raise ValueError(f"prompt ({Tp}) + max_new_tokens ({max_new_tokens}) exceeds block_size {self.cfg.block_size}")
-        ends = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else sorted(eos_token_id)
-        ends = torch.tensor(ends, dtype=torch.long, device=input_ids.device)
-        pad = pad_token_id if pad_token_id is not None else (int(ends[0]) if len(ends) else 0)
-        was_training = self.training
-        self.eval()
-        ids, mask = input_ids, attention_mask.long()
-        finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
-        left_padded = not bool(mask.all())
-        W = self.output_weight()
-        if use_cache:
-            shape = (B, self.cfg.kv_heads, Tp + max_new_tokens, self.cfg.hd)
-            cache = [(W.new_empty(shape), W.new_empty(shape)) for _ in range(self.cfg.n_layer)]
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            h = self.trunk.forward_cached(ids, mask if left_padded else None, pos, cache, 0)
-            next_pos = pos[:, -1:] + 1
-        new = []
-        for step in range(max_new_tokens):
-            logits = F.linear(h[:, -1], W) if use_cache else self(ids, mask if left_padded else None)[:, -1]
-            tok = sample_token(logits, temperature, top_k, top_p, generator)
-            tok = torch.where(finished, torch.full_like(tok, pad), tok)
-            new.append(tok)
-            finished |= torch.isin(tok, ends)
-            ids = torch.cat([ids, tok[:, None]], 1) if not use_cache else ids
-            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
-            if bool(finished.all()) or step == max_new_tokens - 1:
-                break
-            if use_cache:
-                h = self.trunk.forward_cached(tok[:, None], mask if left_padded else None, next_pos, cache, Tp + step)
-                next_pos = next_pos + 1
-        self.train(was_training)
-        return torch.cat([input_ids, torch.stack(new, 1)], 1)
-
-
-def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """(B, V) logits -> (B,) token ids. temperature 0 = argmax; top_k/top_p filter before sampling."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, idx = logits.sort(-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p        # keep the smallest prefix reaching top_p
-        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    return inverse_cdf_sample(logits.softmax(-1), generator)
-
-
-def inverse_cdf_sample(probs, generator=None):
-    """(B, V) probabilities -> (B,) ids with one uniform number per row. Why: torch.multinomial draws an
-    exponential per vocabulary entry, which costs more than a small model's whole decode step."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
+                 top_p=None, eos_token_id=None, pad_token_id=None, generator=None, use_cache=True, **engine):
+        """Sample continuations of left-padded prompts: nano_rlhf.sampling.generate (the rollout engine), whose
+        docstring says what comes back. eos_token_id: an id or a list/set of ids that end a row. engine: its
+        keyword options (compile, share_prefix, compact, dtype, stats)."""
+        return sampling.generate(self, input_ids, attention_mask, max_new_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, stop_ids=eos_token_id, pad_id=pad_token_id,
+                                 generator=generator, use_cache=use_cache, **engine)
 
 
 def _chunk_logprobs(h, weight, targets, temperature, with_entropy):

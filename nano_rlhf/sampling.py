@@ -1,0 +1,315 @@
+"""The rollout engine: sample continuations of left-padded prompts with a KV cache, in plain PyTorch.
+
+Read `generate` first. It is the whole algorithm:
+  1. prefill  run the prompts through the trunk once, writing every layer's keys/values into a cache that is
+              preallocated for the whole rollout; prompts that occur several times (the k samples of a prompt
+              group) are prefilled once and their cache rows copied (prefix sharing)
+  2. decode   one token per step: logits of the last position -> sample -> feed the token back, attending to
+              the cache instead of recomputing the prefix
+  3. stop     a row ends at its first stop id (end-of-text, end-of-turn); everything after it is pad. Rows that
+              ended leave the decode batch (compaction), so a batch of short answers does not pay for the longest.
+
+The fast path sits beside the eager loop and computes the same numbers: `compile=True` runs the decode step
+(trunk + output layer) as one `torch.compile`d graph over a static-shape cache (every cache slot attended, the
+unwritten ones masked), so its shapes never change between steps; compaction then shrinks the batch only to a
+few bucket sizes (B, B/2, B/4, B/8), one compiled graph each. Where compile is unavailable (no C++ compiler for
+inductor's CPU kernels) or fails, one notice line goes to stderr and the same step runs eagerly.
+
+Random numbers. A sampled row draws one uniform number per step (`inverse_cdf_sample`), and every step draws
+them for ALL B rows of the call (torch.rand(B)) whether or not a row is still in the decode batch. So neither
+compaction nor prefix sharing changes any draw: they change a token only where they change its logits, which
+they do at most by float rounding (a matrix product of fewer rows may sum in another order).
+"""
+import copy
+import math
+import os
+import shutil
+import sys
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+
+# ---- sampling one token -------------------------------------------------------------------------
+
+def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None, u=None):
+    """(B, V) logits -> (B,) token ids. temperature 0 = argmax; top_k/top_p filter before sampling.
+    u: (B,) uniform numbers in [0, 1) to sample with (default: drawn here from generator)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float()
+    if temperature != 1.0:                   # (x / 1.0 == x exactly: the division is skipped, not approximated)
+        logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, idx = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p        # keep the smallest prefix reaching top_p
+        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    return inverse_cdf_sample(logits.softmax(-1), generator, u)
+
+
+def inverse_cdf_sample(probs, generator=None, u=None):
+    """(B, V) probabilities -> (B,) ids with one uniform number per row (u, or drawn from generator). Why:
+    torch.multinomial draws an exponential per vocabulary entry, which costs more than a small model's whole
+    decode step."""
+    cdf = probs.cumsum(-1)
+    if u is None:
+        u = torch.rand(cdf.shape[0], generator=generator, device=cdf.device)
+    return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
+
+
+def stop_table(stop_ids, vocab_size, device):
+    """(V,) bool, True at the stop ids: `table[tok]` is one gather per step (torch.isin sorts every call)."""
+    table = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    ids = [i for i in stop_ids if 0 <= i < vocab_size]
+    if ids:
+        table[torch.tensor(ids, device=device)] = True
+    return table
+
+
+def bucket_sizes(batch):
+    """Batch sizes the compiled decode step is compiled for: batch, batch/2, batch/4, batch/8 (rounded up).
+    Why stop at an eighth: each size is one more compile (seconds to a minute on CPU), and below an eighth of
+    the batch the step costs little more than its weights' reads whatever the row count."""
+    sizes = [batch]
+    while len(sizes) < 4 and sizes[-1] > 1:
+        sizes.append(math.ceil(sizes[-1] / 2))
+    return sizes
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def generate(model, input_ids, attention_mask=None, max_new_tokens=32, *, temperature=1.0, top_k=None, top_p=None,
+             stop_ids=None, pad_id=None, generator=None, use_cache=True, compile=False, share_prefix=True,
+             compact=True, dtype=None, stats=None):
+    """Sample continuations of left-padded prompts with a GPT (nano_rlhf.model).
+
+    input_ids, attention_mask: (B, Tp) prompts, left-padded (mask 0 on pads). temperature 0 = greedy.
+    stop_ids: an id or a list/set of ids (end-of-text and end-of-turn tokens) that end a row.
+    pad_id: written after a row's stop token (default: the first stop id, else 0).
+    Returns (B, Tp + n) ids, n <= max_new_tokens: prompts followed by the new tokens; after a row's first stop
+    token every position holds pad_id. Stops early when every row has ended.
+    compile: decode with the compiled static-cache step. share_prefix: prefill identical prompt rows once.
+    compact: ended rows leave the decode batch. dtype: sample with a copy of the model in this dtype (e.g.
+    torch.bfloat16; the caller recomputes log-probs with its own model). use_cache=False: the reference loop
+    (a full forward per token). stats: a dict to fill with timings and counts (compile_s apart from the rest).
+    """
+    B, Tp = input_ids.shape
+    cfg = model.cfg
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if Tp + max_new_tokens > cfg.block_size:
+        raise ValueError(f"prompt ({Tp}) + max_new_tokens ({max_new_tokens}) exceeds block_size {cfg.block_size}")
+    stops = [] if stop_ids is None else [stop_ids] if isinstance(stop_ids, int) else sorted(stop_ids)
+    pad = pad_id if pad_id is not None else (stops[0] if stops else 0)
+    stats = {} if stats is None else stats
+    stats.update(compile_s=0.0, prefill_s=0.0, decode_s=0.0, steps=0, row_steps=0, prefill_rows=0, compiled=False)
+    was_training = model.training
+    model.eval()
+    try:
+        net = model if dtype is None or dtype == model.output_weight().dtype else _shadow(model, dtype)
+        if not use_cache:
+            return _generate_uncached(net, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
+                                      stops, pad, generator, stats)
+        return _generate_cached(net, input_ids, attention_mask.long(), max_new_tokens, temperature, top_k, top_p,
+                                stops, pad, generator, compile, share_prefix, compact, stats)
+    finally:
+        model.train(was_training)
+
+
+def _generate_uncached(model, ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad, generator, stats):
+    """The reference loop: a full forward over the whole sequence for every new token."""
+    B, Tp = ids.shape
+    is_stop = stop_table(stops, model.cfg.vocab_size, ids.device)
+    done = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    left_padded = not bool(mask.all())
+    t0, new = time.perf_counter(), []
+    for _ in range(max_new_tokens):
+        logits = model(ids, mask if left_padded else None)[:, -1]
+        u = torch.rand(B, generator=generator, device=ids.device) if temperature else None
+        tok = sample_token(logits, temperature, top_k, top_p, generator, u)
+        new.append(tok.masked_fill(done, pad))
+        done |= is_stop[tok]
+        ids, mask = torch.cat([ids, tok[:, None]], 1), torch.cat([mask, mask.new_ones(B, 1)], 1)
+        stats["steps"] += 1
+        stats["row_steps"] += B
+        if bool(done.all()):
+            break
+    stats["decode_s"] = time.perf_counter() - t0
+    return torch.cat([ids[:, :Tp], torch.stack(new, 1)], 1)
+
+
+def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad, generator,
+                     compile, share_prefix, compact, stats):
+    B, Tp = input_ids.shape
+    device, trunk, W = input_ids.device, model.trunk, model.output_weight()
+    tc = time.perf_counter()
+    step_fn = _compiled_step(model, device) if compile else None     # (imports dynamo/inductor the first time)
+    stats["compile_s"] = time.perf_counter() - tc
+    stats["compiled"] = step_fn is not None
+    left_padded = not bool(mask.all())
+    static = step_fn is not None                       # static shapes: attend to every cache slot, masked
+    L = Tp + max_new_tokens
+    if static:                                         # a few cache lengths, so varying prompts reuse graphs
+        L = min(model.cfg.block_size, 64 * math.ceil(L / 64))
+
+    # 1. prefill: each distinct prompt row once, then its cache rows copied to the rows that share it
+    t0 = time.perf_counter()
+    rows_in = torch.arange(B, device=device)
+    if share_prefix:
+        _, inverse = torch.unique(torch.cat([input_ids, mask], 1), dim=0, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), B, device=device).scatter_reduce(0, inverse, rows_in, "amin")
+        if len(first) < B:
+            rows_in = first                            # prefill these rows; row b reads shared row inverse[b]
+    shape = (len(rows_in), model.cfg.kv_heads, L, model.cfg.hd)
+    cache = [(W.new_zeros(shape), W.new_zeros(shape)) for _ in range(model.cfg.n_layer)]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    p_ids, p_mask = input_ids[rows_in], mask[rows_in]
+    h = trunk.forward_cached(p_ids, p_mask if left_padded else None, pos[rows_in], cache, 0)[:, -1]
+    logits = F.linear(h, W)
+    if len(rows_in) < B:
+        cache = [(k[inverse], v[inverse]) for k, v in cache]
+        logits = logits[inverse]
+    stats["prefill_rows"] = len(rows_in)
+    stats["prefill_s"] = time.perf_counter() - t0
+
+    # 2./3. decode. rows: which of the B rows the decode batch holds (compaction removes ended ones)
+    is_stop = stop_table(stops, model.cfg.vocab_size, device)
+    rows = torch.arange(B, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    out = torch.full((B, max_new_tokens), pad, dtype=input_ids.dtype, device=device)
+    next_pos = pos[:, -1:] + 1
+    keys = None                                        # (b, 1, 1, L) bool: which cache slots a query may see
+    if static or left_padded:
+        keys = F.pad(mask.bool(), (0, L - Tp))[:, None, None, :]
+    buckets = bucket_sizes(B)
+    seen_shapes = _SEEN.setdefault(model, set())
+    t0, n, compile_s = time.perf_counter(), 0, stats["compile_s"]
+    for step in range(max_new_tokens):
+        sel = rows if len(rows) < B else slice(None)   # until the first compaction: views, no gathers
+        u = torch.rand(B, generator=generator, device=device)[sel] if temperature else None
+        tok = sample_token(logits, temperature, top_k, top_p, generator, u)
+        ended = done[sel]
+        out[sel, step] = tok.masked_fill(ended, pad)
+        done[sel] = ended | is_stop[tok]
+        stats["steps"] += 1
+        stats["row_steps"] += len(rows)
+        n = step + 1
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        if compact and stops:                          # (without stop ids no row ends early)
+            alive = (~done[rows]).nonzero().squeeze(1)
+            # eager: shrink to the running rows once a quarter has ended (each shrink copies the cache);
+            # static: to the smallest bucket that holds them, so only len(buckets) shapes are ever compiled
+            size = min(s for s in buckets if s >= len(alive)) if static else len(alive)
+            if (size < len(rows)) if static else (size <= 0.75 * len(rows)):
+                # keep the running rows, then (static) ended ones as filler up to the bucket size
+                keep = torch.cat([alive, (done[rows]).nonzero().squeeze(1)])[:size]
+                rows, tok, next_pos = rows[keep], tok[keep], next_pos[keep]
+                cache = [(k[keep], v[keep]) for k, v in cache]
+                keys = None if keys is None else keys[keep]
+        # the token fed back is the sampled one even for ended rows (their outputs are discarded): a pad id may
+        # lie outside the vocabulary
+        write = Tp + step
+        if keys is not None:
+            keys[:, :, :, write] = True
+        if static:
+            args = (tok[:, None], keys, next_pos, cache, torch.tensor([write], device=device))
+            key = (len(rows), L)
+            if key not in seen_shapes:                 # first call at this shape: compiles (timed apart)
+                seen_shapes.add(key)
+                tc = time.perf_counter()
+                logits, step_fn = _first_call(step_fn, model, args)
+                stats["compile_s"] += time.perf_counter() - tc
+            else:
+                logits = step_fn(*args)
+        else:
+            m = None if keys is None else keys[:, :, :, :write + 1]
+            logits = F.linear(trunk.forward_cached(tok[:, None], m, next_pos, cache, write)[:, -1], W)
+        next_pos = next_pos + 1
+    stats["decode_s"] = time.perf_counter() - t0 - (stats["compile_s"] - compile_s)
+    return torch.cat([input_ids, out[:, :n]], 1)
+
+
+# ---- the compiled decode step -------------------------------------------------------------------
+
+def _decode_step(model, tok, keys, pos, cache, write):
+    """Trunk + output layer for one token per row over the whole static cache: (b, V) logits."""
+    return F.linear(model.trunk.forward_cached(tok, keys, pos, cache, write)[:, -1], model.output_weight())
+
+
+_COMPILED = weakref.WeakKeyDictionary()     # model -> its compiled decode step (or None after a failure)
+_SEEN = weakref.WeakKeyDictionary()         # model -> (batch, cache length) shapes already compiled
+_NOTICES = set()
+
+
+def notice(message):
+    """One stderr line per distinct message per process."""
+    if message not in _NOTICES:
+        _NOTICES.add(message)
+        print(f"notice: {message}", file=sys.stderr, flush=True)
+
+
+def compile_problem(device):
+    """Why torch.compile cannot run the decode step here, or None."""
+    if not hasattr(torch, "compile"):
+        return "this torch has no torch.compile"
+    if device.type == "cpu" and not (os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++"))):
+        return "no C++ compiler (g++) for inductor's CPU kernels"
+    return None
+
+
+def _compiled_step(model, device):
+    """The model's compiled decode step, or None (with a notice) where compile is unavailable."""
+    if model not in _COMPILED:
+        _COMPILED[model] = _compile(device)
+    fn = _COMPILED[model]
+    return None if fn is None else (lambda *a: fn(model, *a))
+
+
+def _compile(device):
+    """torch.compile of _decode_step, or None with a notice."""
+    problem = compile_problem(device)
+    fn = None
+    if problem:
+        notice(f"compiled decoding unavailable ({problem}); decoding eagerly")
+    else:
+        # why the limit: one graph per bucket size and cache length; the default (8) would fall back to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        mode = "reduce-overhead" if device.type == "cuda" else None     # CUDA graphs on GPU
+        fn = torch.compile(_decode_step, dynamic=False, mode=mode)
+    return fn
+
+
+def _first_call(step_fn, model, args):
+    """Run the step at a new shape (this compiles); on failure, a notice and the eager step from then on."""
+    try:
+        return step_fn(*args), step_fn
+    except Exception as e:       # inductor raises many types (missing headers, lowering errors): all fall back
+        notice(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+               "decoding eagerly")
+        _COMPILED[model] = None
+        eager = lambda *a: _decode_step(model, *a)    # noqa: E731  (the same step, uncompiled)
+        return eager(*args), eager
+
+
+_SHADOWS = weakref.WeakKeyDictionary()      # model -> its copy in another dtype (kept: a compiled step reuses it)
+
+
+def _shadow(model, dtype):
+    """A copy of the model in dtype with the model's current weights (refreshed in place on every call)."""
+    twin = _SHADOWS.get(model)
+    if twin is None or twin.output_weight().dtype != dtype:
+        twin = copy.deepcopy(model).to(dtype).eval()
+        _SHADOWS[model] = twin
+    else:
+        with torch.no_grad():
+            for a, b in zip(twin.parameters(), model.parameters()):
+                a.copy_(b)
+    return twin
