@@ -382,6 +382,7 @@ class BaseView:
     `.to()`, `.eval()`, `.requires_grad_()` change nothing and return the view; other attributes (cfg, ...)
     are the model's, and its methods (hidden_states, output_weight, ...) run with the adapters off.
     Only calls without gradients make sense: it is the reference, never trained."""
+    shares_trained_model = True   # parallel.prepare_frozen: no copy to place, no own weights to checksum
 
     def __init__(self, model):
         self.model = dist.unwrap(model)
@@ -440,6 +441,10 @@ class Adapters:
             for pname, p in m.named_parameters():
                 out[f"{name}.{pname}"] = p
         return out
+
+    def parameters(self):
+        """The checkpointed tensors (what parallel.is_sharded inspects before saving)."""
+        return iter(self._params().values())
 
     def state_dict(self):
         return adapter_state_dict(self.model)

@@ -281,8 +281,8 @@ def prepare_frozen(model, fsdp=False, frozen="shard", offload=False, dtype="floa
     """A frozen model (reference, reward model) placed per --frozen/--offload_frozen. Sharded under --fsdp
     with frozen="shard"; else whole on every rank, and with offload kept in CPU memory and moved to the
     device around each forward (Offloaded). Returns the module to call."""
-    if model is None:
-        return None
+    if model is None or getattr(model, "shares_trained_model", False):   # LoRA's adapters-off view
+        return model
     model._frozen_checksum = dist.weights_checksum(model)      # check_frozen compares the end with this
     if fsdp and frozen == "shard" and dist.world().enabled:
         return shard(model, dtype=dtype, offload=offload)

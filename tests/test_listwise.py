@@ -480,7 +480,7 @@ def test_survey_script_reuses_the_pipeline_models_and_prints_the_table(tmp_path,
                 "paft", "dpo_offline_matched", "online_dpo", "online_dpo_gold", "dno", "sppo", "nash_md", "cringe", "spo"]
     for name in policies[1:]:
         GPT.from_pretrained(str(out / name))
-        assert (out / name / "metrics.jsonl").exists()
+        assert (out / name / "metrics.jsonl").exists() or name == "paft"    # PAFT's model is a merge, not a run
     table = [ln for ln in lines if ln.startswith("| ")]
     assert [ln.split(" | ")[0][2:] for ln in table[1:]] == policies
     results = json.loads((out / "survey.json").read_text())
