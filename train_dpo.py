@@ -555,6 +555,8 @@ def check_options(opts):
         fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, which uses no reference model")
     if opts.l1_coef and opts.fsdp:   # θ_init is held whole; under --fsdp the parameters are shards
         fail("--l1_coef with --fsdp is not supported yet (θ_init would have to be sharded like the policy)", 2)
+    if opts.l1_coef and opts.lora_r:  # the penalty would fall on A and B, not on PAFT's merged delta B·A
+        fail("--l1_coef with --lora_r is not supported: PAFT's L1 is on the full weights' delta", 2)
     msg = lora.check_options(opts)
     if msg:
         fail(msg, 2)

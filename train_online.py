@@ -465,6 +465,10 @@ def check_options(opts):
     if m in PAIRWISE:
         if opts.label_smoothing and opts.loss not in ("dpo", "robust"):
             fail(f"--label_smoothing applies only to --loss dpo or robust, not {opts.loss}")
+        for flag, default, losses in (("gamma", 0.5, ("simpo",)), ("alpha", None, ("rdpo", "cpo")),
+                                      ("lam", 0.1, ("orpo",))):
+            if getattr(opts, flag) != default and opts.loss not in losses:
+                fail(f"--{flag} applies only to --loss {' or '.join(losses)}, not {opts.loss}")
         opts.beta = train_dpo.DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
         opts.alpha = (1.0 if opts.loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
     elif m == "nash_md":

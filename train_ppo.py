@@ -115,7 +115,7 @@ class Options:
     kl_target: float = 1.0        # target KL per sequence for the adaptive controller {> 0}
     kl_horizon: int = 10000       # horizon (in samples) of the adaptive controller {>= 1}
     kl_in_loss: bool = False      # KL as β·k3 per token in the loss instead of in the reward (GRPO style)
-    missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text; none = off
+    missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward selfplay: 0, the worst win rate); none = off
     score_clip: float = 5.0       # clip the normalised reward-model score to ±this {> 0}
     normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved
     gamma: float = 1.0            # GAE / reward-to-go discount {0 <= x <= 1}
@@ -420,8 +420,10 @@ def scores_from_reward(raw, has_eos, opts, rm_stats=None):
 
 def engine_options(opts):
     """The rollout engine's keyword options (nano_rlhf.sampling.generate) from the command line."""
+    # under --fsdp the engine samples with the gathered weights themselves (an FSDP module cannot be copied
+    # into a sampling copy of another dtype; --rollout_dtype bfloat16 is refused with --fsdp)
     return dict(compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill, compact=opts.compact_rollout,
-                dtype=getattr(torch, opts.rollout_dtype))
+                dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
 
 
 @torch.no_grad()
@@ -587,12 +589,19 @@ def check_options(opts):
              "with --kl_in_loss (which always uses k3) or with gae / reinforce_pp")
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
         fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function (got {opts.reward!r})")
+    if opts.fsdp and opts.rollout_dtype != "float32":
+        fail("--rollout_dtype bfloat16 with --fsdp is not supported: the rollout samples with the gathered weights "
+             "(under --dtype bfloat16 on CUDA they are already bf16)")
     if opts.reward == "selfplay":
         if opts.samples_per_prompt < 2:
             fail("--reward selfplay needs --samples_per_prompt >= 2 (a sample's reward is its win rate against the others)")
         if not (opts.judge or opts.pair_judge):
             fail("--reward selfplay needs a judge: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) "
                  "and/or --pair_judge module:function")
+        if not opts.normalize_score or opts.score_clip != 5.0:
+            fail("--normalize_score / --score_clip apply to a reward model's score, not to --reward selfplay's win rates")
+        if opts.missing_eos_penalty == -3.0:     # the default, made for scores of a few units: a win rate lies in
+            opts.missing_eos_penalty = 0.0       # [0, 1], so an unfinished sample gets the worst win rate instead
     else:
         for flag in ("judge", "pair_judge", "judge_template"):
             if getattr(opts, flag):

@@ -286,7 +286,11 @@ def draw_samples(opts, ref, prompts, tok, device):
     A response ends at its first stop token (kept, as encode_response keeps the end-of-text); one that runs
     to max_new_tokens is kept as it is (unfinished, no end token)."""
     out = {}
-    if dist.world().is_main:
+    longest = max(len(p) for p in prompts)     # checked on every rank, so none waits for a rank 0 that stopped
+    if longest >= ref.cfg.block_size:
+        raise ValueError(f"--method d2o: a prompt of {longest} tokens leaves no room to sample a response in the "
+                         f"model's block_size {ref.cfg.block_size}")
+    if dist.world().is_main:      # (the other ranks wait in broadcast_object: within --dist_timeout for this pass)
         gen = torch.Generator(device=device).manual_seed(opts.seed)
         K, block = opts.num_samples, ref.cfg.block_size
         for i in range(0, len(prompts), 32):
@@ -356,11 +360,16 @@ def data_files(opts):
         return {"data": opts.data, "eval_data": opts.eval_data or None}
     name = "scored.jsonl" if opts.method == "dro" else "unpaired.jsonl"
     path = builtin_file(name)
-    if not os.path.isfile(path):    # a data/ directory written before scored.jsonl existed: add just that file
-        if dist.world().is_main:    # (as write_dataset would have: as many rows as unpaired.jsonl)
-            with open(os.path.join(os.path.dirname(path), "unpaired.jsonl"), "rb") as f:
-                synthetic.write_scored(os.path.dirname(path), seed=0, n=sum(1 for _ in f))
-        dist.barrier()
+    # a data/ directory written before scored.jsonl existed: rank 0 adds just that file (as write_dataset would
+    # have: as many rows as unpaired.jsonl, at the directory's seed); every rank meets at the barrier, whatever
+    # it saw (a rank deciding by itself could skip a barrier the others are in)
+    if dist.world().is_main and not os.path.isfile(path):
+        folder = os.path.dirname(path)
+        with open(os.path.join(folder, "task.json")) as f:
+            seed = json.load(f).get("seed", 0)
+        with open(os.path.join(folder, "unpaired.jsonl"), "rb") as f:
+            synthetic.write_scored(folder, seed=seed, n=sum(1 for _ in f))
+    dist.barrier()
     return {"data": path, "eval_data": opts.eval_data or None}
 
 

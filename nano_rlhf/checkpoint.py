@@ -114,11 +114,10 @@ def _optim_to_flat(opt):
 
 
 def _optim_from_flat(opt, tensors, meta):
+    """Restore an optimizer from its flat tensors ("<param index>.<name>") and JSON meta (scalars, groups);
+    parallel.load_optimizer reads the tensors of a sharded state and ends here too."""
     state = {}
-    for key, v in tensors.items():
-        pid, k = key.split(".", 1)
-        state.setdefault(int(pid), {})[k] = v
-    for key, v in meta["scalars"].items():
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
         pid, k = key.split(".", 1)
         state.setdefault(int(pid), {})[k] = v
     groups = meta["param_groups"]
@@ -236,14 +235,18 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
                 parallel.load_optimizer(parallel.TensorSource(d, f"optim_{name}"), opt, _read_json(jpath))
             else:
                 _optim_from_flat(opt, _read_tensors(tpath), _read_json(jpath))
-        except (KeyError, TypeError, IndexError, RuntimeError) as e:
+        except StateError:
+            raise
+        except (KeyError, TypeError, IndexError, RuntimeError, ValueError) as e:   # ValueError: a group's size
             raise StateError(f"{tpath}: does not fit the optimizer ({type(e).__name__}: {e})") from None
     rank, world_size = dist.ctx().rank, dist.ctx().world_size
     rpath, rjson = os.path.join(d, f"rng_rank{rank}.safetensors"), os.path.join(d, f"rng_rank{rank}.json")
     if meta.get("world_size") == world_size:
         try:
             _set_rng_state(_read_tensors(rpath), _read_json(rjson), generators)
-        except (KeyError, TypeError, IndexError, RuntimeError) as e:
+        except StateError:
+            raise
+        except (KeyError, TypeError, IndexError, RuntimeError, ValueError) as e:
             raise StateError(f"{rpath}: does not hold a usable RNG state ({type(e).__name__}: {e})") from None
     else:
         dist.print0(f"note: resuming with {world_size} ranks from a state saved with "

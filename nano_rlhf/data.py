@@ -113,6 +113,16 @@ def read_jsonl(path: str, warn: Callable[[str], None] = None) -> List[tuple]:
     return rows
 
 
+def finite_number(x) -> bool:
+    """A JSON number (not a bool) that is finite as a float: a 400-digit integer is not (float() overflows)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
 def _text(obj, key, where):
     if key not in obj:
         raise DataError(f"{where}: missing field '{key}'")
@@ -182,7 +192,7 @@ def validate(obj: dict, kind: str, where: str) -> dict:
         out = _prompt_and(obj, where, ["chosen", "rejected"])
         if "margin" in obj:
             m = obj["margin"]
-            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
+            if not finite_number(m):
                 raise DataError(f"{where}: field 'margin' must be a finite number, got {m!r}")
             out["margin"] = float(m)
         return out
@@ -359,6 +369,12 @@ def tokenize_pairs(records, tok, max_len):
 
 def tokenize_unpaired(records, tok, max_len):
     """Unpaired rows -> [dict(prompt, completion, label)] of id lists, Stats."""
+    return _tokenize_single(records, tok, max_len, lambda r: {"label": r["label"]})
+
+
+def _tokenize_single(records, tok, max_len, fields):
+    """One response a row -> [dict(prompt, completion, **fields(row))] of id lists, Stats (kept / prompt
+    truncated / dropped when the response alone does not fit)."""
     out, st = [], Stats(kept=0, truncated=0, dropped=0)
     for r in records:
         p, c = tok.render_prompt(r["prompt"]), tok.encode_response(r["completion"])
@@ -368,7 +384,7 @@ def tokenize_unpaired(records, tok, max_len):
             continue
         st["kept"] += 1
         st["truncated"] += len(fp) < len(p)
-        out.append({"prompt": fp, "completion": c, "label": r["label"]})
+        out.append({"prompt": fp, "completion": c, **fields(r)})
     return out, st
 
 
@@ -457,7 +473,7 @@ def validate_listwise(obj: dict, where: str) -> dict:
         else:
             out.append(_text({key: c}, key, where))
     for i, s in enumerate(scores):
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        if not finite_number(s):
             raise DataError(f"{where}: field 'scores[{i}]' must be a finite number, got {s!r}")
     return {"prompt": prompt, "completions": out, "scores": [float(s) for s in scores]}
 
@@ -593,7 +609,7 @@ def validate_scored(obj: dict, where: str) -> dict:
         raise DataError(f"{where}: fields 'score' and 'label' are both given; a scored row has one of them")
     if "score" in obj:
         s = obj["score"]
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        if not finite_number(s):
             raise DataError(f"{where}: field 'score' must be a finite number, got {s!r}")
         out["score"] = float(s)
     elif "label" in obj:
@@ -617,14 +633,4 @@ def load_scored(path: str, warn: Callable[[str], None] = None) -> List[dict]:
 
 def tokenize_scored(records, tok, max_len):
     """Scored rows -> [dict(prompt, completion, score, where)] of id lists, Stats (the over-long rule of pairs)."""
-    out, st = [], Stats(kept=0, truncated=0, dropped=0)
-    for r in records:
-        p, c = tok.render_prompt(r["prompt"]), tok.encode_response(r["completion"])
-        fp = fit_prompt(p, len(c), max_len)
-        if fp is None:
-            st["dropped"] += 1
-            continue
-        st["kept"] += 1
-        st["truncated"] += len(fp) < len(p)
-        out.append({"prompt": fp, "completion": c, "score": r["score"], "where": r.get("_where", "")})
-    return out, st
+    return _tokenize_single(records, tok, max_len, lambda r: {"score": r["score"], "where": r.get("_where", "")})

@@ -47,8 +47,10 @@ def response_logprobs(model, ids, attn, prompt_len, temperature=1.0, response_ma
     sel = F.pad(valid, (prompt_len - 1, 1))                         # position P−1+t predicts response token t
     targets = ids[:, prompt_len:][valid]
     targets = targets.masked_fill(targets >= model.output_weight().shape[0], 0)   # a pad id outside the vocabulary
-    lp = token_logprobs(model.hidden_states(ids, attn, select=sel), model.output_weight(), targets,
-                        temperature if temperature > 0 else 1.0)
+    # through forward (not hidden_states): module hooks fire — an offloaded frozen model comes to the device,
+    # an FSDP root gathers — and the output weight is read after it
+    hidden = model(ids, attn, select=sel, return_hidden=True)
+    lp = token_logprobs(hidden, model.output_weight(), targets, temperature if temperature > 0 else 1.0)
     return torch.zeros(valid.shape, device=ids.device).masked_scatter(valid, lp)
 
 

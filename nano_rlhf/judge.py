@@ -22,7 +22,6 @@ is the first number of the answer inside [1, 10]. An answer without one scores t
 counted in a warning: a policy must gain nothing by confusing its judge (a self-rewarding policy, whose
 judge is its own starting point `llm:out/sft`, could otherwise learn to).
 """
-import math
 import os
 import re
 import sys
@@ -31,6 +30,7 @@ import torch
 
 from . import reward as reward_mod
 from .common import fail
+from .data import finite_number
 
 
 def bradley_terry(r_a, r_b):
@@ -54,7 +54,7 @@ class _CheckedPairwise:
                  f"{type(out).__name__}")
         if len(out) != len(a):
             fail(f"--pair_judge {self.name}: returned {len(out)} probabilities for {len(a)} pairs")
-        bad = next((x for x in out if not (math.isfinite(x) and 0.0 <= x <= 1.0)), None)
+        bad = next((x for x in out if not (finite_number(x) and 0.0 <= x <= 1.0)), None)
         if bad is not None:
             fail(f"--pair_judge {self.name}: returned {bad}, not a probability in [0, 1]")
         return [float(x) for x in out]

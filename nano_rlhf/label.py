@@ -118,7 +118,8 @@ def sample(model, tok, items, k, o, device, rm=None):
             end = torch.tensor(ends[s:s + o.batch_size], device=device)
             closed = torch.cat([seq, torch.where(cut, end, tok.pad_id)[:, None]], 1)
             attn = torch.cat([mask, response_mask.long(), cut.long()[:, None]], 1)
-            scores.append(rm.score_tokens(closed, attn).double().cpu())
+            block = rm.model.cfg.block_size      # a judge with a shorter context reads each row's last tokens
+            scores.append(rm.score_tokens(closed[:, -block:], attn[:, -block:]).double().cpu())
         finished += is_stop.any(1).tolist()
         texts += [tok.decode(row) for row in resp.tolist()]
     return texts, finished, torch.cat(scores) if rm is not None else None

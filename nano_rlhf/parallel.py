@@ -563,11 +563,11 @@ def optimizer_tensors(opt):
 def load_optimizer(source, opt, meta):
     """Restore an optimizer from a TensorSource of its tensors and its JSON meta, each state tensor laid out
     as its parameter (this rank's shard under FSDP)."""
+    from .checkpoint import _optim_from_flat      # (checkpoint imports this module)
     params = [p for g in opt.param_groups for p in g["params"]]
-    state = {}
+    tensors = {}
     for key in source.keys():
-        pid, k = key.split(".", 1)
-        p = params[int(pid)]
+        p = params[int(key.split(".", 1)[0])]
         if tuple(source.shape(key)) == tuple(p.shape) and len(p.shape):
             value = read_like(source, key, p)
             if DTensor is not None and isinstance(p, DTensor):
@@ -575,15 +575,8 @@ def load_optimizer(source, opt, meta):
                                            shape=p.shape, stride=p.stride())
         else:
             value = source.read(key)
-        state.setdefault(int(pid), {})[k] = value
-    for key, v in meta["scalars"].items():
-        pid, k = key.split(".", 1)
-        state.setdefault(int(pid), {})[k] = v
-    groups = meta["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": state, "param_groups": groups})
+        tensors[key] = value
+    _optim_from_flat(opt, tensors, meta)
 
 
 # ---- the command line ---------------------------------------------------------------------------------

@@ -13,7 +13,23 @@ sys.path.insert(0, ROOT)
 from nano_rlhf.model import GPT, GPTConfig  # noqa: E402
 from nano_rlhf.tokenizer import Tokenizer  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# pytest.ini runs the suite on 2 xdist workers: each then computes on one thread (and so do the processes it
+# starts), since two workers at 2 threads each on 2 cores lose more to contention than they gain
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_configure(config):
+    """The built-in task's files (ROOT/data, what scripts run without --data read) are written once here, in the
+    controlling process before any worker starts, so that no two tests generate them at the same time."""
+    if hasattr(config, "workerinput"):
+        return
+    from nano_rlhf import synthetic
+    if not os.path.isfile(os.path.join(ROOT, "data", "task.json")):      # task.json is written last
+        synthetic.write_dataset(os.path.join(ROOT, "data"), seed=0)
 
 WORDS = ("the motor is great and the screen is bad i love this blender phone battery review write a short "
          "of it was fine nice terrible quiet loud").split()

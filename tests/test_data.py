@@ -228,3 +228,20 @@ def test_text_rows_start_with_bos_where_the_tokenizer_adds_one(tmp_path):
         body = tok.encode(text)
         assert ids == ([tok.bos_id] if has_bos else []) + body + [tok.eos_id], family
         assert mask == [1] * len(ids)
+
+
+@pytest.mark.parametrize("kind,row,field", [
+    ("listwise", {"prompt": "q", "completions": [" a", " b"], "scores": [10 ** 400, 1]}, "scores"),
+    ("scored", {"prompt": "q", "completion": " a", "score": -10 ** 400}, "score"),
+    ("preference", {"prompt": "q", "chosen": " a", "rejected": " b", "margin": 10 ** 400}, "margin"),
+])
+def test_a_number_too_large_for_a_float_is_a_data_error_not_a_traceback(tmp_path, kind, row, field):
+    """JSON integers have no size limit: one past float's range passed isinstance(int) and then made
+    math.isfinite raise OverflowError (a traceback); it is a FILE:LINE error naming the field."""
+    import json
+    from nano_rlhf.data import DataError, load_records, load_scored
+    f = tmp_path / "x.jsonl"
+    f.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError) as e:
+        load_scored(str(f)) if kind == "scored" else load_records(str(f), kind)
+    assert f"{f}:1" in str(e.value) and field in str(e.value)

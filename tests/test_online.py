@@ -288,6 +288,7 @@ def one_line_error(p, *needles):
     (["--method", "sppo", "--samples_per_prompt", "1"], ["--samples_per_prompt >= 2"]),
     (["--method", "online_dpo", "--eta", "3"], ["--eta has no effect with --method online_dpo"]),
     (["--method", "cringe", "--ref_update_every", "2"], ["--ref_update_every has no effect"]),
+    (["--method", "online_dpo", "--loss", "dpo", "--gamma", "1"], ["--gamma applies only to --loss simpo, not dpo"]),
 ], ids=["judge-dir", "judge-module", "pair-not-function", "pair-missing", "pair-bad-values", "no-judge", "k1",
         "ignored-flag", "cringe-ref-update"])
 def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, extra, needles):
