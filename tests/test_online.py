@@ -290,7 +290,7 @@ def one_line_error(p, *needles):
     (["--method", "cringe", "--ref_update_every", "2"], ["--ref_update_every has no effect"]),
     (["--method", "online_dpo", "--loss", "dpo", "--gamma", "1"], ["--gamma applies only to --loss simpo, not dpo"]),
 ], ids=["judge-dir", "judge-module", "pair-not-function", "pair-missing", "pair-bad-values", "no-judge", "k1",
-        "ignored-flag", "cringe-ref-update"])
+        "ignored-flag", "cringe-ref-update", "loss-flag"])
 def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, extra, needles):
     (tmp_path / "pj.py").write_text("def bad(prompts, a, b):\n    return [1.5] * len(a)\n")
     extra = [x.replace("PJ", str(tmp_path / "pj.py")) for x in extra]
