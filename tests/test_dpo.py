@@ -75,6 +75,7 @@ def test_reference_free_losses_build_no_reference(tmp_path, sft_dir):
         assert out.ref is None
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_equal_one_process(tmp_path, sft_dir):
     run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "one", "dpo", "--batch_size", "4", "--grad_accum", "2"))
     p = run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "two", "dpo", "--batch_size", "2", "--grad_accum", "2"),
@@ -88,6 +89,7 @@ def test_ddp_two_ranks_equal_one_process(tmp_path, sft_dir):
         assert [x[key] for x in la] == pytest.approx([x[key] for x in lb], rel=1e-4), key
 
 
+@pytest.mark.slow
 def test_kto_ddp_z0_is_all_reduced(tmp_path, sft_dir):
     run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "one", "kto", "--batch_size", "4"))
     run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "two", "kto", "--batch_size", "2"), nproc=2)
@@ -102,6 +104,7 @@ def test_kto_ddp_z0_is_all_reduced(tmp_path, sft_dir):
         assert [x[key] for x in la] == pytest.approx([x[key] for x in lb], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_ddp_orpo_global_nll_token_mean_and_empty_eval_shard(tmp_path, sft_dir):
     """ORPO's NLL is a token mean over all chosen tokens of the step, on all ranks: two ranks must equal one
     process with the same global batch. One eval example on two ranks leaves rank 1 an empty eval shard,

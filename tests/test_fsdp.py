@@ -244,6 +244,7 @@ def test_ppo_and_grpo_fsdp_follow_ddp(tmp_path, sft_dir, rm_dir, extra):
     assert weights_close(weights(tmp_path / "ddp"), weights(tmp_path / "fsdp"))
 
 
+@pytest.mark.slow
 def test_fsdp_flag_errors_are_one_line(tmp_path, sft_dir):
     p = run(["train_dpo.py", "--init", sft_dir, "--frozen", "replicate", "--out_dir", str(tmp_path / "x")],
             check=False)

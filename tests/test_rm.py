@@ -112,6 +112,7 @@ def rm_args(tmp_path, sft_dir, out, *extra, steps=4):
             "--warmup_steps", "1", "--lr", "1e-3", *extra]
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_equal_one_process(tmp_path, sft_dir):
     run(rm_args(tmp_path, sft_dir, "one", "--batch_size", "4", "--grad_accum", "2"))
     p = run(rm_args(tmp_path, sft_dir, "two", "--batch_size", "2", "--grad_accum", "2"), nproc=2)
@@ -152,6 +153,7 @@ def test_end_to_end_and_transformers_parity(tmp_path, sft_dir):
     assert metrics[-1]["eval/chosen_score"] == pytest.approx(r[:16].mean().item(), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_bit_exact(tmp_path, sft_dir):
     run(rm_args(tmp_path, sft_dir, "a", "--batch_size", "8", steps=6))
     run(rm_args(tmp_path, sft_dir, "b", "--batch_size", "8", "--stop_at", "3", steps=6))

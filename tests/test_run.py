@@ -187,6 +187,7 @@ def test_resume_without_run_json_or_with_a_corrupt_file_is_one_line(toy, capsys)
     assert err.startswith("error: --resume: out/toy/state/run.json: missing")
 
 
+@pytest.mark.slow
 def test_world_size_change_with_the_same_global_batch_resumes(toy, tmp_path):
     """Saved by 1 process (batch 2), resumed by 2 ranks of batch 1: allowed, RNG streams restart."""
     run([toy.path, "--out_dir", str(tmp_path / "o"), "--stop_at", "3"], cwd=str(tmp_path))

@@ -93,6 +93,7 @@ def weights(d):
     return load_file(os.path.join(d, "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_global_token_mean_across_accumulation_and_ranks(tmp_path):
     """1 micro-batch of 4 == 4 micro-batches of 1 == 2 ranks x 2 micro-batches of 1 (variable lengths)."""
     run(sft_args(tmp_path, "a", "--batch_size", "4", "--grad_accum", "1"))
@@ -109,6 +110,7 @@ def test_global_token_mean_across_accumulation_and_ranks(tmp_path):
         assert la == pytest.approx(lb, rel=1e-4) and la == pytest.approx(lc, rel=1e-4), key
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(tmp_path):
     args = ["--batch_size", "4", "--dropout", "0.1"]          # dropout: RNG state must be restored too
     run(sft_args(tmp_path, "straight", *args, steps=6))
