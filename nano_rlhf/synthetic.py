@@ -65,8 +65,14 @@ _VERBS, _ADJS = ["Write", "Give", "Post", "Share", "Leave"], ["short", "brief", 
 PHRASINGS = [f"{v} a {a} review of the {{p}}." for v in _VERBS for a in _ADJS] + \
     ["Review the {p}.", "What do you think of the {p}?", "Tell me about the {p}."]
 EVAL_PHRASINGS = [i * len(_ADJS) + i for i in range(len(_VERBS))]
+TRAIN_PHRASINGS = [i for i in range(len(PHRASINGS)) if i not in EVAL_PHRASINGS]
 BT_TEMPERATURE = 1.0
 _WORD = re.compile(r"[a-z]+")
+
+
+def train_prompt(rng):
+    """A training prompt: a product and a phrasing not held out for evaluation, drawn from rng."""
+    return make_prompt(rng.choice(sorted(PRODUCTS)), rng.choice(TRAIN_PHRASINGS))
 
 
 def make_prompt(product, phrasing=0):
@@ -194,11 +200,9 @@ def listwise_rows(seed, n, k=LISTWISE_K):
     the same label noise, seen as K-way rankings. Its own random stream (from the seed), so that adding
     this file left every other file of the task byte for byte as it was."""
     rng = random.Random(f"listwise:{seed}")
-    products = sorted(PRODUCTS)
-    train_phrasings = [i for i in range(len(PHRASINGS)) if i not in EVAL_PHRASINGS]
     rows = []
     for _ in range(n):
-        p = make_prompt(rng.choice(products), rng.choice(train_phrasings))
+        p = train_prompt(rng)
         comps = []
         while len(comps) < k:
             c = sample_response(rng, parse_product(p), "pair")
@@ -227,10 +231,9 @@ def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, 
     """Write every file of the built-in task into out_dir (task.json last); returns task.json's content."""
     rng = random.Random(seed)
     products = sorted(PRODUCTS)
-    train_phrasings = [i for i in range(len(PHRASINGS)) if i not in EVAL_PHRASINGS]
 
     def prompt():
-        return make_prompt(rng.choice(products), rng.choice(train_phrasings))
+        return train_prompt(rng)
 
     sft = []
     for _ in range(n_sft):
@@ -313,11 +316,9 @@ def write_scored(out_dir, seed=0, n=10000):
     rounded to 3 decimals. Its own RNG (seeded from `seed`, offset so it is not the main files' stream), so
     adding this file left every other file of write_dataset byte-identical at a seed. Returns the path."""
     rng = random.Random(f"scored-{seed}")
-    products = sorted(PRODUCTS)
-    train_phrasings = [i for i in range(len(PHRASINGS)) if i not in EVAL_PHRASINGS]
     rows = []
     for _ in range(n):
-        p = make_prompt(rng.choice(products), rng.choice(train_phrasings))
+        p = train_prompt(rng)
         c = sample_response(rng, parse_product(p), "pair")
         rows.append({"prompt": p, "completion": c, "score": round(gold_reward(p, c) + rng.gauss(0.0, SCORE_NOISE), 3)})
     os.makedirs(out_dir, exist_ok=True)
