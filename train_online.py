@@ -88,6 +88,7 @@ class Options:
     cringe_threshold: Optional[float] = None  # CRINGE: score < this = negative, ≥ = positive; none = the group's worst / best
     cringe_topk: int = 5          # CRINGE: positive tokens are sampled from the model's top-k {>= 1}
     cringe_alpha: float = 1.0     # CRINGE: weight of the contrastive term beside the MLE term {>= 0}
+    missing_eos_penalty: Optional[float] = None  # subtracted from the --judge score of a response with no stop token (TRL's); none = off {>= 0}
     init: str = "out/sft"         # policy to start from (also the reference unless --ref)
     ref: str = ""                 # reference policy directory; empty = --init
     prompts: str = ""             # prompts JSONL {"prompt": ...}; empty = built-in task
@@ -302,11 +303,21 @@ def sample(mixture, prompts, prompt_ids, tok, opts, step, device, stream=0):
                    [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())])
 
 
-def judge_scores(judge, s: Samples, tok):
+def judge_scores(judge, s: Samples, tok, missing_eos_penalty=None):
     """The pointwise judge's scores of the samples (N,), float64. A reward model scores the very ids sampled, as
     the PPO rollout does (a decode/re-encode round trip need not give them back, nor fit the context), each row
     closed by the end token the score is read at when the response never produced it (end-of-text after a text
-    prompt, the template's end-of-turn after a conversation, as RewardModel.__call__ closes a completion)."""
+    prompt, the template's end-of-turn after a conversation, as RewardModel.__call__ closes a completion).
+    missing_eos_penalty: subtracted from the score of every response cut at --max_new_tokens (TRL's
+    OnlineDPOConfig.missing_eos_penalty). Why: a judge may like a long unfinished answer; without the penalty the
+    policy learns to ramble until the length limit."""
+    scores = _raw_scores(judge, s, tok)
+    if missing_eos_penalty:
+        scores = scores - missing_eos_penalty * (1 - s.has_eos.double().cpu())
+    return scores
+
+
+def _raw_scores(judge, s: Samples, tok):
     rm = judge.pointwise
     if not isinstance(rm, reward_mod.RewardModel):
         return judge.scores(s.prompts, s.completions)
@@ -320,11 +331,11 @@ def judge_scores(judge, s: Samples, tok):
     return rm.score_tokens(ids.to(rm.device), attn.to(rm.device)).double().cpu()
 
 
-def group_preferences(judge, s: Samples, k, tok):
+def group_preferences(judge, s: Samples, k, tok, penalty=None):
     """Per group of k: (P, D) (preference_matrix) and the judge's scores (None for a pairwise judge)."""
     n_groups = len(s.completions) // k
     if judge.pairwise is None:
-        scores = judge_scores(judge, s, tok).view(n_groups, k)
+        scores = judge_scores(judge, s, tok, penalty).view(n_groups, k)
         return [preference_matrix(scores=g) for g in scores], scores
     iu = torch.triu_indices(k, k, 1).tolist()
     a = [g * k + i for g in range(n_groups) for i in iu[0]]
@@ -332,7 +343,7 @@ def group_preferences(judge, s: Samples, k, tok):
     p = judge.preference([s.prompts[i] for i in a], [s.completions[i] for i in a], [s.completions[j] for j in b])
     n_pairs = len(iu[0])
     mats = [preference_matrix(pair_probs=p[g * n_pairs:(g + 1) * n_pairs], k=k) for g in range(n_groups)]
-    return mats, (judge_scores(judge, s, tok).view(n_groups, k) if judge.pointwise else None)
+    return mats, (judge_scores(judge, s, tok, penalty).view(n_groups, k) if judge.pointwise else None)
 
 
 # ---- one update per method ---------------------------------------------------------------------
@@ -449,6 +460,9 @@ def check_options(opts):
                                                                       if m in PAIRWISE else ""))
     if m == "cringe" and opts.cringe_threshold is not None and not opts.judge:
         fail("--cringe_threshold compares scores: it needs a pointwise --judge")
+    if opts.missing_eos_penalty and (not opts.judge or opts.pair_judge):
+        fail("--missing_eos_penalty lowers a --judge score: it needs a pointwise --judge and no --pair_judge "
+             "(whose preferences it would not change)")
     # a flag the method would ignore is an error, not a silent no-op
     ignored = {"loss": m in PAIRWISE or opts.loss == "dpo", "pairs": m in PAIRWISE or opts.pairs == "best_worst",
                "margin": m in PAIRWISE or opts.margin == 0, "nll_coef": m in PAIRWISE or opts.nll_coef == 0,
@@ -588,11 +602,12 @@ def main(argv=None):
         # 2. judge
         groups, scores, prob, accept_key = None, None, None, None
         if opts.method == "nash_md":
-            scores = judge_scores(judge, s, tok) if judge.pointwise else None
+            penalty = opts.missing_eos_penalty
+            scores = judge_scores(judge, s, tok, penalty) if judge.pointwise else None
             prob = judge.preference(s.prompts, s.completions, opponents.completions) if judge.pairwise else \
-                bradley_terry(scores, judge_scores(judge, opponents, tok))
+                bradley_terry(scores, judge_scores(judge, opponents, tok, penalty))
         else:
-            groups, scores = group_preferences(judge, s, k, tok)
+            groups, scores = group_preferences(judge, s, k, tok, opts.missing_eos_penalty)
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only
             accept_key = list(scores) if scores is not None else [copeland(D) for _, D in groups]
         # 3.-4. examples, loss, update

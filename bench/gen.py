@@ -6,7 +6,9 @@
 1. decode: the reference shape (GPT-2, 4 x 256, vocab 4096; 16 rows, 32-token prompts, exactly 64 new tokens,
    pure sampling at T = 1). Ours eager, ours compiled (compile time reported apart), transformers'
    GPT2LMHeadModel.generate with the same weights, and the bound: the time of the call's matrix products
-   (prefill + 63 decode steps, each at its own shape, run back to back with nothing else), measured here.
+   (prefill + 63 decode steps, each at its own shape and with each layer's own weights, run back to back with
+   nothing else), measured here; the same products with one layer's weights reused for all four (so they stay in
+   the CPU's caches) are reported beside it as a best case.
 2. rl: an RL-shaped rollout. A built-in-task-sized model (GPT-2, 4 x 128, vocab 512; block 128 so that 64 new
    tokens fit) whose end-of-text logit is raised so that each sample ends at its own length: the final
    LayerNorm's bias points along the end-of-text embedding (as tests/conftest.py's eos_prone does), giving a
@@ -52,12 +54,13 @@ def hf_twin(model, d):
     return GPT2LMHeadModel.from_pretrained(d).eval()
 
 
-def matmul_bound(cfg, B, Tp, new, calls):
-    """Seconds of the matrix products of one generate call at their own shapes (no attention, no sampling)."""
+def matmul_bound(cfg, B, Tp, new, calls, distinct=True):
+    """Seconds of the matrix products of one generate call at their own shapes (no attention, no sampling).
+    distinct: every layer has its own weights, as the model does (they do not all stay in the CPU's caches);
+    False reuses one layer's weights for every layer (a cache-resident best case, reported apart)."""
     C, V = cfg.n_embd, cfg.vocab_size
     shapes = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]
-    ws = [torch.randn(o, i) for i, o in shapes]
-    bs = [torch.randn(o) for _, o in shapes]
+    layers = [[(torch.randn(o, i), torch.randn(o)) for i, o in shapes] for _ in range(cfg.n_layer if distinct else 1)]
     head = torch.randn(V, C)
     xs = {rows: [torch.randn(rows, i) for i, _ in shapes] for rows in (B * Tp, B)}
     h = {rows: torch.randn(rows, C) for rows in (B * Tp, B)}
@@ -65,8 +68,8 @@ def matmul_bound(cfg, B, Tp, new, calls):
     def run():
         for step in range(new):
             rows = B * Tp if step == 0 else B       # the prefill, then one token per row
-            for _ in range(cfg.n_layer):
-                for x, w, b in zip(xs[rows], ws, bs):
+            for layer in range(cfg.n_layer):
+                for x, (w, b) in zip(xs[rows], layers[layer % len(layers)]):
                     torch.addmm(b, x, w.T)
             F.linear(h[B] if step else h[rows][:B], head)   # logits at the last position only
     return timeit(run, 2, calls)
@@ -112,6 +115,7 @@ def part_decode(a, out):
         with torch.no_grad():
             rows["HF generate"] = timeit(lambda: hf.generate(ids, **kw), 2, a.calls)
     rows["matmul bound"] = matmul_bound(m.cfg, B, Tp, new, a.calls)
+    rows["matmul, one layer's weights reused"] = matmul_bound(m.cfg, B, Tp, new, a.calls, distinct=False)
     out["decode"] = {k: {"s_per_call": v, "new_tok_per_s": B * new / v, "x_HF": rows["HF generate"] / v}
                      for k, v in rows.items()}
 

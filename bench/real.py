@@ -17,7 +17,8 @@ Rows (smaller batches than bench.py's GPT-2 rows: one step here is ~60x the FLOP
         HF loop (LlamaForCausalLM(labels=ids).loss, backward, AdamW).
   dpo   one DPO step, 4 pairs of prompt 32 + completion 96, live frozen reference, beta 0.1: vs TRL DPOTrainer.
   gen   generation, 16 prompts of 32 tokens, exactly 64 new tokens, sampling at T = 1: vs HF `generate` (the very
-        weights, saved by nano_rlhf and loaded by transformers) and vs the physical bound of the same call.
+        weights, saved by nano_rlhf and loaded by transformers) and vs the physical bound of the same call; the
+        rollout engine's compiled decode step (compile time apart) beside the eager one.
   mem   peak memory of an SFT step at Qwen2.5-0.5B's vocabulary (151,936; same trunk), log-probs chunked (the
         default) vs unchunked (the whole (positions, vocab) float32 logits at once).
   bf16  the SFT step under bf16 autocast, reported apart: vs TRL at its CPU defaults (bf16 + gradient checkpointing).
@@ -141,19 +142,32 @@ def w_dpo(a):
     return _profiled({"s_per_step": t, "times": ts, "pairs_per_s": DPO_PAIRS / t, "flops_per_step": 4 * f}, step)
 
 
-def w_gen(a):
+def w_gen(a, compile=False):
     import torch
     m = _ours().eval()
     ids = torch.randint(2, SMOLLM2_135M["vocab_size"], (GEN_B, GEN_PROMPT), generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
+    stats = {}
 
     def call():
-        out = m.generate(ids, None, GEN_NEW, temperature=1.0, eos_token_id=None, generator=g)
+        out = m.generate(ids, None, GEN_NEW, temperature=1.0, eos_token_id=None, generator=g, compile=compile,
+                         stats=stats)
         assert out.shape == (GEN_B, GEN_PROMPT + GEN_NEW)
+    tc = time.perf_counter()
+    if compile:                          # the first call compiles: timed apart, then warm-up as usual
+        call()
+    compile_s = time.perf_counter() - tc
     t, ts = B.timeit(call, 1, a.gen_calls)
     if a.save_model:
         m.save_pretrained(a.save_model)
-    return _profiled({"s_per_call": t, "times": ts, "new_tokens_per_s": GEN_B * GEN_NEW / t}, call)
+    out = {"s_per_call": t, "times": ts, "new_tokens_per_s": GEN_B * GEN_NEW / t}
+    if compile:
+        out.update(compile_s=compile_s, compiled=stats.get("compiled"))
+    return _profiled(out, call)
+
+
+def w_gen_compiled(a):
+    return w_gen(a, compile=True)
 
 
 def _time(fn, warmup=3, calls=20):
@@ -437,6 +451,10 @@ def main():
         t_decode = [max(t_bytes, f / bound["decode_matmul_flops_per_s"]) for f in decode]
         t_bound = prefill / bound["prefill_matmul_flops_per_s"] + sum(t_decode)
         ours_s = med(got["gen"], "s_per_call")
+        try:
+            got["gen_compiled"] = [run("gen_compiled", a)]
+        except RuntimeError as e:
+            say(f"  (compiled decoding failed: {str(e).strip().splitlines()[-1][:200]})")
         ratio_line(f"generate, {GEN_B} x ({GEN_PROMPT} + {GEN_NEW}), T=1", "new tok/s", GEN_B * GEN_NEW / ours_s,
                    [("HF generate", med(got.get("hf_gen"), "new_tokens_per_s"))])
         say(f"  physical bound of the call {t_bound:.3f} s (nano_rlhf {ours_s:.3f} s -> {100 * t_bound / ours_s:.0f}% "
@@ -446,6 +464,12 @@ def main():
             f"copy bandwidth = {t_bytes * 1e3:.1f} ms; prefill {prefill / 1e9:.1f} GFLOP at "
             f"{bound['prefill_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s")
         say(f"  nano_rlhf profile: {top_ops(got['gen'][0]['profile'])}")
+        if got.get("gen_compiled"):
+            c = got["gen_compiled"][0]
+            say(f"  compiled decode step (--compile_rollout): {c['s_per_call']:.3f} s a call -> "
+                f"{100 * t_bound / c['s_per_call']:.0f}% of the bound, {ours_s / c['s_per_call']:.2f}x eager "
+                f"(compile {c['compile_s']:.0f} s apart, compiled={c['compiled']}); "
+                f"profile: {top_ops(c['profile'])}")
         res["gen"] = dict(got, bound=bound, bound_s=t_bound, fraction_of_bound=t_bound / ours_s, vocab=V)
 
     def row_mem():

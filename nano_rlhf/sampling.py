@@ -174,7 +174,8 @@ def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k,
     h = trunk.forward_cached(p_ids, p_mask if left_padded else None, pos[rows_in], cache, 0)[:, -1]
     logits = F.linear(h, W)
     if len(rows_in) < B:
-        cache = [(k[inverse], v[inverse]) for k, v in cache]
+        # (index_select, not k[inverse]: advanced indexing of a 4-D tensor is several times slower on CPU)
+        cache = [(k.index_select(0, inverse), v.index_select(0, inverse)) for k, v in cache]
         logits = logits[inverse]
     stats["prefill_rows"] = len(rows_in)
     stats["prefill_s"] = time.perf_counter() - t0
@@ -212,7 +213,7 @@ def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k,
                 # keep the running rows, then (static) ended ones as filler up to the bucket size
                 keep = torch.cat([alive, (done[rows]).nonzero().squeeze(1)])[:size]
                 rows, tok, next_pos = rows[keep], tok[keep], next_pos[keep]
-                cache = [(k[keep], v[keep]) for k, v in cache]
+                cache = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in cache]
                 keys = None if keys is None else keys[keep]
         # the token fed back is the sampled one even for ended rows (their outputs are discarded): a pad id may
         # lie outside the vocabulary

@@ -196,7 +196,7 @@ def eos_sft_dir(tmp_path, tok):
     ("online_dpo", ["--loss", "simpo", "--nll_coef", "0.5"]),
     ("dno", ["--ref_update_every", "1"]),
     ("sppo", ["--ref_update_every", "1"]),
-    ("nash_md", ["--mixture_coef", "0.25"]),
+    ("nash_md", ["--mixture_coef", "0.25", "--missing_eos_penalty", "1"]),
     ("cringe", []),
     ("cringe", ["--cringe_threshold", "0.0"]),
 ], ids=["online_dpo-ipo-all", "online_dpo-simpo-nll", "dno", "sppo", "nash_md", "cringe", "cringe-threshold"])
@@ -289,8 +289,10 @@ def one_line_error(p, *needles):
     (["--method", "online_dpo", "--eta", "3"], ["--eta has no effect with --method online_dpo"]),
     (["--method", "cringe", "--ref_update_every", "2"], ["--ref_update_every has no effect"]),
     (["--method", "online_dpo", "--loss", "dpo", "--gamma", "1"], ["--gamma applies only to --loss simpo, not dpo"]),
+    (["--pair_judge", "PJ:bad", "--missing_eos_penalty", "1"], ["--missing_eos_penalty", "no --pair_judge"]),
+    (["--missing_eos_penalty", "-1"], ["--missing_eos_penalty"]),
 ], ids=["judge-dir", "judge-module", "pair-not-function", "pair-missing", "pair-bad-values", "no-judge", "k1",
-        "ignored-flag", "cringe-ref-update", "loss-flag"])
+        "ignored-flag", "cringe-ref-update", "loss-flag", "eos-penalty-pairwise", "eos-penalty-negative"])
 def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, extra, needles):
     (tmp_path / "pj.py").write_text("def bad(prompts, a, b):\n    return [1.5] * len(a)\n")
     extra = [x.replace("PJ", str(tmp_path / "pj.py")) for x in extra]
@@ -312,6 +314,9 @@ def test_reward_model_judge_scores_the_sampled_ids_closed_by_the_end_token(tok, 
     s = T.sample([(policy, 1.0)], prompts, list(range(6)), tok, opts, 1, "cpu")
     assert 0 < s.has_eos.sum() < len(s.has_eos), "the test needs finished and unfinished rows"
     scores = T.judge_scores(load_judge(rm_dir, tokenizer=tok), s, tok)
+    # --missing_eos_penalty (TRL's): exactly the unfinished rows lose exactly the penalty
+    penalised = T.judge_scores(load_judge(rm_dir, tokenizer=tok), s, tok, missing_eos_penalty=2.5)
+    assert torch.equal(penalised, scores - 2.5 * (1 - s.has_eos.double()))
     rm = ScoreModel.from_pretrained(rm_dir).eval()
     for i in range(len(scores)):
         row = s.ids[i][s.attn[i].bool()].tolist() + ([] if s.has_eos[i] else [tok.eos_id])
