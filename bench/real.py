@@ -468,7 +468,7 @@ def main():
             c = got["gen_compiled"][0]
             say(f"  compiled decode step (--compile_rollout): {c['s_per_call']:.3f} s a call -> "
                 f"{100 * t_bound / c['s_per_call']:.0f}% of the bound, {ours_s / c['s_per_call']:.2f}x eager "
-                f"(compile {c['compile_s']:.0f} s apart, compiled={c['compiled']}); "
+                f"(first call, compiling, {c['compile_s']:.0f} s apart; compiled={c['compiled']}); "
                 f"profile: {top_ops(c['profile'])}")
         res["gen"] = dict(got, bound=bound, bound_s=t_bound, fraction_of_bound=t_bound / ours_s, vocab=V)
 
