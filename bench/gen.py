@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench as B  # noqa: E402  bench/bench.py: timeit
 from nano_rlhf.model import GPT, GPTConfig  # noqa: E402
 
 REF = dict(vocab_size=4096, block_size=256, n_layer=4, n_head=4, n_embd=256)
@@ -37,14 +38,8 @@ TASK = dict(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=128)
 
 
 def timeit(fn, warmup, calls):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    """Median seconds of `calls` calls after `warmup` (bench.py's timer)."""
+    return B.timeit(fn, warmup, calls)[0]
 
 
 def hf_twin(model, d):
