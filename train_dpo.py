@@ -82,7 +82,7 @@ from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, 
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records, pad_right,
                             tokenize_pairs, tokenize_unpaired, training_length)
-from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs
+from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs, upcast
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
 # β defaults: 0.1, except SimPO (its reward is a per-token mean, so it needs a larger scale, as in the paper)
@@ -169,8 +169,8 @@ def response_logprobs(model, input_ids, attention_mask, response_mask):
 
 
 def _chunk_kl(h_pi, h_ref, w_pi, w_ref):
-    logp = F.linear(h_pi, w_pi).float().log_softmax(-1)
-    logq = F.linear(h_ref, w_ref).float().log_softmax(-1)
+    logp = upcast(F.linear(h_pi, w_pi)).log_softmax(-1)
+    logq = upcast(F.linear(h_ref, w_ref)).log_softmax(-1)
     return (logq.exp() * (logq - logp)).sum(-1)
 
 
@@ -193,7 +193,7 @@ def token_kl(hidden_pi, hidden_ref, weight_pi, weight_ref, chunk_size=None):
 def _row_sums(values, scored):
     """(N,) values at the scored positions of a (B, T−1) mask -> (B,) per-row sums, token by token in order."""
     rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
-    return torch.zeros(len(scored), device=values.device).index_add(0, rows, values)
+    return torch.zeros(len(scored), device=values.device, dtype=values.dtype).index_add(0, rows, values)
 
 
 def sequence_logps_and_kl(policy, ref, input_ids, attention_mask, response_mask):
@@ -221,7 +221,8 @@ def sequence_logps(model, input_ids, attention_mask, response_mask):
     # index_add, not logp.sum(1): it adds each row's tokens one by one, in order, as this script always
     # has, so results stay bit-identical to earlier runs (a pairwise sum differs in the last bits)
     rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
-    return torch.zeros(len(scored), device=logp.device).index_add(0, rows, logp[scored]), scored.sum(1).float()
+    sums = torch.zeros(len(scored), device=logp.device, dtype=logp.dtype).index_add(0, rows, logp[scored])
+    return sums, scored.sum(1).float()
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------

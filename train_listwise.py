@@ -210,7 +210,8 @@ def sequence_logps(model, input_ids, attention_mask, response_mask):
     hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)
     logp = token_logprobs(hidden, dist.unwrap(model).output_weight(), input_ids[:, 1:][scored])
     rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
-    return torch.zeros(len(scored), device=logp.device).index_add(0, rows, logp), scored.sum(1).float()
+    sums = torch.zeros(len(scored), device=logp.device, dtype=logp.dtype).index_add(0, rows, logp)
+    return sums, scored.sum(1).float()
 
 
 STATS = ("loss", "nll", "pair_accuracy", "n_pairs", "top1_accuracy", "value_best", "value_mean")

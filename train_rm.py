@@ -49,7 +49,7 @@ from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs, training_length
-from nano_rlhf.model import GPTConfig, ScoreModel
+from nano_rlhf.model import GPTConfig, ScoreModel, upcast
 
 
 @dataclass
@@ -123,7 +123,7 @@ def pair_scores(model, input_ids, attention_mask):
     real token of each row (the response's end-of-text). end_only: the last block computes that one
     position per row, since nothing else reaches the loss."""
     _, end = model(input_ids, attention_mask, end_only=True)
-    return end.float().chunk(2)
+    return upcast(end).chunk(2)
 
 
 # ---- named statistics: per-batch sums, one all-reduce, then means ----------------------------------

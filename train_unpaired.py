@@ -66,7 +66,7 @@ from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, 
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, DataError, collate_prompts, load_records, load_scored, pad_right,
                             tokenize_scored, tokenize_unpaired)
-from nano_rlhf.model import GPT, ScoreModel, token_logprobs
+from nano_rlhf.model import GPT, ScoreModel, token_logprobs, upcast
 
 SAMPLES_FILE = "d2o_samples.jsonl"
 
@@ -144,7 +144,7 @@ def sequence_logps(model, input_ids, attention_mask, response_mask):
     hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)
     logp = token_logprobs(hidden, dist.unwrap(model).output_weight(), input_ids[:, 1:][scored])
     rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
-    return torch.zeros(len(scored), device=logp.device).index_add(0, rows, logp)
+    return torch.zeros(len(scored), device=logp.device, dtype=logp.dtype).index_add(0, rows, logp)
 
 
 def log_ratios(opts, policy, ref, rows):
@@ -225,7 +225,7 @@ def micro_step(opts, policy, ref, batch, value=None):
                 "rewards_negative": (opts.beta * u_neg).sum(), "rewards_samples": (opts.beta * u_samples.mean(1)).sum(),
                 "margin": logits.sum(), "accuracy": (logits > 0).float().sum(), "logps_negative": s[:B].sum()}
     with autocast(batch.rows.ids.device, opts.dtype):
-        v = value(*batch.prompts, end_only=True)[1].float()                       # V(x) at the prompt's last token
+        v = upcast(value(*batch.prompts, end_only=True)[1])                      # V(x) at the prompt's last token
     r = batch.score
     return {"loss": dro_loss(r, v, u, opts.tau).sum(), "value": v.sum(), "reward": r.sum(), "advantage": (r - v).sum(),
             "residual": (r - v - opts.tau * u).sum(), "log_ratio": u.sum(), "logps": s.sum()}

@@ -39,7 +39,7 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None
     u: (B,) uniform numbers in [0, 1) to sample with (default: drawn here from generator)."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float()
+    logits = logits if logits.dtype == torch.float64 else logits.float()     # float32 at least
     if temperature != 1.0:                   # (x / 1.0 == x exactly: the division is skipped, not approximated)
         logits = logits / temperature
     if top_k:

@@ -7,7 +7,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_config, tiny_model
+from numerics import FLOAT32_ATOL, MARGIN, assert_close64, greedy_margin
 from nano_rlhf.model import GPT, GPTConfig, ScoreModel, sample_token
+
+pytestmark = pytest.mark.numeric     # also run under ATEN_CPU_CAPABILITY=default by .ci/run
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,16 +59,16 @@ def test_logits_match_hf_gpt2(tmp_path, direction):
     torch.manual_seed(1)
     ids = torch.randint(2, 97, (4, 20))
     with torch.no_grad():
-        assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-5)
+        assert torch.allclose(ours(ids), hf(ids).logits, atol=FLOAT32_ATOL)
         # left padding: rows with 0, 3, 7 and 1 pads; HF needs explicit cumsum position ids
         pids, mask, pos = left_pad(ids, [0, 3, 7, 1])
         a, b = ours(pids, mask), hf(pids, attention_mask=mask, position_ids=pos).logits
         m = mask.bool()
-        assert torch.allclose(a[m], b[m], atol=1e-5)
+        assert torch.allclose(a[m], b[m], atol=FLOAT32_ATOL)
         # and each padded row's real logits equal the unpadded row's
         for i, n in enumerate([0, 3, 7, 1]):
             alone = ours(ids[i:i + 1, n:])[0]
-            assert torch.allclose(a[i][m[i]], alone, atol=1e-5)
+            assert torch.allclose(a[i][m[i]], alone, atol=FLOAT32_ATOL)
 
 
 def test_right_padding_matches_unpadded():
@@ -79,7 +82,7 @@ def test_right_padding_matches_unpadded():
         out = m(padded, mask)
         for i in range(3):
             n = int(mask[i].sum())
-            assert torch.allclose(out[i, :n], m(ids[i:i + 1, :n])[0], atol=1e-5)
+            assert torch.allclose(out[i, :n], m(ids[i:i + 1, :n])[0], atol=FLOAT32_ATOL)
 
 
 def test_select_returns_only_requested_positions():
@@ -110,7 +113,7 @@ def test_reads_the_three_hf_variants(tmp_path):
         save_file(v, d / "model.safetensors", metadata={"format": "pt"})
         (d / "config.json").write_text((tmp_path / "base" / "config.json").read_text())
         m = GPT.from_pretrained(d).eval()
-        assert torch.allclose(m(ids), want, atol=1e-5), name
+        assert torch.allclose(m(ids), want, atol=FLOAT32_ATOL), name
 
 
 def test_untied_lm_head_is_refused_unless_equal_to_wte(tmp_path):
@@ -128,7 +131,7 @@ def test_untied_lm_head_is_refused_unless_equal_to_wte(tmp_path):
     hf.save_pretrained(tmp_path / "equal")
     ids = torch.randint(2, 97, (2, 12))
     with torch.no_grad():
-        assert torch.allclose(GPT.from_pretrained(tmp_path / "equal").eval()(ids), hf(ids).logits, atol=1e-5)
+        assert torch.allclose(GPT.from_pretrained(tmp_path / "equal").eval()(ids), hf(ids).logits, atol=FLOAT32_ATOL)
 
 
 def test_written_layout_is_canonical(tmp_path):
@@ -174,7 +177,7 @@ def test_score_model_matches_hf_sequence_classification(tmp_path, padding, direc
     with torch.no_grad():
         scores, end = ours(ids, mask)
         want = hf(ids, attention_mask=mask, position_ids=pos).logits.squeeze(-1)
-    assert torch.allclose(end, want, atol=1e-5)
+    assert torch.allclose(end, want, atol=FLOAT32_ATOL)
     back = ScoreModel.from_pretrained(tmp_path / "rm").eval()
     with torch.no_grad():
         assert torch.equal(back(ids, mask)[1], end)
@@ -209,6 +212,7 @@ def test_cached_and_uncached_greedy_identical():
     ids, mask, _ = _prompts()
     a = m.generate(ids, mask, 30, temperature=0, eos_token_id=0, pad_token_id=1, use_cache=True)
     b = m.generate(ids, mask, 30, temperature=0, eos_token_id=0, pad_token_id=1, use_cache=False)
+    assert (a[:, ids.shape[1]:] != 0).all() and greedy_margin(m, a, mask) > MARGIN     # tests/numerics.py
     assert torch.equal(a, b) and a.shape[1] == ids.shape[1] + 30
 
 
@@ -216,6 +220,7 @@ def test_batched_left_padded_equals_one_by_one():
     m = tiny_model(vocab_size=97)
     ids, mask, _ = _prompts()
     batch = m.generate(ids, mask, 20, temperature=0, eos_token_id=None, pad_token_id=1)
+    assert greedy_margin(m, batch, mask) > MARGIN                      # tests/numerics.py
     for i in range(ids.shape[0]):
         row = ids[i][mask[i].bool()][None]
         alone = m.generate(row, None, 20, temperature=0, eos_token_id=None, pad_token_id=1)
@@ -296,7 +301,7 @@ def test_pad_id_outside_vocab_is_accepted():
     padded = ids.masked_fill(mask == 0, 97)
     with torch.no_grad():
         out = m(padded, mask)
-        assert torch.allclose(out[1, 4:], m(ids[1:, 4:])[0], atol=1e-5)
+        assert torch.allclose(out[1, 4:], m(ids[1:, 4:])[0], atol=FLOAT32_ATOL)
     gen = m.generate(padded, mask, 5, temperature=0, eos_token_id=0, pad_token_id=97)
     assert gen.shape == (2, 15)
 
@@ -304,8 +309,8 @@ def test_pad_id_outside_vocab_is_accepted():
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
 def test_end_only_scores_equal_full_scores_with_gradients(padding):
     torch.manual_seed(0)
-    m1 = ScoreModel(tiny_config(vocab_size=97, n_layer=3))
-    m2 = ScoreModel(tiny_config(vocab_size=97, n_layer=3))
+    m1 = ScoreModel(tiny_config(vocab_size=97, n_layer=3)).double()    # float64: tests/numerics.py
+    m2 = ScoreModel(tiny_config(vocab_size=97, n_layer=3)).double()
     m2.load_state_dict(m1.state_dict())
     ids = torch.randint(2, 97, (4, 12))
     mask = None
@@ -318,8 +323,9 @@ def test_end_only_scores_equal_full_scores_with_gradients(padding):
                 mask[i, :12 - n] = 0
     _, full = m1(ids, mask)
     none, end = m2(ids, mask, end_only=True)
-    assert none is None and torch.allclose(full, end, atol=1e-5)
+    assert none is None
+    assert_close64(end, full)
     full.sum().backward()
     end.sum().backward()
     for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
-        assert torch.allclose(a.grad, b.grad, atol=1e-5), n
+        assert_close64(a.grad, b.grad, msg=n)

@@ -8,6 +8,9 @@ import torch
 
 from nano_rlhf.hf_io import expected_shapes
 from nano_rlhf.model import GPT, GPTConfig, ScoreModel, rope_frequencies, token_logprobs
+from numerics import FLOAT32_ATOL, MARGIN, greedy_margin
+
+pytestmark = pytest.mark.numeric     # also run under ATEN_CPU_CAPABILITY=default by .ci/run
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -104,12 +107,12 @@ def test_logits_match_transformers(tmp_path, name, direction):
     ids, mask, pos = padded_batch()
     with torch.no_grad():
         full = torch.randint(2, V, (2, 24))
-        assert torch.allclose(ours(full), hf(full).logits, atol=1e-5)
+        assert torch.allclose(ours(full), hf(full).logits, atol=FLOAT32_ATOL)
         a, b = ours(ids, mask), hf(ids, attention_mask=mask, position_ids=pos).logits
         m = mask.bool()
-        assert torch.allclose(a[m], b[m], atol=1e-5)
+        assert torch.allclose(a[m], b[m], atol=FLOAT32_ATOL)
         for i in range(ids.shape[0]):     # and each left-padded row equals the row alone
-            assert torch.allclose(a[i][m[i]], ours(ids[i:i + 1, m[i]])[0], atol=1e-5)
+            assert torch.allclose(a[i][m[i]], ours(ids[i:i + 1, m[i]])[0], atol=FLOAT32_ATOL)
 
 
 @pytest.mark.parametrize("direction", ["hf_to_ours", "ours_to_hf"])
@@ -125,7 +128,7 @@ def test_score_model_matches_transformers(tmp_path, name, side, direction):
         want = hf(ids, attention_mask=mask, position_ids=pos).logits.squeeze(-1)
         _, end = ours(ids, mask)
         _, end_only = ours(ids, mask, end_only=True)
-    assert torch.allclose(end, want, atol=1e-5) and torch.allclose(end_only, want, atol=1e-5)
+    assert torch.allclose(end, want, atol=FLOAT32_ATOL) and torch.allclose(end_only, want, atol=FLOAT32_ATOL)
 
 
 def test_reward_model_from_language_model_and_back(tmp_path):
@@ -151,6 +154,7 @@ def test_greedy_generation_equals_transformers(tmp_path, name):
     want = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
                        pad_token_id=1)
     got = ours.generate(ids, mask, 12, temperature=0, pad_token_id=1)
+    assert greedy_margin(ours, want, mask) > MARGIN                     # tests/numerics.py
     assert torch.equal(got, want)
     assert torch.equal(ours.generate(ids, mask, 12, temperature=0, pad_token_id=1, use_cache=False), want)
 
@@ -181,6 +185,7 @@ def test_kv_cache_stores_only_kv_heads():
     ids, mask, _ = padded_batch(lens=(8, 3, 6))
     a = m.generate(ids, mask, 15, temperature=0, pad_token_id=1)
     assert seen[0] == (3, 1, 8 + 15, 16)
+    assert greedy_margin(m, a, mask) > MARGIN
     assert torch.equal(a, m.generate(ids, mask, 15, temperature=0, pad_token_id=1, use_cache=False))
 
 
@@ -206,14 +211,14 @@ def test_sharded_and_bf16_checkpoints_load(tmp_path):
     assert not (tmp_path / "sharded" / "model.safetensors").exists()
     ids = torch.randint(2, V, (2, 16))
     with torch.no_grad():
-        assert torch.allclose(GPT.from_pretrained(tmp_path / "sharded").eval()(ids), hf(ids).logits, atol=1e-5)
+        assert torch.allclose(GPT.from_pretrained(tmp_path / "sharded").eval()(ids), hf(ids).logits, atol=FLOAT32_ATOL)
         hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
         ours = GPT.from_pretrained(tmp_path / "bf16").eval()
         assert ours.lm_head.weight.dtype == torch.float32
         assert torch.equal(ours.lm_head.weight, hf.lm_head.weight.float())
         # a fresh float32 load (hf.float() would keep the rotary buffer rounded to bf16)
         hf32 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
-        assert torch.allclose(ours(ids), hf32(ids).logits, atol=1e-5)
+        assert torch.allclose(ours(ids), hf32(ids).logits, atol=FLOAT32_ATOL)
 
 
 def test_old_style_rope_theta_and_rope_scaling_read_like_rope_parameters(tmp_path):
@@ -229,7 +234,7 @@ def test_old_style_rope_theta_and_rope_scaling_read_like_rope_parameters(tmp_pat
     assert ours.cfg.rope_scaling["factor"] == 4.0 and ours.cfg.rope_theta == 10000.0
     ids = torch.randint(2, V, (2, 30))
     with torch.no_grad():
-        assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-5)
+        assert torch.allclose(ours(ids), hf(ids).logits, atol=FLOAT32_ATOL)
 
 
 def test_rope_frequencies_equal_transformers_and_llama3_changes_them():
@@ -305,11 +310,11 @@ def test_token_logprobs_equal_unchunked_with_gradients(chunk):
     lp, ent = token_logprobs(h1, w1, t, temperature=0.7, chunk_size=chunk, with_entropy=True)
     rlp, rent = _reference(h2, w2, t, 0.7)
     assert lp.dtype == torch.float32 and lp.shape == (64,)
-    assert torch.allclose(lp, rlp, atol=1e-5) and torch.allclose(ent, rent, atol=1e-5)
+    assert torch.allclose(lp, rlp, atol=FLOAT32_ATOL) and torch.allclose(ent, rent, atol=FLOAT32_ATOL)
     (lp.sum() + 0.3 * ent.sum()).backward()
     (rlp.sum() + 0.3 * rent.sum()).backward()
-    assert torch.allclose(h1.grad, h2.grad, atol=1e-5) and torch.allclose(w1.grad, w2.grad, atol=1e-5)
-    assert torch.allclose(token_logprobs(h0, w0, t, chunk_size=chunk), _reference(h0, w0, t, 1.0)[0], atol=1e-5)
+    assert torch.allclose(h1.grad, h2.grad, atol=FLOAT32_ATOL) and torch.allclose(w1.grad, w2.grad, atol=FLOAT32_ATOL)
+    assert torch.allclose(token_logprobs(h0, w0, t, chunk_size=chunk), _reference(h0, w0, t, 1.0)[0], atol=FLOAT32_ATOL)
 
 
 def _largest_tensor(fn):
@@ -355,9 +360,9 @@ def test_hidden_states_and_output_weight_give_the_logits():
         sel = mask.bool() & (torch.rand(mask.shape) > 0.3)
         with torch.no_grad():
             logits = m(ids, mask, select=sel)
-            assert torch.allclose(logits, m(ids, mask)[sel], atol=1e-5)
+            assert torch.allclose(logits, m(ids, mask)[sel], atol=FLOAT32_ATOL)
             lp = token_logprobs(m.hidden_states(ids, mask, select=sel), m.output_weight(), ids[sel])
-            assert torch.allclose(lp, logits.log_softmax(-1).gather(-1, ids[sel][:, None])[:, 0], atol=1e-5)
+            assert torch.allclose(lp, logits.log_softmax(-1).gather(-1, ids[sel][:, None])[:, 0], atol=FLOAT32_ATOL)
         untied = name == "llama_gqa_untied"
         assert m.output_weight() is (m.lm_head.weight if untied else m.model.embed_tokens.weight)
 
@@ -380,7 +385,7 @@ def test_token_logprobs_default_chunk_follows_the_element_budget(monkeypatch):
     small = token_logprobs(h, w, t)
     assert torch.allclose(small, full, atol=1e-6)
     for a, b in zip(torch.autograd.grad(small.sum(), (h, w)), g_full):
-        assert torch.allclose(a, b, atol=1e-5)
+        assert torch.allclose(a, b, atol=FLOAT32_ATOL)
 
 
 def test_forward_return_hidden_equals_hidden_states():

@@ -6,6 +6,7 @@ import torch
 
 import train_ppo
 from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
+from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT, ScoreModel
 from nano_rlhf.reward import load_reward
@@ -56,7 +57,7 @@ def test_rollout_truncates_at_eos_and_scores_there(tok, rm_dir, eos_sft_dir):
             full = r.query_response[i, :P + n][r.attention_mask[i, :P + n].bool()][None]
             with torch.no_grad():
                 want = (rm(full)[1] - 0.1) / 0.5                     # scored alone, unpadded, at its end-of-text
-            assert torch.allclose(r.scores[i], want[0], atol=1e-5)
+            assert torch.allclose(r.scores[i], want[0], atol=FLOAT32_ATOL)
         else:
             assert n == resp.shape[0] and r.scores[i] == -7.0      # replaced by the penalty
     # the score is the reward of the end-of-text token itself
@@ -174,7 +175,7 @@ def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir
             logp = torch.log_softmax(policy(ids)[0].double() / 0.7, -1)
         plen = ids.shape[1] - n
         want = logp[plen - 1:-1].gather(-1, ids[0, plen:, None]).squeeze(-1)
-        assert torch.allclose(r.logprobs[i, :n].double(), want, atol=1e-5)
+        assert torch.allclose(r.logprobs[i, :n].double(), want, atol=FLOAT32_ATOL)
         assert (r.logprobs[i, n:] == 0).all()
 
 

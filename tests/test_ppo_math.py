@@ -12,6 +12,8 @@ import torch
 
 import train_ppo
 
+pytestmark = pytest.mark.numeric     # also run under ATEN_CPU_CAPABILITY=default by .ci/run
+
 D = torch.float64
 ATOL = 1e-10
 SHAPES = [(1, 1), (3, 5), (4, 9), (7, 16)]

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
 
 import train_dpo
 from hf_fixtures import FAMILIES, make_hf_dir, pref_rows, unpaired_rows, write_jsonl
@@ -44,8 +45,8 @@ def check_loads_in_transformers(out_dir, family, policy):
     ids = torch.randint(0, tok.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = policy.eval()(ids)
-        assert torch.allclose(hf(ids).logits, want, atol=1e-5)
-        assert torch.allclose(ours(ids), want, atol=1e-5)
+        assert torch.allclose(hf(ids).logits, want, atol=FLOAT32_ATOL)
+        assert torch.allclose(ours(ids), want, atol=FLOAT32_ATOL)
     at = transformers.AutoTokenizer.from_pretrained(out_dir)
     row = pref_rows(3, seed=5)[0]
     for msgs, gen in ((row["prompt"], True), (row["prompt"] + row["chosen"], False)):
@@ -196,7 +197,7 @@ def test_fixture_reward_model_loads_with_the_same_scores(tmp_path, name):
     with torch.no_grad():
         want = hf(ids).logits[:, 0]
         got = ours(ids)[1]
-    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got, want, atol=FLOAT32_ATOL)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
 
 import train_ppo
 from hf_fixtures import BAD, FAMILIES, GOOD, make_hf_dir, prompt_rows, write_jsonl
@@ -85,8 +86,8 @@ def check_policy_loads_in_transformers(out, name, policy):
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = policy.eval()(ids)
-        assert torch.allclose(hf(ids).logits, want, atol=1e-5)
-        assert torch.allclose(ours(ids), want, atol=1e-5)
+        assert torch.allclose(hf(ids).logits, want, atol=FLOAT32_ATOL)
+        assert torch.allclose(ours(ids), want, atol=FLOAT32_ATOL)
 
 
 def test_rollout_ends_at_end_of_turn_and_is_scored_there(family):
@@ -113,14 +114,14 @@ def test_rollout_ends_at_end_of_turn_and_is_scored_there(family):
             assert (resp[n:] == tok.pad_id).all()
             row = r.query_response[i][r.attention_mask[i].bool()][None]
             with torch.no_grad():
-                assert torch.allclose(r.raw_scores[i], rm(row)[1][0], atol=1e-5)
+                assert torch.allclose(r.raw_scores[i], rm(row)[1][0], atol=FLOAT32_ATOL)
         else:
             assert n == resp.shape[0] and r.scores[i] == -7.0
     # the rollout's log-probs (token_logprobs) are the plain log-softmax of the full logits
     with torch.no_grad():
         logits = policy(r.query_response, r.attention_mask)[:, P - 1:-1].float()
         want = logits.log_softmax(-1).gather(-1, r.query_response[:, P:, None]).squeeze(-1) * m
-    assert torch.allclose(r.logprobs, want, atol=1e-5)
+    assert torch.allclose(r.logprobs, want, atol=FLOAT32_ATOL)
 
 
 @pytest.mark.parametrize("critic_init", ["policy", "reward_model"])

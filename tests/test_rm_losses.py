@@ -11,6 +11,8 @@ import torch
 
 from train_rm import pair_scores, reward_loss
 
+pytestmark = pytest.mark.numeric     # also run under ATEN_CPU_CAPABILITY=default by .ci/run
+
 B = 16
 D64 = torch.float64
 
@@ -176,7 +178,8 @@ def test_pair_scores_split_and_dtype(dtype):
     rc, rr = pair_scores(model, ids, attn)
     assert len(model.calls) == 1 and torch.equal(model.calls[0][0], ids)
     assert rc.shape == (Bp,) and rr.shape == (Bp,)
-    assert rc.dtype == torch.float32 and rr.dtype == torch.float32
+    want_dtype = torch.float64 if dtype == torch.float64 else torch.float32     # at least float32 (upcast)
+    assert rc.dtype == want_dtype and rr.dtype == want_dtype
     torch.testing.assert_close(rc.to(D64), end.detach()[:Bp].to(D64))
     torch.testing.assert_close(rr.to(D64), end.detach()[Bp:].to(D64))
     # gradients reach the model's end scores, chosen half and rejected half separately

@@ -9,6 +9,7 @@ import torch
 
 import train_dpo
 from conftest import pref_rows, tiny_model, write_jsonl
+from numerics import assert_close64
 from nano_rlhf.data import collate_pairs, tokenize_pairs
 
 
@@ -69,40 +70,44 @@ def oracle_seq_kl_and_logps(policy, ref, ids, resp):
     return torch.stack(kls), torch.stack(s_pi), torch.stack(s_ref)
 
 
+@pytest.mark.numeric
 def test_sequential_kl_matches_full_vocabulary_float64(tok):
-    policy, ref = tiny_model(tok, seed=0), tiny_model(tok, seed=1).requires_grad_(False)
+    # both sides in float64, models included (tests/numerics.py): the tolerance checks the math
+    policy, ref = tiny_model(tok, seed=0).double(), tiny_model(tok, seed=1).double().requires_grad_(False)
     pairs, _ = tokenize_pairs(pref_rows(4), tok, 64)
     ids, attn, resp, _ = collate_pairs(pairs, tok.pad_id)
     s_pi, length, s_ref, kl = train_dpo.sequence_logps_and_kl(policy, ref, ids, attn, resp)
     want_kl, want_pi, want_ref = oracle_seq_kl_and_logps(policy, ref, ids, resp)
     assert torch.all(kl > 0)
-    torch.testing.assert_close(kl.double(), want_kl.detach(), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(s_pi.double(), want_pi.detach(), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(s_ref.double(), want_ref, rtol=1e-5, atol=1e-4)
+    assert_close64(kl, want_kl.detach())
+    assert_close64(s_pi, want_pi.detach())
+    assert_close64(s_ref, want_ref)
     assert torch.equal(length, resp[:, 1:].sum(1).float())
     # gradients of the KL sum with respect to every policy weight
     got = torch.autograd.grad(kl.sum(), list(policy.parameters()))
     want = torch.autograd.grad(want_kl.sum(), list(policy.parameters()))
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
-    # the policy against itself: the KL is zero
+        assert_close64(a, b)
+    # the policy against itself: the KL is zero (float64 rounding of sums of O(1) terms)
     same = train_dpo.sequence_logps_and_kl(ref, ref, ids, attn, resp)[3]
-    assert same.abs().max() < 1e-5
+    assert same.abs().max() < 1e-12
 
 
+@pytest.mark.numeric
 def test_token_kl_chunked_equals_unchunked():
     g = torch.Generator().manual_seed(3)
-    h_pi = torch.randn(23, 8, generator=g, requires_grad=True)
-    h_ref = torch.randn(23, 8, generator=g)
-    w_pi = torch.randn(50, 8, generator=g, requires_grad=True)
-    w_ref = torch.randn(50, 8, generator=g)
+    d = dict(generator=g, dtype=torch.float64)          # float64: two layouts of one sum (tests/numerics.py)
+    h_pi = torch.randn(23, 8, requires_grad=True, **d)
+    h_ref = torch.randn(23, 8, **d)
+    w_pi = torch.randn(50, 8, requires_grad=True, **d)
+    w_ref = torch.randn(50, 8, **d)
     whole = train_dpo.token_kl(h_pi, h_ref, w_pi, w_ref)
     chunked = train_dpo.token_kl(h_pi, h_ref, w_pi, w_ref, chunk_size=4)
-    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    assert_close64(chunked, whole)
     ga = torch.autograd.grad(whole.sum(), (h_pi, w_pi))
     gb = torch.autograd.grad(chunked.sum(), (h_pi, w_pi))
     for a, b in zip(ga, gb):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert_close64(a, b)
 
 
 # ---- PAFT's L1 term ----------------------------------------------------------------------------------
