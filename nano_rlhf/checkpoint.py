@@ -79,6 +79,17 @@ def write_json(path, obj):
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
+def export_pad_id(cfg, tokenizer=None):
+    """The pad_token_id an exported config.json states: the tokenizer's pad (nano_rlhf.tokenizer's one rule), so
+    the directory's config, generation_config and tokenizer_config agree. An out-of-vocabulary pad (a tokenizer
+    with no spare special token) is not exported for the Llama family, whose transformers embedding refuses a
+    padding_idx past its rows; GPT-2 keeps it, as transformers' GPT-2 accepts it and always has here."""
+    pad = tokenizer.pad_id if tokenizer is not None else cfg.pad_token_id
+    if pad is not None and pad >= cfg.vocab_size and cfg.model_type != "gpt2":
+        return None
+    return pad
+
+
 def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     """The model as a HF directory (config.json, model.safetensors) plus tokenizer.json; rank 0 writes it.
     A FSDP-sharded model is gathered first (collective: then every rank must call this)."""
@@ -87,13 +98,15 @@ def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     if not dist.ctx().is_main:
         return
     os.makedirs(out_dir, exist_ok=True)
+    cfg = dist.unwrap(model).cfg
     stop_ids = set(getattr(tokenizer, "stop_ids", None) or [])
-    base_eos = dist.unwrap(model).cfg.eos_token_id
-    ends = sorted(stop_ids | ({base_eos} if base_eos is not None else set()))
+    ends = sorted(stop_ids | ({cfg.eos_token_id} if cfg.eos_token_id is not None else set())
+                  | set(cfg.eos_token_ids or []))
     if len(ends) > 1:
-        # end-of-text and end-of-turn (<|im_end|>, <|eot_id|>): HF's generate stops at any id of a list, so the
-        # exported model stops where ours does (a single id would let it run past the end of a turn)
+        # end-of-text and end-of-turn (<|im_end|>, <|eot_id|>) and every end id the checkpoint listed: HF's
+        # generate stops at any id of a list, so the exported model stops where ours and the original do
         extra_config.setdefault("eos_token_id", ends)
+    extra_config.setdefault("pad_token_id", export_pad_id(cfg, tokenizer))
     dist.unwrap(model).save_pretrained(out_dir, **extra_config)
     if tokenizer is not None:
         tokenizer.save(os.path.join(out_dir, "tokenizer.json"))     # + tokenizer_config.json, each atomic

@@ -241,6 +241,7 @@ def read_hf_dir(model_dir, head=None, allow_missing=(), **overrides):
         raise FileNotFoundError(f"{cpath}: missing (a model directory needs config.json and model.safetensors)")
     raw = _read_json(cpath)
     cfg = config_from_hf(raw, cpath)
+    cfg.generation, cfg.eos_token_ids = read_generation(model_dir, raw)
     if overrides:
         from .model import check_config
         for k, v in overrides.items():
@@ -286,6 +287,32 @@ def read_hf_dir(model_dir, head=None, allow_missing=(), **overrides):
             raise ValueError(f"{model_dir}: tie_word_embeddings is false and lm_head.weight differs from the "
                              "embedding (wte); this GPT ties them, so the untied output layer cannot be loaded")
     return cfg, raw, sd
+
+
+def _ids(v):
+    """An id or a list of ids (HF writes either) -> list of ints; anything else -> []."""
+    v = v if isinstance(v, list) else [v]
+    return [int(i) for i in v if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+
+
+def read_generation(model_dir, raw):
+    """(the directory's generation_config.json as a dict or None, every end id that it and config.json list).
+    Llama 3.2 lists three ([128001, 128008, 128009]), Qwen two; an export keeps them all, so transformers'
+    generate stops where the checkpoint's authors said it should."""
+    path = os.path.join(model_dir, "generation_config.json")
+    gen = _read_json(path) if os.path.isfile(path) else None
+    ends = _ids(raw.get("eos_token_id")) + _ids((gen or {}).get("eos_token_id"))
+    return gen, sorted(set(ends)) or None
+
+
+def write_generation(cfg, out_dir, ends, pad_id):
+    """generation_config.json: the checkpoint's own (sampling defaults and bos kept) with the export's end ids
+    and pad."""
+    gen = dict(cfg.generation or {})
+    gen.pop("transformers_version", None)
+    gen.setdefault("bos_token_id", cfg.bos_token_id if cfg.model_type != "gpt2" else cfg.eos_token_id)
+    gen.update(eos_token_id=ends if len(ends) != 1 else ends[0], pad_token_id=pad_id)
+    _atomic(os.path.join(out_dir, "generation_config.json"), lambda p: _write_text(p, json.dumps(gen, indent=2) + "\n"))
 
 
 def _load(cfg, ours, key, shape, path):
@@ -369,3 +396,6 @@ def write_hf_dir(model, out_dir, **extra_config):
             lambda p: save_file(hf_state_dict(model), p, metadata={"format": "pt"}))
     cfg = hf_config(model, **extra_config)
     _atomic(os.path.join(out_dir, "config.json"), lambda p: _write_text(p, json.dumps(cfg, indent=2) + "\n"))
+    if model.head != "score":
+        ends = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
+        write_generation(model.cfg, out_dir, [e for e in ends if e is not None], cfg["pad_token_id"])

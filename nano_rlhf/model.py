@@ -55,7 +55,9 @@ class GPTConfig:
     bias: bool = True                        # GPT-2 biases in Linear and LayerNorm (GPT-2: True)
     layer_norm_epsilon: float = 1e-5
     eos_token_id: Optional[int] = None
-    pad_token_id: Optional[int] = None       # may lie outside the vocabulary (GPT-2's tokenizer has no pad)
+    pad_token_id: Optional[int] = None       # written to config.json only; the model never reads it
+    eos_token_ids: Optional[list] = None     # every end id the checkpoint lists (config and generation_config)
+    generation: Optional[dict] = None        # the checkpoint's generation_config.json, kept for export
     model_type: str = "gpt2"                 # gpt2 | llama | qwen2 | qwen3; the fields below are Llama family only
     n_kv_head: Optional[int] = None          # grouped-query attention: key/value heads (None = n_head)
     head_dim: Optional[int] = None           # None = n_embd // n_head (Qwen3-0.6B: 128 at width 1024, 16 heads)
@@ -151,6 +153,15 @@ def upcast(x):
     """x in float32 where precision matters (log-softmax, norms, scores), or in float64 when it already is:
     a model run in float64 (the tests' oracles) stays float64 end to end."""
     return x if x.dtype == torch.float64 else x.float()
+
+
+def in_vocabulary(ids, cfg):
+    """ids with every id past the embedding's rows replaced by 0. The only such id a batch can hold is a
+    tokenizer's out-of-vocabulary pad (a tokenizer with no spare special token, GPT-2's; every script checks
+    that the tokenizer fits the model), and pads are always masked, so any row will do. Done here, for every
+    forward path (full, cached, compiled), the model needs no pad id of its own that could disagree with the
+    tokenizer's, and no embedding is resized (summarize_from_feedback_details' trick)."""
+    return ids.masked_fill(ids >= cfg.vocab_size, 0)
 
 
 class RMSNorm(nn.Module):
@@ -350,11 +361,6 @@ class _Trunk(nn.Module):
             return x, rope, mask
         if cache_pos + T > self.cfg.block_size:
             raise ValueError(f"sequence of {cache_pos + T} tokens exceeds block_size {self.cfg.block_size}")
-        pad = self.cfg.pad_token_id
-        if pad is not None and pad >= self.cfg.vocab_size:
-            # a pad id outside the vocabulary (e.g. GPT-2's tokenizer): it is always masked, so any
-            # embedding row will do; this avoids resizing the embedding (summarize_from_feedback_details)
-            input_ids = input_ids.masked_fill(input_ids == pad, 0)
         attn_mask = None
         if attention_mask is not None and (cached or not is_right_padded(attention_mask)):
             pos, attn_mask = padding_attention(attention_mask, T)
@@ -433,7 +439,7 @@ class Transformer(_Trunk):
     blocks, final_norm, embedding = _alias("h"), _alias("ln_f"), _alias("wte")
 
     def embed(self, ids, pos):
-        return self.drop(self.wte(ids) + self.wpe(pos))
+        return self.drop(self.wte(in_vocabulary(ids, self.cfg)) + self.wpe(pos))
 
     def rope(self, pos):
         return None
@@ -452,7 +458,7 @@ class LlamaModel(_Trunk):
     blocks, final_norm, embedding = _alias("layers"), _alias("norm"), _alias("embed_tokens")
 
     def embed(self, ids, pos):
-        return self.embed_tokens(ids)
+        return self.embed_tokens(in_vocabulary(ids, self.cfg))
 
     def rope(self, pos):
         """(cos, sin), each (B or 1, T, head_dim), float32 as in transformers."""

@@ -3,10 +3,22 @@
 Special tokens. End-of-text (eos) closes every plain-text response and is what generation stops on. Pad
 is a *different* id, used only to fill batches and always masked: if pad were the end-of-text id, masking
 pads would also mask the real end-of-text and the model would never learn to stop (huggingface/trl#1623).
-A tokenizer trained here has `<|endoftext|>` = 0 and `<|pad|>` = 1. A loaded tokenizer.json without a pad
-token (GPT-2's) gets pad id = vocabulary size, an id outside the vocabulary that the model replaces before
-its embedding lookup, so no embedding is resized. A HF tokenizer directory's tokenizer_config.json names
-bos / eos / pad (and `add_bos_token`); a pad equal to eos there is not taken.
+
+One rule picks the pad, for every layout real checkpoints ship:
+  1. `--pad_token`, when given (it must not be a stop token);
+  2. the pad that tokenizer_config.json declares, unless it is a stop token (eos or end-of-turn) — Qwen's
+     <|endoftext|> is taken, SmolLM2's pad = eos = <|im_end|> is not;
+  3. a token with a usual pad name (PAD_NAMES: Llama 3's <|finetune_right_pad_id|>, our <|pad|>);
+  4. the first spare special token: special, and not bos, eos, end-of-turn or a token the chat template writes
+     (SmolLM2: <|endoftext|>, id 0, which its chat rows never hold);
+  5. only when the vocabulary has none of these (GPT-2's single special token): id = vocabulary size, an id
+     outside the vocabulary that the model replaces before its embedding lookup (no embedding is resized).
+So the pad is inside the vocabulary whenever the vocabulary allows it, and that id is what an exported
+config.json and generation_config.json say (transformers' reward models read the score at the last token
+that is not pad_token_id, so it must be a token no scored row holds). The model never reads a pad id of its
+own (nano_rlhf.model.in_vocabulary), so the model and the tokenizer cannot disagree about it.
+A tokenizer trained here has `<|endoftext|>` = 0 and `<|pad|>` = 1. A HF tokenizer directory's
+tokenizer_config.json names bos / eos / pad (and `add_bos_token`).
 
 Chat templates (conversational data), chosen with `chat_template`:
 - `plain` (models without a template; a trained tokenizer): each message is rendered as
@@ -75,9 +87,11 @@ def _for_training(texts):
 class Tokenizer:
     def __init__(self, tk: HFTokenizer, eos_token: str = None, pad_token: str = None, chat_template: str = "auto",
                  date_string: str = None, *, template_text: str = None, bos_token: str = None,
-                 add_bos_token: bool = None):
+                 add_bos_token: bool = None, declared_pad: str = None):
         """`template_text`: the tokenizer's own Jinja chat template (kept and saved when its variant is used);
-        `add_bos_token`: whether plain text starts with bos (None: as the tokenizer.json post-processor does)."""
+        `add_bos_token`: whether plain text starts with bos (None: as the tokenizer.json post-processor does);
+        `declared_pad`: the pad tokenizer_config.json names (taken unless it is a stop token; the module
+        docstring gives the whole rule)."""
         self.tk = tk
         vocab = tk.get_vocab(with_added_tokens=True)
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
@@ -88,21 +102,34 @@ class Tokenizer:
         self.eos_token, self.eos_id = eos_token, vocab[eos_token]
         if pad_token and pad_token not in vocab:
             raise ValueError(f"no pad token {pad_token!r} in the tokenizer")
-        pad_token = pad_token or next((n for n in PAD_NAMES if n in vocab), None)
-        self.pad_token = pad_token
-        self.pad_id = vocab[pad_token] if pad_token in vocab else self.vocab_size  # outside the vocabulary
-        if self.pad_id == self.eos_id:
+        if pad_token == eos_token:
             raise ValueError("pad and end-of-text must be different tokens")
         self._init_template(chat_template, template_text, date_string)
         if self.chat_template == "llama3" and bos_token is None and "<|begin_of_text|>" in vocab:
             bos_token = "<|begin_of_text|>"
         self.bos_token = bos_token if bos_token in vocab else None
         self.bos_id = vocab.get(self.bos_token)
+        if pad_token and vocab[pad_token] in self.stop_ids:
+            raise ValueError(f"pad {pad_token!r} is the chat template's end-of-turn token; pads must differ from it")
+        if declared_pad in vocab and vocab[declared_pad] not in self.stop_ids:
+            pad_token = pad_token or declared_pad
+        pad_token = pad_token or next((n for n in PAD_NAMES if n in vocab), None) or self._spare_special(vocab)
+        self.pad_token = pad_token
+        self.pad_id = vocab[pad_token] if pad_token in vocab else self.vocab_size  # outside the vocabulary
         self._add_bos_cfg = add_bos_token
         if add_bos_token is None and self.bos_id is not None:   # what the tokenizer's post-processor does
             add_bos_token = tk.encode("a", add_special_tokens=True).ids[:1] == [self.bos_id] != \
                 tk.encode("a", add_special_tokens=False).ids[:1]
         self.add_bos = bool(add_bos_token) and self.bos_id is not None
+
+    def _spare_special(self, vocab):
+        """The lowest-id special token that is not bos, eos, end-of-turn or written by the chat template, and
+        encodes as itself; None if there is none."""
+        used = set(self.stop_ids) | {self.bos_id} | {vocab[t] for t in chat.TOKENS.get(self.chat_template, ())}
+        for i, t in sorted(self.tk.get_added_tokens_decoder().items()):
+            if t.special and i not in used and t.content != "<|begin_of_text|>" and self.encode(t.content) == [i]:
+                return t.content
+        return None
 
     def _init_template(self, chat_template, text, date_string):
         if chat_template not in CHAT_TEMPLATES:
@@ -175,9 +202,6 @@ class Tokenizer:
         name = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731  (HF: str or AddedToken)
         cfg_eos, cfg_pad = name(cfg.get("eos_token")), name(cfg.get("pad_token"))
         eos_token = eos_token or cfg_eos
-        # many HF configs set pad = eos; nano_rlhf needs a distinct pad, so such a pad is not taken
-        if not pad_token and cfg_pad and cfg_pad != eos_token:
-            pad_token = cfg_pad
         text = cfg.get("chat_template")
         if isinstance(text, list):
             text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"), None)
@@ -190,7 +214,8 @@ class Tokenizer:
         # the date a Llama 3 run rendered with (save() keeps it), so later stages render the same header
         date_string = date_string or (saved_date if isinstance(saved_date, str) else None)
         return cls(tk, eos_token, pad_token, chat_template, date_string, template_text=text,
-                   bos_token=name(cfg.get("bos_token")), add_bos_token=add_bos if isinstance(add_bos, bool) else None)
+                   bos_token=name(cfg.get("bos_token")), add_bos_token=add_bos if isinstance(add_bos, bool) else None,
+                   declared_pad=cfg_pad if isinstance(cfg_pad, str) else None)
 
     def save(self, path: str):
         """Write tokenizer.json and, beside it, tokenizer_config.json naming the special tokens and holding the
