@@ -154,6 +154,28 @@ def check_vocab(tok, cfg, where: str):
              f"{cfg.vocab_size}; pass the tokenizer.json the model was trained with (--tokenizer)")
 
 
+def check_output_file(flag, path, input_files=(), input_dirs=()):
+    """One line, before any work, if writing `path` would destroy an input: the same file as one of input_files
+    (compared after resolving links, so a symlink to the prompts counts), or a file of a run in one of
+    input_dirs (model directories: their weights, config, tokenizer, metrics, samples, state). A missing or
+    unwritable directory is refused too."""
+    from .checkpoint import RUN_FILES
+    if os.path.isdir(path):
+        fail(f"{flag} {path}: is a directory")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        fail(f"{flag} {path}: cannot be written (its directory {folder} does not exist or is not writable)")
+    target = os.path.realpath(path)
+    for f in input_files:
+        if f and os.path.exists(f) and os.path.realpath(f) == target:
+            fail(f"{flag} {path}: is an input of this command ({f}); write elsewhere")
+    for d in input_dirs:
+        if d and os.path.isdir(d) and os.path.dirname(target) == os.path.realpath(d):
+            name = os.path.basename(target)
+            if name in RUN_FILES or name.endswith((".safetensors", ".json", ".jsonl")) and os.path.exists(target):
+                fail(f"{flag} {path}: would replace {name} of the model directory {d}; write elsewhere")
+
+
 def split_off(records, fraction, seed):
     """Deterministically split records into (train, held-out) with `fraction` held out (at least one)."""
     import random

@@ -18,6 +18,8 @@ A comment may end with a range in braces, which parse_args enforces before anyth
 Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x < b}; a, b are numbers
 (`inf`, `-inf` allowed). `none` is always allowed for an Optional field. A violation prints one line,
 `error: --lr must be > 0 (got -1.0)`, and exits with status 2 (argparse's status for a bad command line).
+A float option never takes `nan`, `inf` or `-inf` (an open range like {> 0} would let inf through, and NaN
+fails no comparison): no option here gives them a meaning.
 """
 import argparse
 import dataclasses
@@ -103,6 +105,17 @@ def _bool(s):
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+def finite_float(s):
+    """float(s), refusing nan and ±inf (argparse turns the ValueError into a one-line error)."""
+    v = float(s)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return v
+
+
+finite_float.__name__ = "float"
+
+
 def _optional(inner):
     def conv(s):
         return None if s.lower() in ("none", "null", "") else inner(s)
@@ -120,13 +133,14 @@ def build_parser(cls, description=None):
         kw = {"default": default, "help": f"{comments.get(f.name, '')} (default: {default})"}
         origin, args = typing.get_origin(t), typing.get_args(t)
         if origin is typing.Union and type(None) in args:
-            kw["type"] = _optional(next(a for a in args if a is not type(None)))
+            inner = next(a for a in args if a is not type(None))
+            kw["type"] = _optional(finite_float if inner is float else inner)
         elif origin is typing.Literal:
             kw["choices"], kw["type"] = list(args), type(args[0])
         elif t is bool:
             kw.update(type=_bool, nargs="?", const=True, metavar="BOOL")
         else:
-            kw["type"] = t
+            kw["type"] = finite_float if t is float else t
         p.add_argument(f"--{f.name}", **kw)
     return p
 

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from . import reward as reward_mod
 from .checkpoint import write_json
-from .common import builtin_file, check_vocab, fail, load_tokenizer
+from .common import builtin_file, check_output_file, check_vocab, fail, load_tokenizer
+from .config import OneLineErrors, finite_float
 from .data import DataError, collate_prompts, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
 from .tokenizer import CHAT_TEMPLATES
@@ -142,12 +143,13 @@ def format_summary(name, s):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, nargs="+", help="policy directories (HF layout of GPT-2, "
                    "Llama, Qwen2/3 + tokenizer.json); "
                    "several give one table row each")
     p.add_argument("--prompts", default="", help="prompts JSONL (default: the built-in task's eval prompts)")
-    p.add_argument("--out", default="", help="samples.jsonl to write (default: MODEL/samples.jsonl for each model)")
+    p.add_argument("--out", default="", help="samples JSONL to write (default: MODEL/eval_samples.jsonl for each "
+                   "model; a training run's own samples.jsonl is kept)")
     p.add_argument("--ref", default="", help="reference policy directory for the KL column")
     p.add_argument("--reward_model", default="", help="reward model directory for the RM-score column")
     p.add_argument("--reward", default="", help="your reward, module:function or path/to/file.py:function, called as "
@@ -158,9 +160,9 @@ def main(argv=None):
     p.add_argument("--times", default="", help="TSV of training wall-clock seconds (NAME<TAB>SECONDS, NAME = the "
                    "model directory's basename), shown as a column (scripts/survey.sh writes one)")
     p.add_argument("--name", default="", help="row label when one model is given (default: the directory)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--temperature", type=finite_float, default=1.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens only")
-    p.add_argument("--top_p", type=float, default=None, help="nucleus sampling threshold")
+    p.add_argument("--top_p", type=finite_float, default=None, help="nucleus sampling threshold")
     p.add_argument("--samples_per_prompt", type=int, default=1, help="samples per prompt")
     p.add_argument("--max_new_tokens", type=int, default=48, help="longest response")
     p.add_argument("--batch_size", type=int, default=64, help="prompts per generation batch")
@@ -206,7 +208,7 @@ def main(argv=None):
             if a.baseline and os.path.isdir(a.baseline) and d == models[0]:
                 baseline = samples
             summary = summarize(samples, baseline)
-            out = a.out or os.path.join(d, "samples.jsonl")
+            out = a.out or os.path.join(d, EVAL_SAMPLES)
             with open(out, "w") as f:
                 for r in samples:
                     f.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -242,10 +244,13 @@ def read_times(path):
     return times
 
 
+EVAL_SAMPLES = "eval_samples.jsonl"     # the default output in each model directory (never a training file)
+
+
 def check_options(a):
     """Every bad flag is one line before anything is loaded or written."""
     if a.out and len(a.model) > 1:
-        fail("--out takes one model; with several, each writes MODEL/samples.jsonl")
+        fail(f"--out takes one model; with several, each writes MODEL/{EVAL_SAMPLES}")
     if not a.temperature >= 0:
         fail(f"--temperature must be >= 0 (0 = greedy; got {a.temperature})")
     if a.top_p is not None and not 0 < a.top_p <= 1:
@@ -258,11 +263,14 @@ def check_options(a):
         fail(f"--times {a.times}: no such file")
     if a.reward and not reward_mod.is_function_spec(a.reward):
         fail(f"--reward must be module:function or path/to/file.py:function (got {a.reward!r})")
+    # checked before the models are loaded and sampled, not after minutes of sampling: no output replaces an input
+    inputs = [a.prompts, a.times, a.baseline if a.baseline and os.path.isfile(a.baseline) else ""]
+    dirs = list(a.model) + [a.ref, a.reward_model, a.baseline if a.baseline and os.path.isdir(a.baseline) else ""]
+    if a.summary and a.out and os.path.realpath(a.summary) == os.path.realpath(a.out):
+        fail(f"--summary and --out are the same file ({a.out})")
     for flag, path in (("--summary", a.summary), ("--out", a.out)):
-        if path:   # checked before the models are loaded and sampled, not after minutes of sampling
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
-                fail(f"{flag} {path}: cannot be written (its directory {folder} does not exist or is not writable)")
+        if path:
+            check_output_file(flag, path, inputs, [d for d in dirs if d])
 
 
 def format_table(rows):

@@ -34,7 +34,7 @@ import torch
 
 from . import reward as reward_mod
 from .checkpoint import atomic_write_text
-from .common import builtin_file, check_vocab, fail, input_errors, load_tokenizer
+from .common import builtin_file, check_output_file, check_vocab, fail, input_errors, load_tokenizer
 from .config import parse_args
 from .data import collate_prompts, load_records, tokenize_prompts
 from .judge import LLM, load_judge, preference_matrix
@@ -73,8 +73,9 @@ def check_options(o):
     folder = os.path.dirname(os.path.abspath(o.out))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         fail(f"--out {o.out}: cannot be written (its directory {folder} does not exist or is not writable)")
-    if o.prompts and os.path.abspath(o.prompts) == os.path.abspath(o.out):
+    if o.prompts and os.path.exists(o.prompts) and os.path.realpath(o.prompts) == os.path.realpath(o.out):
         fail(f"--out {o.out}: is the --prompts file")
+    check_output_file("--out", o.out, [o.prompts], [o.model] + ([o.judge] if os.path.isdir(o.judge or "") else []))
     if not os.path.isdir(o.model):
         fail(f"--model {o.model}: no such model directory")
     if not (o.judge or o.pair_judge):

@@ -40,6 +40,7 @@ import sys
 
 import torch
 
+from .config import OneLineErrors, finite_float
 from .model import GPT, ScoreModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -188,13 +189,13 @@ def write_merged(base, merged_sd, out_dir, tokenizer_dirs, options, overwrite=Fa
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nano_rlhf.merge", description=__doc__.split("\n\n")[0])
+    p = OneLineErrors(prog="python -m nano_rlhf.merge", description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the model every --models entry was fine-tuned from")
     p.add_argument("--models", nargs="+", required=True, help="fine-tuned model directories to merge")
-    p.add_argument("--weights", nargs="+", type=float, default=None, help="one weight per model (default: all 1)")
+    p.add_argument("--weights", nargs="+", type=finite_float, default=None, help="one weight per model (default: all 1)")
     p.add_argument("--method", choices=("task_arithmetic", "ties"), required=True)
-    p.add_argument("--density", type=float, default=None, help="ties: fraction of each task vector kept (default 0.2)")
-    p.add_argument("--scale", type=float, default=None, help="ties: lambda, the merged task vector's scale (default 1)")
+    p.add_argument("--density", type=finite_float, default=None, help="ties: fraction of each task vector kept (default 0.2)")
+    p.add_argument("--scale", type=finite_float, default=None, help="ties: lambda, the merged task vector's scale (default 1)")
     p.add_argument("--out_dir", required=True)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out_dir")
     return p.parse_args(argv)

@@ -65,7 +65,9 @@ def test_in_range_values_parse():
     (["--label_smoothing", "0.5"], "error: --label_smoothing must satisfy 0 <= x < 0.5 (got 0.5)"),
     (["--top_p", "0"], "error: --top_p must satisfy 0 < x <= 1 (got 0.0)"),
     (["--max_len", "0"], "error: --max_len must be >= 1 (got 0)"),
-    (["--temp", "inf"], "error: --temp must be < inf (got inf)"),
+    # non-finite floats are refused by the type, before any range (NaN would pass every comparison)
+    (["--temp", "inf"], "error: argument --temp: expected a finite number, got 'inf' (see --help)"),
+    (["--lr", "nan"], "error: argument --lr: expected a finite number, got 'nan' (see --help)"),
 ])
 def test_out_of_range_is_one_line_and_exit_2(argv, line, capsys):
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,104 @@
+"""Nothing already saved is lost, nothing non-finite is taken: an output that would replace an input (the prompts
+file, directly or through a symlink; a model directory's weights or a training run's samples) is refused with one
+line before any work; every float option of every script and tool refuses nan and ±inf."""
+import importlib
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import prompt_rows, write_jsonl
+from nano_rlhf import config, evaluate, label, merge
+
+SCRIPTS = ["train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired", "train_online"]
+
+
+def one_line_exit(capsys, fn, code=None):
+    with pytest.raises(SystemExit) as e:
+        fn()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code != 0 and (code is None or e.value.code == code) and len(err) == 1, err
+    assert err[0].startswith("error: ")
+    return err[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_script_float_options_refuse_non_finite(capsys, script, value):
+    module = importlib.import_module(script)
+    floats = [f.name for f in module.Options.__dataclass_fields__.values() if f.type in (float, "float")]
+    assert floats
+    for name in floats:
+        msg = one_line_exit(capsys, lambda: config.parse_args(module.Options, [f"--{name}", value]), code=2)
+        assert f"--{name}" in msg and "finite" in msg
+
+
+@pytest.mark.parametrize("argv", [["--temperature", "inf"], ["--top_p", "nan"]])
+def test_evaluate_float_options_refuse_non_finite(capsys, tmp_path, sft_dir, argv):
+    p = write_jsonl(tmp_path / "p.jsonl", prompt_rows(2))
+    assert "finite" in one_line_exit(capsys, lambda: evaluate.main(["--model", sft_dir, "--prompts", p, *argv]))
+
+
+@pytest.mark.parametrize("argv", [["--scale", "inf"], ["--weights", "nan"], ["--density", "nan"]])
+def test_merge_float_options_refuse_non_finite(capsys, tmp_path, sft_dir, argv):
+    out = tmp_path / "merged"
+    msg = one_line_exit(capsys, lambda: merge.main(["--base", sft_dir, "--models", sft_dir, "--method", "ties",
+                                                    "--out_dir", str(out), *argv]))
+    assert "finite" in msg and not out.exists()
+
+
+def test_label_threshold_refuses_nan(capsys, tmp_path, sft_dir):
+    p = write_jsonl(tmp_path / "p.jsonl", prompt_rows(2))
+    msg = one_line_exit(capsys, lambda: label.main(["--model", sft_dir, "--prompts", p, "--out", str(tmp_path / "o"),
+                                                    "--judge", "gold", "--threshold", "nan"]))
+    assert "finite" in msg
+
+
+@pytest.fixture
+def run_dir(tmp_path, sft_dir):
+    """A copy of a model directory that also holds a training run's samples.jsonl."""
+    d = tmp_path / "run"
+    shutil.copytree(sft_dir, d)
+    (d / "samples.jsonl").write_text('{"prompt": "p", "completion": "from training"}\n')
+    return d
+
+
+def snapshot(*dirs_and_files):
+    out = {}
+    for p in dirs_and_files:
+        files = [p] if os.path.isfile(p) else [os.path.join(p, f) for f in sorted(os.listdir(p))]
+        out.update({f: open(f, "rb").read() for f in files if os.path.isfile(f)})
+    return out
+
+
+@pytest.mark.parametrize("target", ["prompts", "prompts_link", "weights", "config", "run_samples"])
+def test_evaluate_never_writes_over_an_input(capsys, tmp_path, run_dir, target):
+    prompts = write_jsonl(tmp_path / "p.jsonl", prompt_rows(2))
+    os.symlink(prompts, tmp_path / "link.jsonl")
+    out = {"prompts": prompts, "prompts_link": str(tmp_path / "link.jsonl"),
+           "weights": str(run_dir / "model.safetensors"), "config": str(run_dir / "config.json"),
+           "run_samples": str(run_dir / "samples.jsonl")}[target]
+    before = snapshot(str(run_dir), prompts)
+    msg = one_line_exit(capsys, lambda: evaluate.main(["--model", str(run_dir), "--prompts", str(tmp_path / "link.jsonl"),
+                                                       "--out", out, "--max_new_tokens", "2"]))
+    assert "--out" in msg
+    assert snapshot(str(run_dir), prompts) == before
+
+
+def test_evaluate_default_output_keeps_the_runs_samples(tmp_path, run_dir):
+    prompts = write_jsonl(tmp_path / "p.jsonl", prompt_rows(2))
+    before = (run_dir / "samples.jsonl").read_bytes()
+    evaluate.main(["--model", str(run_dir), "--prompts", prompts, "--max_new_tokens", "2"])
+    assert (run_dir / "samples.jsonl").read_bytes() == before
+    assert len((run_dir / evaluate.EVAL_SAMPLES).read_text().splitlines()) == 2
+
+
+def test_label_out_through_a_symlink_to_the_prompts_is_refused(capsys, tmp_path, sft_dir):
+    prompts = write_jsonl(tmp_path / "p.jsonl", prompt_rows(2))
+    os.symlink(prompts, tmp_path / "link.jsonl")
+    before = open(prompts, "rb").read()
+    msg = one_line_exit(capsys, lambda: label.main(["--model", sft_dir, "--prompts", prompts, "--out",
+                                                    str(tmp_path / "link.jsonl"), "--overwrite", "--judge", "gold"]))
+    assert "--prompts" in msg and open(prompts, "rb").read() == before
+    json.loads(before.splitlines()[0])
