@@ -187,10 +187,9 @@ def split_off(records, fraction, seed):
 
 def check_device(device: str):
     """--device must name something this machine has: one line otherwise (before any work)."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {device}: no CUDA GPU is available here (use --device cpu or auto)", 2)
-    if device not in ("auto", "cpu") and not device.startswith("cuda"):
-        fail(f"--device must be cpu, cuda, cuda:N or auto (got {device!r})", 2)
+    bad = dist.device_problem(device)
+    if bad:
+        fail(bad, 2)
 
 
 def derive_max_steps(opts, steps_per_epoch):

@@ -19,7 +19,7 @@ Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x 
 (`inf`, `-inf` allowed). `none` is always allowed for an Optional field. A violation prints one line,
 `error: --lr must be > 0 (got -1.0)`, and exits with status 2 (argparse's status for a bad command line).
 A float option never takes `nan`, `inf` or `-inf` (an open range like {> 0} would let inf through, and NaN
-fails no comparison): no option here gives them a meaning.
+fails no comparison): no option here gives them a meaning. A `seed` is an int in [0, 2**63).
 """
 import argparse
 import dataclasses
@@ -116,6 +116,17 @@ def finite_float(s):
 finite_float.__name__ = "float"
 
 
+def seed_int(s):
+    """A `seed` option: an int in [0, 2**63) (torch's generators take a signed 64-bit seed)."""
+    v = int(s)
+    if not 0 <= v < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"a seed must be in [0, 2**63), got {s!r}")
+    return v
+
+
+seed_int.__name__ = "int"
+
+
 def _optional(inner):
     def conv(s):
         return None if s.lower() in ("none", "null", "") else inner(s)
@@ -140,7 +151,7 @@ def build_parser(cls, description=None):
         elif t is bool:
             kw.update(type=_bool, nargs="?", const=True, metavar="BOOL")
         else:
-            kw["type"] = finite_float if t is float else t
+            kw["type"] = finite_float if t is float else seed_int if (t is int and f.name == "seed") else t
         p.add_argument(f"--{f.name}", **kw)
     return p
 

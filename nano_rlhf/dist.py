@@ -8,6 +8,8 @@ import datetime
 import hashlib
 import os
 import random
+import re
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +51,17 @@ def keep_freed_memory():
         pass
 
 
+def device_problem(device: str):
+    """Why --device cannot be used on this machine (None when it can)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {device}: no CUDA GPU is available here (use --device cpu or auto)"
+    if device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", device):
+        return f"--device must be cpu, cuda, cuda:N or auto (got {device!r})"
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def setup(device: str = "auto", timeout_minutes: float = 10.0) -> Dist:
     """Initialise the process group when launched by torchrun (WORLD_SIZE > 1); choose the device.
     Returns THE module-global context (also `dist.world()`).
@@ -57,6 +70,10 @@ def setup(device: str = "auto", timeout_minutes: float = 10.0) -> Dist:
     hangs, the others fail with an error naming the collective after this long instead of waiting forever
     (gloo always; NCCL with its async error handling, on by default in recent torch)."""
     global _CTX
+    bad = device_problem(device)
+    if bad:     # before any process group: every rank stops with the same line
+        print(f"error: {bad}", file=sys.stderr, flush=True)
+        sys.exit(2)
     keep_freed_memory()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))

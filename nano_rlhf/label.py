@@ -32,7 +32,7 @@ from typing import Literal, Optional
 
 import torch
 
-from . import reward as reward_mod
+from . import dist, reward as reward_mod
 from .checkpoint import atomic_write_text
 from .common import builtin_file, check_output_file, check_vocab, fail, input_errors, load_tokenizer
 from .config import parse_args
@@ -89,8 +89,8 @@ def check_options(o):
              "only unpaired data with --threshold can label single samples)")
     if o.pair_judge and o.samples_per_prompt < 2:
         fail("--pair_judge needs --samples_per_prompt >= 2 (a score is a win rate against the other samples)")
-    if o.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {o.device}: no CUDA GPU is available (use --device cpu or auto)")
+    if dist.device_problem(o.device):
+        fail(dist.device_problem(o.device))
 
 
 @torch.no_grad()

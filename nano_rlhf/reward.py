@@ -104,7 +104,10 @@ class _Checked:
         self.fn, self.name, self.flag = fn, spec, flag
 
     def __call__(self, prompts, completions):
-        out = self.fn(list(prompts), list(completions))
+        try:
+            out = self.fn(list(prompts), list(completions))
+        except Exception as e:      # the user's code: their error and where, in a few lines, not our stack
+            fail(f"{self.flag} {self.name} raised {type(e).__name__}: {e}{_user_frames(e)}")
         if torch.is_tensor(out):
             out = out.detach().flatten().tolist() if out.dim() <= 1 else None
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -112,9 +115,22 @@ class _Checked:
             fail(f"{self.flag} {self.name}: must return a list of floats (one per completion), got {_kind(out)}")
         if len(out) != len(completions):
             fail(f"{self.flag} {self.name}: returned {len(out)} scores for {len(completions)} completions")
-        if not all(math.isfinite(x) for x in out):
-            fail(f"{self.flag} {self.name}: returned a non-finite score ({next(x for x in out if not math.isfinite(x))})")
-        return [float(x) for x in out]
+        try:
+            scores = [float(x) for x in out]
+        except OverflowError:       # an int too large for a float (math.isfinite would raise on it too)
+            fail(f"{self.flag} {self.name}: returned a score too large for a float "
+                 f"({next(x for x in out if abs(x) > 1e308)!s:.40})")
+        if not all(math.isfinite(x) for x in scores):
+            fail(f"{self.flag} {self.name}: returned a non-finite score ({next(x for x in scores if not math.isfinite(x))})")
+        return scores
+
+
+def _user_frames(e, n=3):
+    """The last n frames of an exception's traceback, as ' (at FILE:LINE in FUNC; ...)'."""
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)[1:][-n:]      # [0] is our call into the user's function
+    return " (at " + "; ".join(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in frames) + ")" \
+        if frames else ""
 
 
 def _kind(x):
@@ -152,6 +168,8 @@ def load_function(spec, flag="--reward"):
         fail(f"{flag} {spec}: cannot import module {where!r} ({e})")
     except SyntaxError as e:
         fail(f"{flag} {spec}: {where} does not parse: {e.msg} (line {e.lineno})")
+    except Exception as e:          # the module's own code raised while it was imported
+        fail(f"{flag} {spec}: importing {where} raised {type(e).__name__}: {e}{_user_frames(e)}")
     fn = getattr(module, name, None)
     if fn is None:
         fail(f"{flag} {spec}: {where} has no {name!r}")

@@ -16,9 +16,12 @@ Only rank 0 touches the file system; the other ranks only take part in the colle
 verdict, so every rank stops with the same one-line error).
 
 out_dir rules: it may not be (or be inside) an input directory; one holding a run (any of
-checkpoint.RUN_FILES) needs --resume or --overwrite (which first deletes those files, and only those); a
-lock (out_dir/.lock, flock) keeps a second run out. A run that ends in an error before its first save removes
-what it created (out_dir itself if it created it). --resume compares the saved identity (state/run.json) with
+checkpoint.RUN_FILES) needs --resume or --overwrite. --overwrite first moves those files, and only those, aside
+(out_dir/.overwritten.PID) and deletes them at the new run's first save or normal end; a run that fails before
+then (a bad --data found after start-up, a crash while loading) puts them back, so nothing is lost to a run that
+never produced anything. An input file of the run directly in out_dir under one of those names (--tokenizer
+out_dir/tokenizer.json) is refused. A lock (out_dir/.lock, flock) keeps a second run out. A run that ends in an
+error before its first save removes what it created (out_dir itself if it created it). --resume compares the saved identity (state/run.json) with
 this run's: every field but CHANGEABLE must match, the global batch included, and the data files' sha256.
 """
 import atexit
@@ -79,6 +82,7 @@ class Run:
         self.report_to = getattr(opts, "report_to", "none")
         self.saved = self.finished = False
         self.created_dir, self.before = None, None  # what to remove if the run fails before its first save
+        self.set_aside = None                       # --overwrite: the previous run's files until the first save
         self.lock = OutDirLock(self.out_dir)
         self.writer = self.wandb = None
         self.t0, self.step0 = time.time(), 0
@@ -90,7 +94,12 @@ class Run:
         if resume and overwrite:
             return "--overwrite and --resume contradict each other: --resume continues the run in --out_dir"
         for name, path in self.inputs.items():
-            if _inside(out, path):
+            if os.path.isfile(path):
+                if (os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(out)
+                        and os.path.basename(path) in RUN_FILES):
+                    return (f"--{name} {path} is a file of the run in --out_dir {out}; copy it elsewhere or "
+                            "choose another --out_dir")
+            elif _inside(out, path):
                 return f"--out_dir {out} is, or is inside, the input --{name} {path}; choose another --out_dir"
         missing = self.report_to != "none" and self._import_backend()
         if missing:
@@ -116,13 +125,31 @@ class Run:
             return (f"--out_dir {out} already holds a run ({', '.join(present)}); pass --resume to continue it "
                     "or --overwrite to replace it")
         if present and overwrite:
-            print(f"note: --overwrite: removing the previous run's files from {out} ({', '.join(present)})",
-                  flush=True)
+            print(f"note: --overwrite: the previous run's files in {out} ({', '.join(present)}) are replaced at "
+                  "this run's first save (kept if it fails before)", flush=True)
+            self.set_aside = os.path.join(out, f".overwritten.{os.getpid()}")
+            os.makedirs(self.set_aside)
             for name in present:
-                p = os.path.join(out, name)
-                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
-            self.before -= set(present)
+                os.replace(os.path.join(out, name), os.path.join(self.set_aside, name))
+            self.before = (self.before - set(present)) | {os.path.basename(self.set_aside)}
         return None
+
+    def _drop_set_aside(self):
+        """The new run has saved: the previous run's files go for good."""
+        if self.set_aside is not None and self.main:
+            shutil.rmtree(self.set_aside, ignore_errors=True)
+        self.set_aside = None
+
+    def _restore_set_aside(self):
+        """The run failed before saving anything: the previous run's files come back."""
+        if self.set_aside is None or not os.path.isdir(self.set_aside):
+            return
+        for name in os.listdir(self.set_aside):
+            dst = os.path.join(self.out_dir, name)
+            if not os.path.exists(dst):
+                os.replace(os.path.join(self.set_aside, name), dst)
+        shutil.rmtree(self.set_aside, ignore_errors=True)
+        self.set_aside = None
 
     def _import_backend(self):
         try:
@@ -222,6 +249,7 @@ class Run:
         if save is not None and (self._due(getattr(o, "save_interval", 0), step) or step == stop_at):
             save(step)
             self.saved = True
+            self._drop_set_aside()
         if step == stop_at and step < self.max_steps:
             dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
         return step == stop_at or step >= self.max_steps
@@ -282,6 +310,7 @@ class Run:
         global _current
         self.finished = True
         dist.barrier()
+        self._drop_set_aside()
         self._close()
         dist.cleanup()
         _current = None
@@ -322,6 +351,9 @@ class Run:
             self._close()
             if not self.saved and not getattr(self.opts, "resume", False):
                 self._remove_created()
+                self._restore_set_aside()
+            else:
+                self._drop_set_aside()
         if _current is self:
             _current = None
 

@@ -102,3 +102,55 @@ def test_label_out_through_a_symlink_to_the_prompts_is_refused(capsys, tmp_path,
                                                     str(tmp_path / "link.jsonl"), "--overwrite", "--judge", "gold"]))
     assert "--prompts" in msg and open(prompts, "rb").read() == before
     json.loads(before.splitlines()[0])
+
+
+@pytest.mark.parametrize("bad", [["--data", "missing.jsonl"], ["--init", "no_such_model_dir"]])
+def test_overwrite_with_a_bad_input_keeps_the_previous_run(tmp_path, sft_dir, bad):
+    """--overwrite used to delete the previous run before the inputs were read: a bad --data or --init then left
+    nothing. Now the previous run is back, byte for byte, after the one-line error."""
+    from conftest import pref_rows, run
+    data = write_jsonl(tmp_path / "pref.jsonl", pref_rows(16))
+    args = ["train_dpo.py", "--init", sft_dir, "--data", data, "--out_dir", str(tmp_path / "dpo"), "--max_steps",
+            "1", "--batch_size", "4", "--eval_interval", "0", "--log_interval", "1"]
+    run(args)
+    before = snapshot(str(tmp_path / "dpo"))
+    flag, value = bad
+    args[args.index(flag) + 1] = str(tmp_path / value)
+    p = run(args + ["--overwrite"], check=False)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert snapshot(str(tmp_path / "dpo")) == before
+    assert not [n for n in os.listdir(tmp_path / "dpo") if n.startswith(".overwritten")]
+
+
+def test_user_reward_errors_are_one_line_naming_the_function(tmp_path, capsys):
+    from nano_rlhf.reward import load_function
+    (tmp_path / "r.py").write_text("def boom(prompts, completions):\n"
+                                   "    raise ValueError('bad row ' + prompts[0])\n"
+                                   "def huge(prompts, completions):\n"
+                                   "    return [10 ** 400 for _ in completions]\n")
+    (tmp_path / "broken.py").write_text("x = 1 / 0\ndef f(p, c):\n    return [0.0]\n")
+    msg = one_line_exit(capsys, lambda: load_function(f"{tmp_path / 'r.py'}:boom")(["p"], ["c"]))
+    assert msg.startswith(f"error: --reward {tmp_path / 'r.py'}:boom raised ValueError: bad row p (at r.py:2 in boom")
+    msg = one_line_exit(capsys, lambda: load_function(f"{tmp_path / 'r.py'}:huge")(["p"], ["c"]))
+    assert "too large for a float" in msg
+    msg = one_line_exit(capsys, lambda: load_function(f"{tmp_path / 'broken.py'}:f", flag="--judge"))
+    assert msg.startswith("error: --judge") and "raised ZeroDivisionError: division by zero" in msg
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("device", ["cuda", "tpu"])
+def test_a_device_this_machine_lacks_is_one_line(capsys, script, device):
+    import torch
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    module = importlib.import_module(script)
+    extra = ["--judge", "gold"] if script == "train_online" else []
+    msg = one_line_exit(capsys, lambda: module.main(["--device", device, *extra]))
+    assert "--device" in msg
+
+
+@pytest.mark.parametrize("script", SCRIPTS + ["nano_rlhf.label"])
+def test_a_seed_outside_64_bits_is_one_line(capsys, script):
+    module = importlib.import_module(script)
+    msg = one_line_exit(capsys, lambda: config.parse_args(module.Options, ["--seed", str(2 ** 63)]), code=2)
+    assert "--seed" in msg and "2**63" in msg

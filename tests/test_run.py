@@ -211,6 +211,34 @@ def test_out_dir_equal_to_or_inside_an_input_is_refused(toy, tmp_path, capsys):
     assert os.listdir("model") == ["config.json"]                 # the input is never touched
 
 
+def tree(d):
+    return {os.path.relpath(os.path.join(r, f), d): open(os.path.join(r, f), "rb").read()
+            for r, _, fs in os.walk(d) for f in fs if f != ".lock"}
+
+
+@pytest.mark.parametrize("failure", [["--fail_at", "1"], ["--nan_at", "1"]])
+def test_overwrite_that_fails_before_saving_keeps_the_previous_run(toy, capsys, failure):
+    """--overwrite sets the previous run aside; a run that fails before its first save (a crash, a NaN loss, a
+    bad input found after start-up) puts it back byte for byte."""
+    toy.main(["--save_interval", "2"])
+    before = tree("out/toy")
+    with pytest.raises((SystemExit, RuntimeError)):
+        toy.main(["--overwrite", "--save_interval", "2", *failure])
+    from nano_rlhf import run as run_mod
+    if run_mod._current is not None:
+        run_mod._current.abort()            # what the process's exit does (atexit)
+    assert tree("out/toy") == before
+    assert not [n for n in os.listdir("out/toy") if n.startswith(".overwritten")]
+
+
+def test_an_input_file_that_overwrite_would_replace_is_refused(toy, capsys):
+    toy.main([])
+    before = tree("out/toy")
+    msg = fails(toy, ["--init", "out/toy/tokenizer.json", "--overwrite"], capsys)
+    assert msg.startswith("error: --init out/toy/tokenizer.json is a file of the run in --out_dir out/toy")
+    assert tree("out/toy") == before
+
+
 def test_non_empty_out_dir_needs_resume_or_overwrite(toy, capsys):
     toy.main([])
     os.makedirs("out/toy/keep")
@@ -220,8 +248,9 @@ def test_non_empty_out_dir_needs_resume_or_overwrite(toy, capsys):
                                       "replace it")
     assert "contradict" in fails(toy, ["--resume", "--overwrite"], capsys)
     toy.main(["--overwrite", "--max_steps", "2"])
-    assert "removing the previous run's files" in capsys.readouterr().out
+    assert "are replaced at this run's first save" in capsys.readouterr().out
     assert [json.loads(ln)["step"] for ln in open("out/toy/metrics.jsonl")] == [2]
+    assert not [n for n in os.listdir("out/toy") if n.startswith(".overwritten")]     # dropped at the save
     assert os.path.exists("out/toy/notes.txt") and os.path.isdir("out/toy/keep")   # not ours: kept
     # a directory holding only files this project does not write is not a run
     os.makedirs("other")
