@@ -163,3 +163,40 @@ def test_script_from_smollm2_loads_in_transformers(smol, data, tmp_path, name):
             got, want = ours(ids, attn)[keep], hf(ids, attention_mask=attn).logits[keep]
             tol = real_atol(want)
     torch.testing.assert_close(got, want, atol=tol, rtol=0)
+
+
+def test_lora_from_smollm2_loads_in_transformers_and_peft(smol, data, tmp_path):
+    """SFT with LoRA adapters on every projection: the merged directory loads in transformers and the adapter
+    directory in peft over the real base, both with our logits."""
+    peft = pytest.importorskip("peft")
+    out = tmp_path / "lora"
+    run(["train_sft.py", "--init", smol, "--data", str(data / "sft.jsonl"), "--out_dir", str(out), "--max_steps", "2",
+         "--batch_size", "2", "--warmup_steps", "0", "--eval_interval", "0", "--lr", "1e-3", "--lora_r", "8",
+         "--lora_targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"], timeout=900)
+    tok = load_tokenizer("", str(out))
+    ids = torch.tensor([tok.encode_conversation(sft_rows(1)[0]["messages"])[0]])
+    with torch.no_grad():
+        ours = GPT.from_pretrained(str(out)).eval()(ids)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(ids).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(smol)
+        adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter")).eval()(ids).logits
+        start = GPT.from_pretrained(smol).eval()(ids)
+    tol = real_atol(merged)
+    torch.testing.assert_close(merged, ours, atol=tol, rtol=0)
+    torch.testing.assert_close(adapted, ours, atol=tol, rtol=0)
+    assert (ours - start).abs().max() > 100 * tol          # the adapters did change the model
+
+
+def test_fsdp_two_ranks_from_smollm2_loads_in_transformers(smol, data, tmp_path):
+    """--fsdp on two ranks (gloo) from the real checkpoint: the gathered export loads in transformers."""
+    out = tmp_path / "fsdp"
+    run(["train_sft.py", "--init", smol, "--data", str(data / "sft.jsonl"), "--out_dir", str(out), "--max_steps", "2",
+         "--batch_size", "1", "--warmup_steps", "0", "--eval_interval", "0", "--lr", "1e-5", "--fsdp"], nproc=2,
+        timeout=900)
+    tok = load_tokenizer("", str(out))
+    assert json.load(open(out / "config.json"))["pad_token_id"] == tok.pad_id == 0
+    ids = torch.tensor([tok.encode_conversation(sft_rows(1)[0]["messages"])[0]])
+    with torch.no_grad():
+        ours = GPT.from_pretrained(str(out)).eval()(ids)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(ids).logits
+    torch.testing.assert_close(hf, ours, atol=real_atol(hf), rtol=0)
