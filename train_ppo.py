@@ -116,7 +116,7 @@ class Options:
     kl_horizon: int = 10000       # horizon (in samples) of the adaptive controller {>= 1}
     kl_in_loss: bool = False      # KL as β·k3 per token in the loss instead of in the reward (GRPO style)
     missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward selfplay: 0, the worst win rate); none = off
-    score_clip: float = 5.0       # clip the normalised reward-model score to ±this {> 0}
+    score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping {> 0}
     normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved
     gamma: float = 1.0            # GAE / reward-to-go discount {0 <= x <= 1}
     lam: float = 0.95             # GAE λ {0 <= x <= 1}
@@ -125,7 +125,7 @@ class Options:
     micro_batch_size: int = 0     # sequences per forward/backward; 0 = the whole minibatch {>= 0}
     clip_eps: float = 0.2         # policy ratio clip ε {> 0}
     clip_high: Optional[float] = None  # upper clip ε_high (DAPO clip-higher); none = --clip_eps {> 0}
-    value_clip: float = 0.2       # critic update clip ε_v {> 0}
+    value_clip: float = 0.2       # critic update clip ε_v; inf = no clipping {> 0}
     entropy_coef: float = 0.0     # entropy bonus coefficient c_H {>= 0}
     ptx_data: str = ""            # SFT JSONL for the pre-training mix (InstructGPT PPO-ptx); empty = off
     ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL {>= 0}

@@ -102,10 +102,10 @@ def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     stop_ids = set(getattr(tokenizer, "stop_ids", None) or [])
     ends = sorted(stop_ids | ({cfg.eos_token_id} if cfg.eos_token_id is not None else set())
                   | set(cfg.eos_token_ids or []))
-    if len(ends) > 1:
+    if ends:
         # end-of-text and end-of-turn (<|im_end|>, <|eot_id|>) and every end id the checkpoint listed: HF's
         # generate stops at any id of a list, so the exported model stops where ours and the original do
-        extra_config.setdefault("eos_token_id", ends)
+        extra_config.setdefault("eos_token_id", ends if len(ends) > 1 else ends[0])
     extra_config.setdefault("pad_token_id", export_pad_id(cfg, tokenizer))
     dist.unwrap(model).save_pretrained(out_dir, **extra_config)
     if tokenizer is not None:
@@ -270,7 +270,8 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
 # ---- out_dir: what a run is, and the lock ---------------------------------------------------------
 
 # Everything this project writes into an out_dir: a directory holding any of these holds a run.
-RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_config.json",
+RUN_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+             "train_config.json",
              "metrics.jsonl", "samples.jsonl", "tensorboard", "state", "state.old", "state.tmp",
              "adapter")          # a LoRA run's adapters in PEFT's layout (nano_rlhf/lora.py)
 

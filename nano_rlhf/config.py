@@ -18,8 +18,8 @@ A comment may end with a range in braces, which parse_args enforces before anyth
 Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x < b}; a, b are numbers
 (`inf`, `-inf` allowed). `none` is always allowed for an Optional field. A violation prints one line,
 `error: --lr must be > 0 (got -1.0)`, and exits with status 2 (argparse's status for a bad command line).
-A float option never takes `nan`, `inf` or `-inf` (an open range like {> 0} would let inf through, and NaN
-fails no comparison): no option here gives them a meaning. A `seed` is an int in [0, 2**63).
+A float option never takes `nan` (it fails no comparison), nor `inf` / `-inf` (an open range like {> 0} would
+let them through) unless its comment gives inf a meaning with "inf = ..." (`score_clip`: inf = no clipping). A `seed` is an int in [0, 2**63).
 """
 import argparse
 import dataclasses
@@ -116,6 +116,17 @@ def finite_float(s):
 finite_float.__name__ = "float"
 
 
+def not_nan_float(s):
+    """float(s), refusing nan (for an option whose comment says what inf means)."""
+    v = float(s)
+    if v != v:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}")
+    return v
+
+
+not_nan_float.__name__ = "float"
+
+
 def seed_int(s):
     """A `seed` option: an int in [0, 2**63) (torch's generators take a signed 64-bit seed)."""
     v = int(s)
@@ -143,15 +154,16 @@ def build_parser(cls, description=None):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kw = {"default": default, "help": f"{comments.get(f.name, '')} (default: {default})"}
         origin, args = typing.get_origin(t), typing.get_args(t)
+        floats = not_nan_float if "inf = " in comments.get(f.name, "") else finite_float
         if origin is typing.Union and type(None) in args:
             inner = next(a for a in args if a is not type(None))
-            kw["type"] = _optional(finite_float if inner is float else inner)
+            kw["type"] = _optional(floats if inner is float else inner)
         elif origin is typing.Literal:
             kw["choices"], kw["type"] = list(args), type(args[0])
         elif t is bool:
             kw.update(type=_bool, nargs="?", const=True, metavar="BOOL")
         else:
-            kw["type"] = finite_float if t is float else seed_int if (t is int and f.name == "seed") else t
+            kw["type"] = floats if t is float else seed_int if (t is int and f.name == "seed") else t
         p.add_argument(f"--{f.name}", **kw)
     return p
 

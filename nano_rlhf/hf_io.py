@@ -311,7 +311,9 @@ def write_generation(cfg, out_dir, ends, pad_id):
     gen = dict(cfg.generation or {})
     gen.pop("transformers_version", None)
     gen.setdefault("bos_token_id", cfg.bos_token_id if cfg.model_type != "gpt2" else cfg.eos_token_id)
-    gen.update(eos_token_id=ends if len(ends) != 1 else ends[0], pad_token_id=pad_id)
+    # an out-of-vocabulary pad (GPT-2's) is not for generate, which feeds pads of finished rows back in
+    gen.update(eos_token_id=ends if len(ends) != 1 else ends[0],
+               pad_token_id=pad_id if pad_id is not None and pad_id < cfg.vocab_size else None)
     _atomic(os.path.join(out_dir, "generation_config.json"), lambda p: _write_text(p, json.dumps(gen, indent=2) + "\n"))
 
 

@@ -133,6 +133,8 @@ def _config_dict(model):
     cfg = model.cfg
     d = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))
     d.pop("dropout", None)          # a training option, not the architecture (HF GPT-2 ships 0.1, ours 0.0)
+    for k in ("generation", "eos_token_ids", "pad_token_id", "eos_token_id", "bos_token_id"):
+        d.pop(k, None)              # token ids and generation defaults: an export restates them, the weights agree
     return d
 
 

@@ -107,7 +107,7 @@ class _Checked:
         try:
             out = self.fn(list(prompts), list(completions))
         except Exception as e:      # the user's code: their error and where, in a few lines, not our stack
-            fail(f"{self.flag} {self.name} raised {type(e).__name__}: {e}{_user_frames(e)}")
+            fail(f"{self.flag} {self.name} raised {type(e).__name__}: {_first_line(e)}{_user_frames(e)}")
         if torch.is_tensor(out):
             out = out.detach().flatten().tolist() if out.dim() <= 1 else None
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -123,6 +123,10 @@ class _Checked:
         if not all(math.isfinite(x) for x in scores):
             fail(f"{self.flag} {self.name}: returned a non-finite score ({next(x for x in scores if not math.isfinite(x))})")
         return scores
+
+
+def _first_line(e):
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 def _user_frames(e, n=3):
@@ -169,7 +173,7 @@ def load_function(spec, flag="--reward"):
     except SyntaxError as e:
         fail(f"{flag} {spec}: {where} does not parse: {e.msg} (line {e.lineno})")
     except Exception as e:          # the module's own code raised while it was imported
-        fail(f"{flag} {spec}: importing {where} raised {type(e).__name__}: {e}{_user_frames(e)}")
+        fail(f"{flag} {spec}: importing {where} raised {type(e).__name__}: {_first_line(e)}{_user_frames(e)}")
     fn = getattr(module, name, None)
     if fn is None:
         fail(f"{flag} {spec}: {where} has no {name!r}")

@@ -28,6 +28,7 @@ import atexit
 import json
 import os
 import shutil
+import tempfile
 import time
 
 from . import checkpoint, dist
@@ -127,11 +128,16 @@ class Run:
         if present and overwrite:
             print(f"note: --overwrite: the previous run's files in {out} ({', '.join(present)}) are replaced at "
                   "this run's first save (kept if it fails before)", flush=True)
-            self.set_aside = os.path.join(out, f".overwritten.{os.getpid()}")
-            os.makedirs(self.set_aside)
+            self.set_aside = tempfile.mkdtemp(prefix=".overwritten.", dir=out)
+            self.before |= {os.path.basename(self.set_aside)}       # never "created by this run": not removed
             for name in present:
                 os.replace(os.path.join(out, name), os.path.join(self.set_aside, name))
-            self.before = (self.before - set(present)) | {os.path.basename(self.set_aside)}
+                self.before.discard(name)
+        stale = sorted(n for n in self.before if n.startswith(".overwritten.")
+                       and os.path.join(out, n) != self.set_aside)
+        if stale:
+            print(f"warning: {out} holds {', '.join(stale)}: the files of a run replaced by an --overwrite run that "
+                  "was killed before its first save; move them back or delete them", flush=True)
         return None
 
     def _drop_set_aside(self):
@@ -348,12 +354,14 @@ class Run:
             return
         self.finished = True
         if self.main:
-            self._close()
+            # files first, the lock last: no other run may start in out_dir while its files are being put back;
+            # this run's new files go before the previous run's come back (they share names)
             if not self.saved and not getattr(self.opts, "resume", False):
                 self._remove_created()
                 self._restore_set_aside()
             else:
                 self._drop_set_aside()
+            self._close()
         if _current is self:
             _current = None
 

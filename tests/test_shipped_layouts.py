@@ -144,3 +144,39 @@ def test_a_pad_named_on_the_command_line_must_not_be_a_stop_token(layout):
         Tokenizer.from_file(path, pad_token=eot)
     other = {"llama3.2": "<|reserved_special_token_2|>", "smollm2": "<repo_name>"}.get(name, "<|endoftext|>")
     assert Tokenizer.from_file(path, pad_token=other).pad_token == other
+
+
+def test_an_export_merges_with_its_base(layout, tmp_path):
+    """An export restates token ids and generation defaults (pad, end ids): merge compares architectures, so a
+    fine-tune of a shipped checkpoint still merges with it."""
+    from nano_rlhf import merge
+    from nano_rlhf.checkpoint import save_model_dir
+    name, d, _, _ = layout
+    save_model_dir(str(tmp_path / "ft"), GPT.from_pretrained(d), load_tokenizer("", d))
+    base, states = merge.load_models(d, [str(tmp_path / "ft")])
+    assert len(states) == 1
+
+
+def test_gpt2_layout_never_gives_generate_an_out_of_vocabulary_pad(tmp_path):
+    """GPT-2's tokenizer has one special token, so its pad lies past the vocabulary: config.json states it (as
+    transformers' GPT-2 accepts), generation_config.json does not (generate feeds pads back into the embedding)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from conftest import tiny_model, tiny_texts
+    from nano_rlhf.checkpoint import save_model_dir
+    from nano_rlhf.tokenizer import Tokenizer
+    tk = HFTokenizer(models.BPE())
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tk.train_from_iterator(tiny_texts(), trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = Tokenizer(tk)
+    assert tok.pad_token is None and tok.pad_id == tok.vocab_size
+    model = tiny_model(vocab_size=tok.vocab_size)
+    save_model_dir(str(tmp_path / "g"), model, tok)
+    cfg = json.load(open(tmp_path / "g" / "config.json"))
+    gen = json.load(open(tmp_path / "g" / "generation_config.json"))
+    assert cfg["pad_token_id"] == tok.vocab_size and gen["pad_token_id"] is None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "g")).eval()
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                eos_token_id=int(ids[0, 0]))            # a row ends early: its pads go back through the embedding
