@@ -19,7 +19,8 @@ Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x 
 (`inf`, `-inf` allowed). `none` is always allowed for an Optional field. A violation prints one line,
 `error: --lr must be > 0 (got -1.0)`, and exits with status 2 (argparse's status for a bad command line).
 A float option never takes `nan` (it fails no comparison), nor `inf` / `-inf` (an open range like {> 0} would
-let them through) unless its comment gives inf a meaning with "inf = ..." (`score_clip`: inf = no clipping). A `seed` is an int in [0, 2**63).
+let them through) unless its comment gives inf a meaning with "inf = ..." (`score_clip`: inf = no clipping).
+A `seed` is an int in [0, 2**63).
 """
 import argparse
 import dataclasses

@@ -30,7 +30,6 @@ Usage:
 The output is written with the base's class (policy or reward model) as an HF directory plus the base's
 tokenizer files (else the first model's) and merge_config.json (the options), built in OUT.tmp and renamed.
 """
-import argparse
 import dataclasses
 import json
 import math
@@ -196,8 +195,10 @@ def parse_args(argv=None):
     p.add_argument("--models", nargs="+", required=True, help="fine-tuned model directories to merge")
     p.add_argument("--weights", nargs="+", type=finite_float, default=None, help="one weight per model (default: all 1)")
     p.add_argument("--method", choices=("task_arithmetic", "ties"), required=True)
-    p.add_argument("--density", type=finite_float, default=None, help="ties: fraction of each task vector kept (default 0.2)")
-    p.add_argument("--scale", type=finite_float, default=None, help="ties: lambda, the merged task vector's scale (default 1)")
+    p.add_argument("--density", type=finite_float, default=None,
+                   help="ties: fraction of each task vector kept (default 0.2)")
+    p.add_argument("--scale", type=finite_float, default=None,
+                   help="ties: lambda, the merged task vector's scale (default 1)")
     p.add_argument("--out_dir", required=True)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out_dir")
     return p.parse_args(argv)

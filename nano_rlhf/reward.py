@@ -121,7 +121,8 @@ class _Checked:
             fail(f"{self.flag} {self.name}: returned a score too large for a float "
                  f"({next(x for x in out if abs(x) > 1e308)!s:.40})")
         if not all(math.isfinite(x) for x in scores):
-            fail(f"{self.flag} {self.name}: returned a non-finite score ({next(x for x in scores if not math.isfinite(x))})")
+            bad = next(x for x in scores if not math.isfinite(x))
+            fail(f"{self.flag} {self.name}: returned a non-finite score ({bad})")
         return scores
 
 

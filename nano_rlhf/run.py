@@ -21,8 +21,9 @@ checkpoint.RUN_FILES) needs --resume or --overwrite. --overwrite first moves tho
 then (a bad --data found after start-up, a crash while loading) puts them back, so nothing is lost to a run that
 never produced anything. An input file of the run directly in out_dir under one of those names (--tokenizer
 out_dir/tokenizer.json) is refused. A lock (out_dir/.lock, flock) keeps a second run out. A run that ends in an
-error before its first save removes what it created (out_dir itself if it created it). --resume compares the saved identity (state/run.json) with
-this run's: every field but CHANGEABLE must match, the global batch included, and the data files' sha256.
+error before its first save removes what it created (out_dir itself if it created it). --resume compares the
+saved identity (state/run.json) with this run's: every field but CHANGEABLE must match, the global batch
+included, and the data files' sha256.
 """
 import atexit
 import json

@@ -114,7 +114,8 @@ def hf_tokenizer(family):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if spec["added"]:
         tk.add_tokens(spec["added"])
-    if spec["bos"] and spec.get("add_bos", True):   # like Llama 3's tokenizer.json: encode(add_special_tokens=True) prepends bos
+    # like Llama 3's tokenizer.json: encode(add_special_tokens=True) prepends bos (SmolLM2's does not)
+    if spec["bos"] and spec.get("add_bos", True):
         bos = spec["bos"]
         tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                           special_tokens=[(bos, tk.token_to_id(bos))])

@@ -49,8 +49,8 @@ def test_prompt_sentences_parse_back_and_reward_is_the_share_met():
 
 
 def test_files_hold_out_topics_and_pairs_and_are_seeded(tmp_path):
-    a = ifeval.write_prompts(str(tmp_path / "a"), seed=3, n_train=200, n_eval=80)
-    b = ifeval.write_prompts(str(tmp_path / "b"), seed=3, n_train=200, n_eval=80)
+    for d in ("a", "b"):
+        assert ifeval.write_prompts(str(tmp_path / d), seed=3, n_train=200, n_eval=80) == str(tmp_path / d)
     for name in ("train.jsonl", "eval.jsonl"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     train = [json.loads(x)["prompt"] for x in open(tmp_path / "a" / "train.jsonl")]

@@ -84,8 +84,8 @@ def test_evaluate_never_writes_over_an_input(capsys, tmp_path, run_dir, target):
            "weights": str(run_dir / "model.safetensors"), "config": str(run_dir / "config.json"),
            "run_samples": str(run_dir / "samples.jsonl")}[target]
     before = snapshot(str(run_dir), prompts)
-    msg = one_line_exit(capsys, lambda: evaluate.main(["--model", str(run_dir), "--prompts", str(tmp_path / "link.jsonl"),
-                                                       "--out", out, "--max_new_tokens", "2"]))
+    argv = ["--model", str(run_dir), "--prompts", str(tmp_path / "link.jsonl"), "--out", out, "--max_new_tokens", "2"]
+    msg = one_line_exit(capsys, lambda: evaluate.main(argv))
     assert "--out" in msg
     assert snapshot(str(run_dir), prompts) == before
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, run
+from conftest import run
 from hf_fixtures import SHIPPED, make_hf_dir, pref_rows, prompt_rows, sft_rows, unpaired_rows, write_jsonl
 from nano_rlhf.common import load_tokenizer
 from nano_rlhf.data import collate_prompts
