@@ -124,9 +124,11 @@ class Tokenizer:
 
     def _spare_special(self, vocab):
         """The lowest-id special token that is not bos, eos, end-of-turn or written by the chat template, and
-        encodes as itself; None if there is none."""
+        encodes as itself, a reserved one first (Llama 3.0: <|reserved_special_token_0|>, not <|end_of_text|>,
+        which a model may still emit); None if there is none."""
         used = set(self.stop_ids) | {self.bos_id} | {vocab[t] for t in chat.TOKENS.get(self.chat_template, ())}
-        for i, t in sorted(self.tk.get_added_tokens_decoder().items()):
+        added = self.tk.get_added_tokens_decoder().items()
+        for i, t in sorted(added, key=lambda it: ("reserved" not in it[1].content, it[0])):
             if t.special and i not in used and t.content != "<|begin_of_text|>" and self.encode(t.content) == [i]:
                 return t.content
         return None

@@ -180,3 +180,19 @@ def test_gpt2_layout_never_gives_generate_an_out_of_vocabulary_pad(tmp_path):
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                 eos_token_id=int(ids[0, 0]))            # a row ends early: its pads go back through the embedding
+
+
+def test_a_reserved_special_token_is_the_first_spare_pad():
+    """Llama 3.0's tokenizer has no pad-named token: the pad is a reserved token, not <|end_of_text|> (an end
+    token the model may emit)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+    from conftest import tiny_texts
+    from nano_rlhf.tokenizer import Tokenizer
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|eot_id|>"]
+    tk = HFTokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.train_from_iterator(tiny_texts(), trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = Tokenizer(tk, eos_token="<|eot_id|>", chat_template="plain", bos_token="<|begin_of_text|>")
+    assert tok.pad_token == "<|reserved_special_token_0|>"
