@@ -9,8 +9,9 @@ One rule picks the pad, for every layout real checkpoints ship:
   2. the pad that tokenizer_config.json declares, unless it is a stop token (eos or end-of-turn) — Qwen's
      <|endoftext|> is taken, SmolLM2's pad = eos = <|im_end|> is not;
   3. a token with a usual pad name (PAD_NAMES: Llama 3's <|finetune_right_pad_id|>, our <|pad|>);
-  4. the first spare special token: special, and not bos, eos, end-of-turn or a token the chat template writes
-     (SmolLM2: <|endoftext|>, id 0, which its chat rows never hold);
+  4. the first spare special token: special, and not bos, eos, end-of-turn or a token the chat template writes,
+     reserved ones first (Llama 3.0: <|reserved_special_token_0|>; SmolLM2: <|endoftext|>, id 0, which its chat
+     rows never hold);
   5. only when the vocabulary has none of these (GPT-2's single special token): id = vocabulary size, an id
      outside the vocabulary that the model replaces before its embedding lookup (no embedding is resized).
 So the pad is inside the vocabulary whenever the vocabulary allows it, and that id is what an exported
