@@ -428,7 +428,8 @@ def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=Non
     targets = s.ids[:, P:][valid]
     nll = F.cross_entropy(logits, targets, reduction="none")
     # the positive tokens: a fresh generator per (step, rank), so a resumed run draws what it would have
-    gen = torch.Generator(device=logits.device).manual_seed((opts.seed * 1_000_003 + step * 1009 + dist.world().rank) % 2 ** 63)
+    seed = (opts.seed * 1_000_003 + step * 1009 + dist.world().rank) % 2 ** 63
+    gen = torch.Generator(device=logits.device).manual_seed(seed)
     cr = cringe_loss(logits, targets, cringe_positives(logits, targets, opts.cringe_topk, gen))
     nll_sum, cr_sum = (nll * is_pos).sum(), (cr * is_neg).sum()
     objective = nll_sum / max(n_pos, 1) + opts.cringe_alpha * cr_sum / max(n_neg, 1)

@@ -66,13 +66,8 @@ def check_options(o):
     """Every bad flag is one line before anything is loaded or sampled."""
     if not o.out:
         fail("--out is required (the JSONL file to write)")
-    if os.path.isdir(o.out):
-        fail(f"--out {o.out}: is a directory")
-    if os.path.exists(o.out) and not o.overwrite:
+    if os.path.isfile(o.out) and not o.overwrite:
         fail(f"--out {o.out}: exists; pass --overwrite to replace it")
-    folder = os.path.dirname(os.path.abspath(o.out))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        fail(f"--out {o.out}: cannot be written (its directory {folder} does not exist or is not writable)")
     if o.prompts and os.path.exists(o.prompts) and os.path.realpath(o.prompts) == os.path.realpath(o.out):
         fail(f"--out {o.out}: is the --prompts file")
     check_output_file("--out", o.out, [o.prompts], [o.model] + ([o.judge] if os.path.isdir(o.judge or "") else []))

@@ -193,7 +193,8 @@ def parse_args(argv=None):
     p = OneLineErrors(prog="python -m nano_rlhf.merge", description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the model every --models entry was fine-tuned from")
     p.add_argument("--models", nargs="+", required=True, help="fine-tuned model directories to merge")
-    p.add_argument("--weights", nargs="+", type=finite_float, default=None, help="one weight per model (default: all 1)")
+    p.add_argument("--weights", nargs="+", type=finite_float, default=None,
+                   help="one weight per model (default: all 1)")
     p.add_argument("--method", choices=("task_arithmetic", "ties"), required=True)
     p.add_argument("--density", type=finite_float, default=None,
                    help="ties: fraction of each task vector kept (default 0.2)")
