@@ -1,8 +1,10 @@
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -83,6 +85,61 @@ def free_port():
         return s.getsockname()[1]
 
 
+def descendants(pid):
+    """Every process started, directly or not, by `pid` (from /proc: torchrun starts its ranks in sessions of
+    their own, so a process-group signal misses them)."""
+    children = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def signal_all(pids, sig):
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+# Imported by every Python process the tests start (tests/stackdump is put on PYTHONPATH): SIGUSR1 writes the
+# process's stacks (all threads) to $NANO_RLHF_STACKS/<pid>.txt and the process carries on.
+STACKDUMP = os.path.join(ROOT, "tests", "stackdump")
+
+
+def run_or_dump(cmd, cwd, env, timeout):
+    """subprocess.run(cmd), except that a run still going after `timeout` seconds fails with the Python stacks
+    of every process it started (torchrun's ranks included), so a hang in CI says where it hung: SIGUSR1 to
+    them all (tests/stackdump/sitecustomize.py makes each write its stacks to a file of its own), then SIGKILL."""
+    import tempfile
+    stacks = tempfile.mkdtemp(prefix="stacks-")
+    env = dict(env, NANO_RLHF_STACKS=stacks, PYTHONPATH=os.pathsep.join([STACKDUMP, env.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        everyone = descendants(proc.pid) + [proc.pid]
+        signal_all(everyone, signal.SIGUSR1)
+        time.sleep(3)
+        signal_all(everyone, signal.SIGKILL)
+        out, err = proc.communicate()
+        dumps = "".join(f"--- stacks of process {name[:-4]} ---\n" + open(os.path.join(stacks, name)).read()
+                        for name in sorted(os.listdir(stacks)))
+        raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s\n--- stdout ---\n{out}\n"
+                             f"--- stderr ---\n{err}\n{dumps}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run(args, nproc=1, cwd=ROOT, check=True, env=None, timeout=600):
     """Run a script (list of args after the script path) as a subprocess, optionally under torchrun.
 
@@ -95,7 +152,7 @@ def run(args, nproc=1, cwd=ROOT, check=True, env=None, timeout=600):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] + args
     else:
         cmd = [sys.executable] + args
-    p = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    p = run_or_dump(cmd, cwd, e, timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n--- stdout ---\n{p.stdout}\n"
                              f"--- stderr ---\n{p.stderr}")

@@ -77,7 +77,8 @@ def main(argv=None):
         if run.end_of_step(step, metrics, evaluate=lambda: {"eval/loss": 1.5},
                            save=lambda s: save_state(opts.out_dir, {"m": model}, {"m": opt}, {"step": s})):
             break
-    print("final", step, model.weight.detach().tolist(), flush=True)
+    if world.is_main:   # one line from one rank: two ranks' unbuffered prints would interleave
+        print(f"final {step} {model.weight.detach().tolist()}", flush=True)
     run.finish()
 
 
