@@ -1,4 +1,4 @@
-"""Small measurements behind the README's explanations of the benchmark figures (one process, alternating
+"""Small measurements behind docs/benchmarks.md's explanations of the figures (one process, alternating
 the variants, median of --reps; float32, 2 threads).
 
     python bench/probes.py logprobs    # the output layer alone, 1,024 positions: unchunked vs chunked log-probs

@@ -149,7 +149,7 @@ def format_plan(rows, title=""):
     return "\n".join(lines)
 
 
-STRATEGIES = {   # the columns of the README table: name -> memory_plan keywords
+STRATEGIES = {   # the columns of docs/usage.md's memory table: name -> memory_plan keywords
     "ddp": dict(strategy="ddp"),
     "fsdp": dict(strategy="fsdp", frozen="shard"),
     "fsdp+offload": dict(strategy="fsdp", offload=True),

@@ -277,7 +277,7 @@ def one_word_pairs(n, seed):
 def test_reward_model_learns_a_one_token_difference(tmp_path, sft_dir):
     """From a tiny random trunk at the default learning rate and warm-up, 60 steps of 16 pairs: held-out
     pairs (new filler) are ranked right. Measured over 3 data x 2 init seeds: >= 0.995 at step 25 and 1.0
-    from step 50 in all six runs (README). What does fail is a run of very few optimizer steps, see
+    from step 50 in all six runs (docs/design.md). What does fail is a run of very few optimizer steps, see
     test_short_run_warns."""
     import train_rm
     data = write_jsonl(tmp_path / "train.jsonl", one_word_pairs(1200, seed=0))
