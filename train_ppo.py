@@ -14,7 +14,8 @@ One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
                selfplay:     s_i = 1/(k−1) Σ_{j≠i} P(y_i ≻ y_j), the win rate in its group  (Swamy et al. 2024)
   3. rewards   gae / reinforce_pp: r_t = −β·KL_t on every response token, + s on the end-of-text token
                rloo / grpo / dr_grpo: R_i = s_i − β·Σ_t k1_t (or KL in the loss: --kl_in_loss, k3)
-               KL_t = k1 = log π_old − log π_ref (default) or k3 = e^−d − 1 + d; β fixed or adaptive
+               KL_t = k1 = log π_old − log π_ref (default), k2 = ½d² or k3 = e^−d − 1 + d; β fixed or adaptive
+               (what each gives as a loss, --kl_in_loss --kl_loss_estimator: see kl_estimate)
   4. advantage gae:          δ_t = r_t + γV_{t+1} − V_t,  A_t = δ_t + γλA_{t+1}    (Schulman et al. 2016, eq. 16)
                              whitened over the valid tokens of all ranks; returns G_t = A_t + V_t
                rloo:         A_i = R_i − mean_{j≠i} R_j                            (Ahmadian et al. 2024, eq. 6)
@@ -25,6 +26,8 @@ One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
                ρ_t = π_θ/π_old,  L_π = max(−A_t ρ_t, −A_t clip(ρ_t, 1−ε, 1+ε_high))  (Schulman et al. 2017, eq. 7)
                L_V = ½ max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²), − c_H·entropy, + γ_ptx·NLL(SFT)
                token-mean over all micro-batches and ranks of the minibatch (dr_grpo: constant normaliser)
+               variants, one flag each: --policy_loss dual_clip | gspo | cispo, --loss_agg, --dynamic_sampling,
+               --overlong mask | penalty, --rollout_correction tis | mask (docs/algorithms.md, "RLVR variants")
                the first --critic_warmup_steps steps update the critic only (the policy waits for useful values)
 
 Run:
@@ -51,7 +54,7 @@ import contextlib
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Callable, Literal, Optional
 
@@ -71,6 +74,7 @@ from nano_rlhf.data import (Batches, collate_prompts, collate_sft, load_records,
 from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
+from nano_rlhf.sampling import sampling_copy
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
 WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened over the whole batch
@@ -110,11 +114,12 @@ class Options:
     rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
     max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens {>= 0}
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
-    kl_estimator: Literal["k1", "k3"] = "k1"  # per-token KL estimate in the reward
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate)
     adaptive_kl: bool = False     # adapt β towards --kl_target (Ziegler et al. 2019)
     kl_target: float = 1.0        # target KL per sequence for the adaptive controller {> 0}
     kl_horizon: int = 10000       # horizon (in samples) of the adaptive controller {>= 1}
-    kl_in_loss: bool = False      # KL as β·k3 per token in the loss instead of in the reward (GRPO style)
+    kl_in_loss: bool = False      # KL as β·(--kl_loss_estimator) per token in the loss instead of in the reward (GRPO style)
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"  # --kl_in_loss: k3 (GRPO's; its gradient is the FORWARD KL's), k2 (the reverse KL's true gradient), k1 (no gradient in expectation)
     missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward selfplay: 0, the worst win rate); none = off
     score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping {> 0}
     normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved
@@ -125,6 +130,16 @@ class Options:
     micro_batch_size: int = 0     # sequences per forward/backward; 0 = the whole minibatch {>= 0}
     clip_eps: float = 0.2         # policy ratio clip ε {> 0}
     clip_high: Optional[float] = None  # upper clip ε_high (DAPO clip-higher); none = --clip_eps {> 0}
+    policy_loss: Literal["ppo", "dual_clip", "gspo", "cispo"] = "ppo"  # ppo: clipped token ratio; dual_clip: + a cap −c·A for A < 0; gspo: one length-normalised ratio per sequence (try --clip_eps 3e-4 --clip_high 4e-4); cispo: clipped, stop-gradient IS weight on every token
+    dual_clip: float = 3.0        # --policy_loss dual_clip: the cap c {> 1}
+    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "auto"  # how token losses become the minibatch loss; auto = token_mean (dr_grpo: seq_mean_token_sum_norm, gspo: seq_mean_token_mean)
+    dynamic_sampling: bool = False  # DAPO: groups whose k rewards are all equal (no signal) are dropped and more prompts sampled until the batch is full
+    max_sampling_rounds: int = 3  # --dynamic_sampling: at most this many rollouts a step, then zero-spread groups fill the batch (logged) {>= 1}
+    overlong: Literal["none", "mask", "penalty"] = "none"  # responses cut at --max_new_tokens: trained on as usual, masked out of the policy loss, or DAPO's soft length penalty (use with --missing_eos_penalty none)
+    overlong_buffer: int = 0      # --overlong penalty: L_cache, the last tokens before the limit over which the penalty falls to −1; 0 = max_new_tokens // 4 {>= 0}
+    rollout_correction: Literal["none", "tis", "mask"] = "none"  # sampler/trainer log-prob mismatch (--rollout_dtype bfloat16): truncated importance weights, or masking tokens past the cap
+    correction_level: Literal["token", "sequence"] = "token"  # --rollout_correction per token, or one ratio for the whole response
+    correction_cap: float = 2.0   # --rollout_correction: C, the weight cap (tis) or the ratio range [1/C, C] kept (mask) {> 1}
     value_clip: float = 0.2       # critic update clip ε_v; inf = no clipping {> 0}
     entropy_coef: float = 0.0     # entropy bonus coefficient c_H {>= 0}
     ptx_data: str = ""            # SFT JSONL for the pre-training mix (InstructGPT PPO-ptx); empty = off
@@ -173,6 +188,10 @@ class Rollout:
     gold: Optional[torch.Tensor]          # (B,) a programmatic reward, logged only (built-in task prompts)
     has_eos: torch.Tensor                 # (B,) float, 1 if the response ended with a stop token (tok.stop_ids)
     completions: list                     # B decoded response texts
+    policy_mask: Optional[torch.Tensor] = None  # (B, R) the tokens the policy loss sees: response_mask without
+    #                                       truncated responses (--overlong mask) or mismatched tokens (--rollout_correction mask)
+    is_weight: Optional[torch.Tensor] = None    # (B, R) --rollout_correction tis: min(π_old/π_sampler, C), detached
+    stats: dict = field(default_factory=dict)   # per-step figures of the sampling (dynamic sampling, mismatch)
 
     @property
     def query_len(self):
@@ -235,10 +254,20 @@ def response_logprobs(model, ids, attn, response_mask, temperature, with_entropy
 
 
 def kl_estimate(logp, ref_logp, kind="k1"):
-    """Per-token KL(π‖π_ref) estimate on samples from π (Schulman 2020): k1 = d, k3 = e^−d − 1 + d, d = log π − log π_ref.
-    k3 uses expm1 so it keeps its sign and precision for tiny d."""
+    """Per-token estimate of KL(π‖π_ref) on samples y ~ π (Schulman 2020, "Approximating KL divergence"),
+    d = log π(y) − log π_ref(y):  k1 = d (unbiased),  k2 = ½d² (biased, low variance),  k3 = e^−d − 1 + d
+    (unbiased, ≥ 0; expm1 keeps its sign and precision for tiny d).
+
+    As a value (in the reward) all three estimate KL(π‖π_ref). As a LOSS (--kl_in_loss), differentiated
+    through log π with the samples held fixed, they give different gradients (E over y ~ π, not differentiated):
+      k1:  E[∇log π]                    = 0                  no KL gradient at all in expectation, only noise
+      k2:  E[d·∇log π]                  = ∇ KL(π‖π_ref)      the reverse KL's true gradient
+      k3:  E[(1 − π_ref/π)·∇log π]      = ∇ KL(π_ref‖π)      the FORWARD KL's gradient, not the reverse one
+    (tests/test_ppo_math.py checks all three on a categorical distribution against the analytic gradients)."""
     d = logp - ref_logp
-    return d if kind == "k1" else torch.expm1(-d) + d
+    if kind == "k1":
+        return d
+    return 0.5 * d * d if kind == "k2" else torch.expm1(-d) + d
 
 
 # ---- rewards and advantages --------------------------------------------------------------------
@@ -385,6 +414,88 @@ def value_loss(values, old_values, returns, clip=0.2):
     return 0.5 * torch.max(a, b), b > a
 
 
+def dual_clip_loss(loss, adv, c=3.0):
+    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games", eq. 5): for A < 0 the
+    clipped surrogate max(−Aρ, −A·clip(ρ)) grows without bound in ρ; cap it at −c·A (c > 1). A ≥ 0 unchanged."""
+    return torch.where(adv < 0, torch.minimum(loss, -c * adv), loss)
+
+
+def gspo_loss(logp, old_logp, adv, mask, clip_low=3e-4, clip_high=4e-4):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eqs. 5–7, GSPO-token form): one
+    length-normalised ratio per sequence, s_i = (π_θ(y_i)/π_old(y_i))^(1/|y_i|) = exp(mean_t(log π_θ − log π_old)),
+    clipped per sequence. Written per token as s_i,t = sg[s_i]·π_θ(y_t)/sg[π_θ(y_t)] (value s_i, gradient
+    s_i·∇log π_θ(y_t)), so averaged over each sequence's tokens (--loss_agg seq_mean_token_mean) the value is
+    max(−A_i s_i, −A_i clip(s_i, 1−ε_low, 1+ε_high)) and the gradient GSPO's −A_i s_i ∇log s_i.
+    Returns the per-token loss and the (broadcast) sequence ratio s_i."""
+    n = mask.sum(1, keepdim=True).clamp(min=1)
+    log_s = ((logp - old_logp) * mask).sum(1, keepdim=True) / n                # (B, 1) log s_i
+    s_tok = torch.exp(log_s.detach() + logp - logp.detach())                    # value s_i, gradient through log π
+    loss = torch.max(-adv * s_tok, -adv * torch.clamp(s_tok, 1 - clip_low, 1 + clip_high))
+    return loss, s_tok.detach().expand_as(logp)
+
+
+def cispo_loss(logp, old_logp, adv, clip_low=0.2, clip_high=0.2):
+    """CISPO (MiniMax-M1, 2025, eq. 4): the importance weight is clipped and held constant, and every token
+    keeps a gradient: −sg(clip(ρ, 1−ε_low, 1+ε_high))·A·log π_θ. Unlike PPO's clip, a token whose ratio left
+    the range still contributes (with the capped weight), so rare high-ratio tokens are not silenced."""
+    ratio = torch.exp(logp - old_logp)
+    weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()
+    return -weight * adv * logp, ratio
+
+
+def aggregate_loss(per_token, mask, how, n_tokens, n_seqs, max_len, scale=1.0):
+    """This micro-batch's share of the minibatch loss, so that the shares summed over micro-batches and ranks
+    are the loss of the whole minibatch. n_tokens, n_seqs: the minibatch's loss tokens and sequences that
+    have at least one, over all micro-batches and ranks (all-reduced beforehand); max_len: --max_new_tokens;
+    scale: dist.ddp_scale() (DDP averages gradients over ranks; this undoes it).
+      token_mean               Σ_i Σ_t l_it / Σ_i |y_i|            every token weighs the same (DAPO, eq. 8)
+      seq_mean_token_mean      1/N Σ_i (1/|y_i|) Σ_t l_it          every sequence weighs the same (GRPO, eq. 3)
+      seq_mean_token_sum_norm  1/N Σ_i Σ_t l_it / L_max            a constant normaliser (Dr. GRPO, eq. 4)
+    Rows with no loss token (all masked) add nothing."""
+    if how == "seq_mean_token_mean":
+        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return per_seq.sum() * (scale / max(n_seqs, 1))
+    norm = n_tokens if how == "token_mean" else n_seqs * max_len
+    return (per_token * mask).sum() * (scale / max(norm, 1))
+
+
+def loss_aggregation(opts):
+    """--loss_agg, with auto resolved: each estimator's own paper's choice."""
+    if opts.loss_agg != "auto":
+        return opts.loss_agg
+    if opts.policy_loss == "gspo":
+        return "seq_mean_token_mean"
+    return "seq_mean_token_sum_norm" if opts.advantage == "dr_grpo" else "token_mean"
+
+
+def overlong_penalty(length, max_len, buffer):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the score: 0 up to L_max − L_cache
+    tokens, then falling linearly to −1 at L_max (responses are cut at L_max, so never below −1)."""
+    start = max_len - buffer
+    return ((start - length.float()) / max(buffer, 1)).clamp(min=-1.0, max=0.0)
+
+
+def rollout_correction(train_logp, sampler_logp, mask, how, level="token", cap=2.0):
+    """The sampler (a bf16 copy, a compiled step, another engine) and the trainer compute slightly different
+    log-probs for the same tokens, so the rollout is off-policy for the trainer's π_old. Returns per-token
+    weights (detached) that multiply the policy loss and the share of tokens capped or masked.
+      tis   truncated importance sampling, w = min(π_old/π_sampler, C)           (Yao et al. 2025, "Your efficient
+            RL framework secretly brings you off-policy RL training")
+      mask  w = 1 where the ratio lies in [1/C, C], else 0 (the token, or the whole sequence, leaves the loss)
+    level=token: the ratio of each token; sequence: exp(Σ_t log-ratio) of the whole response, for all its tokens."""
+    log_ratio = (train_logp - sampler_logp) * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(mask)
+    ratio = torch.exp(log_ratio.clamp(max=50.0))               # exp(50) is already far past any cap
+    if how == "tis":
+        w = ratio.clamp(max=cap)
+        hit = ratio > cap
+    else:
+        hit = (ratio > cap) | (ratio < 1 / cap)
+        w = (~hit).to(ratio.dtype)
+    return w.detach() * mask, (hit.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
 class AdaptiveKL:
     """β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon), n = samples in the update (Ziegler et al. 2019)."""
 
@@ -428,9 +539,15 @@ def engine_options(opts):
 
 @torch.no_grad()
 def rollout(prompts, models: Models, tok, opts, gen, gen_stats=None):
+    """Sample k completions per prompt, score them, and record the log-probs and values the update needs."""
+    return with_logprobs(sample(prompts, models, tok, opts, gen, gen_stats), models, opts)
+
+
+@torch.no_grad()
+def sample(prompts, models: Models, tok, opts, gen, gen_stats=None):
     """Sample k completions per prompt, cut them after the first stop token (end-of-text or the chat template's
-    end-of-turn: tok.stop_ids), score them, and record the log-probs and values the update needs. prompts:
-    tokenized prompt records ({"prompt": ids, "text": ...})."""
+    end-of-turn: tok.stop_ids) and score them: a Rollout without log-probs or values yet. prompts: tokenized
+    prompt records ({"prompt": ids, "text": ...})."""
     k, device = opts.samples_per_prompt, next(models.policy.parameters()).device
     q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
@@ -440,7 +557,7 @@ def rollout(prompts, models: Models, tok, opts, gen, gen_stats=None):
         seq = dist.unwrap(models.policy).generate(q_ids, q_mask, opts.max_new_tokens, opts.temperature,
                                                   eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id, generator=gen,
                                                   stats=gen_stats, **engine_options(opts))
-    P, resp = q_ids.shape[1], seq[:, q_ids.shape[1]:]
+    resp = seq[:, q_ids.shape[1]:]
     is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=device))
     has_eos = is_eos.any(1)
     # response = tokens up to and including the first stop token (generate already pads after it); its last
@@ -448,23 +565,6 @@ def rollout(prompts, models: Models, tok, opts, gen, gen_stats=None):
     length = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
     response_mask = (torch.arange(resp.shape[1], device=device)[None] < length[:, None]).float()
     attn = torch.cat([q_mask, response_mask.long()], 1)
-    # One update on the rollout it was sampled from, and no KL: π_old is the current policy, so its log-probs
-    # come from the update's own forward (detached) and this extra forward is skipped (as TRL's GRPO does).
-    need_old = models.ref is not None or opts.ppo_epochs > 1 or opts.num_minibatches > 1
-    logprobs = torch.zeros_like(response_mask) if need_old else None
-    ref_logprobs = torch.zeros_like(response_mask) if models.ref is not None else None
-    values = torch.zeros_like(response_mask) if models.critic is not None else None
-    models.policy.eval()
-    for i in range(0, seq.shape[0], opts.micro_batch_size):
-        s = slice(i, i + opts.micro_batch_size)
-        with autocast(device, opts.dtype):
-            if logprobs is not None:
-                logprobs[s] = response_logprobs(models.policy, seq[s], attn[s], response_mask[s], opts.temperature)
-            if ref_logprobs is not None:
-                ref_logprobs[s] = response_logprobs(models.ref, seq[s], attn[s], response_mask[s], opts.temperature)
-            if values is not None:
-                values[s] = models.critic(seq[s], attn[s])[0][:, P - 1:-1].float() * response_mask[s]
-    models.policy.train()
     completions = [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
     prompt_texts = [p["text"] for p in prompts for _ in range(k)]
     if isinstance(models.reward, Judge):                    # SPO: win rates within each prompt's k samples
@@ -480,9 +580,130 @@ def rollout(prompts, models: Models, tok, opts, gen, gen_stats=None):
     if models.gold is not None:
         gold = raw if models.gold is models.reward else torch.tensor(models.gold(prompt_texts, completions),
                                                                      dtype=torch.float32, device=device)
-    return Rollout(query_response=seq, attention_mask=attn, response_mask=response_mask, logprobs=logprobs,
-                   ref_logprobs=ref_logprobs, values=values, scores=scores_from_reward(raw, has_eos, opts, rm_stats),
-                   raw_scores=raw, gold=gold, has_eos=has_eos.float(), completions=completions)
+    scores = scores_from_reward(raw, has_eos, opts, rm_stats)
+    policy_mask = response_mask
+    if opts.overlong == "penalty":
+        scores = scores + overlong_penalty(length, opts.max_new_tokens, opts.overlong_buffer or opts.max_new_tokens // 4)
+    elif opts.overlong == "mask":                            # DAPO's overlong filtering: no policy gradient from them
+        policy_mask = response_mask * has_eos[:, None]
+    return Rollout(query_response=seq, attention_mask=attn, response_mask=response_mask, logprobs=None,
+                   ref_logprobs=None, values=None, scores=scores, raw_scores=raw, gold=gold,
+                   has_eos=has_eos.float(), completions=completions, policy_mask=policy_mask)
+
+
+def group_spread(scores, k):
+    """(G,) True where the k scores of a prompt's group are not all equal: the only groups a group estimator
+    learns from (an all-equal group's advantages are 0)."""
+    g = scores.view(-1, k)
+    return g.max(1).values != g.min(1).values
+
+
+def join(parts, pad_id):
+    """One Rollout (before log-probs) from several, re-padded to the longest prompt (left) and response (right)."""
+    if len(parts) == 1:
+        return parts[0]
+    P, R = max(p.query_len for p in parts), max(p.response_mask.shape[1] for p in parts)
+
+    def fit(p):
+        dp, dr = P - p.query_len, R - p.response_mask.shape[1]
+        return dict(query_response=F.pad(p.query_response, (dp, dr), value=pad_id),
+                    attention_mask=F.pad(p.attention_mask, (dp, dr)), response_mask=F.pad(p.response_mask, (0, dr)),
+                    policy_mask=F.pad(p.policy_mask, (0, dr)))
+    fitted = [fit(p) for p in parts]
+    cat = {k: torch.cat([f[k] for f in fitted]) for k in fitted[0]}
+    gold = None if parts[0].gold is None else torch.cat([p.gold for p in parts])
+    return Rollout(logprobs=None, ref_logprobs=None, values=None, gold=gold,
+                   scores=torch.cat([p.scores for p in parts]), raw_scores=torch.cat([p.raw_scores for p in parts]),
+                   has_eos=torch.cat([p.has_eos for p in parts]),
+                   completions=[c for p in parts for c in p.completions], **cat)
+
+
+def take(r: Rollout, rows):
+    """The Rollout (before log-probs) of these rows, in this order."""
+    rows_t = torch.as_tensor(rows, dtype=torch.long, device=r.scores.device)
+    pick = {name: getattr(r, name)[rows_t] for name in ("query_response", "attention_mask", "response_mask",
+                                                        "policy_mask", "scores", "raw_scores", "has_eos")}
+    return Rollout(logprobs=None, ref_logprobs=None, values=None,
+                   gold=None if r.gold is None else r.gold[rows_t], completions=[r.completions[i] for i in rows],
+                   **pick)
+
+
+@torch.no_grad()
+def dynamic_sample(next_prompts, models: Models, tok, opts, gen, gen_stats=None):
+    """DAPO's dynamic sampling (Yu et al. 2025, eq. 11: keep groups with 0 < #correct < k): sample batches of
+    prompts until this rank holds --batch_size groups whose rewards differ, at most --max_sampling_rounds
+    rollouts; every rank runs the same number of rounds (a reward model may be sharded: its forwards are
+    collective), and a rank still short after the last round fills up with zero-spread groups (counted).
+    next_prompts() -> the next batch of prompt records."""
+    k, B = opts.samples_per_prompt, opts.batch_size
+    parts, spreads, first_zero = [], [], None
+    for _ in range(opts.max_sampling_rounds):
+        part = sample(next_prompts(), models, tok, opts, gen, gen_stats)
+        spread = group_spread(part.scores, k)
+        first_zero = (~spread).float().mean().item() if first_zero is None else first_zero
+        parts.append(part)
+        spreads.append(spread)
+        short = float(int(torch.cat(spreads).sum()) < B)
+        if dist.all_reduce_sum(short) == 0:                 # every rank is full
+            break
+    joined, spread = join(parts, tok.pad_id), torch.cat(spreads)
+    order = torch.cat([spread.nonzero().view(-1), (~spread).nonzero().view(-1)])[:B].tolist()
+    rows = [g * k + j for g in order for j in range(k)]
+    r = take(joined, rows)
+    r.stats.update(zero_spread_groups=first_zero, sampling_rounds=float(len(parts)),
+                   filled_groups=float(max(0, B - int(spread.sum()))))
+    return r
+
+
+@torch.no_grad()
+def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
+    """The rollout with what the update needs: π_old's log-probs (unless the update's own first forward is π_old),
+    the reference's, the critic's values, and the sampler/trainer correction (--rollout_correction)."""
+    seq, attn, response_mask, device = r.query_response, r.attention_mask, r.response_mask, r.scores.device
+    P = r.query_len
+    # One update on the rollout it was sampled from, and no KL: π_old is the current policy, so its log-probs
+    # come from the update's own forward (detached) and this extra forward is skipped (as TRL's GRPO does).
+    mismatch = opts.rollout_dtype != "float32" or opts.rollout_correction != "none"
+    need_old = models.ref is not None or opts.ppo_epochs > 1 or opts.num_minibatches > 1 or mismatch
+    logprobs = torch.zeros_like(response_mask) if need_old else None
+    sampler_logprobs = torch.zeros_like(response_mask) if mismatch else None
+    ref_logprobs = torch.zeros_like(response_mask) if models.ref is not None else None
+    values = torch.zeros_like(response_mask) if models.critic is not None else None
+    # the sampler's log-probs: those of the sampling copy the engine decoded with (--rollout_dtype), recomputed
+    # over the sampled sequences in one forward (the decode's own kernels may differ again in the last bits)
+    sampler = (sampling_copy(models.policy, getattr(torch, opts.rollout_dtype))
+               if mismatch and opts.rollout_dtype != "float32" else models.policy)
+    models.policy.eval()
+    for i in range(0, seq.shape[0], opts.micro_batch_size):
+        s = slice(i, i + opts.micro_batch_size)
+        with autocast(device, opts.dtype):
+            if logprobs is not None:
+                logprobs[s] = response_logprobs(models.policy, seq[s], attn[s], response_mask[s], opts.temperature)
+            if sampler_logprobs is not None:
+                sampler_logprobs[s] = (logprobs[s] if sampler is models.policy else
+                                       response_logprobs(sampler, seq[s], attn[s], response_mask[s], opts.temperature))
+            if ref_logprobs is not None:
+                ref_logprobs[s] = response_logprobs(models.ref, seq[s], attn[s], response_mask[s], opts.temperature)
+            if values is not None:
+                values[s] = models.critic(seq[s], attn[s])[0][:, P - 1:-1].float() * response_mask[s]
+    models.policy.train()
+    policy_mask, is_weight, stats = r.policy_mask, None, dict(r.stats)
+    if mismatch:
+        # per token, on the sampler's samples: KL(sampler ‖ trainer) (k3: ≥ 0, unbiased) — of order d²/2, below
+        # metrics.jsonl's 6 decimals for a bf16 copy — and the mean |d|, d = log π_sampler − log π_old
+        n_resp = response_mask.sum().clamp(min=1)
+        stats["sampler_kl"] = ((kl_estimate(sampler_logprobs, logprobs, "k3") * response_mask).sum() / n_resp).item()
+        stats["sampler_abs_logratio"] = (((sampler_logprobs - logprobs).abs() * response_mask).sum() / n_resp).item()
+    if opts.rollout_correction != "none":
+        w, hit = rollout_correction(logprobs, sampler_logprobs, response_mask, opts.rollout_correction,
+                                    opts.correction_level, opts.correction_cap)
+        stats["correction_hit"] = hit.item()
+        if opts.rollout_correction == "tis":
+            is_weight = w
+        else:
+            policy_mask = policy_mask * w
+    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, policy_mask=policy_mask,
+                   is_weight=is_weight, stats=stats)
 
 
 # ---- update ----------------------------------------------------------------------------------------
@@ -519,20 +740,25 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
     B = r.query_response.shape[0]
     mb_size = B // opts.num_minibatches
     clip_high = opts.clip_high if opts.clip_high is not None else opts.clip_eps
+    agg = loss_aggregation(opts)
+    policy_mask = r.response_mask if r.policy_mask is None else r.policy_mask
     sums = defaultdict(float)
     for epoch in range(opts.ppo_epochs):
         order = torch.randperm(B, generator=gen, device="cpu").to(r.query_response.device)
         for start in range(0, B, mb_size):
             idx = order[start:start + mb_size]
-            # the global normaliser of this minibatch: its loss tokens on all ranks (dr_grpo: a constant)
-            n_tok = dist.all_reduce_sum(r.response_mask[idx].sum().item())
-            norm = dist.all_reduce_sum(float(len(idx))) * opts.max_new_tokens if opts.advantage == "dr_grpo" else n_tok
+            # the minibatch's global normalisers, over all ranks: response tokens (the critic's), and the policy
+            # loss's tokens and sequences (truncated or mismatched ones may be masked out of it)
+            pm = policy_mask[idx]
+            n_tok, n_pol_tok, n_pol_seq = dist.all_reduce_sum(torch.tensor(
+                [r.response_mask[idx].sum().item(), pm.sum().item(), float((pm.sum(1) > 0).sum())],
+                dtype=torch.float64)).tolist()
             if policy is not None and ptx is not None:
                 ptx_backward(policy, ptx, opts)
             micro = list(range(0, len(idx), opts.micro_batch_size))
             for j, ms in enumerate(micro):
                 i = idx[ms:ms + opts.micro_batch_size]
-                seq, attn, m = r.query_response[i], r.attention_mask[i], r.response_mask[i]
+                seq, attn, m, pm = r.query_response[i], r.attention_mask[i], r.response_mask[i], policy_mask[i]
                 sync = not world.enabled or j == len(micro) - 1          # DDP all-reduces on the last micro-batch
                 sums["tokens"] += m.sum().item()
                 if policy is not None:
@@ -540,20 +766,32 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                         with autocast(seq.device, opts.dtype):
                             logp, ent = response_logprobs(policy.ddp, seq, attn, m, opts.temperature, with_entropy=True)
                         old = logp.detach() if r.logprobs is None else r.logprobs[i]
-                        pg, ratio = policy_loss(logp, old, targets.adv[i], opts.clip_eps, clip_high)
+                        adv = targets.adv[i]
+                        if opts.policy_loss == "gspo":
+                            pg, ratio = gspo_loss(logp, old, adv, pm, opts.clip_eps, clip_high)
+                        elif opts.policy_loss == "cispo":
+                            pg, ratio = cispo_loss(logp, old, adv, opts.clip_eps, clip_high)
+                        else:
+                            pg, ratio = policy_loss(logp, old, adv, opts.clip_eps, clip_high)
+                            if opts.policy_loss == "dual_clip":
+                                pg = dual_clip_loss(pg, adv, opts.dual_clip)
+                        if r.is_weight is not None:              # --rollout_correction tis
+                            pg = pg * r.is_weight[i]
                         per_token = pg - opts.entropy_coef * ent
                         if opts.kl_in_loss and r.ref_logprobs is not None:
-                            per_token = per_token + beta * kl_estimate(logp, r.ref_logprobs[i], "k3")
-                        ((per_token * m).sum() * token_mean_scale(norm)).backward()
+                            per_token = per_token + beta * kl_estimate(logp, r.ref_logprobs[i], opts.kl_loss_estimator)
+                        aggregate_loss(per_token, pm, agg, n_pol_tok, n_pol_seq, opts.max_new_tokens,
+                                       scale=dist.ddp_scale()).backward()
                     with torch.no_grad():
-                        sums["policy_loss"] += (pg * m).sum().item()
-                        sums["entropy"] += (ent * m).sum().item()
-                        sums["approx_kl"] += ((ratio - 1 - (logp - old)) * m).sum().item()   # k3 of KL(old‖new)
+                        sums["policy_tokens"] += pm.sum().item()
+                        sums["policy_loss"] += (pg * pm).sum().item()
+                        sums["entropy"] += (ent * pm).sum().item()
+                        sums["approx_kl"] += ((ratio - 1 - (logp - old)) * pm).sum().item()   # k3 of KL(old‖new)
                         # clip fraction = tokens whose ratio lies outside [1 − ε, 1 + ε_high] (as OpenAI
                         # baselines / TRL log it), not "the clipped term was the one selected by the max"
                         outside = (ratio < 1 - opts.clip_eps) | (ratio > 1 + clip_high)
-                        sums["clipfrac"] += (outside.float() * m).sum().item()
-                        sums["ratio"] += (ratio * m).sum().item()
+                        sums["clipfrac"] += (outside.float() * pm).sum().item()
+                        sums["ratio"] += (ratio * pm).sum().item()
                 if critic is not None:
                     with contextlib.nullcontext() if sync else critic.ddp.no_sync():
                         with autocast(seq.device, opts.dtype):
@@ -585,10 +823,24 @@ def check_options(opts):
     if bool(opts.ptx_data) != (opts.ptx_coef > 0):
         fail("the PTX term needs both --ptx_data FILE and --ptx_coef > 0")
     if opts.advantage in GROUP and opts.kl_estimator != "k1" and not opts.kl_in_loss:
-        fail(f"--advantage {opts.advantage} folds the sequence KL Σk1 into its reward; --kl_estimator k3 applies only "
-             "with --kl_in_loss (which always uses k3) or with gae / reinforce_pp")
+        fail(f"--advantage {opts.advantage} folds the sequence KL Σk1 into its reward; --kl_estimator "
+             f"{opts.kl_estimator} applies only with gae / reinforce_pp (the KL in the loss: --kl_in_loss, "
+             "with --kl_loss_estimator)")
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
         fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function (got {opts.reward!r})")
+    if opts.policy_loss == "gspo" and opts.advantage == "gae":
+        fail("--policy_loss gspo weighs whole sequences: it needs a sequence-level advantage "
+             "(--advantage rloo, grpo, dr_grpo or reinforce_pp), not gae's per-token one")
+    if opts.dynamic_sampling and opts.advantage not in GROUP:
+        fail(f"--dynamic_sampling drops groups whose k rewards are equal: it needs a group estimator "
+             f"(--advantage rloo, grpo or dr_grpo), not {opts.advantage}")
+    if opts.overlong != "none" and opts.missing_eos_penalty is not None:
+        fail(f"--overlong {opts.overlong} decides what a truncated response costs; pass --missing_eos_penalty none "
+             "with it (that penalty would replace the score of the same responses)")
+    if opts.overlong == "penalty" and opts.overlong_buffer > opts.max_new_tokens:
+        fail(f"--overlong_buffer {opts.overlong_buffer} is longer than --max_new_tokens {opts.max_new_tokens}")
+    if opts.kl_loss_estimator != "k3" and not opts.kl_in_loss:
+        fail("--kl_loss_estimator applies only with --kl_in_loss")
     if opts.fsdp and opts.rollout_dtype != "float32":
         fail("--rollout_dtype bfloat16 with --fsdp is not supported: the rollout samples with the gathered weights "
              "(under --dtype bfloat16 on CUDA they are already bf16)")
@@ -686,6 +938,13 @@ def step_metrics(r: Rollout, targets: Advantages, sums, beta):
     per_update = max(total["updates"], 1)          # every rank counts its updates, so this also divides by ranks
     metrics.update({f"train/{k}": total[k] / per_update for k in ("grad_norm", "critic_grad_norm") if k in total})
     metrics["train/kl_coef"] = beta
+    for k in ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio"):    # over the policy loss's own tokens
+        if k in total and "policy_tokens" in total:
+            metrics[f"train/{k}"] = total[k] / max(total["policy_tokens"], 1)
+    if r.stats:       # rank means of the sampling's figures (dynamic sampling, sampler/trainer mismatch)
+        names = sorted(r.stats)
+        means = dist.all_reduce_sum(torch.tensor([r.stats[k] for k in names], dtype=torch.float64)) / dist.world().world_size
+        metrics.update({f"train/{k}": v for k, v in zip(names, means.tolist())})
     return metrics
 
 
@@ -799,9 +1058,12 @@ def main(argv=None):
     for step in range(run.step + 1, opts.max_steps + 1):
         t0 = time.time()
         set_lr(policy.opt, lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant"))
-        batch = [prompts[i] for i in prompt_batches.next_step()[0]]
         gen_stats = {}
-        r = rollout(batch, models, tok, opts, gen, gen_stats)
+        if opts.dynamic_sampling:
+            r = with_logprobs(dynamic_sample(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models,
+                                             tok, opts, gen, gen_stats), models, opts)
+        else:
+            r = rollout([prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats)
         t_gen = time.time() - t0
         beta = kl_ctl.beta
         targets = advantages(r, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,

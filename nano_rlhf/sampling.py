@@ -303,6 +303,12 @@ def _first_call(step_fn, model, args):
 _SHADOWS = weakref.WeakKeyDictionary()      # model -> its copy in another dtype (kept: a compiled step reuses it)
 
 
+def sampling_copy(model, dtype):
+    """The copy of `model` in `dtype` that generate(..., dtype=dtype) samples with, with the model's current
+    weights: what a caller needs to score the sampled tokens under the sampler's own numbers."""
+    return model if dtype == model.output_weight().dtype else _shadow(model, dtype)
+
+
 def _shadow(model, dtype):
     """A copy of the model in dtype with the model's current weights (refreshed in place on every call)."""
     twin = _SHADOWS.get(model)

@@ -182,7 +182,7 @@ def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir
 @pytest.mark.parametrize("extra, message", [
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--ptx_coef", "0.5"], "needs both --ptx_data FILE and --ptx_coef > 0"),
-    (["--advantage", "grpo", "--kl_estimator", "k3"], "applies only with --kl_in_loss"),
+    (["--advantage", "grpo", "--kl_estimator", "k3"], "applies only with gae / reinforce_pp"),
     (["--adaptive_kl", "--kl_coef", "0"], "--adaptive_kl needs --kl_coef"),
     (["--num_minibatches", "0"], "--num_minibatches must be >= 1"),
 ])
