@@ -6,8 +6,9 @@ One step (docs/algorithms.md, "Online and self-play methods"):
               nash_md also samples k opponents per prompt from the geometric mixture π_θ^(1−β')·π_ref^β'
   2. judge    a pointwise judge (reward-model directory, gold, module:function: --judge) gives scores r, and
               P(a ≻ b) = σ(r(a) − r(b)) (Bradley–Terry); a pairwise judge (--pair_judge module:function) gives
-              P(a ≻ b) directly. Per prompt: the k×k matrix P_ij = P(y_i ≻ y_j), its logit D_ij (= r_i − r_j for
-              a pointwise judge) and the win rates W_i = mean_{j≠i} P_ij
+              P(a ≻ b) directly, asked in both orders and made antisymmetric, ½(P(a ≻ b) + 1 − P(b ≻ a)), so
+              a position bias cancels. Per prompt: the k×k matrix P_ij = P(y_i ≻ y_j), its logit D_ij
+              (= r_i − r_j for a pointwise judge) and the win rates W_i = mean_{j≠i} P_ij
   3. examples and 4. update, per --method (S(y) = Σ_t log π(y_t | x, y_<t), u = S_θ − S_ref):
   online_dpo  pairs (best vs worst by Copeland wins = #{j: D_ij > 0} + ½#{j ≠ i: D_ij = 0}, or all pairs),
               each ordered by the sign of D_ij, kept when |D_ij| ≥ --margin (ties never), then ANY pairwise
@@ -38,7 +39,9 @@ Choices: every log-prob (and CRINGE's logits) uses logits/τ, as train_ppo.py; o
 (on-policy); each rank samples and judges its own prompts' groups, so group statistics need no communication;
 sampling draws its uniform numbers from a generator per (step, prompt, sample), so the samples do not depend
 on how prompts are split across ranks (N ranks ≡ one process) and a resumed run samples what it would have.
-A pairwise judge is asked once per unordered pair, and P_ji = 1 − P_ij.
+The preferences are nano_rlhf/judge.py's (preference_matrix, symmetric_preference), the same code as
+train_ppo.py's SPO and the labelling tool: a pairwise judge is asked about every ordered pair i ≠ j of a group
+(Nash-MD: the sample and its opponent in both orders), in one call per step.
 """
 import os
 import time
@@ -58,7 +61,7 @@ from nano_rlhf.common import BUILTIN_DIR, adamw, autocast, check_vocab, fail, in
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score, summarize
-from nano_rlhf.judge import bradley_terry, load_judge
+from nano_rlhf.judge import bradley_terry, load_judge, preference_matrix, symmetric_preference
 from nano_rlhf.model import GPT
 from train_ppo import load_prompts, response_logprobs
 
@@ -72,7 +75,7 @@ PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
 class Options:
     method: Literal["online_dpo", "dno", "sppo", "nash_md", "cringe"] = "online_dpo"  # which online method
     judge: str = "out/rm"         # pointwise judge: reward-model directory, gold (built-in task), module:function / file.py:function; empty = --pair_judge only
-    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b) per pair; empty = Bradley–Terry from --judge
+    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b), asked both ways
     loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo"] = "dpo"  # online_dpo / dno: train_dpo.py's pair loss
     beta: Optional[float] = None  # pair loss β (train_dpo.py's default per loss); nash_md: KL coefficient β (none = 0.1) {> 0}
     label_smoothing: float = 0.0  # pair loss ε (dpo, robust) {0 <= x < 0.5}
@@ -165,19 +168,14 @@ def cringe_positives(logits, negative, top_k, generator=None):
 
 # ---- group preferences and example selection: pure functions -----------------------------------
 
-def preference_matrix(scores=None, pair_probs=None, k=None):
-    """One group's P (k, k), P_ij = P(y_i ≻ y_j), and its logit D. From pointwise scores (k,): Bradley–Terry,
-    with D_ij = r_i − r_j exactly (no round trip through σ). From pair_probs: P(y_i ≻ y_j) for i < j in
-    row-major order (k(k−1)/2,), P_ji = 1 − P_ij. The diagonal is ½ (D = 0)."""
+def preference_logits(P, scores=None):
+    """D, the logit of the preferences P (..., k, k): log P − log(1 − P), antisymmetric when P is; 0 on the
+    diagonal (P = ½). From pointwise scores (..., k), whose P is Bradley–Terry, D_ij = r_i − r_j exactly (no
+    round trip through σ, which saturates)."""
     if scores is not None:
         s = torch.as_tensor(scores, dtype=torch.float64)
-        D = s[:, None] - s[None, :]
-        return torch.sigmoid(D), D
-    P = torch.full((k, k), 0.5, dtype=torch.float64)
-    iu = torch.triu_indices(k, k, 1)
-    p = torch.as_tensor(pair_probs, dtype=torch.float64)
-    P[iu[0], iu[1]], P[iu[1], iu[0]] = p, 1 - p
-    return P, torch.log(P) - torch.log1p(-P)
+        return s[..., :, None] - s[..., None, :]
+    return torch.log(P) - torch.log1p(-P)
 
 
 def win_rates(P):
@@ -332,18 +330,15 @@ def _raw_scores(judge, s: Samples, tok):
 
 
 def group_preferences(judge, s: Samples, k, tok, penalty=None):
-    """Per group of k: (P, D) (preference_matrix) and the judge's scores (None for a pairwise judge)."""
+    """Per group of k: (P, D), and the judge's pointwise scores (G, k) (None for a pairwise-only judge). P is
+    nano_rlhf.judge.preference_matrix: Bradley–Terry on the scores (those of judge_scores: the sampled ids, the
+    missing-end-of-text penalty), or, when given, the pairwise judge asked about every ordered pair and made
+    antisymmetric (the rule SPO and the labelling tool use). D = preference_logits."""
     n_groups = len(s.completions) // k
-    if judge.pairwise is None:
-        scores = judge_scores(judge, s, tok, penalty).view(n_groups, k)
-        return [preference_matrix(scores=g) for g in scores], scores
-    iu = torch.triu_indices(k, k, 1).tolist()
-    a = [g * k + i for g in range(n_groups) for i in iu[0]]
-    b = [g * k + j for g in range(n_groups) for j in iu[1]]
-    p = judge.preference([s.prompts[i] for i in a], [s.completions[i] for i in a], [s.completions[j] for j in b])
-    n_pairs = len(iu[0])
-    mats = [preference_matrix(pair_probs=p[g * n_pairs:(g + 1) * n_pairs], k=k) for g in range(n_groups)]
-    return mats, (judge_scores(judge, s, tok, penalty).view(n_groups, k) if judge.pointwise else None)
+    scores = judge_scores(judge, s, tok, penalty).view(n_groups, k) if judge.pointwise is not None else None
+    P = preference_matrix(judge, s.prompts, s.completions, k, scores=None if scores is None else scores.flatten())
+    D = preference_logits(P, scores if judge.pairwise is None else None)
+    return list(zip(P, D)), scores
 
 
 # ---- one update per method ---------------------------------------------------------------------
@@ -605,8 +600,8 @@ def main(argv=None):
         if opts.method == "nash_md":
             penalty = opts.missing_eos_penalty
             scores = judge_scores(judge, s, tok, penalty) if judge.pointwise else None
-            prob = judge.preference(s.prompts, s.completions, opponents.completions) if judge.pairwise else \
-                bradley_terry(scores, judge_scores(judge, opponents, tok, penalty))
+            prob = symmetric_preference(judge, s.prompts, s.completions, opponents.completions) if judge.pairwise \
+                else bradley_terry(scores, judge_scores(judge, opponents, tok, penalty))
         else:
             groups, scores = group_preferences(judge, s, k, tok, opts.missing_eos_penalty)
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only

@@ -8,6 +8,7 @@
     judge = load_judge("llm:out/sft", template="my_template.txt")          # LLM-as-a-judge (greedy answer, 1-10)
     judge.scores(prompts, completions)          # (N,) float64 tensor, one score per completion
     judge.preference(prompts, a, b)             # (N,) float64 tensor, P(a[i] ≻ b[i]) for each i
+    symmetric_preference(judge, prompts, a, b)  # the same, a pairwise judge asked in both orders (no position bias)
     preference_matrix(judge, prompts, completions, k)   # (G, k, k) P(y_i ≻ y_j) within each group of k samples
 
 A pointwise judge is anything `nano_rlhf.reward.load_reward` accepts. A pairwise judge is a user's
@@ -105,7 +106,18 @@ def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", promp
     return Judge(pointwise, pairwise)
 
 
-# ---- the preferences within a group of samples (self-play, labelling) --------------------------------
+# ---- the preferences within a group of samples (self-play, labelling, online) --------------------------
+
+def symmetric_preference(judge, prompts, a, b):
+    """(N,) float64 P̃(a[i] ≻ b[i]). A pairwise judge is asked both orders in one call and the answers made
+    antisymmetric, P̃(a ≻ b) = ½(P(a ≻ b) + 1 − P(b ≻ a)), as in preference_matrix: a judge that always favours
+    the first answer shown gives ½, no preference. A pointwise judge's Bradley–Terry is antisymmetric already."""
+    if judge.pairwise is None:
+        return judge.preference(prompts, a, b)
+    n = len(a)
+    p = judge.preference(list(prompts) * 2, list(a) + list(b), list(b) + list(a))
+    return 0.5 * (p[:n] + 1 - p[n:])
+
 
 def preference_matrix(judge, prompts, completions, k, scores=None):
     """(G, k, k) float64, P[g, i, j] = P(y_i ≻ y_j) for G groups of k consecutive samples (prompts repeated k
