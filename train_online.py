@@ -4,11 +4,12 @@ learn from the comparison, repeat. One loop, five methods, one flag apart.
 One step (docs/algorithms.md, "Online and self-play methods"):
   1. sample   k responses per prompt from π_θ at temperature τ, cut after the first stop token (as train_ppo.py);
               nash_md also samples k opponents per prompt from the geometric mixture π_θ^(1−β')·π_ref^β'
-  2. judge    a pointwise judge (reward-model directory, gold, module:function: --judge) gives scores r, and
-              P(a ≻ b) = σ(r(a) − r(b)) (Bradley–Terry); a pairwise judge (--pair_judge module:function) gives
-              P(a ≻ b) directly, asked in both orders and made antisymmetric, ½(P(a ≻ b) + 1 − P(b ≻ a)), so
-              a position bias cancels. Per prompt: the k×k matrix P_ij = P(y_i ≻ y_j), its logit D_ij
-              (= r_i − r_j for a pointwise judge) and the win rates W_i = mean_{j≠i} P_ij
+  2. judge    a pointwise judge (reward-model directory, gold, module:function, llm:MODEL_DIR: --judge) gives
+              scores r, and P(a ≻ b) = σ(r(a) − r(b)) (Bradley–Terry); a pairwise judge (--pair_judge
+              module:function) gives P(a ≻ b) directly, asked in both orders and made antisymmetric,
+              ½(P(a ≻ b) + 1 − P(b ≻ a)), so a position bias cancels. Per prompt: the k×k matrix
+              P_ij = P(y_i ≻ y_j), its logit D_ij (= r_i − r_j for a pointwise judge) and the win rates
+              W_i = mean_{j≠i} P_ij
   3. examples and 4. update, per --method (S(y) = Σ_t log π(y_t | x, y_<t), u = S_θ − S_ref):
   online_dpo  pairs (best vs worst by Copeland wins = #{j: D_ij > 0} + ½#{j ≠ i: D_ij = 0}, or all pairs),
               each ordered by the sign of D_ij, kept when |D_ij| ≥ --margin (ties never), then ANY pairwise
@@ -33,15 +34,16 @@ Run:
     python train_online.py --method nash_md --judge out/rm --mixture_coef 0.125
     python train_online.py --method dno --pair_judge my_judges.py:prefer --judge "" --ref_update_every 20
     python train_online.py --method cringe --judge gold --cringe_threshold 0.5
+    python train_online.py --judge llm:out/sft --judge_template my_template.txt   # LLM-as-a-judge (self-rewarding)
     torchrun --nproc_per_node 2 train_online.py --method sppo
 
 Choices: every log-prob (and CRINGE's logits) uses logits/τ, as train_ppo.py; one optimizer step per rollout
 (on-policy); each rank samples and judges its own prompts' groups, so group statistics need no communication;
 sampling draws its uniform numbers from a generator per (step, prompt, sample), so the samples do not depend
 on how prompts are split across ranks (N ranks ≡ one process) and a resumed run samples what it would have.
-The preferences are nano_rlhf/judge.py's (preference_matrix, symmetric_preference), the same code as
-train_ppo.py's SPO and the labelling tool: a pairwise judge is asked about every ordered pair i ≠ j of a group
-(Nash-MD: the sample and its opponent in both orders), in one call per step.
+The judge and its preferences are nano_rlhf/judge.py's (load_judge, preference_matrix, symmetric_preference), the
+same code as train_ppo.py's SPO and the labelling tool: a pairwise judge is asked about every ordered pair i ≠ j of
+a group (Nash-MD: the sample and its opponent in both orders), in one call per step.
 """
 import os
 import time
@@ -61,9 +63,9 @@ from nano_rlhf.common import BUILTIN_DIR, adamw, autocast, check_vocab, fail, in
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score, summarize
-from nano_rlhf.judge import bradley_terry, load_judge, preference_matrix, symmetric_preference
+from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, preference_matrix, symmetric_preference
 from nano_rlhf.model import GPT
-from train_ppo import load_prompts, response_logprobs
+from train_ppo import judge_dir, load_prompts, response_logprobs
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
 # the pairwise losses of train_dpo.py (its --loss table minus kto, which takes unpaired data): the loss itself is
@@ -74,8 +76,9 @@ PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
 @dataclass
 class Options:
     method: Literal["online_dpo", "dno", "sppo", "nash_md", "cringe"] = "online_dpo"  # which online method
-    judge: str = "out/rm"         # pointwise judge: reward-model directory, gold (built-in task), module:function / file.py:function; empty = --pair_judge only
+    judge: str = "out/rm"         # reward-model dir, gold, module:function, llm:MODEL_DIR; empty = --pair_judge only
     pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b), asked both ways
+    judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default
     loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo"] = "dpo"  # online_dpo / dno: train_dpo.py's pair loss
     beta: Optional[float] = None  # pair loss β (train_dpo.py's default per loss); nash_md: KL coefficient β (none = 0.1) {> 0}
     label_smoothing: float = 0.0  # pair loss ε (dpo, robust) {0 <= x < 0.5}
@@ -440,15 +443,15 @@ def check_options(opts):
     m = opts.method
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
-    if not opts.judge and not opts.pair_judge:
-        fail("a judge is needed: give --judge (reward-model directory, gold, module:function) and/or --pair_judge")
-    if opts.judge and opts.judge != reward_mod.GOLD and not reward_mod.is_function_spec(opts.judge) \
+    # the judge flags as train_ppo.py's SPO reads them (nano_rlhf/judge.py), refused before out_dir is touched
+    check_specs(opts.judge or None, opts.pair_judge or None, opts.judge_template)
+    llm = opts.judge.startswith(LLM)
+    if opts.judge and not llm and opts.judge != reward_mod.GOLD and not reward_mod.is_function_spec(opts.judge) \
             and not os.path.isdir(opts.judge):
-        fail(f"--judge {opts.judge}: not a directory, gold, or module:function / path/to/file.py:function")
-    if opts.judge and reward_mod.is_function_spec(opts.judge):
+        fail(f"--judge {opts.judge}: not a directory, gold, llm:MODEL_DIR, or module:function / "
+             "path/to/file.py:function")
+    if opts.judge and not llm and reward_mod.is_function_spec(opts.judge):
         reward_mod.load_function(opts.judge, "--judge")          # its import errors name --judge, not --reward
-    if opts.pair_judge and not reward_mod.is_function_spec(opts.pair_judge):
-        fail(f"--pair_judge {opts.pair_judge}: expected module:function or path/to/file.py:function")
     if m != "nash_md" and opts.samples_per_prompt < 2:
         fail(f"--method {m} compares the samples of a prompt: it needs --samples_per_prompt >= 2")
     if opts.ref_update_every and not needs_reference(opts):
@@ -501,7 +504,7 @@ def main(argv=None):
     check_options(opts)
     world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
     run = run_mod.start(opts, script="online", identity={k: v for k, v in vars(opts).items() if k not in NOT_IDENTITY},
-                        inputs={"init": opts.init, "ref": opts.ref, "judge": opts.judge},
+                        inputs={"init": opts.init, "ref": opts.ref, "judge": judge_dir(opts.judge)},
                         data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
                                     "eval_prompts": opts.eval_prompts})
     with input_errors():
@@ -521,7 +524,7 @@ def main(argv=None):
                              f"policy's ({policy.cfg.vocab_size})")
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
-                           prompts=texts)
+                           prompts=texts, template=opts.judge_template)
         block = policy.cfg.block_size
         max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
         if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:

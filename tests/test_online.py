@@ -285,6 +285,32 @@ def test_a_position_biased_judge_gives_no_pair_and_no_update(tmp_path, sft_dir, 
     assert all(torch.equal(v, init[k]) for k, v in out.policy.state_dict().items())
 
 
+def test_llm_judge_with_a_template_end_to_end(tmp_path, sft_dir, tok, capsys):
+    """--judge llm:DIR --judge_template FILE, as train_ppo.py's SPO takes them (nano_rlhf.judge.load_judge): the
+    judge is a tiny saved model whose greedy answer is always "7", so every sample scores 7 (all tied: no pair).
+    A template given without an LLM judge, or a missing judge directory, is one line before --out_dir exists."""
+    from test_label import judge_dir as answering_judge_dir        # a saved model that always answers the token
+    from nano_rlhf.judge import LLMJudge
+    judge = f"llm:{answering_judge_dir(tmp_path, tok, '7')}"
+    template = tmp_path / "t.txt"
+    template.write_text("Rate from 1 to 10 the answer {response} to: {prompt}\nScore:")
+    out = T.main(online_args(tmp_path, sft_dir, "", "llm", "--judge", judge, "--judge_template", str(template)))
+    llm = out.judge.pointwise
+    assert isinstance(llm, LLMJudge) and llm.template == template.read_text()
+    assert llm.answered >= 2 * 4 * 3 and llm.unparsed == 0
+    m = metrics(tmp_path / "llm")
+    assert [(x["train/score"], x["train/pairs"]) for x in m] == [(7.0, 0)] * 2 and m[-1]["eval/reward"] == 7.0
+    capsys.readouterr()
+    for extra, err in ((["--judge_template", str(template)], "--judge_template"),
+                       (["--judge", f"llm:{tmp_path / 'none'}"], f"--judge llm:{tmp_path / 'none'}: no such model"),
+                       (["--judge", judge, "--judge_template", str(tmp_path / "none.txt")], "no such file")):
+        with pytest.raises(SystemExit):
+            T.main(online_args(tmp_path, sft_dir, sft_dir, "bad", *extra))
+        got = capsys.readouterr().err.strip()
+        assert got.startswith("error: ") and err in got and "\n" not in got, got
+        assert not (tmp_path / "bad").exists()
+
+
 def test_reference_update_equals_a_restart_from_the_snapshot(tmp_path, sft_dir, rm_dir):
     """--ref_update_every 2: after step 2 the reference is a bit-identical copy of the policy at step 2 (the model
     saved by a run stopped there), and a run stopped at step 2 and resumed (reference restored from its state)
