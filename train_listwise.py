@@ -214,7 +214,7 @@ def sequence_logps(model, input_ids, attention_mask, response_mask):
     return sums, scored.sum(1).float()
 
 
-STATS = ("loss", "nll", "pair_accuracy", "n_pairs", "top1_accuracy", "value_best", "value_mean")
+STATS = ("loss", "nll", "pair_accuracy", "n_pairs", "top1_accuracy", "n_ranked", "value_best", "value_mean")
 COUNTS = ("items", "best_tokens", "rows", "tokens")
 
 
@@ -232,12 +232,14 @@ def micro_step(opts, policy, ref, batch):
         v = value.detach()
         better = mask[:, :, None] & mask[:, None, :] & (score[:, :, None] > score[:, None, :])
         # top-1: some best-scored response is strictly above every other one (a tie in the model's value
-        # is a miss, so a policy equal to its reference does not score 100%)
+        # is a miss, so a policy equal to its reference does not score 100%). Only lists with a strict order
+        # count: in a list whose scores all tie every response is "best", and it would score 1 for free.
+        ranked = better.any(2).any(1)
         is_best = mask & (score == score.masked_fill(~mask, float("-inf")).amax(1, keepdim=True))
         top_best = v.masked_fill(~is_best, float("-inf")).amax(1)
         top_other = v.masked_fill(~(mask & ~is_best), float("-inf")).amax(1)
         stats = {"pair_accuracy": (better & (v[:, :, None] > v[:, None, :])).sum(), "n_pairs": better.sum(),
-                 "top1_accuracy": (top_best > top_other).sum(),
+                 "top1_accuracy": (ranked & (top_best > top_other)).sum(), "n_ranked": ranked.sum(),
                  "value_best": v.flatten()[mask.flatten()][batch.best].sum(), "value_mean": (v * mask).sum()}
     return {"loss": loss.sum(), "nll": -pi[batch.best].sum(), **stats}
 
@@ -260,12 +262,14 @@ def sum_over_ranks(sums):
 
 
 def means(totals):
-    """Sums over a step (or the eval set) on all ranks -> what is logged: loss and top-1 per prompt, pair
-    accuracy per scored pair, NLL per best-response token, the ranked value (p or s) of best and all rows."""
+    """Sums over a step (or the eval set) on all ranks -> what is logged: loss per prompt, top-1 per prompt
+    whose scores do not all tie, pair accuracy per scored pair, NLL per best-response token, the ranked value
+    (p or s) of best and all rows."""
     items = max(totals["items"], 1)
     return {"loss": totals["loss"] / items, "nll": totals["nll"] / max(totals["best_tokens"], 1),
             "pair_accuracy": totals["pair_accuracy"] / max(totals["n_pairs"], 1),
-            "top1_accuracy": totals["top1_accuracy"] / items, "value_best": totals["value_best"] / items,
+            "top1_accuracy": totals["top1_accuracy"] / max(totals["n_ranked"], 1),
+            "value_best": totals["value_best"] / items,
             "value_mean": totals["value_mean"] / max(totals["rows"], 1)}
 
 
@@ -354,6 +358,11 @@ def load_examples(opts, files, tok, block_size):
     for examples, source, c in ((train, files["data"], counts), (evals, eval_source, eval_counts)):
         if not examples:
             raise ValueError(f"{source}: no example fits the model's block_size {block_size} ({c})")
+        # as train_dpo.py --listwise_pairs: lists whose scores all tie carry no preference (every loss is 0,
+        # with no gradient), so a file of nothing else would train on nothing
+        if all(len(set(e["scores"])) < 2 for e in examples):
+            raise ValueError(f"{source}: no listwise row has two different scores, so there is no order to "
+                             f"train or evaluate on")
     return train, evals, counts
 
 

@@ -4,10 +4,12 @@ learn from the comparison, repeat. One loop, five methods, one flag apart.
 One step (docs/algorithms.md, "Online and self-play methods"):
   1. sample   k responses per prompt from π_θ at temperature τ, cut after the first stop token (as train_ppo.py);
               nash_md also samples k opponents per prompt from the geometric mixture π_θ^(1−β')·π_ref^β'
-  2. judge    a pointwise judge (reward-model directory, gold, module:function: --judge) gives scores r, and
-              P(a ≻ b) = σ(r(a) − r(b)) (Bradley–Terry); a pairwise judge (--pair_judge module:function) gives
-              P(a ≻ b) directly. Per prompt: the k×k matrix P_ij = P(y_i ≻ y_j), its logit D_ij (= r_i − r_j for
-              a pointwise judge) and the win rates W_i = mean_{j≠i} P_ij
+  2. judge    a pointwise judge (reward-model directory, gold, module:function, llm:MODEL_DIR: --judge) gives
+              scores r, and P(a ≻ b) = σ(r(a) − r(b)) (Bradley–Terry); a pairwise judge (--pair_judge
+              module:function) gives P(a ≻ b) directly, asked in both orders and made antisymmetric,
+              ½(P(a ≻ b) + 1 − P(b ≻ a)), so a position bias cancels. Per prompt: the k×k matrix
+              P_ij = P(y_i ≻ y_j), its logit D_ij (= r_i − r_j for a pointwise judge) and the win rates
+              W_i = mean_{j≠i} P_ij
   3. examples and 4. update, per --method (S(y) = Σ_t log π(y_t | x, y_<t), u = S_θ − S_ref):
   online_dpo  pairs (best vs worst by Copeland wins = #{j: D_ij > 0} + ½#{j ≠ i: D_ij = 0}, or all pairs),
               each ordered by the sign of D_ij, kept when |D_ij| ≥ --margin (ties never), then ANY pairwise
@@ -32,13 +34,16 @@ Run:
     python train_online.py --method nash_md --judge out/rm --mixture_coef 0.125
     python train_online.py --method dno --pair_judge my_judges.py:prefer --judge "" --ref_update_every 20
     python train_online.py --method cringe --judge gold --cringe_threshold 0.5
+    python train_online.py --judge llm:out/sft --judge_template my_template.txt   # LLM-as-a-judge (self-rewarding)
     torchrun --nproc_per_node 2 train_online.py --method sppo
 
 Choices: every log-prob (and CRINGE's logits) uses logits/τ, as train_ppo.py; one optimizer step per rollout
 (on-policy); each rank samples and judges its own prompts' groups, so group statistics need no communication;
 sampling draws its uniform numbers from a generator per (step, prompt, sample), so the samples do not depend
 on how prompts are split across ranks (N ranks ≡ one process) and a resumed run samples what it would have.
-A pairwise judge is asked once per unordered pair, and P_ji = 1 − P_ij.
+The judge and its preferences are nano_rlhf/judge.py's (load_judge, preference_matrix, symmetric_preference), the
+same code as train_ppo.py's SPO and the labelling tool: a pairwise judge is asked about every ordered pair i ≠ j of
+a group (Nash-MD: the sample and its opponent in both orders), in one call per step.
 """
 import os
 import time
@@ -58,9 +63,9 @@ from nano_rlhf.common import BUILTIN_DIR, adamw, autocast, check_vocab, fail, in
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score, summarize
-from nano_rlhf.judge import bradley_terry, load_judge
+from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, preference_matrix, symmetric_preference
 from nano_rlhf.model import GPT
-from train_ppo import load_prompts, response_logprobs
+from train_ppo import judge_dir, load_prompts, response_logprobs
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
 # the pairwise losses of train_dpo.py (its --loss table minus kto, which takes unpaired data): the loss itself is
@@ -71,8 +76,9 @@ PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
 @dataclass
 class Options:
     method: Literal["online_dpo", "dno", "sppo", "nash_md", "cringe"] = "online_dpo"  # which online method
-    judge: str = "out/rm"         # pointwise judge: reward-model directory, gold (built-in task), module:function / file.py:function; empty = --pair_judge only
-    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b) per pair; empty = Bradley–Terry from --judge
+    judge: str = "out/rm"         # reward-model dir, gold, module:function, llm:MODEL_DIR; empty = --pair_judge only
+    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b), asked both ways
+    judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default
     loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo"] = "dpo"  # online_dpo / dno: train_dpo.py's pair loss
     beta: Optional[float] = None  # pair loss β (train_dpo.py's default per loss); nash_md: KL coefficient β (none = 0.1) {> 0}
     label_smoothing: float = 0.0  # pair loss ε (dpo, robust) {0 <= x < 0.5}
@@ -165,19 +171,14 @@ def cringe_positives(logits, negative, top_k, generator=None):
 
 # ---- group preferences and example selection: pure functions -----------------------------------
 
-def preference_matrix(scores=None, pair_probs=None, k=None):
-    """One group's P (k, k), P_ij = P(y_i ≻ y_j), and its logit D. From pointwise scores (k,): Bradley–Terry,
-    with D_ij = r_i − r_j exactly (no round trip through σ). From pair_probs: P(y_i ≻ y_j) for i < j in
-    row-major order (k(k−1)/2,), P_ji = 1 − P_ij. The diagonal is ½ (D = 0)."""
+def preference_logits(P, scores=None):
+    """D, the logit of the preferences P (..., k, k): log P − log(1 − P), antisymmetric when P is; 0 on the
+    diagonal (P = ½). From pointwise scores (..., k), whose P is Bradley–Terry, D_ij = r_i − r_j exactly (no
+    round trip through σ, which saturates)."""
     if scores is not None:
         s = torch.as_tensor(scores, dtype=torch.float64)
-        D = s[:, None] - s[None, :]
-        return torch.sigmoid(D), D
-    P = torch.full((k, k), 0.5, dtype=torch.float64)
-    iu = torch.triu_indices(k, k, 1)
-    p = torch.as_tensor(pair_probs, dtype=torch.float64)
-    P[iu[0], iu[1]], P[iu[1], iu[0]] = p, 1 - p
-    return P, torch.log(P) - torch.log1p(-P)
+        return s[..., :, None] - s[..., None, :]
+    return torch.log(P) - torch.log1p(-P)
 
 
 def win_rates(P):
@@ -332,18 +333,15 @@ def _raw_scores(judge, s: Samples, tok):
 
 
 def group_preferences(judge, s: Samples, k, tok, penalty=None):
-    """Per group of k: (P, D) (preference_matrix) and the judge's scores (None for a pairwise judge)."""
+    """Per group of k: (P, D), and the judge's pointwise scores (G, k) (None for a pairwise-only judge). P is
+    nano_rlhf.judge.preference_matrix: Bradley–Terry on the scores (those of judge_scores: the sampled ids, the
+    missing-end-of-text penalty), or, when given, the pairwise judge asked about every ordered pair and made
+    antisymmetric (the rule SPO and the labelling tool use). D = preference_logits."""
     n_groups = len(s.completions) // k
-    if judge.pairwise is None:
-        scores = judge_scores(judge, s, tok, penalty).view(n_groups, k)
-        return [preference_matrix(scores=g) for g in scores], scores
-    iu = torch.triu_indices(k, k, 1).tolist()
-    a = [g * k + i for g in range(n_groups) for i in iu[0]]
-    b = [g * k + j for g in range(n_groups) for j in iu[1]]
-    p = judge.preference([s.prompts[i] for i in a], [s.completions[i] for i in a], [s.completions[j] for j in b])
-    n_pairs = len(iu[0])
-    mats = [preference_matrix(pair_probs=p[g * n_pairs:(g + 1) * n_pairs], k=k) for g in range(n_groups)]
-    return mats, (judge_scores(judge, s, tok, penalty).view(n_groups, k) if judge.pointwise else None)
+    scores = judge_scores(judge, s, tok, penalty).view(n_groups, k) if judge.pointwise is not None else None
+    P = preference_matrix(judge, s.prompts, s.completions, k, scores=None if scores is None else scores.flatten())
+    D = preference_logits(P, scores if judge.pairwise is None else None)
+    return list(zip(P, D)), scores
 
 
 # ---- one update per method ---------------------------------------------------------------------
@@ -445,15 +443,15 @@ def check_options(opts):
     m = opts.method
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
-    if not opts.judge and not opts.pair_judge:
-        fail("a judge is needed: give --judge (reward-model directory, gold, module:function) and/or --pair_judge")
-    if opts.judge and opts.judge != reward_mod.GOLD and not reward_mod.is_function_spec(opts.judge) \
+    # the judge flags as train_ppo.py's SPO reads them (nano_rlhf/judge.py), refused before out_dir is touched
+    check_specs(opts.judge or None, opts.pair_judge or None, opts.judge_template)
+    llm = opts.judge.startswith(LLM)
+    if opts.judge and not llm and opts.judge != reward_mod.GOLD and not reward_mod.is_function_spec(opts.judge) \
             and not os.path.isdir(opts.judge):
-        fail(f"--judge {opts.judge}: not a directory, gold, or module:function / path/to/file.py:function")
-    if opts.judge and reward_mod.is_function_spec(opts.judge):
+        fail(f"--judge {opts.judge}: not a directory, gold, llm:MODEL_DIR, or module:function / "
+             "path/to/file.py:function")
+    if opts.judge and not llm and reward_mod.is_function_spec(opts.judge):
         reward_mod.load_function(opts.judge, "--judge")          # its import errors name --judge, not --reward
-    if opts.pair_judge and not reward_mod.is_function_spec(opts.pair_judge):
-        fail(f"--pair_judge {opts.pair_judge}: expected module:function or path/to/file.py:function")
     if m != "nash_md" and opts.samples_per_prompt < 2:
         fail(f"--method {m} compares the samples of a prompt: it needs --samples_per_prompt >= 2")
     if opts.ref_update_every and not needs_reference(opts):
@@ -506,7 +504,7 @@ def main(argv=None):
     check_options(opts)
     world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
     run = run_mod.start(opts, script="online", identity={k: v for k, v in vars(opts).items() if k not in NOT_IDENTITY},
-                        inputs={"init": opts.init, "ref": opts.ref, "judge": opts.judge},
+                        inputs={"init": opts.init, "ref": opts.ref, "judge": judge_dir(opts.judge)},
                         data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
                                     "eval_prompts": opts.eval_prompts})
     with input_errors():
@@ -526,7 +524,7 @@ def main(argv=None):
                              f"policy's ({policy.cfg.vocab_size})")
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
-                           prompts=texts)
+                           prompts=texts, template=opts.judge_template)
         block = policy.cfg.block_size
         max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
         if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
@@ -605,8 +603,8 @@ def main(argv=None):
         if opts.method == "nash_md":
             penalty = opts.missing_eos_penalty
             scores = judge_scores(judge, s, tok, penalty) if judge.pointwise else None
-            prob = judge.preference(s.prompts, s.completions, opponents.completions) if judge.pairwise else \
-                bradley_terry(scores, judge_scores(judge, opponents, tok, penalty))
+            prob = symmetric_preference(judge, s.prompts, s.completions, opponents.completions) if judge.pairwise \
+                else bradley_terry(scores, judge_scores(judge, opponents, tok, penalty))
         else:
             groups, scores = group_preferences(judge, s, k, tok, opts.missing_eos_penalty)
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only

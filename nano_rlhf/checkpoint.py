@@ -16,6 +16,7 @@ out_dir/
     run.json                                        what defines the run (nano_rlhf.run checks it on --resume)
   samples.jsonl, tensorboard/                       sampled completions; the --report_to tensorboard mirror
   adapter/                                          --lora_r runs: the adapters alone, in PEFT's layout
+  value/, d2o_samples.jsonl                         train_unpaired.py: DRO's value model, D2O's reference samples
   .lock                                             pid + host of the run using out_dir (held with flock)
 
 The state directory is written to `state.tmp/`, then swapped in with renames (state -> state.old,
@@ -273,7 +274,8 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
 RUN_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
              "train_config.json",
              "metrics.jsonl", "samples.jsonl", "tensorboard", "state", "state.old", "state.tmp",
-             "adapter")          # a LoRA run's adapters in PEFT's layout (nano_rlhf/lora.py)
+             "adapter",          # a LoRA run's adapters in PEFT's layout (nano_rlhf/lora.py)
+             "value", "d2o_samples.jsonl")   # train_unpaired.py: DRO's value model, D2O's reference samples
 
 
 def sha256_file(path):

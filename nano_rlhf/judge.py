@@ -8,6 +8,7 @@
     judge = load_judge("llm:out/sft", template="my_template.txt")          # LLM-as-a-judge (greedy answer, 1-10)
     judge.scores(prompts, completions)          # (N,) float64 tensor, one score per completion
     judge.preference(prompts, a, b)             # (N,) float64 tensor, P(a[i] ≻ b[i]) for each i
+    symmetric_preference(judge, prompts, a, b)  # the same, a pairwise judge asked in both orders (no position bias)
     preference_matrix(judge, prompts, completions, k)   # (G, k, k) P(y_i ≻ y_j) within each group of k samples
 
 A pointwise judge is anything `nano_rlhf.reward.load_reward` accepts. A pairwise judge is a user's
@@ -80,15 +81,32 @@ class Judge:
         return bradley_terry(self.scores(prompts, a), self.scores(prompts, b))
 
 
+def check_specs(spec=None, pair_spec=None, template=""):
+    """One line for a judge flag that is wrong on its face, from the flags alone (nothing is loaded), so a script
+    can refuse it before its output directory is touched; load_judge starts with the same checks."""
+    if spec is None and pair_spec is None:
+        fail("a judge is needed: give --judge (reward model, gold, module:function, llm:MODEL_DIR) and/or --pair_judge")
+    if template and not (spec or "").startswith(LLM):
+        fail(f"--judge_template {template}: applies only to --judge llm:MODEL_DIR")
+    if spec is not None and spec.startswith(LLM):
+        model_dir = spec[len(LLM):]
+        if not model_dir or not os.path.isdir(model_dir):
+            fail(f"--judge {spec}: no such model directory {model_dir!r}")
+        read_template(template or DEFAULT_TEMPLATE)
+    if pair_spec is not None:
+        if pair_spec.startswith(LLM):
+            fail(f"--pair_judge {pair_spec}: an LLM judge gives scores, not pairwise preferences; "
+                 f"use --judge {pair_spec}")
+        if not reward_mod.is_function_spec(pair_spec):
+            fail(f"--pair_judge {pair_spec}: expected module:function or path/to/file.py:function")
+
+
 def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", prompts=None, batch_size=64,
                template=""):
     """spec: what load_reward accepts (a reward-model directory, "gold", module:function), llm:MODEL_DIR or None;
     pair_spec: a pairwise module:function or None; template: the LLM judge's template file ("" = the default).
     Import/load errors are one line naming the flag."""
-    if spec is None and pair_spec is None:
-        fail("a judge is needed: give --judge (reward model, gold, module:function, llm:MODEL_DIR) and/or --pair_judge")
-    if template and not (spec or "").startswith(LLM):
-        fail(f"--judge_template {template}: applies only to --judge llm:MODEL_DIR")
+    check_specs(spec, pair_spec, template)
     if spec is not None and spec.startswith(LLM):
         pointwise = LLMJudge.from_dir(spec[len(LLM):], template, device=device, spec=spec, batch_size=batch_size)
     else:
@@ -96,16 +114,22 @@ def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", promp
                                                                      prompts=prompts, batch_size=batch_size, flag="--judge")
     pairwise = None
     if pair_spec is not None:
-        if pair_spec.startswith(LLM):
-            fail(f"--pair_judge {pair_spec}: an LLM judge gives scores, not pairwise preferences; "
-                 f"use --judge {pair_spec}")
-        if not reward_mod.is_function_spec(pair_spec):
-            fail(f"--pair_judge {pair_spec}: expected module:function or path/to/file.py:function")
         pairwise = _CheckedPairwise(reward_mod.load_function(pair_spec, "--pair_judge").fn, pair_spec)
     return Judge(pointwise, pairwise)
 
 
-# ---- the preferences within a group of samples (self-play, labelling) --------------------------------
+# ---- the preferences within a group of samples (self-play, labelling, online) --------------------------
+
+def symmetric_preference(judge, prompts, a, b):
+    """(N,) float64 P̃(a[i] ≻ b[i]). A pairwise judge is asked both orders in one call and the answers made
+    antisymmetric, P̃(a ≻ b) = ½(P(a ≻ b) + 1 − P(b ≻ a)), as in preference_matrix: a judge that always favours
+    the first answer shown gives ½, no preference. A pointwise judge's Bradley–Terry is antisymmetric already."""
+    if judge.pairwise is None:
+        return judge.preference(prompts, a, b)
+    n = len(a)
+    p = judge.preference(list(prompts) * 2, list(a) + list(b), list(b) + list(a))
+    return 0.5 * (p[:n] + 1 - p[n:])
+
 
 def preference_matrix(judge, prompts, completions, k, scores=None):
     """(G, k, k) float64, P[g, i, j] = P(y_i ≻ y_j) for G groups of k consecutive samples (prompts repeated k

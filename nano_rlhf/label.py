@@ -4,6 +4,8 @@
     python train_dpo.py --init out/sft --data data/rlaif.jsonl --out_dir out/dpo_rlaif       # the AI-feedback loop
     python -m nano_rlhf.label --model out/sft --judge llm:out/sft --format pairs --out self.jsonl   # self-rewarding
     python -m nano_rlhf.label --model out/sft --pair_judge my_judges.py:prefer --format listwise --out lw.jsonl
+    python -m nano_rlhf.label --model out/sft --judge out/rm --format scored --out s.jsonl   # then:
+    python train_unpaired.py --method dro --data s.jsonl --out_dir out/dro_rlaif               # (or --format unpaired)
 
 The judge (nano_rlhf/judge.py): --judge gives one score per response (a reward-model directory, gold for the
 built-in task, your module:function, or llm:MODEL_DIR, an LLM-as-a-judge answering --judge_template); with
@@ -14,9 +16,13 @@ Formats (TRL's; a conversational prompt keeps its messages and each response bec
   pairs     {"prompt", "chosen", "rejected", "score_chosen", "score_rejected"}: the best and the worst of each
             prompt's samples; a prompt whose samples all score the same gives no pair (counted)
   listwise  {"prompt", "completions": [...], "scores": [...]}: every sample of a prompt, in sampling order
-  unpaired  {"prompt", "completion", "label", "score"}: every sample; label = score >= --threshold, or without
-            one, score above its group's median (samples exactly at the median carry no label and are left out)
-pairs is train_dpo.py's preference data, unpaired its KTO data. Empty responses are left out (the data
+  unpaired  {"prompt", "completion", "label"}: every sample; label = score >= --threshold, or without one,
+            score above its group's median (samples exactly at the median carry no label and are left out)
+  scored    {"prompt", "completion", "score"}: every sample with its judge score (k = 1 allowed)
+pairs is train_dpo.py's preference data, listwise train_listwise.py's, unpaired KTO's and train_unpaired.py's
+(dro reads a label as ±1; npo takes label-true rows as retain data with --retain_coef, d2o takes label-false
+rows only), scored train_unpaired.py --method dro's. A row carries one signal, a label or a score, never both:
+DRO refuses a row with both (which one to learn from would be a guess). Empty responses are left out (the data
 loaders refuse empty text); responses cut at --max_new_tokens are kept (the judge sees them as they are).
 
 Sampling is pure sampling at --temperature with one seeded generator over the prompts in file order, so a
@@ -45,7 +51,7 @@ class Options:
     model: str = "out/sft"        # policy directory to sample from (HF layout + tokenizer.json)
     prompts: str = ""             # prompts JSONL {"prompt": str or [messages]}; empty = the built-in task's prompts
     out: str = ""                 # output JSONL (required)
-    format: Literal["pairs", "listwise", "unpaired"] = "pairs"  # pairs: best vs worst; listwise: all with scores; unpaired: labelled singles
+    format: Literal["pairs", "listwise", "unpaired", "scored"] = "pairs"  # the data kind to write (Formats, above)
     judge: str = ""               # pointwise judge: reward-model dir, gold, module:function or llm:MODEL_DIR
     pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b); scores = win rates
     judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default (1-10)
@@ -79,9 +85,9 @@ def check_options(o):
         fail(f"--pair_judge {o.pair_judge}: expected module:function or path/to/file.py:function")
     if o.threshold is not None and o.format != "unpaired":
         fail(f"--threshold labels unpaired data only (got --format {o.format})")
-    if o.samples_per_prompt < 2 and not (o.format == "unpaired" and o.threshold is not None):
+    if o.samples_per_prompt < 2 and not (o.format == "scored" or o.format == "unpaired" and o.threshold is not None):
         fail(f"--format {o.format} needs --samples_per_prompt >= 2 (it compares the samples of a prompt; "
-             "only unpaired data with --threshold can label single samples)")
+             "only scored data, or unpaired data with --threshold, can label single samples)")
     if o.pair_judge and o.samples_per_prompt < 2:
         fail("--pair_judge needs --samples_per_prompt >= 2 (a score is a win rate against the other samples)")
     if dist.device_problem(o.device):
@@ -159,6 +165,9 @@ def records(prompts, texts, scores, o, counts):
                 continue
             yield {"prompt": prompt, "chosen": response(prompt, best[0]), "rejected": response(prompt, worst[0]),
                    "score_chosen": best[1], "score_rejected": worst[1]}
+        elif o.format == "scored":
+            for t, s in kept:
+                yield {"prompt": prompt, "completion": response(prompt, t), "score": s}
         else:
             cut = o.threshold if o.threshold is not None else statistics.median(s for _, s in group)
             for t, s in kept:
@@ -166,7 +175,7 @@ def records(prompts, texts, scores, o, counts):
                     counts["at median"] += 1
                     continue
                 yield {"prompt": prompt, "completion": response(prompt, t),
-                       "label": s >= cut if o.threshold is not None else s > cut, "score": s}
+                       "label": s >= cut if o.threshold is not None else s > cut}
 
 
 def main(argv=None):

@@ -11,7 +11,7 @@ import torch
 
 from conftest import prompt_rows, run, tiny_model, write_jsonl
 from nano_rlhf import label
-from nano_rlhf.data import load_records
+from nano_rlhf.data import load_records, load_scored
 from nano_rlhf.judge import DEFAULT_TEMPLATE, LLMJudge, fill_template, load_judge, parse_score
 
 JUDGES = """
@@ -46,6 +46,7 @@ def test_each_format_is_written_in_trl_shape_and_the_formats_agree(setup, sft_di
     label.main(label_args(t, sft_dir, "pairs.jsonl", "--format", "pairs"))
     label.main(label_args(t, sft_dir, "unpaired.jsonl", "--format", "unpaired"))
     label.main(label_args(t, sft_dir, "thr.jsonl", "--format", "unpaired", "--threshold", "10"))
+    label.main(label_args(t, sft_dir, "scored.jsonl", "--format", "scored"))
     lw = read(t / "lw.jsonl")
     prompts = [r["prompt"] for r in prompt_rows(6)]
     # listwise: TRL's prompt / completions / scores, the judge's score of each completion, every prompt once
@@ -69,11 +70,30 @@ def test_each_format_is_written_in_trl_shape_and_the_formats_agree(setup, sft_di
     want = [(r["prompt"], c, s > statistics.median(r["scores"]))
             for r in lw for c, s in zip(r["completions"], r["scores"]) if s != statistics.median(r["scores"])]
     assert [(u["prompt"], u["completion"], u["label"]) for u in unpaired] == want
-    assert all(u["score"] == float(len(u["completion"])) for u in raw_unpaired)
+    assert all(set(u) == {"prompt", "completion", "label"} for u in raw_unpaired)   # one signal: DRO reads it too
+    assert [r["score"] for r in load_scored(str(t / "unpaired.jsonl"))] == [1.0 if w[2] else -1.0 for w in want]
+    # scored: read by DRO's loader; every sample with the judge's score
+    scored = load_scored(str(t / "scored.jsonl"))
+    assert [(r["prompt"], r["completion"], r["score"]) for r in scored] == \
+        [(r["prompt"], c, s) for r in lw for c, s in zip(r["completions"], r["scores"])]
+    assert all(set(r) == {"prompt", "completion", "score"} for r in read(t / "scored.jsonl"))
     # a fixed threshold labels every sample
     thr = load_records(str(t / "thr.jsonl"), "unpaired")
     assert [(u["completion"], u["label"]) for u in thr] == [(c, s >= 10) for r in lw for c, s in
                                                            zip(r["completions"], r["scores"])]
+
+
+def test_label_output_trains_dro_directly(setup, sft_dir):
+    """label -> train_unpaired.py --method dro on both single-response formats (their command lines, in this
+    process): DRO reads the unpaired rows' label as ±1 and the scored rows' score (unpaired rows used to carry
+    both, which DRO refuses)."""
+    import train_unpaired
+    for fmt in ("unpaired", "scored"):
+        label.main(label_args(setup, sft_dir, f"{fmt}.jsonl", "--format", fmt))
+        out = setup / f"dro_{fmt}"
+        res = train_unpaired.main(["--method", "dro", "--data", str(setup / f"{fmt}.jsonl"), "--eval_fraction", "0.2",
+                                   "--init", sft_dir, "--out_dir", str(out), "--max_steps", "1", "--batch_size", "4"])
+        assert res.value is not None and (out / "value" / "model.safetensors").exists()
 
 
 def test_pairwise_judge_scores_are_win_rates(setup, sft_dir):

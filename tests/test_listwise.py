@@ -259,6 +259,45 @@ def test_bad_listwise_file_stops_the_script_with_one_line(tmp_path, sft_dir):
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
+def tied_rows(n):
+    """Listwise rows whose scores all tie: no preference in any of them."""
+    return [{**r, "scores": [1.5] * len(r["scores"])} for r in lw_rows(n)]
+
+
+@pytest.mark.parametrize("tied", ["data", "eval_data"])
+def test_a_file_whose_lists_all_tie_is_refused_like_dpo_listwise_pairs(tmp_path, sft_dir, tied, capsys):
+    """Every loss is 0 with no gradient on such a file: one line before training, as train_dpo.py refuses it."""
+    files = {"data": write_jsonl(tmp_path / "d.jsonl", lw_rows(8)),
+             "eval_data": write_jsonl(tmp_path / "e.jsonl", lw_rows(4, 1))}
+    files[tied] = write_jsonl(tmp_path / "t.jsonl", tied_rows(8))
+    args = ["--data", files["data"], "--eval_data", files["eval_data"], "--init", sft_dir]
+    want = f"error: {files[tied]}: no listwise row has two different scores"
+    for loss in ("rrhf", "lipo"):
+        err = one_line_exit(capsys, L.main, ["--loss", loss, *args, "--out_dir", str(tmp_path / loss)])
+        assert err.startswith(want), err
+        assert not (tmp_path / loss / "model.safetensors").exists() and not (tmp_path / loss / "metrics.jsonl").exists()
+    err = one_line_exit(capsys, train_dpo.main, ["--listwise_pairs", "all", *args, "--out_dir", str(tmp_path / "o")])
+    assert err.startswith(want), err
+
+
+def test_top1_accuracy_leaves_out_lists_whose_scores_all_tie(monkeypatch):
+    """A tied list has every response "best": it must not count as a top-1 hit (nor as a miss). Two lists: one
+    all tied, one ranked [2, 0] whose best response the policy ranks below the other -> top-1 is 0/1, not 1/2."""
+    ex = [{"prompt": [5, 6], "completions": [[7], [8]], "scores": [1.0, 1.0]},
+          {"prompt": [5, 6], "completions": [[7], [8]], "scores": [2.0, 0.0]}]
+    batch = L.make_batch(ex, 0, "cpu")
+    monkeypatch.setattr(L, "sequence_logps", lambda *a: (torch.tensor([-1.0, -2.0, -3.0, -1.0]), torch.ones(4)))
+    opts = types.SimpleNamespace(loss="rrhf", dtype="float32", beta=0.1)
+    sums = L.zero_sums()
+    L.add_to(sums, L.micro_step(opts, None, None, batch), batch)
+    got = L.means(sums)
+    assert sums["n_ranked"] == 1 and got["top1_accuracy"] == 0.0 and got["pair_accuracy"] == 0.0
+    monkeypatch.setattr(L, "sequence_logps", lambda *a: (torch.tensor([-1.0, -2.0, -1.0, -3.0]), torch.ones(4)))
+    sums = L.zero_sums()
+    L.add_to(sums, L.micro_step(opts, None, None, batch), batch)
+    assert L.means(sums)["top1_accuracy"] == 1.0
+
+
 def test_conversational_rows_tokenize_and_collate(tmp_path, tok):
     chat = {"prompt": [{"role": "user", "content": "review the phone"}],
             "completions": [[{"role": "assistant", "content": "great"}], [{"role": "assistant", "content": "bad"}],

@@ -3,12 +3,14 @@ docs/algorithms.md, "Online and self-play methods", independently of the code), 
 win-rate selection, the mixture sampler, DDP ≡ one process, the reference update, judge errors, every method."""
 import json
 import math
+import types
 
 import pytest
 import torch
 
 import train_online as T
 from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
+from nano_rlhf.judge import Judge, preference_matrix, symmetric_preference
 from nano_rlhf.model import GPT
 
 
@@ -86,7 +88,7 @@ def test_cringe_positives_come_from_the_top_k_without_the_negative_token():
 
 def test_best_worst_pairs_ties_and_margin_on_fixed_scores():
     def pairs(scores, mode="best_worst", margin=0.0):
-        P, D = T.preference_matrix(scores=torch.tensor(scores, dtype=torch.float64))
+        D = T.preference_logits(None, torch.tensor(scores, dtype=torch.float64))
         return T.select_pairs(D, T.copeland(D), mode, margin)
     assert pairs([1.0, 3.0, 3.0, 0.5]) == [(1, 3)]            # best = first of the equal best, worst = the lowest
     assert pairs([2.0, 2.0, 2.0, 2.0]) == []                  # all tied: no pair
@@ -97,9 +99,26 @@ def test_best_worst_pairs_ties_and_margin_on_fixed_scores():
     assert sorted(pairs([0.0, 1.0, 1.0, 3.0], "all", margin=1.5)) == [(3, 0), (3, 1), (3, 2)]
 
 
+def table_judge(upper):
+    """A consistent pairwise judge over the completions "0" … "k−1": P(i ≻ j) = upper[(i, j)] for i < j (row-major
+    order of `upper`), 1 − that for i > j, whatever order it is asked in."""
+    k = next(n for n in range(2, 10) if n * (n - 1) // 2 == len(upper))
+    table = dict(zip([(i, j) for i in range(k) for j in range(i + 1, k)], upper))
+    def fn(prompts, a, b):
+        return [table[(int(x), int(y))] if int(x) < int(y) else 1 - table[(int(y), int(x))] for x, y in zip(a, b)]
+    return Judge(pairwise=fn), [str(i) for i in range(k)]
+
+
+def group_matrix(upper):
+    """One group's (P, D) as the training loop builds them (nano_rlhf.judge.preference_matrix)."""
+    judge, comps = table_judge(upper)
+    P = preference_matrix(judge, ["q"] * len(comps), comps, len(comps))[0]
+    return P, T.preference_logits(P)
+
+
 def test_pairwise_judge_matrix_copeland_and_order():
     """P(y_i ≻ y_j) for i < j (row-major) -> P_ji = 1 − P_ij; best/worst by Copeland; the pair ordered by P."""
-    P, D = T.preference_matrix(pair_probs=[0.8, 0.5, 0.9, 0.3, 0.6, 0.7], k=4)   # (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
+    P, D = group_matrix([0.8, 0.5, 0.9, 0.3, 0.6, 0.7])   # (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
     assert P[1, 0] == pytest.approx(0.2) and P[2, 0] == pytest.approx(0.5) and P[3, 2] == pytest.approx(0.3)
     assert torch.allclose(P + P.T, torch.ones(4, 4, dtype=torch.float64))
     assert torch.allclose(D, torch.log(P / (1 - P)))
@@ -115,7 +134,7 @@ def test_pairwise_judge_matrix_copeland_and_order():
 
 def test_dno_selects_by_win_rate_and_its_gap():
     """Best / worst by the win rate W_i = mean_{j≠i} P_ij, pairs kept when the win-rate gap is ≥ the margin."""
-    P, _ = T.preference_matrix(pair_probs=[0.55, 0.05, 0.55, 0.45, 0.55, 0.99], k=4)
+    P, _ = group_matrix([0.55, 0.05, 0.55, 0.45, 0.55, 0.99])
     W = T.win_rates(P)
     # W = [0.383, 0.483, 0.830, 0.303]: best 2, worst 3
     assert W.tolist() == pytest.approx([(0.55 + 0.05 + 0.55) / 3, (0.45 + 0.45 + 0.55) / 3,
@@ -224,7 +243,8 @@ def test_every_method_end_to_end_on_the_builtin_task(tmp_path, eos_sft_dir, task
 
 
 def test_pairwise_judge_end_to_end(tmp_path, sft_dir):
-    """A pairwise-only judge (no --judge): the preference comes from the user's function, every pair asked once."""
+    """A pairwise-only judge (no --judge): the preference comes from the user's function, every pair asked in both
+    orders, in one call."""
     (tmp_path / "judges.py").write_text(
         "calls = []\n"
         "def longer(prompts, a, b):\n"
@@ -234,7 +254,61 @@ def test_pairwise_judge_end_to_end(tmp_path, sft_dir):
                              f"{tmp_path / 'judges.py'}:longer"))
     m = metrics(tmp_path / "pj")
     assert len(m) == 2 and m[-1]["train/pairs"] > 0 and "train/score" not in m[-1]
-    assert out.judge.pairwise.fn.__globals__["calls"][0] == 4 * 3       # 4 prompts x C(3, 2) pairs in one call
+    assert out.judge.pairwise.fn.__globals__["calls"] == [4 * 6] * 2    # 4 prompts x 3·2 ordered pairs, per step
+
+
+def test_both_orders_cancel_a_judge_that_always_prefers_the_first_answer():
+    """A judge answering P(first ≻ second) = 1 whatever it is shown has no preference between two responses: asked
+    in both orders, ½(1 + 1 − 1) = ½. A consistent judge is left as it is."""
+    first = Judge(pairwise=lambda p, a, b: [1.0] * len(a))
+    comps = ["a", "bb", "ccc"]
+    P, D = T.group_preferences(first, types.SimpleNamespace(prompts=["q"] * 3, completions=comps), 3, None)[0][0]
+    assert torch.equal(P, torch.full((3, 3), 0.5, dtype=torch.float64)) and torch.equal(D, torch.zeros_like(D))
+    assert T.select_pairs(D, T.copeland(D), "all") == []
+    assert symmetric_preference(first, ["q"] * 3, comps, comps[::-1]).tolist() == [0.5] * 3
+    judge, comps = table_judge([0.8])
+    assert symmetric_preference(judge, ["q"], ["0"], ["1"]).tolist() == pytest.approx([0.8], rel=1e-12)
+
+
+@pytest.mark.parametrize("method", ["online_dpo", "nash_md"])
+def test_a_position_biased_judge_gives_no_pair_and_no_update(tmp_path, sft_dir, method):
+    """--pair_judge that always prefers the answer shown first: no preference at all, so online DPO finds no pair
+    and makes no update, and Nash-MD sees P(y ≻ y′) = ½ against every opponent (with the policy still equal to its
+    reference, its KL term has no gradient either): the policy stays bit-identical to --init."""
+    (tmp_path / "pos.py").write_text("def first(prompts, a, b):\n    return [1.0] * len(a)\n")
+    out = T.main(online_args(tmp_path, sft_dir, "", method, "--method", method, "--judge", "", "--pair_judge",
+                             f"{tmp_path / 'pos.py'}:first"))
+    m = metrics(tmp_path / method)
+    key, want = ("train/pairs", 0) if method == "online_dpo" else ("train/probability", 0.5)
+    assert len(m) == 2 and all(x[key] == want for x in m), m
+    init = GPT.from_pretrained(sft_dir).state_dict()
+    assert all(torch.equal(v, init[k]) for k, v in out.policy.state_dict().items())
+
+
+def test_llm_judge_with_a_template_end_to_end(tmp_path, sft_dir, tok, capsys):
+    """--judge llm:DIR --judge_template FILE, as train_ppo.py's SPO takes them (nano_rlhf.judge.load_judge): the
+    judge is a tiny saved model whose greedy answer is always "7", so every sample scores 7 (all tied: no pair).
+    A template given without an LLM judge, or a missing judge directory, is one line before --out_dir exists."""
+    from test_label import judge_dir as answering_judge_dir        # a saved model that always answers the token
+    from nano_rlhf.judge import LLMJudge
+    judge = f"llm:{answering_judge_dir(tmp_path, tok, '7')}"
+    template = tmp_path / "t.txt"
+    template.write_text("Rate from 1 to 10 the answer {response} to: {prompt}\nScore:")
+    out = T.main(online_args(tmp_path, sft_dir, "", "llm", "--judge", judge, "--judge_template", str(template)))
+    llm = out.judge.pointwise
+    assert isinstance(llm, LLMJudge) and llm.template == template.read_text()
+    assert llm.answered >= 2 * 4 * 3 and llm.unparsed == 0
+    m = metrics(tmp_path / "llm")
+    assert [(x["train/score"], x["train/pairs"]) for x in m] == [(7.0, 0)] * 2 and m[-1]["eval/reward"] == 7.0
+    capsys.readouterr()
+    for extra, err in ((["--judge_template", str(template)], "--judge_template"),
+                       (["--judge", f"llm:{tmp_path / 'none'}"], f"--judge llm:{tmp_path / 'none'}: no such model"),
+                       (["--judge", judge, "--judge_template", str(tmp_path / "none.txt")], "no such file")):
+        with pytest.raises(SystemExit):
+            T.main(online_args(tmp_path, sft_dir, sft_dir, "bad", *extra))
+        got = capsys.readouterr().err.strip()
+        assert got.startswith("error: ") and err in got and "\n" not in got, got
+        assert not (tmp_path / "bad").exists()
 
 
 def test_reference_update_equals_a_restart_from_the_snapshot(tmp_path, sft_dir, rm_dir):

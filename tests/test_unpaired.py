@@ -236,6 +236,34 @@ def test_d2o_resume_without_its_samples_is_refused(tmp_path, sft_dir, capsys):
                    f"{tmp_path / 'r' / tu.SAMPLES_FILE}: missing")
 
 
+def test_overwrite_takes_the_previous_runs_value_model_and_samples_too(tmp_path, sft_dir):
+    """value/ (DRO) and d2o_samples.jsonl (D2O) belong to their run like its model: --overwrite replaces them with
+    the rest, so a new run never sits next to another run's value model or samples."""
+    out = tmp_path / "o"
+    tu.main(args(tmp_path, sft_dir, "o", "dro", steps=1))
+    assert (out / "value" / "model.safetensors").exists()
+    tu.main(args(tmp_path, sft_dir, "o", "d2o", "--num_samples", "1", "--max_new_tokens", "4", "--overwrite", steps=1))
+    assert not (out / "value").exists() and (out / tu.SAMPLES_FILE).exists()
+    tu.main(args(tmp_path, sft_dir, "o", "npo", "--overwrite", steps=1))
+    assert not (out / tu.SAMPLES_FILE).exists() and not (out / "value").exists()
+    assert not [n for n in os.listdir(out) if n.startswith(".overwritten.")]
+
+
+def test_overwrite_that_fails_before_saving_gives_back_the_previous_d2o_samples(tmp_path, sft_dir, capsys,
+                                                                                 monkeypatch):
+    """An --overwrite D2O run draws (and writes) its samples before its first save; when it then fails, the
+    previous run comes back whole: its own samples, which its --resume reuses, not the failed run's."""
+    out = tmp_path / "o"
+    d2o = ["--num_samples", "2", "--max_new_tokens", "4"]
+    tu.main(args(tmp_path, sft_dir, "o", "d2o", *d2o, steps=1))
+    before = {n: (out / n).read_bytes() for n in (tu.SAMPLES_FILE, "model.safetensors")}
+    monkeypatch.setattr(tu, "d2o_loss", lambda u_samples, u_negative, beta, alpha: u_negative * float("nan"))
+    one_line_error(capsys, lambda: tu.main(args(tmp_path, sft_dir, "o", "d2o", *d2o, "--seed", "1", "--overwrite",
+                                                steps=1)), "non-finite loss")
+    assert {n: (out / n).read_bytes() for n in before} == before
+    assert not [n for n in os.listdir(out) if n.startswith(".overwritten.")]
+
+
 @pytest.mark.slow
 def test_dro_trains_and_saves_both_networks_and_resumes(tmp_path, sft_dir):
     out = tu.main(args(tmp_path, sft_dir, "dro", "dro", "--value_lr", "1e-2", "--eval_interval", "4", steps=4))
