@@ -317,30 +317,31 @@ def reward_to_go(rewards, response_mask, gamma=1.0):
 
 
 def masked_sums(x, mask):
-    """(n, Σx, Σx²) over the valid entries, float64: the sufficient statistics of a mean and a variance.
-    Sums from several ranks add up, so one all-reduce gives the global ones."""
+    """(n, Σx) over the valid entries, float64: the first pass of a mean. Sums from several ranks add up,
+    so one all-reduce gives the global ones."""
     xd, md = x.double(), mask.double()
-    return torch.stack([md.sum(), (xd * md).sum(), (xd * xd * md).sum()])
+    return torch.stack([md.sum(), (xd * md).sum()])
 
 
-def masked_whiten(x, mask, n, total, total_sq, eps=1e-8):
-    """(x − mean)/sqrt(var + eps) from the sums (n, Σx, Σx²) of the valid entries (of all ranks), variance
-    with Bessel's correction; 0 on padding. The sums are float64: the one-pass Σx² − n·mean² then loses
-    ~1e-16·(mean/std)² relatively, harmless even for un-centred reward-to-go (|mean| ≫ std), which
-    float32 sums would ruin."""
-    mean = total / n.clamp(min=1)
-    var = (total_sq - n * mean * mean).clamp(min=0) / (n - 1).clamp(min=1)
+def masked_sq_dev(x, mask, mean):
+    """Σ(x − mean)² over the valid entries, float64: the second pass of a variance, around the GLOBAL mean
+    (so the ranks' values add up too). Not the one-pass Σx² − n·mean², which cancels catastrophically when
+    |mean| ≫ std (un-centred reward-to-go or returns): ~1e-2 off at mean/std = 1e7 even in float64."""
+    return ((x.double() - mean) ** 2 * mask.double()).sum()
+
+
+def masked_whiten(x, mask, n, mean, sq_dev, eps=1e-8):
+    """(x − mean)/sqrt(var + eps), var = sq_dev/(n − 1) (Bessel), from the count n, the mean and the
+    masked_sq_dev of the valid entries (of all ranks); 0 on padding."""
+    var = sq_dev / (n - 1).clamp(min=1)
     return ((x.double() - mean) * torch.rsqrt(var + eps) * mask.double()).to(x.dtype)
 
 
-def explained_variance(return_sums, residual_sums):
-    """1 − Var(G − V)/Var(G) from the masked_sums of the returns G and of the residuals G − V (of all
-    ranks): 1 = a perfect critic, ≤ 0 = no better than a constant; nan when the returns do not vary."""
-    def var(s):
-        n = s[0].clamp(min=1)
-        return s[2] / n - (s[1] / n) ** 2
-    var_g = var(return_sums)
-    return (1 - var(residual_sums) / var_g).item() if var_g > 0 else float("nan")
+def explained_variance(return_sq_dev, residual_sq_dev):
+    """1 − Var(G − V)/Var(G) from the masked_sq_dev of the returns G and of the residuals G − V around their
+    own means, over the same valid tokens (of all ranks), so the counts cancel: 1 = a perfect critic, ≤ 0 =
+    no better than a constant; nan when the returns do not vary."""
+    return (1 - residual_sq_dev / return_sq_dev).item() if return_sq_dev > 0 else float("nan")
 
 
 def rloo_advantages(R, k):
@@ -1068,19 +1069,25 @@ def main(argv=None):
         beta = kl_ctl.beta
         targets = advantages(r, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,
                              kl_in_loss=opts.kl_in_loss, k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
-        if opts.advantage in WHITENED:         # whiten over the valid tokens of ALL ranks: one all-reduce of 3 sums
-            n, total, total_sq = dist.all_reduce_sum(masked_sums(targets.adv, r.response_mask))
-            targets.adv = masked_whiten(targets.adv, r.response_mask, n, total, total_sq)
+        if opts.advantage in WHITENED:         # whiten over the valid tokens of ALL ranks: two passes, two all-reduces
+            n, total = dist.all_reduce_sum(masked_sums(targets.adv, r.response_mask))
+            mean = total / n.clamp(min=1)
+            sq_dev = dist.all_reduce_sum(masked_sq_dev(targets.adv, r.response_mask, mean))
+            targets.adv = masked_whiten(targets.adv, r.response_mask, n, mean, sq_dev)
         warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(r, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
                       gen=shuffle_gen, ptx=ptx)
         metrics = step_metrics(r, targets, sums, beta)
         if opts.adaptive_kl:
             kl_ctl.update(metrics["train/kl"], dist.all_reduce_sum(float(r.scores.shape[0])))
-        if critic is not None:                 # one all-reduce of the returns' and the residuals' sums
+        if critic is not None:                 # two passes over the returns and the residuals, one all-reduce each
+            residuals = targets.returns - r.values
             ev_sums = dist.all_reduce_sum(torch.cat([masked_sums(targets.returns, r.response_mask),
-                                                     masked_sums(targets.returns - r.values, r.response_mask)]))
-            metrics["train/explained_variance"] = explained_variance(ev_sums[:3], ev_sums[3:])
+                                                     masked_sums(residuals, r.response_mask)]))
+            n = ev_sums[0].clamp(min=1)
+            sq_devs = dist.all_reduce_sum(torch.stack([masked_sq_dev(targets.returns, r.response_mask, ev_sums[1] / n),
+                                                       masked_sq_dev(residuals, r.response_mask, ev_sums[3] / n)]))
+            metrics["train/explained_variance"] = explained_variance(*sq_devs)
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
         if opts.compile_rollout:               # compiling (first steps, each new batch bucket) timed apart
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]

@@ -125,9 +125,9 @@ def builtin_file(name: str) -> str:
     # Only rank 0 looks and writes; then EVERY rank meets at the barrier. If each rank decided by itself
     # whether to wait, a rank starting after rank 0 wrote task.json would skip a barrier the others are in,
     # and every later collective would pair with the wrong call (a hang). Callers call this on all ranks.
+    # Two runs on one machine (or one filesystem) are serialised by a file lock in ensure_dataset.
     if dist.ctx().is_main and not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # written last
-        dist.print0(f"generating the built-in task into {BUILTIN_DIR}/ (python -m nano_rlhf.synthetic)")
-        synthetic.write_dataset(BUILTIN_DIR, seed=0)
+        synthetic.ensure_dataset(BUILTIN_DIR, seed=0, note=dist.print0)
     dist.barrier()                                                   # a no-op in a single process
     return os.path.join(BUILTIN_DIR, name)
 

@@ -125,6 +125,16 @@ def broadcast_object(obj):
     return box[0]
 
 
+def first_problem(msg):
+    """Every rank passes its problem (a message) or None; every rank gets the lowest failing rank's message, or
+    None when no rank has one. Collective: a check that only some ranks fail ends on every rank at once."""
+    if not dist.is_initialized():
+        return msg
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, msg)
+    return next((m for m in box if m), None)
+
+
 def print0(*args, **kwargs):
     if _CTX.rank == 0:
         print(*args, **kwargs, flush=True)

@@ -64,11 +64,43 @@ def _first_id(f, key, default=None):
     return f.get(key, default, "id")
 
 
+_GPT2_KEYS = ("n_embd", "n_layer", "n_head", "n_positions", "n_inner")
+_LLAMA_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "num_key_value_heads", "rms_norm_eps", "max_position_embeddings")
+
+
+def model_type_of(raw, path):
+    """The family of a HF config dict: its model_type, else the one its architectures name (LlamaForCausalLM ->
+    llama), else gpt2 for GPT-2's own keys (n_embd, n_layer: configs older than model_type). Llama-style keys
+    (hidden_size, ...) without either cannot tell llama from qwen2 or qwen3, whose weights differ only in biases
+    and norms, so they are refused rather than read as the GPT-2 they are not."""
+    from .model import ARCHITECTURES
+    if "model_type" in raw:
+        return raw["model_type"]
+    archs = raw.get("architectures")
+    if archs:
+        by_class = {c: mt for mt, classes in ARCHITECTURES.items() for c in classes}
+        by_class.update({c.replace("ForCausalLM", "Model").replace("LMHeadModel", "Model"): mt
+                         for c, mt in list(by_class.items())})
+        families = {by_class.get(a) for a in archs} if isinstance(archs, list) else {None}
+        if None in families or len(families) != 1:
+            raise ValueError(f"{path}: no model_type, and architectures {archs!r} name no one supported family "
+                             f"({', '.join(ARCHITECTURES)}); add \"model_type\"")
+        return families.pop()
+    llama = [k for k in _LLAMA_KEYS if k in raw]
+    if llama:
+        raise ValueError(f"{path}: no model_type (nor architectures): its keys ({', '.join(llama[:3])}) are the "
+                         f"Llama family's, but not which of llama, qwen2, qwen3; add \"model_type\"")
+    if not any(k in raw for k in _GPT2_KEYS):
+        raise ValueError(f"{path}: no model_type (nor architectures, nor any size key): add \"model_type\"")
+    return "gpt2"
+
+
 def config_from_hf(raw, path):
     """GPTConfig from a HF config.json dict; ValueError naming `path` and the field for what is not supported."""
     from .model import GPTConfig, check_config
     f = _Fields(raw, path)
-    mt = raw.get("model_type", "gpt2")
+    mt = model_type_of(raw, path)
     if mt == "gpt2":
         for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False)):
             if raw.get(key, ok) != ok:

@@ -219,12 +219,22 @@ class Run:
 
     def resume(self, models, optimizers, generators=None):
         """Check the saved run is this run, then restore models, optimizers and RNG (checkpoint.load_state);
-        returns meta (also run.meta) and sets run.step. Collective."""
+        returns meta (also run.meta) and sets run.step. Collective: each rank reads its own files (its RNG, its
+        FSDP shards), so a damaged one fails one rank; the ranks then share their problems and every rank stops
+        with the same line (alone, that rank exited and the others died in their next collective)."""
         _collective_check(self._identity_diff)
-        try:
+        msg, bug = None, None
+        try:           # load_state has no collective inside, so a rank failing in it cannot strand the others
             self.meta = checkpoint.load_state(self.out_dir, models, optimizers, generators)
         except (checkpoint.StateError, FileNotFoundError) as e:
-            fail(f"--resume: {e}")
+            msg = f"--resume: {e}"
+        except Exception as e:
+            msg, bug = f"--resume: rank {dist.world().rank} failed loading the state ({type(e).__name__}: {e})", e
+        msg = dist.first_problem(msg)
+        if bug is not None:
+            raise bug
+        if msg:
+            fail(msg)
         self.step = self.step0 = int(self.meta["step"])
         if self.main:          # drop what was logged after the checkpoint: those steps are about to be redone
             for name in ("metrics.jsonl", "samples.jsonl"):

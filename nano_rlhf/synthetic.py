@@ -28,11 +28,14 @@ every pair inside a ranking is as noisy as a Bradley–Terry label (`listwise_ro
     python -m nano_rlhf.synthetic --out_dir data/ [--seed 0]
 """
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
 import random
 import re
+import uuid
 
 PRODUCTS = {
     "blender": ["motor", "jar", "blades"], "kettle": ["spout", "handle", "lid"], "toaster": ["slots", "lever", "timer"],
@@ -177,12 +180,49 @@ def sample_response(rng, product, style="sft"):
 
 # ---- files --------------------------------------------------------------------------------------
 
+def _write_lines(path, lines):
+    """Write path whole or not at all: into a temporary file of this writer's own, then an atomic rename. Two
+    processes writing the same file at once (two first runs generating data/) each rename a complete file; with
+    one shared temporary name, the second truncated the first's mid-write and then found it renamed away."""
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):         # an error mid-write: leave no temporary file behind
+            os.remove(tmp)
+
+
 def _write(path, rows):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    _write_lines(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+@contextlib.contextmanager
+def generation_lock(out_dir):
+    """Hold an exclusive flock on out_dir/.generate.lock (waiting, with a note, while another process holds
+    it). The kernel drops it when its holder dies; the file is never removed, since a removed one would let a
+    third process lock a new file while the second still holds the old."""
+    os.makedirs(out_dir, exist_ok=True)
+    fd = os.open(os.path.join(out_dir, ".generate.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process that is generating {out_dir}/", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)            # closing drops the flock
+
+
+def ensure_dataset(out_dir, seed=0, note=print):
+    """write_dataset(out_dir, seed) unless out_dir/task.json (written last) is there; under generation_lock, so
+    that of two processes starting at once one generates and the other waits, then finds the files complete."""
+    with generation_lock(out_dir):
+        if not os.path.isfile(os.path.join(out_dir, "task.json")):
+            note(f"generating the built-in task into {out_dir}/ (python -m nano_rlhf.synthetic)")
+            write_dataset(out_dir, seed=seed)
 
 
 def _sigmoid(x):
@@ -276,9 +316,7 @@ def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, 
             "unpaired_desirable_rate": mean([r["label"] for r in unpaired]),
             "eval_phrasings": [PHRASINGS[i] for i in EVAL_PHRASINGS]}
     write_scored(out_dir, seed, n_unpaired)               # its own RNG: the files above stay byte-identical
-    with open(os.path.join(out_dir, "task.json.tmp"), "w") as f:
-        json.dump(task, f, indent=2)
-    os.replace(os.path.join(out_dir, "task.json.tmp"), os.path.join(out_dir, "task.json"))
+    _write_lines(os.path.join(out_dir, "task.json"), [json.dumps(task, indent=2)])
     return task
 
 

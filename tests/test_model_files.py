@@ -167,6 +167,44 @@ def test_unsupported_llama_family_configs(tmp_path, change, match):
     fails(tmp_path, r"config\.json: " + match)
 
 
+def drop_config_keys(d, *keys):
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({k: v for k, v in c.items() if k not in keys}))
+
+
+def family_cfg(family):
+    return llama_cfg(model_type=family, attention_bias=family == "qwen2", qk_norm=family == "qwen3")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "qwen3"])
+def test_config_without_model_type_is_read_by_its_architectures(tmp_path, family):
+    """No model_type: the family comes from architectures (never GPT-2 by default: a Llama config read as GPT-2
+    failed with 'the config says 12 layers but ... holds 0'); the model loads with the same weights."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=96, n_layer=2, n_head=2, n_embd=32) if family == "gpt2" else family_cfg(family)
+    m = GPT(cfg)
+    m.save_pretrained(tmp_path)
+    drop_config_keys(tmp_path, "model_type")
+    got = GPT.from_pretrained(tmp_path)
+    assert got.cfg.model_type == family
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), m.state_dict().values()))
+    if family == "gpt2":      # GPT-2's own keys (n_embd, n_layer): configs older than model_type
+        drop_config_keys(tmp_path, "architectures")
+        assert GPT.from_pretrained(tmp_path).cfg.model_type == "gpt2"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_llama_config_without_model_type_or_architectures_is_refused(tmp_path, family):
+    """Llama-style keys alone cannot tell llama from qwen2/qwen3: one line naming model_type, not GPT-2."""
+    GPT(family_cfg(family)).save_pretrained(tmp_path)
+    drop_config_keys(tmp_path, "model_type", "architectures")
+    fails(tmp_path, r"config\.json: no model_type \(nor architectures\): its keys \(hidden_size.*add \"model_type\"")
+    edit_config(tmp_path, architectures=["MistralForCausalLM"])
+    fails(tmp_path, r"config\.json: no model_type, and architectures \['MistralForCausalLM'\] name no one supported")
+    (tmp_path / "config.json").write_text("{}")
+    fails(tmp_path, r"config\.json: no model_type \(nor architectures, nor any size key\)")
+
+
 def test_sharded_index_problems(tmp_path):
     GPT(llama_cfg()).save_pretrained(tmp_path)
     sd = load_file(tmp_path / "model.safetensors")

@@ -159,8 +159,11 @@ WHITEN_SHAPES = [(2, 3), (4, 9), (7, 16)]
 
 
 def whiten(x, mask):
-    """masked_whiten with the statistics of x itself (one rank)."""
-    return train_ppo.masked_whiten(x, mask, *train_ppo.masked_sums(x, mask))
+    """masked_whiten with the statistics of x itself (one rank), as the loop computes them: n and Σx, then
+    the squared deviations around that mean."""
+    n, total = train_ppo.masked_sums(x, mask)
+    mean = total / n
+    return train_ppo.masked_whiten(x, mask, n, mean, train_ppo.masked_sq_dev(x, mask, mean))
 
 
 @pytest.mark.parametrize("B,R", WHITEN_SHAPES)
@@ -169,7 +172,8 @@ def test_masked_sums(B, R):
     mask, lens = make_mask(B, R, g)
     x = garbage(rand((B, R), g), mask)
     vals = [x[b, t].item() for b in range(B) for t in range(lens[b])]
-    close(train_ppo.masked_sums(x, mask), [len(vals), sum(vals), sum(v * v for v in vals)])
+    close(train_ppo.masked_sums(x, mask), [len(vals), sum(vals)])
+    close(train_ppo.masked_sq_dev(x, mask, torch.tensor(0.5, dtype=D)), sum((v - 0.5) ** 2 for v in vals))
 
 
 @pytest.mark.parametrize("B,R", WHITEN_SHAPES)
@@ -191,20 +195,23 @@ def test_masked_whiten_float64(B, R):
 
 @pytest.mark.parametrize("B,R", WHITEN_SHAPES)
 def test_masked_whiten_global_statistics(B, R):
-    """Two 'ranks' holding halves of the batch: their summed masked_sums whiten each half exactly as the whole
-    batch is whitened at once (what the loop's one all-reduce of the sums gives under DDP)."""
+    """Two 'ranks' holding halves of the batch: their summed masked_sums, then their summed masked_sq_dev
+    around that global mean, whiten each half exactly as the whole batch is whitened at once (what the loop's
+    two all-reduces give under DDP)."""
     g = torch.Generator().manual_seed(10 * B + R)
     mask, lens = make_mask(B, R, g)
     x = garbage(rand((B, R), g, 2.0) - 1.0, mask)
     h = B // 2
-    sums = train_ppo.masked_sums(x[:h], mask[:h]) + train_ppo.masked_sums(x[h:], mask[h:])
-    halves = torch.cat([train_ppo.masked_whiten(x[:h], mask[:h], *sums), train_ppo.masked_whiten(x[h:], mask[h:], *sums)])
+    n, total = train_ppo.masked_sums(x[:h], mask[:h]) + train_ppo.masked_sums(x[h:], mask[h:])
+    mean = total / n
+    sq_dev = train_ppo.masked_sq_dev(x[:h], mask[:h], mean) + train_ppo.masked_sq_dev(x[h:], mask[h:], mean)
+    halves = torch.cat([train_ppo.masked_whiten(x[:h], mask[:h], n, mean, sq_dev),
+                        train_ppo.masked_whiten(x[h:], mask[h:], n, mean, sq_dev)])
     close(halves, o_whiten(x.tolist(), lens, R))
 
 
 def test_masked_whiten_offset_float32():
-    """mean ≫ std (un-centred reward-to-go): a one-pass E[x²] − mean² in float32 would be off by ~0.04 here;
-    the float64 sums keep it exact to float32 output precision."""
+    """mean ≫ std (un-centred reward-to-go) with float32 advantages: exact to float32 output precision."""
     g = torch.Generator().manual_seed(1)
     mask, lens = make_mask(8, 32, g)
     x = garbage(rand((8, 32), g) + 1000.0, mask).float()
@@ -212,19 +219,34 @@ def test_masked_whiten_offset_float32():
     close(whiten(x, mask.float()), exp, atol=1e-3)
 
 
-@pytest.mark.parametrize("B,R", WHITEN_SHAPES)
-def test_explained_variance(B, R):
-    """1 − Var(G − V)/Var(G) over the valid tokens (population variances), from the sums."""
+@pytest.mark.parametrize("mean,std", [(1e5, 1e-2), (1e6, 1e-1), (1e7, 1.0)])
+def test_masked_whiten_far_offset(mean, std):
+    """|mean| ≫ std (mean/std = 1e7): the variance is Σ(x − μ)² in a second pass, as documented. The one-pass
+    Σx² − n·μ² cancels catastrophically even in float64: 1e-2 off the two-pass float64 reference here."""
+    g = torch.Generator().manual_seed(2)
+    mask, lens = make_mask(16, 32, g, min_len=8)
+    x = garbage(rand((16, 32), g, std) + mean, mask)
+    close(whiten(x, mask), o_whiten(x.tolist(), lens, 32), atol=1e-6)
+
+
+def sq_dev(x, mask):
+    n, total = train_ppo.masked_sums(x, mask)
+    return train_ppo.masked_sq_dev(x, mask, total / n)
+
+
+@pytest.mark.parametrize("B,R,offset", [(2, 3, 0.0), (4, 9, 0.0), (7, 16, 0.0), (7, 16, 1e7)])
+def test_explained_variance(B, R, offset):
+    """1 − Var(G − V)/Var(G) over the valid tokens (population variances), from the squared deviations; with
+    returns far from 0 (offset 1e7 ≫ their std 1) as well, where a one-pass variance would be ~1% off."""
     g = torch.Generator().manual_seed(3 * B + R)
     mask, lens = make_mask(B, R, g)
-    G, V = garbage(rand((B, R), g), mask), garbage(rand((B, R), g), mask)
+    G, V = garbage(rand((B, R), g) + offset, mask), garbage(rand((B, R), g) + offset, mask)
     gs = [G[b, t].item() for b in range(B) for t in range(lens[b])]
     ds = [G[b, t].item() - V[b, t].item() for b in range(B) for t in range(lens[b])]
     pvar = lambda xs: sum((u - sum(xs) / len(xs)) ** 2 for u in xs) / len(xs)  # noqa: E731
-    got = train_ppo.explained_variance(train_ppo.masked_sums(G, mask), train_ppo.masked_sums(G - V, mask))
+    got = train_ppo.explained_variance(sq_dev(G, mask), sq_dev(G - V, mask))
     assert got == pytest.approx(1 - pvar(ds) / pvar(gs), abs=1e-9)
-    assert math.isnan(train_ppo.explained_variance(train_ppo.masked_sums(G * 0 + 2, mask),
-                                                   train_ppo.masked_sums(G - V, mask)))
+    assert math.isnan(train_ppo.explained_variance(sq_dev(G * 0 + 2, mask), sq_dev(G - V, mask)))
 
 
 @pytest.mark.parametrize("groups,k", [(1, 2), (3, 4), (5, 3)])

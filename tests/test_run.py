@@ -199,6 +199,25 @@ def test_world_size_change_with_the_same_global_batch_resumes(toy, tmp_path):
     assert json.load(open(tmp_path / "o" / "state" / "run.json"))["world_size"] == 2
 
 
+@pytest.mark.slow
+def test_a_damaged_state_file_of_one_rank_stops_every_rank_with_its_line(toy, tmp_path):
+    """Under torchrun, rank 1's RNG file truncated: each rank reads only its own, so only rank 1 finds it; the
+    ranks share their problems and both stop with rank 1's line. Before, rank 1 exited alone and rank 0 died
+    in its next all-reduce with a gloo traceback ('Connection closed by peer')."""
+    out = str(tmp_path / "o")
+    run([toy.path, "--out_dir", out, "--stop_at", "2", "--batch_size", "1"], nproc=2, cwd=str(tmp_path))
+    rng1 = tmp_path / "o" / "state" / "rng_rank1.safetensors"
+    rng1.write_bytes(rng1.read_bytes()[:20])
+    p = run([toy.path, "--out_dir", out, "--resume", "--batch_size", "1"], nproc=2, cwd=str(tmp_path), check=False)
+    assert p.returncode != 0
+    line = f"error: --resume: {rng1}: unreadable or corrupt ("
+    assert [ln for ln in p.stderr.splitlines() if ln.startswith("error:")] == [ln for ln in p.stderr.splitlines()
+                                                                              if ln.startswith(line)] != [], p.stderr
+    assert p.stderr.count(line) == 2, p.stderr
+    assert "[rank0]" not in p.stderr and "[rank1]" not in p.stderr and "Connection closed" not in p.stderr, p.stderr
+    assert "final" not in p.stdout
+
+
 # ---- out_dir safety --------------------------------------------------------------------------------
 
 def test_out_dir_equal_to_or_inside_an_input_is_refused(toy, tmp_path, capsys):

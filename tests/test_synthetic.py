@@ -1,6 +1,10 @@
 """The built-in task: determinism, file formats, and that each gold-reward facet moves the right way."""
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -9,6 +13,7 @@ from nano_rlhf.data import load_records
 
 SMALL = dict(n_sft=400, n_pref=300, n_unpaired=200, n_prompts=50, n_eval_prompts=40)
 P = S.make_prompt("blender")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_deterministic_and_seed_dependent(tmp_path):
@@ -90,3 +95,80 @@ def test_parse_product_forms_and_unknown_prompts():
 def test_garbage_gets_finite_low_rewards(junk):
     r = S.gold_reward(P, junk)
     assert math.isfinite(r) and r < 1.0
+
+
+# A first run of a script: the built-in data/ missing, builtin_file generates it (at SMALL sizes here). Each
+# rename waits 0.2 s, so that two writers of one file are mid-write together; both start at one signal.
+FIRST_RUN = """
+import os, sys, time
+from nano_rlhf import common, synthetic
+synthetic.write_dataset.__defaults__ = (0, 400, 300, 200, 50, 40, 0.05, 20)
+replace = os.replace
+os.replace = lambda a, b: (time.sleep(0.2), replace(a, b))
+open(sys.argv[1] + ".ready", "w").close()
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.01)
+print(common.builtin_file("sft.jsonl"), flush=True)
+"""
+
+
+@pytest.mark.slow             # two processes importing torch: ~20 s on 2 busy cores
+def test_two_first_runs_generate_the_built_in_data_once(tmp_path):
+    """Two processes starting at once on a missing data/ both end with the complete files, byte for byte those
+    of one write_dataset: one generates, the other waits for it (a file lock), and every file is written under
+    a temporary name of its writer's own, then renamed. With one shared temporary name, the second writer
+    truncated the first's file mid-write and then crashed on a rename whose source was gone."""
+    data, go = tmp_path / "data", tmp_path / "go"
+    env = dict(os.environ, PYTHONPATH=ROOT, NANO_RLHF_DATA=str(data), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", FIRST_RUN, str(tmp_path / f"p{i}"), str(go)], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    deadline = time.time() + 120
+    while not all((tmp_path / f"p{i}.ready").exists() for i in range(2)) and time.time() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert out.strip().endswith(os.path.join(str(data), "sft.jsonl")), out
+    stdout = [out for out, _ in outs]
+    assert sum("generating the built-in task" in o for o in stdout) == 1, stdout
+    assert sum("waiting for another process" in o for o in stdout) == 1, stdout
+    S.write_dataset(str(tmp_path / "ref"), seed=0, n_listwise=20, **SMALL)
+    ref = sorted(os.listdir(tmp_path / "ref"))
+    assert sorted(f for f in os.listdir(data) if not f.startswith(".")) == ref     # no temporary file left
+    for f in ref:
+        assert (data / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
+
+
+SLOW_RENAMES = """
+import os, sys, time
+from nano_rlhf import synthetic
+replace = os.replace
+os.replace = lambda a, b: (time.sleep(0.2), replace(a, b))
+open(sys.argv[2] + ".ready", "w").close()
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.01)
+synthetic.main(["--out_dir", sys.argv[1], "--n_sft", "400", "--n_pref", "300", "--n_unpaired", "200", "--n_prompts",
+                "50", "--n_eval_prompts", "40", "--n_listwise", "20"])
+"""
+
+
+def test_two_writers_of_one_directory_each_write_whole_files(tmp_path):
+    """python -m nano_rlhf.synthetic twice at once into one directory (no lock there): every file ends complete
+    and identical to one writer's, no temporary file left. With one shared temporary name per file, one writer
+    truncated the other's mid-write and then failed to rename a temporary file the other had renamed away."""
+    data, go = tmp_path / "data", tmp_path / "go"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", SLOW_RENAMES, str(data), str(tmp_path / f"p{i}"), str(go)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    deadline = time.time() + 60
+    while not all((tmp_path / f"p{i}.ready").exists() for i in range(2)) and time.time() < deadline:
+        time.sleep(0.02)
+    go.touch()
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    S.write_dataset(str(tmp_path / "ref"), seed=0, n_listwise=20, **SMALL)
+    ref = sorted(os.listdir(tmp_path / "ref"))
+    assert sorted(os.listdir(data)) == ref
+    for f in ref:
+        assert (data / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
