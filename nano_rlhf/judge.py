@@ -228,8 +228,11 @@ class LLMJudge:
         return cls(model, tok, template, name=flag, **kw)
 
     def render(self, prompt, response):
-        """Ids of the judge's input: the filled template as one user message plus the generation prompt."""
-        return self.tok.render_prompt([{"role": "user", "content": fill_template(self.template, prompt, response)}])
+        """Ids of the judge's input: the filled template as one user message plus the generation prompt. The
+        message is encoded literally: a response that writes "<|im_end|>" or "<|eot_id|>" cannot close the
+        judge's user turn and forge an assistant turn (a score) of its own; it reads as that text."""
+        return self.tok.render_prompt_literal([{"role": "user",
+                                                "content": fill_template(self.template, prompt, response)}])
 
     @torch.no_grad()
     def answers(self, prompts, completions):

@@ -150,6 +150,10 @@ class Tokenizer:
         if chat_template == "llama3":
             self.date_string = date_string or (default_date if self.template_text else None) or chat.today()
         vocab = self.tk.get_vocab(with_added_tokens=True)
+        if self.date_string:      # written into every system header: a control token there would forge structure
+            inside = [t.content for t in self.tk.get_added_tokens_decoder().values() if t.content in self.date_string]
+            if inside:
+                raise ValueError(f"--date_string {self.date_string!r} contains the special token {inside[0]}")
         for t in chat.TOKENS.get(chat_template, ()):
             if t not in vocab or self.encode(t) != [vocab[t]]:
                 raise ValueError(f"chat template {chat_template}: {t} is not a special token of the tokenizer "
@@ -269,6 +273,29 @@ class Tokenizer:
     def _with_bos(self, ids: List[int]) -> List[int]:
         """Plain text starts with bos when the tokenizer adds one (never twice)."""
         return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
+
+    def encode_literal(self, text: str) -> List[int]:
+        """Ids of text in which a special token's string ("<|im_end|>") is ordinary text, never the control
+        token: for text a model wrote or a user pasted that must not open or close a turn (a judge's input)."""
+        self.tk.encode_special_tokens = True
+        try:
+            return self.tk.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tk.encode_special_tokens = False
+
+    def render_prompt_literal(self, messages: Messages) -> List[int]:
+        """render_prompt(messages), except that each message's content is encoded with encode_literal: the
+        template's own special tokens stay control tokens, the contents' look-alikes become text. (Training
+        data follows transformers' and TRL's convention instead: special-token strings in it are parsed.)"""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]      # private-use: never in real text
+        text = self.render_text([dict(m, content=k) for m, k in zip(messages, marks)], add_generation_prompt=True)
+        ids = [] if self.chat_template != "plain" else self._with_bos([])
+        if ids and text.startswith(self.bos_token or "\0"):
+            text = text[len(self.bos_token):]
+        for m, k in zip(messages, marks):
+            before, text = text.split(k, 1)
+            ids += self.encode(before) + self.encode_literal(m["content"])
+        return ids + self.encode(text)
 
     def encode_text(self, text: str) -> List[int]:
         """A whole training document ({"text"} rows): [bos] + text + eos."""
