@@ -659,6 +659,7 @@ def load_models(opts, tok, prompt_texts, device, identity):
     if opts.advantage == "gae":
         src = opts.reward_model if opts.critic_init == "reward_model" else opts.init
         critic = ScoreModel.from_pretrained(src, new_head=opts.critic_init == "policy", dropout=0.0)
+        check_vocab(tok, critic.cfg, src)                     # it reads the policy tokenizer's ids
         identity.update(lora.attach(critic, opts, src, trainable=("score",), prefix="critic_lora", seed=opts.seed + 1))
     models = Models(policy=policy.to(device), reward=reward, ref=ref and ref.to(device),
                     critic=critic and critic.to(device), gold=reward_mod.builtin_gold(prompt_texts))

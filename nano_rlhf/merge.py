@@ -46,6 +46,7 @@ import tempfile
 
 import torch
 
+from . import tokenizer as tokenizer_mod
 from .checkpoint import RUN_FILES, OutDirLock
 from .config import OneLineErrors, finite_float
 from .model import GPT, ScoreModel
@@ -174,6 +175,16 @@ def load_models(base_dir, model_dirs):
             raise ValueError(f"{d}: {missing[0]} is missing (present in the base)")
         sds.append(sd)
     return base, sds
+
+
+def check_tokenizers(model_dirs):
+    """One tokenizer for every model that ships one (a merge adds weights that index the same ids): a ValueError
+    naming the first directory whose tokenizer.json differs from the first one's."""
+    dirs = [d for d in model_dirs if os.path.isfile(os.path.join(d, "tokenizer.json"))]
+    for d in dirs[1:]:
+        msg = tokenizer_mod.mismatch(os.path.join(dirs[0], "tokenizer.json"), d)
+        if msg:
+            raise ValueError(msg)
 
 
 def _entries(out_dir):
@@ -318,6 +329,7 @@ def main(argv=None):
     try:
         check_args(a)
         lock, created = take_out_dir(a.out_dir)
+        check_tokenizers([a.base] + a.models)
         base, sds = load_models(a.base, a.models)
         if a.method == "ties":
             merged = ties_merge(base.state_dict(), sds, a.weights, a.density, a.scale)

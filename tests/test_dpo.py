@@ -268,3 +268,19 @@ def test_resume_with_another_loss_setting_is_refused(tmp_path, sft_dir, capsys):
         train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--resume", "--beta", "0.3", steps=2))
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "beta 0.1 != 0.3" in err, err
+
+
+def test_reference_with_another_tokenizer_of_the_same_size_is_refused(tmp_path, sft_dir, tok, capsys):
+    """Only sizes were compared: a reference trained with another tokenizer of the same size was taken, and
+    scored every pair as other text."""
+    import shutil
+    from conftest import other_tokenizer
+    ref = tmp_path / "ref"
+    shutil.copytree(sft_dir, ref)
+    other_tokenizer(tok, ref)
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--ref", str(ref)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: {ref} was trained with another tokenizer than {sft_dir} "), err
+    assert not (tmp_path / "o").exists()

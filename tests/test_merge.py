@@ -298,3 +298,17 @@ def test_overwrite_replaces_the_model_files_and_keeps_the_rest(dirs, tmp_path, m
     assert json.load(open(out / "merge_config.json"))["weights"] == [2.0, 1.0]
     assert sorted(os.listdir(out)) == sorted(["notes.txt", *before.keys() - {"notes.txt", "state/meta.json"}])
 
+
+def test_partner_with_another_tokenizer_of_the_same_size_is_refused(dirs, tmp_path, tok, capsys):
+    import shutil
+    from conftest import other_tokenizer
+    c = tmp_path / "c"
+    shutil.copytree(dirs["b"], c)
+    other_tokenizer(tok, c)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["--base", dirs["base"], "--models", dirs["a"], str(c), "--method", "ties", "--out_dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: {c} was trained with another tokenizer than {dirs['base']} "), err
+    assert not out.exists()
