@@ -59,6 +59,7 @@ from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import bradley_terry, load_judge
+from nano_rlhf.judge import model_dir as judge_dir
 from nano_rlhf.model import GPT
 from train_ppo import load_prompts, response_logprobs
 
@@ -506,7 +507,7 @@ def main(argv=None):
     check_options(opts)
     world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
     run = run_mod.start(opts, script="online", identity={k: v for k, v in vars(opts).items() if k not in NOT_IDENTITY},
-                        inputs={"init": opts.init, "ref": opts.ref, "judge": opts.judge},
+                        inputs={"init": opts.init, "ref": opts.ref, "judge": judge_dir(opts.judge)},
                         data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
                                     "eval_prompts": opts.eval_prompts})
     with input_errors():
