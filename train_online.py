@@ -64,8 +64,9 @@ from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, preference_matrix, symmetric_preference
+from nano_rlhf.judge import model_dir as judge_dir
 from nano_rlhf.model import GPT
-from train_ppo import judge_dir, load_prompts, response_logprobs
+from train_ppo import load_prompts, response_logprobs
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
 # the pairwise losses of train_dpo.py (its --loss table minus kto, which takes unpaired data): the loss itself is

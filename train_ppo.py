@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist, lora, parallel
+from nano_rlhf import judge as judge_mod
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_state
@@ -912,6 +913,7 @@ def load_models(opts, tok, prompt_texts, device, identity):
     if opts.advantage == "gae":
         src = opts.reward_model if opts.critic_init == "reward_model" else opts.init
         critic = ScoreModel.from_pretrained(src, new_head=opts.critic_init == "policy", dropout=0.0)
+        check_vocab(tok, critic.cfg, src)                     # it reads the policy tokenizer's ids
         identity.update(lora.attach(critic, opts, src, trainable=("score",), prefix="critic_lora", seed=opts.seed + 1))
     models = Models(policy=policy.to(device), reward=reward, ref=ref and ref.to(device),
                     critic=critic and critic.to(device), gold=reward_mod.builtin_gold(prompt_texts))
@@ -959,8 +961,8 @@ def main(argv=None):
     opts.micro_batch_size = opts.micro_batch_size or mb_size
     world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
     run = run_mod.start(opts, script="ppo", identity=run_identity(opts),
-                        inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model,
-                                "judge": judge_dir(opts.judge)},
+                        inputs={"init": opts.init, "ref": opts.ref, "reward_model": reward_model_dir(opts),
+                                "judge": judge_mod.model_dir(opts.judge)},
                         data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
                                     "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
     with input_errors():
@@ -1102,6 +1104,13 @@ def main(argv=None):
                            optimizers=state["optimizers"], options=opts)
 
 
+def reward_model_dir(opts):
+    """--reward_model when the run reads it (the reward, or the critic's start), else "": a default out/rm that
+    a --reward gold run never opens is not an input (its files are not checksummed for --resume)."""
+    used = opts.reward == "model" or (opts.advantage == "gae" and opts.critic_init == "reward_model")
+    return opts.reward_model if used else ""
+
+
 def run_identity(opts):
     """What defines a PPO run (compared on --resume): the estimator, the reward, the models, the batch shape."""
     keys = ("advantage", "reward", "init", "ref", "critic_init", "samples_per_prompt", "max_new_tokens", "temperature",
@@ -1112,12 +1121,6 @@ def run_identity(opts):
     if opts.reward == "selfplay":
         identity.update(judge=opts.judge, pair_judge=opts.pair_judge, judge_template=opts.judge_template)
     return identity
-
-
-def judge_dir(spec):
-    """The model directory a --judge reads (a reward model, or llm:DIR), which the run must never write into."""
-    path = spec[len("llm:"):] if spec.startswith("llm:") else spec
-    return path if path and os.path.isdir(path) else ""
 
 
 def eval_rewards(models: Models, opts):

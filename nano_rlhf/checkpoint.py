@@ -286,6 +286,28 @@ def sha256_file(path):
     return h.hexdigest()
 
 
+# The files of a model directory that its loaders read (hf_io, tokenizer): what --resume checks of a frozen input.
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "chat_template.jinja")
+
+
+def input_sha256(path):
+    """sha256 of an input of a run (streamed, every byte): a file's content, or for a model directory each of its
+    MODEL_FILES and weights (*.safetensors, *.safetensors.index.json) by name and content. A training run's
+    logs and state/ beside the model are left out (they change when its training goes on, the model only
+    when it saves). None when the path is neither."""
+    if os.path.isfile(path):
+        return sha256_file(path)
+    if not os.path.isdir(path):
+        return None
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full) and (name in MODEL_FILES or name.endswith((".safetensors", ".safetensors.index.json"))):
+            h.update(f"{name}\0{sha256_file(full)}\0".encode())
+    return h.hexdigest()
+
+
 class OutDirLock:
     """An exclusive lock on out_dir/.lock. flock is released by the kernel when its holder dies, so a lock
     file left by a killed run is simply taken over; the file's content (pid, host) names the holder."""

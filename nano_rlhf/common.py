@@ -148,10 +148,18 @@ def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad
 def check_vocab(tok, cfg, where: str):
     """Stop with one line if the tokenizer makes ids the model has no embedding for (a tokenizer.json from
     another model): an id >= vocab_size would index past wte (an IndexError on CPU, a device assert on
-    CUDA) long after start-up. A pad id outside the tokenizer's vocabulary is fine: the model masks it."""
+    CUDA) long after start-up. A pad id outside the tokenizer's vocabulary is fine: the model masks it.
+    When `where` is the model's directory and holds a tokenizer.json, that must be the same tokenizer
+    (tokenizer.mismatch): a model trained with another tokenizer of the same size reads every id as another
+    token, silently."""
     if tok.vocab_size > cfg.vocab_size:
         fail(f"{where}: the tokenizer has {tok.vocab_size} tokens but the model's vocabulary only "
              f"{cfg.vocab_size}; pass the tokenizer.json the model was trained with (--tokenizer)")
+    if where and os.path.isdir(where):       # a model directory: the same size is not the same tokenizer
+        from .tokenizer import mismatch
+        msg = mismatch(tok, where)
+        if msg:
+            fail(msg)
 
 
 def check_output_file(flag, path, input_files=(), input_dirs=()):

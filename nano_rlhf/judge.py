@@ -164,6 +164,13 @@ _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _PLACEHOLDER = re.compile(r"\{(prompt|response)\}")
 
 
+def model_dir(spec):
+    """The model directory a --judge reads (a reward model, or llm:DIR), else "": an input of the run, which
+    it never writes into and whose files --resume checks (nano_rlhf.run)."""
+    path = spec[len(LLM):] if spec and spec.startswith(LLM) else spec
+    return path if path and os.path.isdir(path) else ""
+
+
 def parse_score(answer, low=1.0, high=10.0):
     """The first number in `answer` that lies in [low, high] ("8", "Score: 7/10", "8.5"), or None."""
     for m in _NUMBER.finditer(answer):

@@ -28,7 +28,13 @@ Usage:
     python -m nano_rlhf.merge --base out/base --models out/sft out/dpo --weights 0.5 0.5 --method task_arithmetic --out_dir out/avg
 
 The output is written with the base's class (policy or reward model) as an HF directory plus the base's
-tokenizer files (else the first model's) and merge_config.json (the options), built in OUT.tmp and renamed.
+tokenizer files (else the first model's) and merge_config.json (the options). Every input and option is checked,
+and the models are loaded and merged, before anything in --out_dir is touched. --out_dir may not be, hold or lie
+inside an input model; the models must share one tokenizer (nano_rlhf.tokenizer.mismatch). The merge holds
+--out_dir's lock (the one a training run holds: checkpoint.OutDirLock), so it is refused while a run writes there
+and no run starts there while it writes. The files are built in OUT/.merge.tmp.*, then the previous ones of those
+names (a training run's or a merge's; with --overwrite) are moved aside, the new ones moved in, and the previous
+ones deleted; anything else in --out_dir is left alone.
 """
 import dataclasses
 import json
@@ -36,13 +42,19 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 
 import torch
 
+from . import tokenizer as tokenizer_mod
+from .checkpoint import RUN_FILES, OutDirLock
 from .config import OneLineErrors, finite_float
 from .model import GPT, ScoreModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# What a merge writes into --out_dir; with the files of a training run, what --overwrite replaces (and nothing else)
+MERGE_FILES = ("config.json", "generation_config.json", "model.safetensors", *TOKENIZER_FILES, "merge_config.json")
+REPLACED = tuple(dict.fromkeys(RUN_FILES + MERGE_FILES))
 
 
 # ---- the merges: pure functions on state dicts ---------------------------------------------------
@@ -165,28 +177,63 @@ def load_models(base_dir, model_dirs):
     return base, sds
 
 
+def check_tokenizers(model_dirs):
+    """One tokenizer for every model that ships one (a merge adds weights that index the same ids): a ValueError
+    naming the first directory whose tokenizer.json differs from the first one's."""
+    dirs = [d for d in model_dirs if os.path.isfile(os.path.join(d, "tokenizer.json"))]
+    for d in dirs[1:]:
+        msg = tokenizer_mod.mismatch(os.path.join(dirs[0], "tokenizer.json"), d)
+        if msg:
+            raise ValueError(msg)
+
+
+def _entries(out_dir):
+    """What out_dir holds, but the lock file (a killed run's stale .lock is no content)."""
+    return sorted(n for n in os.listdir(out_dir) if n != ".lock")
+
+
 def write_merged(base, merged_sd, out_dir, tokenizer_dirs, options, overwrite=False):
-    """Save the merged model with the base's class + tokenizer files in OUT.tmp, then rename to out_dir."""
-    out_dir = os.path.normpath(out_dir)
-    tmp, old = out_dir + ".tmp", out_dir + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    base.load_state_dict(merged_sd)
-    base.save_pretrained(tmp)            # a reward model's reward_mean/std do not carry over to a merge
-    for name in TOKENIZER_FILES:
-        src = next((os.path.join(d, name) for d in tokenizer_dirs if os.path.isfile(os.path.join(d, name))), None)
-        if src is not None:
-            shutil.copyfile(src, os.path.join(tmp, name))
-    with open(os.path.join(tmp, "merge_config.json"), "w") as f:
-        f.write(json.dumps(options, indent=2) + "\n")
-    if os.path.exists(out_dir):
-        if os.listdir(out_dir) and not overwrite:      # checked up front too; a race must not lose data
-            raise ValueError(f"--out_dir {out_dir} is not empty (pass --overwrite to replace it)")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
+    """Save the merged model with the base's class + tokenizer files into out_dir (whose lock the caller holds):
+    built in out_dir/.merge.tmp.*, then the previous files of the names a run or a merge writes moved aside, the
+    new ones moved in, the previous ones deleted. A failure before the last step puts the previous files back."""
+    present = _entries(out_dir)
+    if present and not overwrite:                   # checked up front too; a race must not lose data
+        raise ValueError(f"--out_dir {out_dir} is not empty (pass --overwrite to replace it)")
+    stale = [n for n in present if n.startswith((".overwritten.", ".merge.tmp."))]
+    if stale:
+        print(f"warning: {out_dir} holds {', '.join(stale)}: left by a run or merge that was killed while replacing "
+              "files (the previous files are in .overwritten.*); move them back or delete them", flush=True)
+    tmp = tempfile.mkdtemp(prefix=".merge.tmp.", dir=out_dir)
+    aside, moved_in = None, []
+    try:
+        base.load_state_dict(merged_sd)
+        base.save_pretrained(tmp)            # a reward model's reward_mean/std do not carry over to a merge
+        for name in TOKENIZER_FILES:
+            src = next((os.path.join(d, name) for d in tokenizer_dirs if os.path.isfile(os.path.join(d, name))), None)
+            if src is not None:
+                shutil.copyfile(src, os.path.join(tmp, name))
+        with open(os.path.join(tmp, "merge_config.json"), "w") as f:
+            f.write(json.dumps(options, indent=2) + "\n")
+        old = [n for n in REPLACED if os.path.lexists(os.path.join(out_dir, n))]
+        if old:
+            aside = tempfile.mkdtemp(prefix=".overwritten.", dir=out_dir)
+            for name in old:
+                os.replace(os.path.join(out_dir, name), os.path.join(aside, name))
+        for name in sorted(os.listdir(tmp)):
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+            moved_in.append(name)
+    except BaseException:
+        for name in moved_in:                # undo: the new files out, the previous ones back
+            os.remove(os.path.join(out_dir, name))
+        if aside is not None:
+            for name in os.listdir(aside):
+                os.replace(os.path.join(aside, name), os.path.join(out_dir, name))
+            os.rmdir(aside)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside)
 
 
 def parse_args(argv=None):
@@ -201,7 +248,8 @@ def parse_args(argv=None):
     p.add_argument("--scale", type=finite_float, default=None,
                    help="ties: lambda, the merged task vector's scale (default 1)")
     p.add_argument("--out_dir", required=True)
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the model (and a training run's files) in a non-empty --out_dir; other files are kept")
     return p.parse_args(argv)
 
 
@@ -221,22 +269,67 @@ def check_args(a):
             raise ValueError(f"--density {a.density} is outside (0, 1]")
         if any(w <= 0 for w in a.weights):
             raise ValueError(f"--weights must be > 0 for ties, got {a.weights}")
-    for d in [a.base] + a.models:
+    inputs = [("--base", a.base)] + [("--models", d) for d in a.models]
+    for flag, d in inputs:
         if not os.path.isdir(d):
             raise FileNotFoundError(f"{d}: no such model directory")
-    out = os.path.realpath(a.out_dir)
-    if out in {os.path.realpath(d) for d in [a.base] + a.models}:
-        raise ValueError(f"--out_dir {a.out_dir} is one of the input models")
-    if os.path.isdir(a.out_dir) and os.listdir(a.out_dir) and not a.overwrite:
-        raise ValueError(f"--out_dir {a.out_dir} is not empty (pass --overwrite to replace it)")
     if os.path.exists(a.out_dir) and not os.path.isdir(a.out_dir):
         raise ValueError(f"--out_dir {a.out_dir} is a file")
+    out = os.path.realpath(a.out_dir)
+    for flag, d in inputs:               # links resolved: --overwrite must never replace or hold an input
+        real = os.path.realpath(d)
+        if real == out:
+            raise ValueError(f"--out_dir {a.out_dir} is the input {flag} {d}; choose another --out_dir")
+        if _inside(real, out):
+            raise ValueError(f"--out_dir {a.out_dir} holds the input {flag} {d}; choose another --out_dir")
+        if _inside(out, real):
+            raise ValueError(f"--out_dir {a.out_dir} is inside the input {flag} {d}; choose another --out_dir")
+    if os.path.isdir(a.out_dir) and _entries(a.out_dir) and not a.overwrite:
+        raise ValueError(f"--out_dir {a.out_dir} is not empty (pass --overwrite to replace it)")
+
+
+def _inside(path, parent):
+    return path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def take_out_dir(out_dir):
+    """Create out_dir if needed and take its lock (a training run's there refuses us, and ours refuses a run);
+    -> (lock, the top directory this created or None). A ValueError if a run holds it."""
+    created = None
+    if not os.path.isdir(out_dir):
+        created = os.path.abspath(out_dir)
+        while not os.path.exists(os.path.dirname(created)):
+            created = os.path.dirname(created)
+        try:
+            os.makedirs(out_dir)
+        except OSError as e:
+            raise ValueError(f"--out_dir {out_dir}: cannot be created ({e.strerror or e})") from None
+    lock = OutDirLock(out_dir)
+    msg = lock.acquire()
+    if msg:
+        remove_created(out_dir, created)
+        raise ValueError(msg)
+    return lock, created
+
+
+def remove_created(out_dir, created):
+    """A merge that wrote nothing: out_dir goes, and the parents it created unless something else is in them."""
+    if created is None:
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)
+    d = os.path.dirname(os.path.abspath(out_dir))
+    while len(d) >= len(created) and os.path.isdir(d) and not os.listdir(d):
+        os.rmdir(d)
+        d = os.path.dirname(d)
 
 
 def main(argv=None):
     a = parse_args(argv)
+    lock = created = None
     try:
         check_args(a)
+        lock, created = take_out_dir(a.out_dir)
+        check_tokenizers([a.base] + a.models)
         base, sds = load_models(a.base, a.models)
         if a.method == "ties":
             merged = ties_merge(base.state_dict(), sds, a.weights, a.density, a.scale)
@@ -246,9 +339,14 @@ def main(argv=None):
         if a.method == "ties":
             options.update(density=a.density, scale=a.scale)
         write_merged(base, merged, a.out_dir, [a.base] + a.models, options, a.overwrite)
-    except (ValueError, FileNotFoundError) as e:
+        created = None                   # written: the directory stays
+    except (ValueError, OSError) as e:     # a bad input, or a full / unwritable disk: one line, nothing lost
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:
+        if lock is not None:
+            lock.release()
+        remove_created(a.out_dir, created)       # failed before writing: what this created goes
     print(f"merged {len(a.models)} models ({a.method}) into {a.out_dir}")
 
 

@@ -23,7 +23,8 @@ never produced anything. An input file of the run directly in out_dir under one 
 out_dir/tokenizer.json) is refused. A lock (out_dir/.lock, flock) keeps a second run out. A run that ends in an
 error before its first save removes what it created (out_dir itself if it created it). --resume compares the
 saved identity (state/run.json) with this run's: every field but CHANGEABLE must match, the global batch
-included, and the data files' sha256.
+included, the data files' sha256, and the sha256 of every input (checkpoint.input_sha256: a reference, reward
+model or judge replaced at the same path would otherwise be taken, and the run go on against another model).
 """
 import atexit
 import json
@@ -33,7 +34,7 @@ import tempfile
 import time
 
 from . import checkpoint, dist
-from .checkpoint import RUN_FILES, OutDirLock, atomic_write_text, find_state, sha256_file
+from .checkpoint import RUN_FILES, OutDirLock, atomic_write_text, find_state, input_sha256, sha256_file
 from .common import check_finite, fail
 from .config import to_dict
 
@@ -78,6 +79,7 @@ class Run:
         self.inputs = {k: v for k, v in (inputs or {}).items() if v}
         self.data_files = {k: v for k, v in (data_files or {}).items() if v}
         self.step, self.meta = 0, {}
+        self.input_sha = {}                         # {input name: sha256}, taken at start (rank 0) before loading
         self.show = ["train/loss", "eval/loss"]     # keys of the progress line, in order
         self.loss_key = "train/loss"                # a non-finite value of it stops the run
         self.main = dist.world().is_main
@@ -185,7 +187,8 @@ class Run:
         at the first save, not in start(): the files may be generated after it (the built-in task)."""
         if not hasattr(self, "_sha"):
             self._sha = self._data_sha()
-        return {"identity": self.identity, "data_sha256": self._sha, "options": to_dict(self.opts)}
+        return {"identity": self.identity, "data_sha256": self._sha, "inputs_sha256": self.input_sha,
+                "options": to_dict(self.opts)}
 
     # ---- resume ------------------------------------------------------------------------------------
     def _data_sha(self):
@@ -205,6 +208,7 @@ class Run:
             diffs = [f"{k} {was.get(k)!r} != {now.get(k)!r}" for k in sorted(set(was) | set(now))
                      if k not in CHANGEABLE and was.get(k) != now.get(k)]
             was_sha, sha = saved["data_sha256"], self._data_sha()
+            changed = self._inputs_changed(saved.get("inputs_sha256"), path)
         except checkpoint.StateError as e:
             return f"--resume: {e}"
         except (KeyError, TypeError, AttributeError) as e:
@@ -213,9 +217,27 @@ class Run:
                if was_sha.get(k) != sha.get(k)]
         if bad:
             diffs.append(f"data sha256 differs ({', '.join(bad)})")
+        if changed and not diffs:
+            return (f"--resume: the input {changed} changed since {self.out_dir} was saved (sha256 of its files "
+                    "differs): the run would go on against another model; restore it or start a new run")
+        if changed:
+            diffs.append(f"input {changed} changed (sha256)")
         if diffs:
             return f"--resume: {self.out_dir} was saved by a different run (saved != now): {'; '.join(diffs)}"
         return None
+
+    def _inputs_changed(self, was, path):
+        """'--ref DIR, ...' naming each input whose sha256 differs from the saved one, or ''. A state saved before
+        inputs were checksummed has none: a note says they are not checked."""
+        if was is None:
+            print(f"note: --resume: {path} records no checksum of the run's inputs (saved by an earlier release); "
+                  "they are not checked", flush=True)
+            return ""
+        if not isinstance(was, dict):
+            raise TypeError(f"inputs_sha256 is a {type(was).__name__}")
+        now = self.input_sha
+        return ", ".join(f"--{k} {self.inputs[k]}" if k in self.inputs else f"--{k} (an input of the saved run only)"
+                         for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k))
 
     def resume(self, models, optimizers, generators=None):
         """Check the saved run is this run, then restore models, optimizers and RNG (checkpoint.load_state);
@@ -380,7 +402,8 @@ class Run:
 def start(opts, script, identity=None, inputs=None, data_files=None, max_steps=None) -> Run:
     """Check --out_dir, take its lock, open --report_to; before any model is loaded. Collective.
     identity: what defines the run (compared on --resume; "script" and "global_batch" are added, the latter
-    as batch_size x grad_accum x world_size unless given). inputs: {option name: directory} never written to.
+    as batch_size x grad_accum x world_size unless given). inputs: {option name: directory or file} the run
+    reads and never writes to; each one's sha256 is recorded and checked by --resume (pass only what is read).
     data_files: {name: path} whose sha256 is recorded at the first save; a path known only later (the
     built-in task, generated on first use) may be set in run.data_files before that. max_steps defaults to
     opts.max_steps; set run.max_steps when the script derives it later (from --epochs)."""
@@ -395,6 +418,9 @@ def start(opts, script, identity=None, inputs=None, data_files=None, max_steps=N
     _current = run
     _collective_check(run._check_out_dir)
     if run.main:
+        # every byte of each input, before the script loads it: what the run is trained against (the
+        # reference, reward model, judge, ...) is what --resume must find again
+        run.input_sha = {k: input_sha256(p) for k, p in run.inputs.items() if os.path.exists(p)}
         checkpoint.RUN_INFO = run.record
         run._open_backend()
     return run

@@ -43,6 +43,7 @@ is never re-tokenized, so a BPE merge can never straddle the boundary and shift 
 A response in conversational form starts right after the generation prompt and ends with the end-of-turn
 token; a plain-text response ends with eos.
 """
+import hashlib
 import json
 import os
 import re
@@ -94,6 +95,7 @@ class Tokenizer:
         `declared_pad`: the pad tokenizer_config.json names (taken unless it is a stop token; the module
         docstring gives the whole rule)."""
         self.tk = tk
+        self.path = None            # the tokenizer.json it was read from (from_file)
         vocab = tk.get_vocab(with_added_tokens=True)
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
         eos_token = eos_token or next((n for n in EOS_NAMES if n in vocab), None)
@@ -220,9 +222,11 @@ class Tokenizer:
         add_bos, saved_date = cfg.get("add_bos_token"), cfg.get("date_string")
         # the date a Llama 3 run rendered with (save() keeps it), so later stages render the same header
         date_string = date_string or (saved_date if isinstance(saved_date, str) else None)
-        return cls(tk, eos_token, pad_token, chat_template, date_string, template_text=text,
-                   bos_token=name(cfg.get("bos_token")), add_bos_token=add_bos if isinstance(add_bos, bool) else None,
-                   declared_pad=cfg_pad if isinstance(cfg_pad, str) else None)
+        tok = cls(tk, eos_token, pad_token, chat_template, date_string, template_text=text,
+                  bos_token=name(cfg.get("bos_token")), add_bos_token=add_bos if isinstance(add_bos, bool) else None,
+                  declared_pad=cfg_pad if isinstance(cfg_pad, str) else None)
+        tok.path = path
+        return tok
 
     def save(self, path: str):
         """Write tokenizer.json and, beside it, tokenizer_config.json naming the special tokens and holding the
@@ -408,3 +412,51 @@ class Tokenizer:
 
     def __repr__(self):
         return f"Tokenizer({json.dumps(self.info())})"
+
+
+# ---- one tokenizer for the models of a run ----------------------------------------------------------
+
+def fingerprint(tk: HFTokenizer) -> str:
+    """sha256 of what decides the ids of a text: the tokenizer model (its type, vocabulary, merges and settings)
+    and the added tokens (id, content). Taken from the tokenizers library's own serialisation of the loaded
+    tokenizer, so two files that differ only in layout (another library version's field order or defaults,
+    merges stored as "a b" or ["a", "b"]) compare equal; comparing vocabulary sizes only would take another
+    model's tokenizer of the same size."""
+    d = json.loads(tk.to_str())
+    model = dict(d.get("model") or {})
+    if isinstance(model.get("merges"), list):
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model["merges"]]
+    added = sorted((t.get("id"), t.get("content")) for t in d.get("added_tokens") or [])
+    text = json.dumps({"model": model, "added_tokens": added}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _fingerprint_of(ours):
+    if isinstance(ours, Tokenizer):
+        if getattr(ours, "_fingerprint", None) is None:
+            ours._fingerprint = fingerprint(ours.tk)
+        return ours._fingerprint
+    return fingerprint(_read(ours))
+
+
+def _read(path):
+    try:
+        return HFTokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception with a long message
+        raise ValueError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
+
+
+def mismatch(ours, model_dir):
+    """None when `model_dir` (a reference, reward model, judge, merge partner, ...) ships no tokenizer.json or the
+    same tokenizer as `ours` (a Tokenizer a run encodes with, or a tokenizer.json path), else the one-line
+    refusal naming both: that model was trained on other ids, and would read ours as other text. The one check of
+    this kind in the package (common.check_vocab and the merge call it)."""
+    theirs = os.path.join(model_dir, "tokenizer.json")
+    source = ours.path if isinstance(ours, Tokenizer) else ours
+    if not os.path.isfile(theirs) or (source and os.path.realpath(source) == os.path.realpath(theirs)):
+        return None
+    if _fingerprint_of(ours) == fingerprint(_read(theirs)):
+        return None
+    where = (os.path.dirname(source) or ".") if source else "the tokenizer trained by this run"
+    return (f"{model_dir} was trained with another tokenizer than {where} (its tokenizer.json gives the same text "
+            f"other ids, whatever the vocabulary sizes); use models that share one tokenizer")

@@ -63,6 +63,22 @@ def tiny_model(tok=None, seed=0, **kw):
     return GPT(tiny_config(tok, **kw)).eval()
 
 
+def other_tokenizer(tok, model_dir):
+    """Save into model_dir a tokenizer of tok's size that is not tok: two ordinary tokens swap ids (a model
+    trained with it reads every one of tok's ids for either as the other token)."""
+    os.makedirs(model_dir, exist_ok=True)
+    path = os.path.join(str(model_dir), "tokenizer.json")
+    tok.save(path)
+    with open(path) as f:
+        d = json.load(f)
+    vocab = d["model"]["vocab"]
+    a, b = [t for t in sorted(vocab, key=vocab.get) if len(t) > 3][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(path, "w") as f:
+        json.dump(d, f)
+    return path
+
+
 def write_jsonl(path, rows):
     with open(path, "w") as f:
         for r in rows:

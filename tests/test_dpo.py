@@ -268,3 +268,41 @@ def test_resume_with_another_loss_setting_is_refused(tmp_path, sft_dir, capsys):
         train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--resume", "--beta", "0.3", steps=2))
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "beta 0.1 != 0.3" in err, err
+
+
+def test_reference_with_another_tokenizer_of_the_same_size_is_refused(tmp_path, sft_dir, tok, capsys):
+    """Only sizes were compared: a reference trained with another tokenizer of the same size was taken, and
+    scored every pair as other text."""
+    import shutil
+    from conftest import other_tokenizer
+    ref = tmp_path / "ref"
+    shutil.copytree(sft_dir, ref)
+    other_tokenizer(tok, ref)
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--ref", str(ref)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: {ref} was trained with another tokenizer than {sft_dir} "), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_refuses_a_reference_replaced_at_the_same_path(tmp_path, sft_dir, capsys):
+    """--resume re-reads --ref from its path: another model there (a retrained SFT) would have been taken and
+    the run gone on against it. The sha256 of the reference's files is in the run's identity."""
+    import os
+    import shutil
+    ref, out = tmp_path / "ref", tmp_path / "o"
+    shutil.copytree(sft_dir, ref)
+    train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--ref", str(ref), "--stop_at", "1", steps=2))
+    (ref / "metrics.jsonl").write_text("{}\n")      # a run's log beside the model is not the model: still fine
+    before = {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")}
+    m = GPT.from_pretrained(str(ref))
+    with torch.no_grad():
+        m.transformer.wte.weight[5, 0] += 1.0
+    m.save_pretrained(str(ref))
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(dpo_args(tmp_path, sft_dir, "o", "dpo", "--ref", str(ref), "--resume", steps=2))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: --resume: the input --ref {ref} changed since {out} was saved "), err
+    assert {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")} == before

@@ -203,3 +203,112 @@ def test_bad_inputs_one_line(dirs, tmp_path, capsys, case, needle):
     if case in ("shape", "class"):
         assert dirs["wide" if case == "shape" else "rm_a"] in err[0]   # names the offending directory
     assert not out.exists() and not os.path.exists(str(out) + ".tmp")
+
+
+# ---- nothing lost: inputs, a training run's lock, --overwrite ------------------------------------------
+
+def merge_args(dirs, out, *extra):
+    return ["-m", "nano_rlhf.merge", "--base", dirs["base"], "--models", dirs["a"], dirs["b"], "--method", "ties",
+            "--out_dir", str(out), *extra]
+
+
+def listing(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.mark.parametrize("case", ["holds", "inside", "link"])
+def test_out_dir_holding_or_inside_an_input_is_refused(dirs, tmp_path, case, capsys):
+    """--overwrite on a directory that holds an input model (or lies inside one, or links to one) is one line,
+    and nothing is touched: a merge into the parent of a partner used to delete the partner with the rest."""
+    import shutil
+    root = tmp_path / "p"
+    shutil.copytree(dirs["a"], root / "a")
+    shutil.copytree(dirs["base"], root / "base")
+    d = dict(dirs, a=str(root / "a"), base=str(root / "base") if case == "inside" else dirs["base"])
+    out, needle = {"holds": (root, f"holds the input --models {root / 'a'}"),
+                   "inside": (root / "base" / "merged", f"is inside the input --base {root / 'base'}"),
+                   "link": (tmp_path / "ln", f"is the input --models {root / 'a'}")}[case]
+    if case == "link":
+        os.symlink(root / "a", out)
+    before = listing(root)
+    with pytest.raises(SystemExit) as e:
+        main(merge_args(d, out, "--overwrite")[2:])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: --out_dir") and needle in lines[0], lines
+    assert listing(root) == before
+
+
+def test_merge_and_a_training_run_respect_each_others_lock(dirs, tmp_path, monkeypatch, capsys):
+    """A merge into the directory of a run in progress is refused (it holds out_dir/.lock), and a run cannot
+    start into a directory a merge is writing (the merge holds the same lock)."""
+    from conftest import sft_rows, write_jsonl
+    from nano_rlhf import merge
+    from nano_rlhf.checkpoint import OutDirLock
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "model.safetensors").write_text("the run's")
+    held = OutDirLock(str(out))                 # what nano_rlhf.run takes for a training run
+    assert held.acquire() is None
+    with pytest.raises(SystemExit) as e:
+        main(merge_args(dirs, out, "--overwrite")[2:])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: {out} is in use by another run (pid {os.getpid()})"), err
+    held.release()
+    assert (out / "model.safetensors").read_text() == "the run's"
+
+    data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(8))
+    seen = {}
+    load = merge.load_models
+
+    def load_while_a_run_starts(*a):            # a training run starting while the merge works
+        seen["run"] = run(["train_sft.py", "--data", data, "--out_dir", str(out), "--overwrite", "--max_steps", "1",
+                           "--n_layer", "1", "--n_head", "1", "--n_embd", "8", "--vocab_size", "64"], check=False)
+        return load(*a)
+    monkeypatch.setattr(merge, "load_models", load_while_a_run_starts)
+    main(merge_args(dirs, out, "--overwrite")[2:])
+    p = seen["run"]
+    assert p.returncode != 0 and p.stderr.strip() == (f"error: {out} is in use by another run (pid {os.getpid()}); "
+                                                       "wait for it to end or choose another --out_dir"), p.stderr
+    assert json.load(open(out / "merge_config.json"))["method"] == "ties" and not (out / ".lock").exists()
+
+
+def test_overwrite_replaces_the_model_files_and_keeps_the_rest(dirs, tmp_path, monkeypatch, capsys):
+    """--overwrite replaces what a run or a merge writes (a previous run's state/ included) and nothing else; a
+    merge that fails while writing puts the previous files back."""
+    import shutil
+    from nano_rlhf import merge
+    out = tmp_path / "m"
+    main(merge_args(dirs, out, "--weights", "1", "1")[2:])
+    (out / "notes.txt").write_text("mine")
+    (out / "state").mkdir()
+    (out / "state" / "meta.json").write_text("{}")
+    before = {f: (out / f).read_bytes() for f in listing(out)}
+    copy = shutil.copyfile
+    monkeypatch.setattr(merge.shutil, "copyfile", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(SystemExit) as e:
+        main(merge_args(dirs, out, "--weights", "2", "1", "--overwrite")[2:])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and err == ["error: [Errno 28] No space left"], err
+    assert {f: (out / f).read_bytes() for f in listing(out)} == before      # all back, nothing half-written
+    monkeypatch.setattr(merge.shutil, "copyfile", copy)
+    main(merge_args(dirs, out, "--weights", "2", "1", "--overwrite")[2:])
+    assert (out / "notes.txt").read_text() == "mine" and not (out / "state").exists()
+    assert json.load(open(out / "merge_config.json"))["weights"] == [2.0, 1.0]
+    assert sorted(os.listdir(out)) == sorted(["notes.txt", *before.keys() - {"notes.txt", "state/meta.json"}])
+
+
+def test_partner_with_another_tokenizer_of_the_same_size_is_refused(dirs, tmp_path, tok, capsys):
+    import shutil
+    from conftest import other_tokenizer
+    c = tmp_path / "c"
+    shutil.copytree(dirs["b"], c)
+    other_tokenizer(tok, c)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["--base", dirs["base"], "--models", dirs["a"], str(c), "--method", "ties", "--out_dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: {c} was trained with another tokenizer than {dirs['base']} "), err
+    assert not out.exists()

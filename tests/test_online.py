@@ -396,3 +396,27 @@ def test_reward_model_judge_scores_the_sampled_ids_closed_by_the_end_token(tok, 
         row = s.ids[i][s.attn[i].bool()].tolist() + ([] if s.has_eos[i] else [tok.eos_id])
         with torch.no_grad():
             assert scores[i].item() == pytest.approx(rm(torch.tensor([row]))[1].item(), abs=1e-5)
+
+
+
+def test_resume_refuses_a_judge_replaced_at_the_same_path(tmp_path, sft_dir, rm_dir, capsys):
+    """The judge's reward model is an input like the reference: another model at its path is refused on --resume
+    with one line naming it (it used to be taken, and the run went on judged by another model)."""
+    import os
+    import shutil
+    from nano_rlhf.model import ScoreModel
+    judge, out = tmp_path / "judge", tmp_path / "o"
+    shutil.copytree(rm_dir, judge)
+    T.main(online_args(tmp_path, sft_dir, str(judge), "o", "--stop_at", "1"))
+    capsys.readouterr()                 # the first run's warnings
+    before = {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")}
+    m = ScoreModel.from_pretrained(str(judge))
+    with torch.no_grad():
+        m.score.weight.neg_()
+    m.save_pretrained(str(judge), reward_mean=0.1, reward_std=0.5)
+    with pytest.raises(SystemExit) as e:
+        T.main(online_args(tmp_path, sft_dir, str(judge), "o", "--resume"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: --resume: the input --judge {judge} changed since {out} was saved"), err
+    assert {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")} == before

@@ -291,3 +291,36 @@ def test_advantages_leave_the_rollout_untouched():
     # the sequence reward's KL part: −β Σ_t k1 for the group estimators
     want = -0.1 * ((r.logprobs - r.ref_logprobs) * mask).sum(1)
     assert torch.allclose(train_ppo.advantages(r, estimator="rloo", beta=0.1, k=4).kl_penalty, want)
+
+
+def test_reward_model_with_another_tokenizer_of_the_same_size_is_refused(tmp_path, tok, sft_dir, rm_dir, capsys):
+    import shutil
+    from conftest import other_tokenizer
+    rm = tmp_path / "rm"
+    shutil.copytree(rm_dir, rm)
+    other_tokenizer(tok, rm)
+    with pytest.raises(SystemExit) as e:
+        train_ppo.main(ppo_args(tmp_path, sft_dir, str(rm), "x"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: {rm} was trained with another tokenizer than {sft_dir} "), err
+    assert not (tmp_path / "x").exists()
+
+
+def test_resume_refuses_a_reward_model_replaced_at_the_same_path(tmp_path, sft_dir, rm_dir, capsys):
+    import os
+    import shutil
+    rm, out = tmp_path / "rm", tmp_path / "x"
+    shutil.copytree(rm_dir, rm)
+    train_ppo.main(ppo_args(tmp_path, sft_dir, str(rm), "x", "--stop_at", "1", steps=2))
+    before = {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")}
+    m = ScoreModel.from_pretrained(str(rm))          # retrained in place: same path, same shape, other weights
+    with torch.no_grad():
+        m.score.weight.mul_(2.0)
+    m.save_pretrained(str(rm), reward_mean=0.1, reward_std=0.5)
+    with pytest.raises(SystemExit) as e:
+        train_ppo.main(ppo_args(tmp_path, sft_dir, str(rm), "x", "--resume", steps=2))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: --resume: the input --reward_model {rm} changed since {out} was saved "), err
+    assert {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")} == before

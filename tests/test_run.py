@@ -165,6 +165,34 @@ def test_resume_refuses_a_different_run_naming_the_fields(toy, tmp_path, capsys)
     assert "global_batch 2 != 4" in err and "data sha256 differs (data)" in err
 
 
+def test_resume_refuses_an_input_whose_files_changed_and_names_it(toy, tmp_path, capsys):
+    """Every input's files are hashed at start (checkpoint.input_sha256) into run.json: a model replaced at the
+    same path is refused by --resume, in the plumbing every script shares; a run's logs beside it are not the
+    model; a state saved before inputs were hashed resumes with a note."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    toy.main(["--init", str(model), "--stop_at", "2"])
+    rec = json.load(open("out/toy/state/run.json"))
+    assert set(rec["inputs_sha256"]) == {"init"}
+    (model / "metrics.jsonl").write_text("{}\n")            # not a file of the model
+    toy.main(["--init", str(model), "--resume", "--stop_at", "3"])
+    assert "final 3" in capsys.readouterr().out
+    (model / "model.safetensors").write_bytes(b"weightz")   # same size, another model
+    err = fails(toy, ["--init", str(model), "--resume"], capsys)
+    assert err == (f"error: --resume: the input --init {model} changed since out/toy was saved (sha256 of its files "
+                   "differs): the run would go on against another model; restore it or start a new run")
+    err = fails(toy, ["--init", str(model), "--resume", "--lr", "0.2"], capsys)
+    assert err.endswith(f"lr 0.1 != 0.2; input --init {model} changed (sha256)")
+    del rec["inputs_sha256"]                               # an earlier release's state: no input checksums
+    with open("out/toy/state/run.json", "w") as f:
+        json.dump(rec, f)
+    toy.main(["--init", str(model), "--resume"])
+    out = capsys.readouterr().out
+    assert "records no checksum of the run's inputs" in out and "final 6" in out
+
+
 def test_resume_allows_the_changeable_options_and_the_same_global_batch(toy, capsys):
     toy.main(["--stop_at", "2"])
     toy.main(["--resume", "--max_steps", "4", "--log_interval", "1", "--eval_interval", "0", "--stop_at", "3",

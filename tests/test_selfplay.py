@@ -182,6 +182,26 @@ def test_spo_with_an_llm_judge(tmp_path, sft_dir, tok):
     assert m[-1]["eval/reward"] == 7.0
 
 
+
+def test_resume_refuses_an_llm_judge_replaced_at_the_same_path(tmp_path, sft_dir, tok, capsys):
+    """--judge llm:DIR: DIR's files are hashed at start like any input; another model there is refused by
+    --resume with one line naming it."""
+    import os
+    from test_label import answering_model, judge_dir
+    judge, out = judge_dir(tmp_path, tok, "7"), tmp_path / "llm"
+    args = ("--advantage", "grpo", "--judge", f"llm:{judge}", "--kl_coef", "0")
+    train_ppo.main(spo_args(tmp_path, sft_dir, "llm", *args, "--stop_at", "1"))
+    capsys.readouterr()                 # the first run's warnings
+    before = {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")}
+    answering_model(tok, "3").save_pretrained(judge)            # a judge that answers otherwise, same path
+    with pytest.raises(SystemExit) as e:
+        train_ppo.main(spo_args(tmp_path, sft_dir, "llm", *args, "--resume"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: --resume: the input --judge {judge} changed since {out} was saved"), err
+    assert {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")} == before
+
+
 def test_one_sample_per_prompt_is_refused_in_one_line(tmp_path, sft_dir):
     p = run(["train_ppo.py"] + spo_args(tmp_path, sft_dir, "x", "--samples_per_prompt", "1", "--judge", "gold"),
             check=False)

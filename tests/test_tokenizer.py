@@ -203,3 +203,29 @@ def test_trained_tokenizer_with_a_chat_template_has_its_tokens():
     assert ids[-1] == t.eot_id and mask[-1] == 1
     with pytest.raises(ValueError, match="unknown chat template 'nope'"):
         Tokenizer.train(["x"], chat_template="nope")
+
+
+def test_fingerprint_tells_another_tokenizer_of_the_same_size_apart(tok, tmp_path):
+    """tokenizer.mismatch, the check behind every reference / reward model / judge / merge partner: a file
+    written in another layout (merges as "a b", as older tokenizers versions wrote them) is the same tokenizer;
+    two ids swapped is another one of the very same size."""
+    import json
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from conftest import other_tokenizer
+    from nano_rlhf.tokenizer import fingerprint, mismatch
+    tok.save(str(tmp_path / "same" / "tokenizer.json"))
+    ours = Tokenizer.from_file(str(tmp_path / "same" / "tokenizer.json"))
+    d = json.loads((tmp_path / "same" / "tokenizer.json").read_text())
+    d["model"]["merges"] = [" ".join(m) for m in d["model"]["merges"]]
+    (tmp_path / "legacy").mkdir()
+    (tmp_path / "legacy" / "tokenizer.json").write_text(json.dumps(d, indent=1))
+    other_tokenizer(tok, tmp_path / "other")
+    (tmp_path / "none").mkdir()
+    assert fingerprint(ours.tk) == fingerprint(tok.tk)
+    assert mismatch(ours, str(tmp_path / "legacy")) is None and mismatch(ours, str(tmp_path / "none")) is None
+    other = HFTokenizer.from_file(str(tmp_path / "other" / "tokenizer.json"))
+    assert other.get_vocab_size() == tok.vocab_size and fingerprint(other) != fingerprint(tok.tk)
+    msg = mismatch(ours, str(tmp_path / "other"))
+    assert msg.startswith(f"{tmp_path / 'other'} was trained with another tokenizer than {tmp_path / 'same'} ")
+    assert mismatch(str(tmp_path / "same" / "tokenizer.json"), str(tmp_path / "other")) == msg   # a path works too
