@@ -1,14 +1,17 @@
-"""The verifiable reasoning task (nano_rlhf/reasoning.py): the verifier on hand-written correct, wrong and malformed
-answers, the prompt read back, imperfect demonstrations in their stated shares, seeded files with held-out
-problems, the CLI."""
+"""The verifiable reasoning task (nano_rlhf/reasoning.py) and pass@k / maj@k in nano_rlhf/evaluate.py: the verifier
+on hand-written correct, wrong and malformed answers, the prompt read back, imperfect demonstrations in their
+stated shares, seeded files with held-out problems, the CLI, pass@k against a brute-force enumeration of every
+k-subset, maj@k on hand-worked cases, and evaluate --pass_k end to end on a tiny model."""
+import itertools
 import json
+import math
 import random
 from collections import Counter
 
 import pytest
 
-from conftest import run
-from nano_rlhf import reasoning
+from conftest import run, write_jsonl
+from nano_rlhf import evaluate, reasoning
 from nano_rlhf.reward import load_function
 
 P = "Compute 7 + 5 * 3 - 4.\nSolution:"        # = 18
@@ -149,3 +152,146 @@ def test_cli_writes_the_files_and_refuses_bad_flags_in_one_line(tmp_path, capsys
 def test_verifier_and_answer_hook_load_as_a_reward_module():
     fn = load_function("nano_rlhf.reasoning:reward")
     assert fn([P, P], [" Answer: 18", " Answer: 1"]) == [1.0, 0.0]
+    assert fn.module.answer(" Answer: 18") == "18"
+
+
+# ---- pass@k and maj@k ---------------------------------------------------------------------------
+
+def brute_pass_at_k(n, c, k):
+    """Share of the k-subsets of n samples (the first c correct) holding a correct one."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_equals_the_brute_force_enumeration():
+    for n in range(1, 11):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert evaluate.pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), rel=1e-12, abs=1e-12)
+    assert evaluate.pass_at_k(200, 3, 1) == pytest.approx(3 / 200, rel=1e-12)
+    # large n: the product stays accurate where the binomials are astronomically large
+    assert evaluate.pass_at_k(1000, 1, 10) == pytest.approx(0.01, rel=1e-10)
+    assert evaluate.pass_at_k(1000, 0, 500) == 0.0 and evaluate.pass_at_k(1000, 501, 500) == 1.0
+    for bad in ((4, 5, 1), (4, 1, 5), (4, 1, 0), (4, -1, 1)):
+        with pytest.raises(ValueError):
+            evaluate.pass_at_k(*bad)
+
+
+def test_maj_at_k_on_hand_worked_cases():
+    A, B = "18", "17"
+    assert evaluate.maj_at_k([A, A, B], [1, 1, 0], 1) == pytest.approx(2 / 3)
+    # k = 2: {A, A} -> A right; {A, B} twice -> a tie, half credit each
+    assert evaluate.maj_at_k([A, A, B], [1, 1, 0], 2) == pytest.approx((1 + 0.5 + 0.5) / 3)
+    assert evaluate.maj_at_k([A, A, B], [1, 1, 0], 3) == 1.0
+    assert evaluate.maj_at_k([B, B, A], [0, 0, 1], 3) == 0.0              # the right answer outvoted
+    # unanswered samples do not vote: one right answer beats two blanks
+    assert evaluate.maj_at_k([None, None, A], [0, 0, 1], 3) == 1.0
+    assert evaluate.maj_at_k([None, None], [0, 0], 2) == 0.0
+    # pass@k counts any right sample, maj@k only a majority: B, B, C, A with A right
+    answers, ok = [B, B, "5", A], [0, 0, 0, 1]
+    assert evaluate.maj_at_k(answers, ok, 4) == 0.0 and evaluate.pass_at_k(4, 1, 4) == 1.0
+    # maj@1 is pass@1 when the verifier agrees with the answers
+    assert evaluate.maj_at_k(answers, ok, 1) == pytest.approx(evaluate.pass_at_k(4, 1, 1))
+    with pytest.raises(ValueError):
+        evaluate.maj_at_k([A, B], [1, 0], 3)
+
+
+def brute_maj(answers, ok, k):
+    """Every k-subset and, within it, every order of breaking a tie at the top (each equally likely)."""
+    total = 0.0
+    subsets = list(itertools.combinations(range(len(answers)), k))
+    for s in subsets:
+        votes = Counter(answers[i] for i in s if answers[i] is not None)
+        if votes:
+            top = max(votes.values())
+            winners = [a for a in votes if votes[a] == top]
+            total += sum(next(ok[i] for i in range(len(answers)) if answers[i] == w) for w in winners) / len(winners)
+    return total / len(subsets)
+
+
+def test_maj_at_k_against_brute_force_and_its_sampled_estimate():
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(1, 8)
+        answers = [rng.choice(["1", "2", "3", None]) for _ in range(n)]
+        ok = [a == "1" for a in answers]
+        for k in range(1, n + 1):
+            assert evaluate.maj_at_k(answers, ok, k) == pytest.approx(brute_maj(answers, ok, k), abs=1e-12)
+    answers = [rng.choice("1123") for _ in range(20)]
+    ok = [a == "1" for a in answers]
+    exact = evaluate.maj_at_k(answers, ok, 5, max_subsets=math.comb(20, 5))
+    sampled = evaluate.maj_at_k(answers, ok, 5, max_subsets=4000)     # 15504 subsets: sampled
+    assert abs(sampled - exact) < 0.03 and sampled == evaluate.maj_at_k(answers, ok, 5, max_subsets=4000)
+
+
+# ---- evaluate --pass_k end to end ---------------------------------------------------------------
+
+USER_TASK = '''
+def reward(prompts, completions):
+    return [float(len(c) % 3 == 0) for c in completions]
+
+def answer(completion):
+    return str(len(completion) % 3) if completion else None
+'''
+
+
+def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
+    """A tiny model, a toy verifier whose answers are the completion length mod 3: every figure is recomputed from
+    the samples written, and the reasoning verifier runs as the reward column."""
+    (tmp_path / "toy.py").write_text(USER_TASK)
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Compute {i} + 2.\nSolution:"} for i in range(1, 7)])
+    out, summary = tmp_path / "s.jsonl", tmp_path / "summary.json"
+    rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--summary", str(summary),
+                          "--max_new_tokens", "6", "--samples_per_prompt", "5", "--pass_k", "4,1",
+                          "--reward", f"{tmp_path / 'toy.py'}:reward"])
+    got = [json.loads(x) for x in open(out)]
+    assert len(got) == 30 and all(s["answer"] == (str(len(s["completion"]) % 3) if s["completion"] else None)
+                                  for s in got)
+    per_prompt = [got[i:i + 5] for i in range(0, 30, 5)]
+    assert [s["prompt"] for g in per_prompt for s in g] == [g[0]["prompt"] for g in per_prompt for _ in range(5)]
+    for k in (1, 4):
+        pk = [brute_pass_at_k(5, sum(s["reward"] for s in g), k) for g in per_prompt]
+        mk = [brute_maj([s["answer"] for s in g], [s["reward"] for s in g], k) for g in per_prompt]
+        assert rows[0][f"pass@{k}"] == pytest.approx(sum(pk) / 6)
+        assert rows[0][f"maj@{k}"] == pytest.approx(sum(mk) / 6)
+        assert rows[0][f"pass@{k}_se"] == pytest.approx(evaluate.mean_se(pk)[1])
+    assert rows[0]["pass@1"] == pytest.approx(rows[0]["reward"])
+    assert json.loads(summary.read_text())[0]["pass@4"] == rows[0]["pass@4"]
+    line = evaluate.format_summary("toy", rows[0])
+    assert line.index("pass@1") < line.index("pass@4") < line.index("maj@1") < line.index("maj@4") and " ± " in line
+    assert "| pass@1 | pass@4 | maj@1 | maj@4 |" in evaluate.format_table(rows)
+    # the built-in verifier: a random model answers nothing right, and the figures are there
+    rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--max_new_tokens", "4",
+                          "--samples_per_prompt", "2", "--pass_k", "2", "--reward", "nano_rlhf.reasoning:reward"])
+    assert rows[0]["pass@2"] == 0.0 and rows[0]["maj@2"] == 0.0
+    assert all("answer" in json.loads(x) for x in open(out))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--pass_k", "1,8", "--samples_per_prompt", "4"], "--pass_k 8 needs --samples_per_prompt >= 8"),
+    (["--pass_k", "2"], "--pass_k 2 needs --samples_per_prompt >= 2 (got 1)"),
+    (["--pass_k", "0"], "--pass_k values must be >= 1"),
+    (["--pass_k", "1,x"], "--pass_k must be a comma list of integers"),
+    (["--pass_k", "1", "--reward", ""], "--pass_k needs a verifier"),
+])
+def test_bad_pass_k_is_one_line_before_sampling(tmp_path, sft_dir, capsys, monkeypatch, extra, message):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Compute 1 + 2."}])
+    out = tmp_path / "s.jsonl"
+    monkeypatch.setattr(evaluate.GPT, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    args = ["--reward", "nano_rlhf.reasoning:reward"] if "--reward" not in extra else []
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), *args, *extra])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code != 0 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not out.exists()
+
+
+def test_an_answer_hook_of_the_wrong_type_is_one_line(tmp_path, sft_dir, capsys):
+    (tmp_path / "toy.py").write_text("def reward(p, c):\n    return [0.0] * len(c)\n"
+                                     "def answer(c):\n    return len(c)\n")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Compute 1 + 2."}])
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(tmp_path / "s.jsonl"),
+                       "--max_new_tokens", "2", "--pass_k", "1", "--reward", f"{tmp_path / 'toy.py'}:reward"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code != 0 and len(lines) == 1 and "answer must return a string or None, got int" in lines[0]
