@@ -9,6 +9,16 @@ against --baseline (on the gold reward, or on --reward; ties count one half), re
 --reward_model), your reward (with --reward module:function), KL to --ref, mean response length, end-of-text
 rate. Every reward goes through nano_rlhf.reward, the interface train_ppo.py uses.
 
+With a verifier as --reward, `--pass_k 1,8` adds pass@k for each k: the unbiased estimate of Chen et al. 2021
+from the n = --samples_per_prompt samples of each prompt (n >= k; a sample passes when its reward is at least
+--pass_threshold), averaged over prompts with its standard error over prompts. When the reward's module also
+defines `answer(completion) -> str | None` (the final answer it would check, e.g. nano_rlhf.reasoning.answer),
+maj@k is added too: the share of prompts whose majority answer among k samples is correct (self-consistency,
+Wang et al. 2023), averaged over k-subsets of the n samples as pass@k is (`maj_at_k`).
+
+    python -m nano_rlhf.evaluate --model out/rsft --prompts data/reasoning/eval_prompts.jsonl \
+        --reward nano_rlhf.reasoning:reward --samples_per_prompt 8 --pass_k 1,8
+
 Conversational prompts (a list of messages) are rendered with the model's own chat template (recognised from
 its tokenizer_config.json; --chat_template names one, --date_string fixes Llama 3's date) and a response ends
 at the first stop token: end-of-text or the template's end-of-turn (<|eot_id|>, <|im_end|>), both counted in
@@ -21,9 +31,11 @@ KL to the reference is the sequence-level estimate Σ_t [log π(y_t) − log π_
 response tokens (end-of-text included), averaged over samples: an unbiased estimate of KL(π ‖ π_ref).
 """
 import argparse
+import itertools
 import json
 import math
 import os
+import random
 import sys
 
 import torch
@@ -53,6 +65,75 @@ def response_logprobs(model, ids, attn, prompt_len, temperature=1.0, response_ma
     hidden = model(ids, attn, select=sel, return_hidden=True)
     lp = token_logprobs(hidden, model.output_weight(), targets, temperature if temperature > 0 else 1.0)
     return torch.zeros(valid.shape, device=ids.device).masked_scatter(valid, lp)
+
+
+def pass_at_k(n, c, k):
+    """The unbiased pass@k estimate from n samples of which c are correct (Chen et al. 2021, eq. 1):
+    1 − C(n−c, k) / C(n, k), the chance that k of the n samples drawn without replacement hold a correct one.
+    Computed as their numerically stable product 1 − Π_{i=n−c+1}^{n} (1 − k/i): no huge binomials, exact
+    at 1.0 when every k-subset holds a correct sample (n − c < k)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+MAJ_SUBSETS = 4096       # maj@k averages over every k-subset up to this many, else over this many seeded ones
+
+
+def maj_at_k(answers, correct, k, max_subsets=MAJ_SUBSETS, seed=0):
+    """Majority-vote accuracy (maj@k, self-consistency: Wang et al. 2023) of one prompt from its n >= k samples:
+    the expected correctness of the most common answer among k samples drawn without replacement.
+
+    answers: the n extracted answers (None: the sample states none; it does not vote); correct: the n
+    verifier verdicts (truthy = correct). An answer is correct when the samples holding it are (their mean, so
+    a verifier that disagrees with itself on one answer gives partial credit). A tie at the top counts the mean
+    correctness of the tied answers (a uniformly random tie-break, in expectation); a subset with no answer
+    counts 0. Like pass@k it is averaged over k-subsets rather than read off the first k samples (a lower
+    variance estimate of the same expectation): exactly over all C(n, k) of them when there are at most
+    max_subsets, else over max_subsets drawn at random with `seed`."""
+    n = len(answers)
+    if len(correct) != n or not 1 <= k <= n:
+        raise ValueError(f"maj@k needs n >= k >= 1 samples and one verdict per answer (n={n}, k={k})")
+    verdicts = {}
+    for a, ok in zip(answers, correct):
+        if a is not None:
+            verdicts.setdefault(a, []).append(float(ok))
+    worth = {a: sum(v) / len(v) for a, v in verdicts.items()}
+
+    def vote(subset):
+        counts = {}
+        for i in subset:
+            if answers[i] is not None:
+                counts[answers[i]] = counts.get(answers[i], 0) + 1
+        if not counts:
+            return 0.0
+        top = max(counts.values())
+        tied = [a for a, c in counts.items() if c == top]
+        return sum(worth[a] for a in tied) / len(tied)
+
+    if math.comb(n, k) <= max_subsets:
+        subsets = itertools.combinations(range(n), k)
+        total = math.comb(n, k)
+    else:
+        rng = random.Random(seed)
+        subsets = (rng.sample(range(n), k) for _ in range(max_subsets))
+        total = max_subsets
+    return sum(vote(s) for s in subsets) / total
+
+
+def by_prompt(samples):
+    """Sample records grouped per prompt: consecutive runs that start at sample 0 (sample_and_score's order)."""
+    groups = []
+    for r in samples:
+        if r["sample"] == 0 or not groups:
+            groups.append([])
+        groups[-1].append(r)
+    return groups
 
 
 def mean_se(xs):
@@ -110,13 +191,22 @@ def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, sa
     return out
 
 
-def summarize(samples, baseline=None):
-    """Aggregate figures of a list of sample records (and win rate against baseline records)."""
+def summarize(samples, baseline=None, pass_k=(), pass_threshold=1.0):
+    """Aggregate figures of a list of sample records (and win rate against baseline records). pass_k: the k of
+    pass@k (and of maj@k when the records hold an "answer") on the "reward" column, a sample passing when its
+    reward >= pass_threshold; per prompt, then mean and standard error over prompts."""
     s = {"n": len(samples), "length": sum(r["length"] for r in samples) / len(samples),
          "eos_rate": sum(r["eos"] for r in samples) / len(samples)}
     for key in ("gold_reward", "reward", "rm_score", "kl"):
         if samples and key in samples[0]:
             s[key], s[key + "_se"] = mean_se([r[key] for r in samples])
+    groups = by_prompt(samples) if pass_k else []
+    for k in pass_k:
+        ok = [[r["reward"] >= pass_threshold for r in g] for g in groups]
+        s[f"pass@{k}"], s[f"pass@{k}_se"] = mean_se([pass_at_k(len(o), sum(o), k) for o in ok])
+        if "answer" in samples[0]:
+            s[f"maj@{k}"], s[f"maj@{k}_se"] = mean_se([maj_at_k([r["answer"] for r in g], o, k)
+                                                       for g, o in zip(groups, ok)])
     judge = next((k for k in ("gold_reward", "reward") if k in s and baseline and k in baseline[0]), None)
     if baseline is not None and judge is not None:
         if len(baseline) != len(samples) or any(a["prompt"] != b["prompt"] for a, b in zip(samples, baseline)):
@@ -124,6 +214,12 @@ def summarize(samples, baseline=None):
         wins = [1.0 if a[judge] > b[judge] else 0.5 if a[judge] == b[judge] else 0.0 for a, b in zip(samples, baseline)]
         s["win_rate"], s["win_rate_se"] = mean_se(wins)
     return s
+
+
+def pass_keys(s):
+    """The pass@k and maj@k figures of a summary, in order (pass@1, pass@8, maj@1, maj@8)."""
+    keys = [key for key in s if key.startswith(("pass@", "maj@")) and not key.endswith("_se")]
+    return sorted(keys, key=lambda key: (key.startswith("maj@"), int(key.split("@")[1])))
 
 
 def format_summary(name, s):
@@ -134,6 +230,7 @@ def format_summary(name, s):
         cols.append(f"reward {s['reward']:+.3f} ± {s['reward_se']:.3f}")
     if "win_rate" in s:
         cols.append(f"win {100 * s['win_rate']:.1f}%")
+    cols += [f"{key} {s[key]:.3f} ± {s[key + '_se']:.3f}" for key in pass_keys(s)]
     if "rm_score" in s:
         cols.append(f"rm {s['rm_score']:+.3f}")
     if "kl" in s:
@@ -164,6 +261,10 @@ def main(argv=None):
     p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens only")
     p.add_argument("--top_p", type=finite_float, default=None, help="nucleus sampling threshold")
     p.add_argument("--samples_per_prompt", type=int, default=1, help="samples per prompt")
+    p.add_argument("--pass_k", default="", help="comma list of k (e.g. 1,8): pass@k of --reward (and maj@k when "
+                   "its module defines answer()) from --samples_per_prompt >= k samples per prompt")
+    p.add_argument("--pass_threshold", type=finite_float, default=1.0, help="a sample passes (for --pass_k) when "
+                   "its --reward score is at least this")
     p.add_argument("--max_new_tokens", type=int, default=48, help="longest response")
     p.add_argument("--batch_size", type=int, default=64, help="prompts per generation batch")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every model)")
@@ -186,8 +287,11 @@ def main(argv=None):
         gold = reward_mod.builtin_gold([r["prompt"] for r in prompts])     # None unless every prompt is the task's
         if gold is not None:
             rewards["gold_reward"] = gold
+        answer = None
         if a.reward:
             rewards["reward"] = reward_mod.load_function(a.reward)
+            answer = getattr(rewards["reward"].module, "answer", None) if a.pass_k else None
+            answer = checked_answer(answer, a.reward) if callable(answer) else None
         baseline = None
         models = list(a.model)
         if a.baseline and os.path.isdir(a.baseline):
@@ -205,9 +309,12 @@ def main(argv=None):
             samples = sample_and_score(model, tok, prompts, a.max_new_tokens, a.temperature, a.samples_per_prompt,
                                        a.seed, a.batch_size, ref, rewards, a.top_k, a.top_p,
                                        engine=dict(compile=a.compile, dtype=getattr(torch, a.sample_dtype)))
+            if answer is not None:
+                for r in samples:
+                    r["answer"] = answer(r["completion"])
             if a.baseline and os.path.isdir(a.baseline) and d == models[0]:
                 baseline = samples
-            summary = summarize(samples, baseline)
+            summary = summarize(samples, baseline, a.pass_k, a.pass_threshold)
             out = a.out or os.path.join(d, EVAL_SAMPLES)
             with open(out, "w") as f:
                 for r in samples:
@@ -227,6 +334,35 @@ def main(argv=None):
     if a.summary:
         write_json(a.summary, rows)
     return rows
+
+
+def checked_answer(fn, spec):
+    """The reward module's answer(completion) hook, its every answer checked: a string or None, else one line."""
+    where = spec.rsplit(":", 1)[0]
+
+    def answer(completion):
+        try:
+            out = fn(completion)
+        except Exception as e:      # the user's code: their error in a line, not our stack
+            fail(f"--reward {spec}: {where}.answer raised {type(e).__name__}: {str(e)[:200]}")
+        if out is not None and not isinstance(out, str):
+            fail(f"--reward {spec}: {where}.answer must return a string or None, got {type(out).__name__}")
+        return out
+    return answer
+
+
+def parse_pass_k(text, samples_per_prompt):
+    """'1,8' -> (1, 8), sorted and distinct; one line for anything else, or for a k above samples_per_prompt."""
+    try:
+        ks = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        fail(f"--pass_k must be a comma list of integers, e.g. 1,8 (got {text!r})")
+    if ks[0] < 1:
+        fail(f"--pass_k values must be >= 1 (got {text!r})")
+    if ks[-1] > samples_per_prompt:
+        fail(f"--pass_k {ks[-1]} needs --samples_per_prompt >= {ks[-1]} (got {samples_per_prompt}): pass@k is "
+             "estimated from n >= k samples of each prompt")
+    return tuple(ks)
 
 
 def read_times(path):
@@ -263,6 +399,9 @@ def check_options(a):
         fail(f"--times {a.times}: no such file")
     if a.reward and not reward_mod.is_function_spec(a.reward):
         fail(f"--reward must be module:function or path/to/file.py:function (got {a.reward!r})")
+    if a.pass_k and not a.reward:
+        fail("--pass_k needs a verifier: --reward module:function")
+    a.pass_k = parse_pass_k(a.pass_k, a.samples_per_prompt) if a.pass_k else ()
     # checked before the models are loaded and sampled, not after minutes of sampling: no output replaces an input
     inputs = [a.prompts, a.times, a.baseline if a.baseline and os.path.isfile(a.baseline) else ""]
     dirs = list(a.model) + [a.ref, a.reward_model, a.baseline if a.baseline and os.path.isdir(a.baseline) else ""]
@@ -282,6 +421,7 @@ def format_table(rows):
         cols.append(("reward", lambda r: f"{r['reward']:+.3f} ± {r['reward_se']:.3f}"))
     if "win_rate" in rows[0]:
         cols.append(("win rate vs " + rows[0]["name"], lambda r: f"{100 * r['win_rate']:.1f}%"))
+    cols += [(key, lambda r, key=key: f"{r[key]:.3f} ± {r[key + '_se']:.3f}") for key in pass_keys(rows[0])]
     if "rm_score" in rows[0]:
         cols.append(("RM score", lambda r: f"{r['rm_score']:+.3f}"))
     if "kl" in rows[0]:

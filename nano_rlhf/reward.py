@@ -100,8 +100,9 @@ def _gold(prompts, completions):
 class _Checked:
     """A user's function with its answers checked at every call (a wrong length or type stops the run)."""
 
-    def __init__(self, fn, spec, flag="--reward"):
-        self.fn, self.name, self.flag = fn, spec, flag
+    def __init__(self, fn, spec, flag="--reward", module=None):
+        # module: where fn was found, for optional hooks beside it (evaluate reads an `answer` function for maj@k)
+        self.fn, self.name, self.flag, self.module = fn, spec, flag, module
 
     def __call__(self, prompts, completions):
         try:
@@ -180,7 +181,7 @@ def load_function(spec, flag="--reward"):
         fail(f"{flag} {spec}: {where} has no {name!r}")
     if not callable(fn):
         fail(f"{flag} {spec}: {where}.{name} is a {type(fn).__name__}, not a function")
-    return _Checked(fn, spec, flag)
+    return _Checked(fn, spec, flag, module)
 
 
 def load_reward(spec, *, tokenizer=None, device="cpu", prompts=None, batch_size=64, flag="--reward"):
