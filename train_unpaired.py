@@ -131,9 +131,10 @@ def npo_loss(u, beta):
 
 def retain_nll_drifted(first, now, factor):
     """True when the retain NLL `now` has grown past `factor` × its value at the run's first step. NPO+RT's
-    objective (Zhang et al. 2024, as its authors' code computes it) balances a forget term over SUMMED sequence log-probs against a token-MEAN
-    retain NLL, so at a large lr the forget gradient, about a response's length times the retain one, can win:
-    the retain NLL rising several-fold is the sign (docs/algorithms.md, NPO). factor 0 = never."""
+    objective (Zhang et al. 2024, as its authors' code computes it) balances a forget term over SUMMED sequence
+    log-probs against a token-MEAN retain NLL, so at a large lr the forget gradient, about a response's length
+    times the retain one, can win: the retain NLL rising several-fold is the sign (docs/algorithms.md, NPO).
+    factor 0 = never."""
     return factor > 0 and first > 0 and now > factor * first
 
 
