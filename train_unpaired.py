@@ -5,7 +5,9 @@ log-ratio to the frozen reference, σ the logistic, y⁻ an undesirable response
 
   --method npo   −(2/β)·log σ(−β·u(y⁻))                                       Zhang et al. 2024, eq. 3
                  rows with "label": true are an error, unless --retain_coef c > 0 makes them retain data:
-                 + c·NLL over their tokens (the paper's retain-loss variant, NPO+RT)
+                 + c·NLL over their tokens (the paper's retain-loss variant, NPO+RT; a token mean, as its code)
+                 --lr defaults to the paper's 1e-5 for npo: the forget term is over SUMMED log-probs, about a
+                 response's length stronger than the retain NLL; --retain_warn flags a retain NLL running away
   --method d2o   −log σ(β/K·Σᵢ u(yᵢ) − α·u(y⁻)),  y₁ … y_K ~ π_ref(·|x)        Duan et al. 2024, the D²O loss
                  the K self-generated responses are sampled ONCE from the reference before training (so the
                  method stays offline) and saved to out_dir/d2o_samples.jsonl, which --resume reuses
@@ -50,6 +52,7 @@ Outputs: the policy in out_dir (HF layout); dro also saves its value model to ou
 import contextlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -77,6 +80,7 @@ class Options:
     beta: float = 0.1             # npo, d2o: β {> 0}
     alpha: Optional[float] = None # d2o: weight α of the negative's log-ratio; none = β {>= 0}
     retain_coef: float = 0.0      # npo: weight of the NLL on label-true rows (retain data); 0 = they are an error {>= 0}
+    retain_warn: float = 3.0      # npo: warn once if the retain NLL exceeds this × its first step's; 0 = off {>= 0}
     num_samples: int = 4          # d2o: K responses sampled from the reference per prompt {>= 1}
     max_new_tokens: int = 32      # d2o: longest sampled response {>= 1}
     temperature: float = 1.0      # d2o: sampling temperature of the K responses {> 0}
@@ -98,7 +102,7 @@ class Options:
     grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
     max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs {>= 0}
     epochs: float = 1.0           # passes over the data when --max_steps is 0 {> 0}
-    lr: float = 1e-4              # peak learning rate of the policy (built-in task) {> 0}
+    lr: Optional[float] = None    # peak learning rate of the policy; none = 1e-5 for npo (the paper's), 1e-4 else {> 0}
     warmup_steps: int = 10        # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
@@ -123,6 +127,15 @@ class Options:
 def npo_loss(u, beta):
     """NPO (Zhang et al. 2024, eq. 3): (2/β)·log(1 + (π_θ/π_ref)^β) = −(2/β)·log σ(−β·u), u = log π_θ/π_ref(y⁻)."""
     return -2.0 / beta * F.logsigmoid(-beta * u)
+
+
+def retain_nll_drifted(first, now, factor):
+    """True when the retain NLL `now` has grown past `factor` × its value at the run's first step. NPO+RT's
+    objective (Zhang et al. 2024, as its authors' code computes it) balances a forget term over SUMMED sequence
+    log-probs against a token-MEAN retain NLL, so at a large lr the forget gradient, about a response's length
+    times the retain one, can win: the retain NLL rising several-fold is the sign (docs/algorithms.md, NPO).
+    factor 0 = never."""
+    return factor > 0 and first > 0 and now > factor * first
 
 
 def d2o_loss(u_samples, u_negative, beta, alpha):
@@ -340,8 +353,8 @@ def check_options(opts):
     """Rules between options; a flag the method would silently ignore is an error."""
     m = opts.method
     defaults = Options()
-    own = {"retain_coef": "npo", "num_samples": "d2o", "max_new_tokens": "d2o", "temperature": "d2o", "tau": "dro",
-           "value_lr": "dro"}
+    own = {"retain_coef": "npo", "retain_warn": "npo", "num_samples": "d2o", "max_new_tokens": "d2o",
+           "temperature": "d2o", "tau": "dro", "value_lr": "dro"}
     for name, method in own.items():
         if m != method and getattr(opts, name) != getattr(defaults, name):
             fail(f"--{name} applies only to --method {method}, not {m}")
@@ -350,6 +363,9 @@ def check_options(opts):
     if m == "dro" and opts.beta != defaults.beta:
         fail("--beta does not apply to --method dro (its KL strength is --tau)")
     opts.alpha = opts.beta if opts.alpha is None else opts.alpha
+    # NPO: 1e-5, the paper's (its code's config/forget.yaml): at 1e-4 its forget term, a SUMMED sequence log-prob,
+    # wrecked the retain NLL of the built-in task's policy (0.90 -> 4.3 in 50 steps; docs/algorithms.md, NPO)
+    opts.lr = opts.lr if opts.lr is not None else (1e-5 if m == "npo" else 1e-4)
     opts.out_dir = opts.out_dir or f"out/{m}"
 
 
@@ -508,6 +524,7 @@ def main(argv=None):
         if value is not None:
             save_model_dir(os.path.join(opts.out_dir, "value"), value, tok)
 
+    retain = SimpleNamespace(first=0.0, warned=False)     # --retain_warn's watch (all-reduced: the same on ranks)
     for step in range(run.step + 1, max_steps + 1):
         t0 = time.time()
         for name, opt in optimizers.items():
@@ -531,6 +548,15 @@ def main(argv=None):
             add_to(sums, stats, batch)
         totals = sum_over_ranks(sums)
         metrics = {f"train/{k}": v for k, v in means(opts, totals).items()}
+        if opts.method == "npo" and opts.retain_coef and totals["retain_tokens"] and not retain.warned:
+            retain.first = retain.first or metrics["train/nll"]        # this run's first step with retain tokens
+            if retain_nll_drifted(retain.first, metrics["train/nll"], opts.retain_warn):
+                retain.warned = True
+                if world.is_main:
+                    print(f"warning: step {step}: the retain NLL {metrics['train/nll']:.3f} is "
+                          f"{metrics['train/nll'] / retain.first:.1f}x its first value {retain.first:.3f}: the NPO "
+                          f"term is overpowering the retain term; lower --lr (the paper: 1e-5) or raise --retain_coef "
+                          f"(docs/algorithms.md, NPO)", file=sys.stderr, flush=True)
         for name, m in models.items():
             norm = torch.nn.utils.clip_grad_norm_(m.parameters(), opts.grad_clip or float("inf")).item()
             metrics["train/grad_norm" if name == "policy" else f"train/{name}_grad_norm"] = norm

@@ -36,6 +36,15 @@ def test_npo_loss_and_gradient_match_float64_oracle(beta):
     assert got[5].item() == pytest.approx(2 / beta * math.log(2))       # u = 0: the start of training
 
 
+@pytest.mark.parametrize("first,now,factor,want", [
+    (0.5, 0.99, 2.0, False), (0.5, 1.01, 2.0, True), (0.5, 1.0, 2.0, False),    # strictly past factor × first
+    (0.5, 9.0, 0.0, False),                                                     # 0 = never
+    (0.0, 9.0, 2.0, False),                                                     # no start value yet
+    (0.48, 4.5, 2.0, True), (0.48, 0.6, 1.5, False)])                           # issue 23's run; a mild rise
+def test_retain_nll_drift_rule(first, now, factor, want):
+    assert tu.retain_nll_drifted(first, now, factor) is want
+
+
 # ---- D2O: −log σ(β/K·Σᵢ u(yᵢ) − α·u(y⁻)) ------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [1, 2, 5])
@@ -198,6 +207,32 @@ def test_npo_refuses_desirable_rows_unless_retained(tmp_path, sft_dir, capsys):
                    f"{tmp_path / 'mixed.jsonl'}:1: field 'label' is true, but --method d2o")
 
 
+def test_npo_warns_once_when_the_retain_nll_runs_away(tmp_path, sft_dir, capsys):
+    # a large lr: the summed-log-prob NPO term overpowers the token-mean retain NLL (issue 23, at toy scale; a
+    # random policy starts near log V, so the factor is small here)
+    flags = ["--retain_coef", "1", "--lr", "0.05", "--retain_warn", "1.2"]
+    tu.main(args(tmp_path, sft_dir, "hot", "npo", *flags, data="mixed", steps=8))
+    nll = [x["train/nll"] for x in metrics(tmp_path / "hot")]
+    err = capsys.readouterr().err
+    assert max(nll) > 1.2 * nll[0], nll                                # the regime the warning is for
+    warned = [line for line in err.splitlines() if line.startswith("warning: step ")]
+    assert len(warned) == 1 and "its first value" in warned[0] and "--lr" in warned[0], err
+    tu.main(args(tmp_path, sft_dir, "off", "npo", *flags[:-1], "0", data="mixed", steps=8))
+    assert "retain NLL" not in capsys.readouterr().err
+    tu.main(args(tmp_path, sft_dir, "calm", "npo", *flags[:2], "--lr", "1e-5", *flags[-2:], data="mixed", steps=8))
+    assert "retain NLL" not in capsys.readouterr().err                 # a small lr: the retain NLL holds
+
+
+def test_npo_lr_defaults_to_the_papers_1e5_and_the_others_keep_1e4():
+    for method, want in (("npo", 1e-5), ("d2o", 1e-4), ("dro", 1e-4)):
+        o = tu.Options(method=method)
+        tu.check_options(o)
+        assert o.lr == want
+    o = tu.Options(method="npo", lr=3e-4)
+    tu.check_options(o)
+    assert o.lr == 3e-4                                                # an explicit --lr is kept
+
+
 def test_npo_lowers_the_negatives_likelihood(tmp_path, sft_dir):
     tu.main(args(tmp_path, sft_dir, "npo", "npo", "--eval_interval", "4", steps=4))
     m = metrics(tmp_path / "npo")
@@ -284,6 +319,8 @@ def test_dro_trains_and_saves_both_networks_and_resumes(tmp_path, sft_dir):
 BAD = [
     ("npo", ["--tau", "0.5"], "--tau applies only to --method dro, not npo"),
     ("dro", ["--retain_coef", "1"], "--retain_coef applies only to --method npo, not dro"),
+    ("d2o", ["--retain_warn", "2"], "--retain_warn applies only to --method npo, not d2o"),
+    ("npo", ["--retain_warn", "-1"], "--retain_warn"),
     ("npo", ["--alpha", "0.1"], "--alpha applies only to --method d2o, not npo"),
     ("dro", ["--beta", "0.5"], "--beta does not apply to --method dro"),
     ("d2o", ["--num_samples", "0"], "--num_samples"),
