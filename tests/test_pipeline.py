@@ -62,3 +62,22 @@ def test_plot_without_matplotlib_is_a_note_not_a_crash(tmp_path):
             "from nano_rlhf import plot; sys.exit(0 if plot.main(['--out_dir', %r]) == [] else 1)" % str(tmp_path))
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "matplotlib is not installed" in p.stdout
+
+
+@pytest.mark.slow      # SFT and seven RL variants on the reasoning task, a few steps each
+def test_reasoning_script_tiny_end_to_end(tmp_path):
+    """scripts/reasoning.sh (TINY=1): every variant trains and loads, and the table has a pass@k per policy."""
+    env = dict(os.environ, TINY="1", OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"), PYTHON=sys.executable,
+               OMP_NUM_THREADS="2")
+    p = subprocess.run(["bash", "scripts/reasoning.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    from nano_rlhf.model import GPT
+    policies = ["sft", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "ppo"]
+    for name in policies:
+        GPT.from_pretrained(str(tmp_path / "out" / name))
+    table = [ln for ln in p.stdout.splitlines() if ln.startswith("| ")]
+    assert table[0].startswith("| policy | reward | pass@1 | pass@4")
+    assert [ln.split(" | ")[0][2:] for ln in table[1:]] == policies
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["name"] for r in results] == policies and all(0 <= r["pass@4"] <= 1 for r in results)
