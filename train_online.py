@@ -46,6 +46,7 @@ same code as train_ppo.py's SPO and the labelling tool: a pairwise judge is aske
 a group (Nash-MD: the sample and its opponent in both orders), in one call per step.
 """
 import os
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -95,6 +96,7 @@ class Options:
     cringe_threshold: Optional[float] = None  # CRINGE: score < this = negative, ≥ = positive; none = the group's worst / best
     cringe_topk: int = 5          # CRINGE: positive tokens are sampled from the model's top-k {>= 1}
     cringe_alpha: float = 1.0     # CRINGE: weight of the contrastive term beside the MLE term {>= 0}
+    kl_warn: float = 2.0          # warn once if the KL to the initial ref jumps past this (nats); 0 = off {>= 0}
     missing_eos_penalty: Optional[float] = None  # subtracted from the --judge score of a response with no stop token (TRL's); none = off {>= 0}
     init: str = "out/sft"         # policy to start from (also the reference unless --ref)
     ref: str = ""                 # reference policy directory; empty = --init
@@ -227,6 +229,26 @@ def cringe_labels(scores, threshold=None):
     return labels
 
 
+def kl_jump(history, kl, floor, factor=3.0, window=10, min_history=5):
+    """Has the KL to the reference jumped? True when kl > floor nats and kl > factor × the median of the last
+    `window` values of history (the previous steps' KL), given at least min_history of them. Why a median: the
+    per-step KL is a k-sample Monte-Carlo estimate, and a single noisy step must neither trigger the warning nor
+    hide a later jump. Why both tests: early in a run the KL starts at 0, so any growth is a large ratio (the
+    floor); late, a few nats may be a normal budget, so only a sudden multiple of it is news (the ratio). A slow
+    drift moves the median along with the KL and never warns; a run-away like 1 → 15 nats within a few steps
+    (the online DPO reward hacking of issue 23, the over-optimisation of Gao et al. 2023) does."""
+    recent = history[-window:]
+    if len(recent) < max(min_history, 1):
+        return False
+    return kl > floor and kl > factor * max(median(recent), 0.0)
+
+
+def median(values):
+    """The median of a list (the mean of the middle two for an even count); 0 for an empty one."""
+    v, n = sorted(values), len(values)
+    return 0.0 if n == 0 else v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
 # ---- sampling ----------------------------------------------------------------------------------
 
 def sample_uniforms(seed, step, prompt_ids, k, length, stream=0):
@@ -354,9 +376,19 @@ def seq_logps(model, s: Samples, opts):
     return lp, (lp * s.resp).sum(1)
 
 
-def pairwise_terms(opts, policy, ref, s, pairs):
+@torch.no_grad()
+def kl_sum(S, S_ref, ref, init_ref, s, opts):
+    """Σ over this rank's samples of S_θ(y) − S_0(y), y ~ π_θ: the k1 estimate of the sequence KL(π_θ ‖ π_0) to
+    the initial reference π_0 (at τ, as sampled), times the number of samples. Why every step: the evaluation
+    KL comes only every --eval_interval steps, and a run-away (issue 23: 1 → 15 nats between two evaluations)
+    must be seen when it starts. Reuses S_ref when the training reference is π_0 (no extra forward)."""
+    S_0 = S_ref if ref is init_ref and S_ref is not None else seq_logps(init_ref, s, opts)[1]
+    return float((S.detach() - S_0).sum())
+
+
+def pairwise_terms(opts, policy, ref, s, pairs, init_ref=None):
     """online_dpo / dno: Σ of train_dpo.pair_loss over this rank's pairs (with graph), Σ NLL(chosen) (with graph)
-    and sums for the log."""
+    and sums for the log (with init_ref: the KL to it over all samples, kl_sum)."""
     _, S = seq_logps(policy, s, opts)
     S_ref = None if ref is None else seq_logps(ref, s, opts)[1].detach()
     w = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=S.device)
@@ -366,15 +398,19 @@ def pairwise_terms(opts, policy, ref, s, pairs):
     loss, rw, rl = train_dpo.pair_loss(opts, S[w], S[l], ref_w, ref_l, lengths[w], lengths[l])
     sums = {"loss": loss.sum(), "rewards_chosen": rw.sum(), "rewards_rejected": rl.sum(),
             "reward_accuracy": (rw > rl).float().sum(), "reward_margin": (rw - rl).sum()}
+    if init_ref is not None:
+        sums["kl"] = kl_sum(S, S_ref, ref, init_ref, s, opts)
     # a rank without pairs still runs its backward (DDP all-reduces every rank's gradients): 0·S keeps the graph
     return loss.sum() + 0 * S.sum(), -S[w].sum(), sums
 
 
-def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=None):
+def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=None, init_ref=None):
     """This rank's share of the step's objective (with graph, divided by the global counts; None when no rank has
     anything to learn from) and the log's figures as {name: (this rank's sum, global denominator)}. The counts
-    are all-reduced first, so every rank divides by the same numbers."""
+    are all-reduced first, so every rank divides by the same numbers. With init_ref, every method that computes
+    sequence log-probs (all but CRINGE) also logs kl, the mean sequence KL of its samples to init_ref."""
     k, device = opts.samples_per_prompt, s.ids.device
+    n = dist.all_reduce_sum(float(s.ids.shape[0]))
     if opts.method in PAIRWISE:
         pairs = []
         for g, (P, D) in enumerate(groups):
@@ -386,29 +422,37 @@ def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=Non
             pairs += [(g * k + i, g * k + j) for i, j in select_pairs(gap, key, opts.pairs, opts.margin)]
         chosen_tokens = sum(float(s.resp[i].sum()) for i, _ in pairs)
         n_pairs, n_chosen = dist.all_reduce_sum(torch.tensor([len(pairs), chosen_tokens], dtype=torch.float64)).tolist()
-        if n_pairs == 0:
-            return None, {"pairs": (0.0, 1)}
-        loss_sum, nll_sum, sums = pairwise_terms(opts, policy, ref, s, pairs)
+        if n_pairs == 0:                 # nothing to learn from; the KL of the samples is still news
+            if init_ref is None:
+                return None, {"pairs": (0.0, 1)}
+            with torch.no_grad():
+                S = seq_logps(policy, s, opts)[1]
+            return None, {"pairs": (0.0, 1), "kl": (kl_sum(S, None, None, init_ref, s, opts), n)}
+        loss_sum, nll_sum, sums = pairwise_terms(opts, policy, ref, s, pairs, init_ref)
+        kl = {"kl": (sums.pop("kl"), n)} if "kl" in sums else {}
         objective = loss_sum / n_pairs                                  # mean over the step's pairs (all ranks) ...
         nll_w = train_dpo.nll_weight(opts)
         if nll_w:                                                       # ... + w · token-mean NLL(y_w), as train_dpo
             objective = objective + nll_w * nll_sum / max(n_chosen, 1)
         log = {name: (float(v.detach()), n_pairs) for name, v in sums.items()}
-        return objective, {**log, "pairs": (float(len(pairs)), 1), "nll": (float(nll_sum.detach()), max(n_chosen, 1))}
-    n = dist.all_reduce_sum(float(s.ids.shape[0]))
+        return objective, {**log, **kl, "pairs": (float(len(pairs)), 1),
+                           "nll": (float(nll_sum.detach()), max(n_chosen, 1))}
+    kl = (lambda S, S_ref: {"kl": (kl_sum(S, S_ref, ref, init_ref, s, opts), n)}) if init_ref is not None \
+        else (lambda S, S_ref: {})
     if opts.method == "sppo":
         p_hat = torch.cat([win_rates(P) for P, _ in groups]).to(device, torch.float32)
         _, S = seq_logps(policy, s, opts)
         S_ref = seq_logps(ref, s, opts)[1].detach()
         loss = sppo_loss(S, S_ref, p_hat, opts.eta)
         return loss.sum() / n, {"loss": (float(loss.detach().sum()), n), "p_hat": (float(p_hat.sum()), n),
-                                "log_ratio": (float((S.detach() - S_ref).sum()), n)}
+                                "log_ratio": (float((S.detach() - S_ref).sum()), n), **kl(S, S_ref)}
     if opts.method == "nash_md":
-        lp, _ = seq_logps(policy, s, opts)
-        ref_lp = seq_logps(ref, s, opts)[0].detach()
+        lp, S = seq_logps(policy, s, opts)
+        ref_lp, S_ref = (t.detach() for t in seq_logps(ref, s, opts))
         loss = nash_md_loss(lp, ref_lp, s.resp, prob.to(lp), opts.beta)
         return loss.sum() / n, {"loss": (float(loss.detach().sum()), n), "probability": (float(prob.sum()), n),
-                                "kl": (float(((lp.detach() - ref_lp) * s.resp).sum()), n)}
+                                **(kl(S, S_ref) if init_ref is not None else
+                                   {"kl": (float(((lp.detach() - ref_lp) * s.resp).sum()), n)})}
     # cringe: accepted responses' tokens get the MLE loss, rejected responses' tokens the CRINGE loss
     labels = torch.cat([cringe_labels(g, opts.cringe_threshold) for g in accept_key]).to(device)
     valid = s.resp.bool()
@@ -585,6 +629,7 @@ def main(argv=None):
 
     if run.step == 0 and opts.eval_interval:
         run.log(0, evaluate(0))
+    kl_history, kl_warned = [], False       # train/kl of the steps so far (a resumed run starts a new history)
     for step in range(run.step + 1, opts.max_steps + 1):
         t0 = time.time()
         lr = lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant")
@@ -611,7 +656,7 @@ def main(argv=None):
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only
             accept_key = list(scores) if scores is not None else [copeland(D) for _, D in groups]
         # 3.-4. examples, loss, update
-        objective, stats = step_objective(opts, ddp, ref, s, groups, step, prob, accept_key)
+        objective, stats = step_objective(opts, ddp, ref, s, groups, step, prob, accept_key, init_ref)
         grad_norm = 0.0
         if objective is not None:        # no pair / no labelled token on any rank: no update at all
             (objective * dist.ddp_scale()).backward()
@@ -621,6 +666,15 @@ def main(argv=None):
         if opts.ref_update_every and ref is not None and step % opts.ref_update_every == 0:
             ref.load_state_dict(policy.state_dict())     # iterative DPO / DNO / SPPO: π_t ← π_θ
         metrics = step_metrics(s, scores, stats, gold)
+        if "train/kl" in metrics and opts.kl_warn:      # the same value on every rank (all-reduced)
+            if not kl_warned and kl_jump(kl_history, metrics["train/kl"], opts.kl_warn) and world.is_main:
+                kl_warned = True
+                print(f"warning: step {step}: the KL to the initial reference jumped to {metrics['train/kl']:.2f} "
+                      f"nats (median {median(kl_history[-10:]):.2f} over the previous steps): the policy may be "
+                      "exploiting a blind spot of the judge; compare train/score with an independent measure of "
+                      "quality, and see docs/algorithms.md, 'Online and self-play methods'",
+                      file=sys.stderr, flush=True)
+            kl_history.append(metrics["train/kl"])
         t_step = time.time() - t0
         metrics.update({"train/lr": lr, "train/grad_norm": grad_norm, "train/step_time": t_step,
                         "train/generate_time": t_gen, "time/rollout_frac": t_gen / max(t_step, 1e-9)})

@@ -116,6 +116,42 @@ def group_matrix(upper):
     return P, T.preference_logits(P)
 
 
+def test_kl_jump_warns_on_a_jump_not_on_drift_noise_or_small_values():
+    """kl_jump on synthetic per-step KL series: the first value flagged, or None."""
+    def first(series, floor=2.0):
+        return next((t for t in range(len(series)) if T.kl_jump(series[:t], series[t], floor)), None)
+    # issue 23's shape: about 1 nat for a while, then a run-away to 15 within a few steps
+    jump = [0.0, 0.2, 0.5, 0.8, 1.0, 1.1, 0.9, 1.0, 1.2, 1.0, 1.1, 3.0, 6.5, 15.3]
+    assert first(jump) == 12                       # 3.0 is under 3x the median 1.0; 6.5 is not
+    # a slow drift to 20 nats over 200 steps: the median follows it
+    assert first([0.1 * t for t in range(200)]) is None
+    # a noisy flat series around 1.5 nats (a few-sample estimate), with one outlier at 4 among the last ten
+    g = torch.Generator().manual_seed(0)
+    noisy = (1.5 + 0.5 * torch.randn(300, generator=g)).clamp(min=0).tolist()
+    noisy[150] = 4.0
+    assert first(noisy) is None
+    # a 10x jump that stays under the floor is not news; the same jump over it is
+    small = [0.01] * 10 + [0.1, 0.5]
+    assert first(small) is None and first(small, floor=0.05) == 10
+    # too little history: no verdict yet, however large the value
+    assert not T.kl_jump([0.0, 0.0], 50.0, 2.0) and T.kl_jump([0.0] * 5, 50.0, 2.0)
+
+
+def test_kl_warning_is_one_line_once_and_off_with_zero(tmp_path, sft_dir, rm_dir, monkeypatch, capsys):
+    """The warning's wiring: whenever the rule fires it is printed once per run, on stderr; --kl_warn 0 never."""
+    seen = []
+    monkeypatch.setattr(T, "kl_jump", lambda history, kl, floor: seen.append((list(history), kl, floor)) or True)
+    T.main(online_args(tmp_path, sft_dir, rm_dir, "w", steps=3))
+    err = capsys.readouterr().err
+    assert err.count("warning: step 1: the KL to the initial reference jumped") == 1 and err.count("warning:") == 1
+    assert [h for h, _, _ in seen] == [[]] and seen[0][2] == 2.0        # asked until it fires, with the default
+    m = metrics(tmp_path / "w")
+    assert m[0]["train/kl"] == 0
+    seen.clear()
+    T.main(online_args(tmp_path, sft_dir, rm_dir, "w0", "--kl_warn", "0", steps=3))
+    assert "warning:" not in capsys.readouterr().err and seen == []
+
+
 def test_pairwise_judge_matrix_copeland_and_order():
     """P(y_i ≻ y_j) for i < j (row-major) -> P_ji = 1 − P_ij; best/worst by Copeland; the pair ordered by P."""
     P, D = group_matrix([0.8, 0.5, 0.9, 0.3, 0.6, 0.7])   # (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
@@ -234,6 +270,12 @@ def test_every_method_end_to_end_on_the_builtin_task(tmp_path, eos_sft_dir, task
     assert 0 < last["time/rollout_frac"] < 1
     # a step whose groups are all ties has nothing to learn from (no update, no loss); the seeded run has some
     assert any("train/loss" in x and math.isfinite(x["train/loss"]) for x in m)
+    # the per-step KL to the initial reference: 0 before the first update (policy = reference, whichever model
+    # the training reference is), then the policy has moved; CRINGE computes no sequence log-probs, so no KL
+    if method == "cringe":
+        assert "train/kl" not in last
+    else:
+        assert m[0]["train/kl"] == 0 and math.isfinite(last["train/kl"]) and last["train/kl"] != 0
     moved = GPT.from_pretrained(str(tmp_path / "run")).state_dict()
     start = GPT.from_pretrained(eos_sft_dir).state_dict()
     assert any(not torch.equal(moved[k], v) for k, v in start.items())
