@@ -2,8 +2,8 @@
 learn from the comparison, repeat. One loop, five methods, one flag apart.
 
 Borrowed from the other scripts, not re-written: train_dpo.py's pairwise losses (pair_loss, nll_weight and its
-DEFAULT_BETA / REFERENCE_FREE tables) and
-train_ppo.py's log-prob gather and prompt loading (response_logprobs, load_prompts).
+DEFAULT_BETA / REFERENCE_FREE tables) and train_ppo.py's log-prob gather and prompt loading (response_logprobs,
+load_prompts).
 
 One step (docs/algorithms.md, "Online and self-play methods"):
   1. sample   k responses per prompt from π_θ at temperature τ, cut after the first stop token (as train_ppo.py);
