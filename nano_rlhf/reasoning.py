@@ -42,6 +42,7 @@ import re
 from fractions import Fraction
 
 from .config import OneLineErrors
+from .ifeval import prompt_text   # a string prompt, or a conversation's last user message
 
 OPS = "+-*"
 MAX_VALUE = 99                     # every intermediate value of a generated problem is in [0, MAX_VALUE]
@@ -104,16 +105,6 @@ def make_prompt(nums, ops, phrasing=0):
 
 
 # ---- reading prompts and answers back -----------------------------------------------------------
-
-def prompt_text(prompt):
-    """A string prompt, or the last user message of a conversation ("" for anything else)."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-        return users[-1] if users and isinstance(users[-1], str) else ""
-    return ""
-
 
 def solve(prompt):
     """The exact value of the last arithmetic expression in a prompt (+, -, * or ×, integers, the usual
