@@ -240,7 +240,7 @@ def kl_jump(history, kl, floor, factor=3.0, window=10, min_history=5):
     hide a later jump. Why both tests: early in a run the KL starts at 0, so any growth is a large ratio (the
     floor); late, a few nats may be a normal budget, so only a sudden multiple of it is news (the ratio). A slow
     drift moves the median along with the KL and never warns; a run-away like 1 → 15 nats within a few steps
-    (the online DPO reward hacking of issue 23, the over-optimisation of Gao et al. 2023) does."""
+    (online DPO hacking a reward model on a held-back task, the over-optimisation of Gao et al. 2023) does."""
     recent = history[-window:]
     if len(recent) < max(min_history, 1):
         return False
@@ -384,8 +384,8 @@ def seq_logps(model, s: Samples, opts):
 def kl_sum(S, S_ref, ref, init_ref, s, opts):
     """Σ over this rank's samples of S_θ(y) − S_0(y), y ~ π_θ: the k1 estimate of the sequence KL(π_θ ‖ π_0) to
     the initial reference π_0 (at τ, as sampled), times the number of samples. Why every step: the evaluation
-    KL comes only every --eval_interval steps, and a run-away (issue 23: 1 → 15 nats between two evaluations)
-    must be seen when it starts. Reuses S_ref when the training reference is π_0 (no extra forward)."""
+    KL comes only every --eval_interval steps, and a run-away (1 → 15 nats between two evaluations, seen on a
+    held-back task) must be seen when it starts. Reuses S_ref when the training reference is π_0 (no extra forward)."""
     S_0 = S_ref if ref is init_ref and S_ref is not None else seq_logps(init_ref, s, opts)[1]
     return float((S.detach() - S_0).sum())
 
