@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import dist
+from .dist import full_tensor
 from .files import StateError, _read_json, write_json
 
 try:        # FSDP2 (torch >= 2.6); absent on builds without torch.distributed
@@ -371,11 +372,6 @@ def clip_grad_norm(parameters, max_norm):
     return norm.item()
 
 
-def full_tensor(t):
-    """The whole tensor of a shard (all-gather; collective) or the tensor itself."""
-    return t.full_tensor() if DTensor is not None and isinstance(t, DTensor) else t
-
-
 def plain_copy(model):
     """An unsharded float32 CPU copy of a sharded model on rank 0 (None on the others), to write the final
     HF directory. Collective (one all-gather per tensor). LoRA adapters are rebuilt in the copy so that the
@@ -405,11 +401,6 @@ def plain_copy(model):
         if hasattr(model, attr):
             setattr(copy, attr, getattr(model, attr))
     return copy.train(model.training)
-
-
-def checksum_tensor(t):
-    """A tensor's full content on CPU (gathered when sharded), for weights_checksum."""
-    return full_tensor(t).detach().to("cpu").contiguous()
 
 
 # ---- sharded checkpoints: per-rank safetensors + a JSON index ---------------------------------------------
