@@ -10,17 +10,8 @@ import time
 import torch
 
 from . import dist
-from .data import DataError
-
-
-def fail(msg: str, code: int = 1):
-    """Print one clear line to stderr and exit non-zero (all ranks do the same)."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    from . import run        # the live Run (if any) releases its lock and undoes a run that saved nothing
-    if run._current is not None:
-        run._current.abort()
-    dist.cleanup(sync=False)
-    sys.exit(code)
+from .data import DataError, split_off  # noqa: F401  (split_off re-exported: it lived here)
+from .run import check_finite, fail  # noqa: F401  (re-exported: they lived here)
 
 
 @contextlib.contextmanager
@@ -69,12 +60,6 @@ def autocast(device, dtype: str):
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
-
-
-def check_finite(value: float, step: int, out_dir: str, what="loss"):
-    if not math.isfinite(value):
-        fail(f"non-finite {what} ({value}) at step {step}; stopping. The last good checkpoint "
-             f"(if any) is in {out_dir}/state and can be resumed with --resume")
 
 
 class Logger:
@@ -182,15 +167,6 @@ def check_output_file(flag, path, input_files=(), input_dirs=()):
             name = os.path.basename(target)
             if name in RUN_FILES or name.endswith((".safetensors", ".json", ".jsonl")) and os.path.exists(target):
                 fail(f"{flag} {path}: would replace {name} of the model directory {d}; write elsewhere")
-
-
-def split_off(records, fraction, seed):
-    """Deterministically split records into (train, held-out) with `fraction` held out (at least one)."""
-    import random
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    n = max(1, int(len(records) * fraction))
-    return [records[i] for i in order[n:]], [records[i] for i in order[:n]]
 
 
 def check_device(device: str):
