@@ -117,7 +117,7 @@ def preset_config(spec):
 def count_params(cfg, head="lm", lora_r=0, lora_targets=None):
     """(parameters, LoRA adapter parameters) of the model a config describes, from its tensor shapes."""
     from .hf_io import expected_shapes
-    from .lora import GPT2_TARGETS, LLAMA_TARGETS
+    from .lora_layers import GPT2_TARGETS, LLAMA_TARGETS
     shapes = expected_shapes(cfg, head)
     n = sum(math.prod(s) for s in shapes.values())
     targets = lora_targets or (GPT2_TARGETS if cfg.model_type == "gpt2" else LLAMA_TARGETS)
@@ -383,7 +383,7 @@ def plain_copy(model):
     cls = type(model).__bases__[-1] if FSDPModule is not None and isinstance(model, FSDPModule) else type(model)
     with torch.device("meta"):
         copy = cls(model.cfg)
-    from .lora import LoRALinear, apply_lora, lora_modules
+    from .lora_layers import LoRALinear, apply_lora, lora_modules
     mods = lora_modules(model)
     if mods:
         first = mods[0][1]
