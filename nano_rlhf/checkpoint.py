@@ -69,7 +69,7 @@ def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     A FSDP-sharded model is gathered first (collective: then every rank must call this)."""
     if parallel.is_sharded(model):
         model = parallel.plain_copy(model)
-    if not dist.ctx().is_main:
+    if not dist.world().is_main:
         return
     os.makedirs(out_dir, exist_ok=True)
     cfg = dist.unwrap(model).cfg
@@ -134,7 +134,7 @@ def _set_rng_state(tensors, meta, generators):
 def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: dict = None):
     """Write out_dir/state atomically. Collective: every rank must call it (each saves its RNG).
     Also writes run.json (the run identity registered by nano_rlhf.run.start), when there is one."""
-    ctx = dist.ctx()
+    ctx = dist.world()
     final, tmp, old = (os.path.join(out_dir, s) for s in ("state", "state.tmp", "state.old"))
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,7 +212,7 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
             raise
         except (KeyError, TypeError, IndexError, RuntimeError, ValueError) as e:   # ValueError: a group's size
             raise StateError(f"{tpath}: does not fit the optimizer ({type(e).__name__}: {e})") from None
-    rank, world_size = dist.ctx().rank, dist.ctx().world_size
+    rank, world_size = dist.world().rank, dist.world().world_size
     rpath, rjson = os.path.join(d, f"rng_rank{rank}.safetensors"), os.path.join(d, f"rng_rank{rank}.json")
     if meta.get("world_size") == world_size:
         try:

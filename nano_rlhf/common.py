@@ -67,7 +67,7 @@ class Logger:
     rank 0 only (other ranks get a logger that does nothing, so the loop never branches on rank)."""
 
     def __init__(self, out_dir, max_steps, resume=False, start_step=0):
-        self.on = dist.ctx().is_main
+        self.on = dist.world().is_main
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.max_steps, self.t0, self.step0 = max_steps, time.time(), start_step
         if self.on:
@@ -111,7 +111,7 @@ def builtin_file(name: str) -> str:
     # whether to wait, a rank starting after rank 0 wrote task.json would skip a barrier the others are in,
     # and every later collective would pair with the wrong call (a hang). Callers call this on all ranks.
     # Two runs on one machine (or one filesystem) are serialised by a file lock in ensure_dataset.
-    if dist.ctx().is_main and not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # written last
+    if dist.world().is_main and not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # written last
         synthetic.ensure_dataset(BUILTIN_DIR, seed=0, note=dist.print0)
     dist.barrier()                                                   # a no-op in a single process
     return os.path.join(BUILTIN_DIR, name)

@@ -109,11 +109,6 @@ def world() -> Dist:
     return _CTX
 
 
-def ctx() -> Dist:
-    """Deprecated alias of world()."""
-    return _CTX
-
-
 def ddp_scale() -> int:
     """DDP averages gradients over ranks; a loss written as (this rank's sum) / (global count) must be
     multiplied by this (= world_size) before backward so the averaged gradient is that of the global

@@ -222,7 +222,7 @@ def attach(model, opts, base_dir, trainable=(), prefix="lora", seed=None):
         return {}
     model = dist.unwrap(model)
     # only rank 0 compares identities (nano_rlhf.run): the other ranks skip hashing every weight
-    base_checksum = f"{dist.weights_checksum(model):016x}" if dist.ctx().is_main else ""
+    base_checksum = f"{dist.weights_checksum(model):016x}" if dist.world().is_main else ""
     targets = parse_targets(opts.lora_targets)
     cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=cuda):
@@ -362,7 +362,7 @@ def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     from .checkpoint import save_model_dir as save_plain
     if not lora_modules(model):
         return save_plain(out_dir, model, tokenizer, **extra_config)
-    if not dist.ctx().is_main:
+    if not dist.world().is_main:
         return
     bare = dist.unwrap(model)
     save_plain(out_dir, merged_copy(bare), tokenizer, **extra_config)
