@@ -25,7 +25,6 @@ and `load_state` takes whichever is complete.
 """
 import fcntl
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -36,25 +35,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import dist, parallel
+from .files import StateError, _read_json, atomic_write_text, write_json  # noqa: F401  (re-exported: they lived here)
+from .parallel import _optim_from_flat
 
 # A function returning the run's identity record, registered by nano_rlhf.run.start(); save_state writes it
 # into every state directory as run.json, inside the atomic swap, so a state never exists without it.
 RUN_INFO = None
-
-
-class StateError(ValueError):
-    """A missing, truncated or corrupt file in a state directory (a ValueError, so common.input_errors
-    turns it into one line)."""
-
-
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise StateError(f"{path}: missing; the saved state is incomplete") from None
-    except (OSError, ValueError) as e:
-        raise StateError(f"{path}: unreadable or corrupt ({e}); the saved state is damaged") from None
 
 
 def _read_tensors(path):
@@ -65,19 +51,6 @@ def _read_tensors(path):
     except Exception as e:      # safetensors raises its own error types for truncated / bad headers
         raise StateError(f"{path}: unreadable or corrupt ({type(e).__name__}: {e}); the saved state is damaged") \
             from None
-
-
-def atomic_write_text(path, text):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json(path, obj):
-    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def export_pad_id(cfg, tokenizer=None):
@@ -96,7 +69,7 @@ def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     A FSDP-sharded model is gathered first (collective: then every rank must call this)."""
     if parallel.is_sharded(model):
         model = parallel.plain_copy(model)
-    if not dist.ctx().is_main:
+    if not dist.world().is_main:
         return
     os.makedirs(out_dir, exist_ok=True)
     cfg = dist.unwrap(model).cfg
@@ -125,20 +98,6 @@ def _optim_to_flat(opt):
             else:
                 scalars[f"{pid}.{k}"] = v
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def _optim_from_flat(opt, tensors, meta):
-    """Restore an optimizer from its flat tensors ("<param index>.<name>") and JSON meta (scalars, groups);
-    parallel.load_optimizer reads the tensors of a sharded state and ends here too."""
-    state = {}
-    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
-        pid, k = key.split(".", 1)
-        state.setdefault(int(pid), {})[k] = v
-    groups = meta["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _rng_state(generators):
@@ -175,7 +134,7 @@ def _set_rng_state(tensors, meta, generators):
 def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: dict = None):
     """Write out_dir/state atomically. Collective: every rank must call it (each saves its RNG).
     Also writes run.json (the run identity registered by nano_rlhf.run.start), when there is one."""
-    ctx = dist.ctx()
+    ctx = dist.world()
     final, tmp, old = (os.path.join(out_dir, s) for s in ("state", "state.tmp", "state.old"))
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -253,7 +212,7 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
             raise
         except (KeyError, TypeError, IndexError, RuntimeError, ValueError) as e:   # ValueError: a group's size
             raise StateError(f"{tpath}: does not fit the optimizer ({type(e).__name__}: {e})") from None
-    rank, world_size = dist.ctx().rank, dist.ctx().world_size
+    rank, world_size = dist.world().rank, dist.world().world_size
     rpath, rjson = os.path.join(d, f"rng_rank{rank}.safetensors"), os.path.join(d, f"rng_rank{rank}.json")
     if meta.get("world_size") == world_size:
         try:

@@ -10,17 +10,8 @@ import time
 import torch
 
 from . import dist
-from .data import DataError
-
-
-def fail(msg: str, code: int = 1):
-    """Print one clear line to stderr and exit non-zero (all ranks do the same)."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    from . import run        # the live Run (if any) releases its lock and undoes a run that saved nothing
-    if run._current is not None:
-        run._current.abort()
-    dist.cleanup(sync=False)
-    sys.exit(code)
+from .data import DataError, split_off  # noqa: F401  (split_off re-exported: it lived here)
+from .run import check_finite, fail  # noqa: F401  (re-exported: they lived here)
 
 
 @contextlib.contextmanager
@@ -71,18 +62,12 @@ def autocast(device, dtype: str):
     return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
 
 
-def check_finite(value: float, step: int, out_dir: str, what="loss"):
-    if not math.isfinite(value):
-        fail(f"non-finite {what} ({value}) at step {step}; stopping. The last good checkpoint "
-             f"(if any) is in {out_dir}/state and can be resumed with --resume")
-
-
 class Logger:
     """Appends one JSON object per logged step to out_dir/metrics.jsonl and prints a progress line;
     rank 0 only (other ranks get a logger that does nothing, so the loop never branches on rank)."""
 
     def __init__(self, out_dir, max_steps, resume=False, start_step=0):
-        self.on = dist.ctx().is_main
+        self.on = dist.world().is_main
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.max_steps, self.t0, self.step0 = max_steps, time.time(), start_step
         if self.on:
@@ -126,7 +111,7 @@ def builtin_file(name: str) -> str:
     # whether to wait, a rank starting after rank 0 wrote task.json would skip a barrier the others are in,
     # and every later collective would pair with the wrong call (a hang). Callers call this on all ranks.
     # Two runs on one machine (or one filesystem) are serialised by a file lock in ensure_dataset.
-    if dist.ctx().is_main and not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # written last
+    if dist.world().is_main and not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # written last
         synthetic.ensure_dataset(BUILTIN_DIR, seed=0, note=dist.print0)
     dist.barrier()                                                   # a no-op in a single process
     return os.path.join(BUILTIN_DIR, name)
@@ -182,15 +167,6 @@ def check_output_file(flag, path, input_files=(), input_dirs=()):
             name = os.path.basename(target)
             if name in RUN_FILES or name.endswith((".safetensors", ".json", ".jsonl")) and os.path.exists(target):
                 fail(f"{flag} {path}: would replace {name} of the model directory {d}; write elsewhere")
-
-
-def split_off(records, fraction, seed):
-    """Deterministically split records into (train, held-out) with `fraction` held out (at least one)."""
-    import random
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    n = max(1, int(len(records) * fraction))
-    return [records[i] for i in order[n:]], [records[i] for i in order[:n]]
 
 
 def check_device(device: str):

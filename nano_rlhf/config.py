@@ -212,5 +212,5 @@ def to_dict(opts):
 
 def save_config(opts, path, **extra):
     """Write the resolved options (and any derived values) as JSON."""
-    from .checkpoint import write_json
+    from .files import write_json
     write_json(path, dict(to_dict(opts), **extra))

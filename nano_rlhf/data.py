@@ -235,10 +235,18 @@ def load_records(path: str, kind: str, warn: Callable[[str], None] = None) -> Li
     return out
 
 
+def split_off(records, fraction, seed):
+    """Deterministically split records into (train, held-out) with `fraction` held out (at least one)."""
+    import random
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n = max(1, int(len(records) * fraction))
+    return [records[i] for i in order[n:]], [records[i] for i in order[:n]]
+
+
 def load_train_eval(kind: str, *, data: str, eval_data: str, eval_fraction: float, seed: int):
     """(train records, eval records): --data and --eval_data, or, without --eval_data, a deterministic
     --eval_fraction of --data held out (at least one row). DataError when nothing is left to train on."""
-    from .common import split_off       # common imports this module: import at call time
     records = load_records(data, kind)
     if eval_data:
         return records, load_records(eval_data, kind)

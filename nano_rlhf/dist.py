@@ -17,6 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+try:        # FSDP2's sharded tensors (torch >= 2.6); absent on builds without torch.distributed
+    from torch.distributed.tensor import DTensor
+except ImportError:
+    DTensor = None
+
 
 @dataclass
 class Dist:
@@ -101,11 +106,6 @@ def cleanup(sync=True):
 
 def world() -> Dist:
     """The distributed context set by setup() (rank, local_rank, world_size, device, is_main, enabled)."""
-    return _CTX
-
-
-def ctx() -> Dist:
-    """Deprecated alias of world()."""
     return _CTX
 
 
@@ -205,11 +205,21 @@ def unwrap(model):
             return model
 
 
+def full_tensor(t):
+    """The whole tensor of a shard (all-gather; collective) or the tensor itself."""
+    return t.full_tensor() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def checksum_tensor(t):
+    """A tensor's full content on CPU (gathered when sharded), for weights_checksum (FSDP shards are gathered:
+    the checksum is of the full weights)."""
+    return full_tensor(t).detach().to("cpu").contiguous()
+
+
 def weights_checksum(model) -> int:
     """A 63-bit hash of every parameter and buffer, bit-exact (of the gathered full tensors under FSDP:
     collective then)."""
     h = hashlib.sha256()
-    from .parallel import checksum_tensor      # FSDP shards are gathered: the checksum is of the full weights
     for name, t in unwrap(model).state_dict().items():
         h.update(name.encode())
         h.update(checksum_tensor(t).view(-1).view(torch.uint8).numpy().tobytes())

@@ -9,10 +9,15 @@ instead of allocating the model. Stored weights may be float32, float16 or bfloa
 
 Key names are HF's. GPT-2's four Conv1D matrices are stored [in, out] and transposed on the way in and out;
 everything else is copied as is (the Llama family's rotate-half RoPE needs no q/k permutation).
+
+GPTConfig, check_config and ARCHITECTURES are defined here (reading a config needs them) and re-exported by
+model.py, which builds the models; this module imports nothing of nano_rlhf.
 """
 import json
 import os
 import re
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from safetensors import safe_open
@@ -22,6 +27,85 @@ from safetensors.torch import save_file
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _DTYPES = ("F32", "F16", "BF16", "F64")
 _MAX_HEADER = 100_000_000
+
+
+ARCHITECTURES = {  # model_type -> (language model class, sequence classification class) in transformers
+    "gpt2": ("GPT2LMHeadModel", "GPT2ForSequenceClassification"),
+    "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+}
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 512
+    block_size: int = 64                     # maximum sequence length (HF: n_positions / max_position_embeddings)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0                     # GPT-2: residual, attention, embedding; Llama: attention (0 in RLHF)
+    bias: bool = True                        # GPT-2 biases in Linear and LayerNorm (GPT-2: True)
+    layer_norm_epsilon: float = 1e-5
+    eos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None       # written to config.json only; the model never reads it
+    eos_token_ids: Optional[list] = None     # every end id the checkpoint lists (config and generation_config)
+    generation: Optional[dict] = None        # the checkpoint's generation_config.json, kept for export
+    model_type: str = "gpt2"                 # gpt2 | llama | qwen2 | qwen3; the fields below are Llama family only
+    n_kv_head: Optional[int] = None          # grouped-query attention: key/value heads (None = n_head)
+    head_dim: Optional[int] = None           # None = n_embd // n_head (Qwen3-0.6B: 128 at width 1024, 16 heads)
+    intermediate_size: Optional[int] = None  # SwiGLU width (None = 4 * n_embd)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None      # None or {"rope_type": "llama3", "factor", "low_freq_factor",
+    #                                          "high_freq_factor", "original_max_position_embeddings"}
+    attention_bias: bool = False             # q/k/v biases (Qwen2 always; Llama/Qwen3 then o_proj too)
+    qk_norm: bool = False                    # per-head RMSNorm of q and k before RoPE (Qwen3)
+    tie_word_embeddings: bool = True         # output layer = embedding (GPT-2 always)
+    bos_token_id: Optional[int] = None
+
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hd(self):
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def ffn(self):
+        return self.intermediate_size or 4 * self.n_embd
+
+
+def check_config(cfg, where="config"):
+    """ValueError naming the field when a config cannot build a model (one line, prefixed by `where`)."""
+    def positive_int(name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
+    if cfg.model_type not in ARCHITECTURES:
+        raise ValueError(f"{where}: model_type {cfg.model_type!r} is not supported (gpt2, llama, qwen2, qwen3)")
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        positive_int(name, getattr(cfg, name))
+    for name in ("n_kv_head", "head_dim", "intermediate_size"):
+        if getattr(cfg, name) is not None:
+            positive_int(name, getattr(cfg, name))
+    if cfg.model_type == "gpt2":
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"{where}: n_head {cfg.n_head} does not divide n_embd {cfg.n_embd}")
+        if not cfg.tie_word_embeddings or cfg.kv_heads != cfg.n_head or cfg.hd * cfg.n_head != cfg.n_embd:
+            raise ValueError(f"{where}: gpt2 has tied embeddings, n_kv_head = n_head and head_dim = n_embd / n_head")
+        return
+    if cfg.n_head % cfg.kv_heads:
+        raise ValueError(f"{where}: n_kv_head {cfg.kv_heads} does not divide n_head {cfg.n_head}")
+    if cfg.hd % 2:
+        raise ValueError(f"{where}: head_dim {cfg.hd} must be even for rotary embeddings")
+    if cfg.model_type == "qwen2" and not cfg.attention_bias:
+        raise ValueError(f"{where}: qwen2 always has q/k/v biases (attention_bias must be true)")
+    s = cfg.rope_scaling
+    if s is not None:
+        need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if not isinstance(s, dict) or s.get("rope_type") != "llama3" or any(k not in s for k in need):
+            raise ValueError(f"{where}: rope_scaling must be None or rope_type llama3 with {', '.join(need)}")
 
 
 def _read_json(path, kind=dict):
@@ -74,7 +158,6 @@ def model_type_of(raw, path):
     llama), else gpt2 for GPT-2's own keys (n_embd, n_layer: configs older than model_type). Llama-style keys
     (hidden_size, ...) without either cannot tell llama from qwen2 or qwen3, whose weights differ only in biases
     and norms, so they are refused rather than read as the GPT-2 they are not."""
-    from .model import ARCHITECTURES
     if "model_type" in raw:
         return raw["model_type"]
     archs = raw.get("architectures")
@@ -98,7 +181,6 @@ def model_type_of(raw, path):
 
 def config_from_hf(raw, path):
     """GPTConfig from a HF config.json dict; ValueError naming `path` and the field for what is not supported."""
-    from .model import GPTConfig, check_config
     f = _Fields(raw, path)
     mt = model_type_of(raw, path)
     if mt == "gpt2":
@@ -275,7 +357,6 @@ def read_hf_dir(model_dir, head=None, allow_missing=(), **overrides):
     cfg = config_from_hf(raw, cpath)
     cfg.generation, cfg.eos_token_ids = read_generation(model_dir, raw)
     if overrides:
-        from .model import check_config
         for k, v in overrides.items():
             setattr(cfg, k, v)
         check_config(cfg, f"{cpath} with {overrides}")

@@ -35,6 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import dist
+from .dist import full_tensor
+from .files import StateError, _read_json, write_json
 
 try:        # FSDP2 (torch >= 2.6); absent on builds without torch.distributed
     from torch.distributed.device_mesh import init_device_mesh
@@ -115,7 +117,7 @@ def preset_config(spec):
 def count_params(cfg, head="lm", lora_r=0, lora_targets=None):
     """(parameters, LoRA adapter parameters) of the model a config describes, from its tensor shapes."""
     from .hf_io import expected_shapes
-    from .lora import GPT2_TARGETS, LLAMA_TARGETS
+    from .lora_layers import GPT2_TARGETS, LLAMA_TARGETS
     shapes = expected_shapes(cfg, head)
     n = sum(math.prod(s) for s in shapes.values())
     targets = lora_targets or (GPT2_TARGETS if cfg.model_type == "gpt2" else LLAMA_TARGETS)
@@ -370,11 +372,6 @@ def clip_grad_norm(parameters, max_norm):
     return norm.item()
 
 
-def full_tensor(t):
-    """The whole tensor of a shard (all-gather; collective) or the tensor itself."""
-    return t.full_tensor() if DTensor is not None and isinstance(t, DTensor) else t
-
-
 def plain_copy(model):
     """An unsharded float32 CPU copy of a sharded model on rank 0 (None on the others), to write the final
     HF directory. Collective (one all-gather per tensor). LoRA adapters are rebuilt in the copy so that the
@@ -386,7 +383,7 @@ def plain_copy(model):
     cls = type(model).__bases__[-1] if FSDPModule is not None and isinstance(model, FSDPModule) else type(model)
     with torch.device("meta"):
         copy = cls(model.cfg)
-    from .lora import LoRALinear, apply_lora, lora_modules
+    from .lora_layers import LoRALinear, apply_lora, lora_modules
     mods = lora_modules(model)
     if mods:
         first = mods[0][1]
@@ -404,11 +401,6 @@ def plain_copy(model):
         if hasattr(model, attr):
             setattr(copy, attr, getattr(model, attr))
     return copy.train(model.training)
-
-
-def checksum_tensor(t):
-    """A tensor's full content on CPU (gathered when sharded), for weights_checksum."""
-    return full_tensor(t).detach().to("cpu").contiguous()
 
 
 # ---- sharded checkpoints: per-rank safetensors + a JSON index ---------------------------------------------
@@ -444,7 +436,6 @@ def save_sharded(directory, stem, tensors, extra=None):
             mine[k] = t.detach().to("cpu").contiguous()
     save_file(mine, os.path.join(directory, f"{stem}.rank{w.rank}.safetensors"))
     if w.is_main:
-        from .checkpoint import write_json
         write_json(os.path.join(directory, f"{stem}.json"),
                    {"world_size": w.world_size, "tensors": index, **(extra or {})})
 
@@ -454,7 +445,6 @@ class TensorSource:
     sharded one (save_sharded). Only the requested rows are read from disk (safetensors slices)."""
 
     def __init__(self, directory, stem):
-        from .checkpoint import StateError, _read_json
         self.dir, self.stem, self.files = directory, stem, {}
         whole = os.path.join(directory, f"{stem}.safetensors")
         index_path = os.path.join(directory, f"{stem}.json")
@@ -474,7 +464,6 @@ class TensorSource:
 
     def _open(self, path):
         """{key: shape} of a safetensors file, opened lazily (kept open)."""
-        from .checkpoint import StateError
         if path not in self.files:
             if not os.path.isfile(path):
                 raise StateError(f"{path}: missing; the saved state is incomplete")
@@ -487,7 +476,6 @@ class TensorSource:
         return self.files[path][1]
 
     def _slice(self, path, key, a, b):
-        from .checkpoint import StateError
         shapes = self._open(path)
         if key not in shapes:
             raise StateError(f"{path}: has no tensor {key!r}; the saved state is damaged")
@@ -522,7 +510,6 @@ class TensorSource:
 
 def read_like(source, key, target):
     """The saved `key` laid out as `target`: this rank's rows when target is a shard, else all of it."""
-    from .checkpoint import StateError
     if key not in source.index:
         raise StateError(f"{source.dir}/{source.stem}: has no tensor {key!r}")
     if tuple(source.shape(key)) != tuple(target.shape):
@@ -538,7 +525,6 @@ def read_like(source, key, target):
 @torch.no_grad()
 def load_model(source, model):
     """Copy the saved tensors into the model (its shards or whole parameters); every key must match."""
-    from .checkpoint import StateError
     target = dist.unwrap(model).state_dict()
     missing, unexpected = sorted(set(target) - set(source.index)), sorted(set(source.index) - set(target))
     if missing or unexpected:
@@ -560,10 +546,23 @@ def optimizer_tensors(opt):
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
+def _optim_from_flat(opt, tensors, meta):
+    """Restore an optimizer from its flat tensors ("<param index>.<name>") and JSON meta (scalars, groups):
+    checkpoint.load_state's unsharded path, and load_optimizer after reading a sharded state's tensors."""
+    state = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    groups = meta["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
 def load_optimizer(source, opt, meta):
     """Restore an optimizer from a TensorSource of its tensors and its JSON meta, each state tensor laid out
     as its parameter (this rank's shard under FSDP)."""
-    from .checkpoint import _optim_from_flat      # (checkpoint imports this module)
     params = [p for g in opt.param_groups for p in g["params"]]
     tensors = {}
     for key in source.keys():

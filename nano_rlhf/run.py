@@ -28,20 +28,36 @@ model or judge replaced at the same path would otherwise be taken, and the run g
 """
 import atexit
 import json
+import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 
 from . import checkpoint, dist
 from .checkpoint import RUN_FILES, OutDirLock, atomic_write_text, find_state, input_sha256, sha256_file
-from .common import check_finite, fail
 from .config import to_dict
 
 # Options that may differ between a run and its --resume (the global batch is checked instead of its factors).
 CHANGEABLE = {"max_steps", "stop_at", "log_interval", "eval_interval", "save_interval", "report_to", "device",
               "dist_timeout", "overwrite", "resume", "world_size", "batch_size", "grad_accum"}
-_current = None          # the live Run of this process (common.fail aborts it)
+_current = None          # the live Run of this process (fail aborts it)
+
+
+def fail(msg: str, code: int = 1):
+    """Print one clear line to stderr and exit non-zero (all ranks do the same)."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    if _current is not None:       # the live Run (if any) releases its lock and undoes a run that saved nothing
+        _current.abort()
+    dist.cleanup(sync=False)
+    sys.exit(code)
+
+
+def check_finite(value: float, step: int, out_dir: str, what="loss"):
+    if not math.isfinite(value):
+        fail(f"non-finite {what} ({value}) at step {step}; stopping. The last good checkpoint "
+             f"(if any) is in {out_dir}/state and can be resumed with --resume")
 
 
 def _inside(path, parent):
