@@ -30,7 +30,6 @@ import os
 import sys
 
 import torch
-import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 

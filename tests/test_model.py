@@ -1,6 +1,5 @@
 """The model against HF transformers GPT-2 on the same weights, padding invariance, and generation."""
 import json
-import os
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ from safetensors.torch import load_file
 
 from conftest import WORDS, weights_close, pref_rows, run, tiny_model, write_jsonl
 from numerics import FLOAT32_ATOL, assert_close64
-from nano_rlhf import dist
 from nano_rlhf.data import collate_pairs, tokenize_pairs
 from nano_rlhf.model import ScoreModel
 from train_rm import evaluate, pair_scores, reward_loss

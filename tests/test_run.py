@@ -10,7 +10,6 @@ import time
 import types
 
 import pytest
-import torch
 
 from conftest import ROOT, run
 
