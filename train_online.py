@@ -53,6 +53,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from statistics import median
 from types import SimpleNamespace
 from typing import Literal, Optional
 
@@ -245,12 +246,6 @@ def kl_jump(history, kl, floor, factor=3.0, window=10, min_history=5):
     if len(recent) < max(min_history, 1):
         return False
     return kl > floor and kl > factor * max(median(recent), 0.0)
-
-
-def median(values):
-    """The median of a list (the mean of the middle two for an even count); 0 for an empty one."""
-    v, n = sorted(values), len(values)
-    return 0.0 if n == 0 else v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
 # ---- sampling ----------------------------------------------------------------------------------
@@ -674,8 +669,8 @@ def main(argv=None):
             if not kl_warned and kl_jump(kl_history, metrics["train/kl"], opts.kl_warn) and world.is_main:
                 kl_warned = True
                 print(f"warning: step {step}: the KL to the initial reference jumped to {metrics['train/kl']:.2f} "
-                      f"nats (median {median(kl_history[-10:]):.2f} over the previous steps): the policy may be "
-                      "exploiting a blind spot of the judge; compare train/score with an independent measure of "
+                      f"nats (median {median(kl_history[-10:] or [0.0]):.2f} over the previous steps): the policy "
+                      "may be exploiting a blind spot of the judge; compare train/score with an independent measure of "
                       "quality, and see docs/algorithms.md, 'Online and self-play methods'",
                       file=sys.stderr, flush=True)
             kl_history.append(metrics["train/kl"])

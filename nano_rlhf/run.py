@@ -72,16 +72,17 @@ def _step_of(line):
         return float("inf")       # a line cut by a crash: drop it
 
 
-def _collective_check(fn):
-    """Run fn() on rank 0 (it returns an error message or None); every rank fails with that message. A bug
-    (an exception) in fn is re-raised on rank 0 after the others were told, so no rank waits for it."""
+def _collective_check(fn, every_rank=False):
+    """Run fn() (it returns an error message or None) on rank 0, or with every_rank on every rank (a check of
+    each rank's own files); every rank then fails with that message (the lowest failing rank's). A bug (an
+    exception) in fn is re-raised on its rank after the others were told, so no rank waits for it."""
     msg, bug = None, None
-    if dist.world().is_main:
+    if every_rank or dist.world().is_main:
         try:
             msg = fn()
         except Exception as e:
-            msg, bug = f"rank 0 failed in a start-up check ({type(e).__name__}: {e})", e
-    msg = dist.broadcast_object(msg)
+            msg, bug = f"rank {dist.world().rank} failed in a start-up check ({type(e).__name__}: {e})", e
+    msg = dist.first_problem(msg) if every_rank else dist.broadcast_object(msg)
     if bug is not None:
         raise bug
     if msg:
@@ -261,18 +262,13 @@ class Run:
         FSDP shards), so a damaged one fails one rank; the ranks then share their problems and every rank stops
         with the same line (alone, that rank exited and the others died in their next collective)."""
         _collective_check(self._identity_diff)
-        msg, bug = None, None
-        try:           # load_state has no collective inside, so a rank failing in it cannot strand the others
-            self.meta = checkpoint.load_state(self.out_dir, models, optimizers, generators)
-        except (checkpoint.StateError, FileNotFoundError) as e:
-            msg = f"--resume: {e}"
-        except Exception as e:
-            msg, bug = f"--resume: rank {dist.world().rank} failed loading the state ({type(e).__name__}: {e})", e
-        msg = dist.first_problem(msg)
-        if bug is not None:
-            raise bug
-        if msg:
-            fail(msg)
+
+        def load():    # load_state has no collective inside, so a rank failing in it cannot strand the others
+            try:
+                self.meta = checkpoint.load_state(self.out_dir, models, optimizers, generators)
+            except (checkpoint.StateError, FileNotFoundError) as e:
+                return f"--resume: {e}"
+        _collective_check(load, every_rank=True)
         self.step = self.step0 = int(self.meta["step"])
         if self.main:          # drop what was logged after the checkpoint: those steps are about to be redone
             for name in ("metrics.jsonl", "samples.jsonl"):
