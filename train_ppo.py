@@ -190,7 +190,7 @@ class Rollout:
     has_eos: torch.Tensor                 # (B,) float, 1 if the response ended with a stop token (tok.stop_ids)
     completions: list                     # B decoded response texts
     policy_mask: Optional[torch.Tensor] = None  # (B, R) the tokens the policy loss sees: response_mask without
-    #                                       truncated responses (--overlong mask) or mismatched tokens (--rollout_correction mask)
+    #                                     truncated responses (--overlong mask) or mismatched tokens (mask correction)
     is_weight: Optional[torch.Tensor] = None    # (B, R) --rollout_correction tis: min(π_old/π_sampler, C), detached
     stats: dict = field(default_factory=dict)   # per-step figures of the sampling (dynamic sampling, mismatch)
 
@@ -585,7 +585,8 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None):
     scores = scores_from_reward(raw, has_eos, opts, rm_stats)
     policy_mask = response_mask
     if opts.overlong == "penalty":
-        scores = scores + overlong_penalty(length, opts.max_new_tokens, opts.overlong_buffer or opts.max_new_tokens // 4)
+        buffer = opts.overlong_buffer or opts.max_new_tokens // 4
+        scores = scores + overlong_penalty(length, opts.max_new_tokens, buffer)
     elif opts.overlong == "mask":                            # DAPO's overlong filtering: no policy gradient from them
         policy_mask = response_mask * has_eos[:, None]
     return Rollout(query_response=seq, attention_mask=attn, response_mask=response_mask, logprobs=None,
@@ -946,7 +947,8 @@ def step_metrics(r: Rollout, targets: Advantages, sums, beta):
             metrics[f"train/{k}"] = total[k] / max(total["policy_tokens"], 1)
     if r.stats:       # rank means of the sampling's figures (dynamic sampling, sampler/trainer mismatch)
         names = sorted(r.stats)
-        means = dist.all_reduce_sum(torch.tensor([r.stats[k] for k in names], dtype=torch.float64)) / dist.world().world_size
+        sums = dist.all_reduce_sum(torch.tensor([r.stats[k] for k in names], dtype=torch.float64))
+        means = sums / dist.world().world_size
         metrics.update({f"train/{k}": v for k, v in zip(names, means.tolist())})
     return metrics
 
