@@ -14,7 +14,9 @@ from the n = --samples_per_prompt samples of each prompt (n >= k; a sample passe
 --pass_threshold), averaged over prompts with its standard error over prompts. When the reward's module also
 defines `answer(completion) -> str | None` (the final answer it would check, e.g. nano_rlhf.reasoning.answer),
 maj@k is added too: the share of prompts whose majority answer among k samples is correct (self-consistency,
-Wang et al. 2023), averaged over k-subsets of the n samples as pass@k is (`maj_at_k`).
+Wang et al. 2023), averaged over k-subsets of the n samples as pass@k is (`maj_at_k`). With n >= 2, the
+zero-spread share is the share of prompts whose samples all pass or all fail: GRPO's and RLOO's advantages are
+0 on every one of them (what DAPO's dynamic sampling drops).
 
     python -m nano_rlhf.evaluate --model out/rsft --prompts data/reasoning/eval_prompts.jsonl \
         --reward nano_rlhf.reasoning:reward --samples_per_prompt 8 --pass_k 1,8
@@ -201,6 +203,11 @@ def summarize(samples, baseline=None, pass_k=(), pass_threshold=1.0):
         if samples and key in samples[0]:
             s[key], s[key + "_se"] = mean_se([r[key] for r in samples])
     groups = by_prompt(samples) if pass_k else []
+    if groups and min(len(g) for g in groups) > 1:
+        # prompts whose samples all pass or all fail: a group-relative advantage (GRPO, RLOO) is 0 on every one of
+        # them, so this is the share of such prompts that would teach nothing (DAPO's dynamic sampling drops them)
+        same = [len({r["reward"] >= pass_threshold for r in g}) == 1 for g in groups]
+        s["zero_spread"] = sum(same) / len(same)
     for k in pass_k:
         ok = [[r["reward"] >= pass_threshold for r in g] for g in groups]
         s[f"pass@{k}"], s[f"pass@{k}_se"] = mean_se([pass_at_k(len(o), sum(o), k) for o in ok])
@@ -235,6 +242,8 @@ def format_summary(name, s):
         cols.append(f"rm {s['rm_score']:+.3f}")
     if "kl" in s:
         cols.append(f"kl {s['kl']:.3f}")
+    if "zero_spread" in s:
+        cols.append(f"zero-spread {100 * s['zero_spread']:.1f}%")
     cols += [f"len {s['length']:.1f}", f"eos {100 * s['eos_rate']:.1f}%"]
     return " | ".join(cols)
 
@@ -426,6 +435,8 @@ def format_table(rows):
         cols.append(("RM score", lambda r: f"{r['rm_score']:+.3f}"))
     if "kl" in rows[0]:
         cols.append(("KL to ref", lambda r: f"{r['kl']:.3f}"))
+    if "zero_spread" in rows[0]:
+        cols.append(("zero-spread prompts", lambda r: f"{100 * r['zero_spread']:.0f}%"))
     cols += [("length", lambda r: f"{r['length']:.1f}"), ("eos rate", lambda r: f"{100 * r['eos_rate']:.0f}%")]
     if any("train_seconds" in r for r in rows):
         cols.append(("training time", lambda r: f"{r['train_seconds']:.0f} s" if "train_seconds" in r else "—"))

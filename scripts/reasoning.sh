@@ -18,8 +18,8 @@ if [ "${TINY:-0}" = "1" ]; then
   DATA_ARGS="--n_sft 400 --n_prompts 64 --n_eval_prompts 16"; SFT="--max_steps 20 --eval_interval 0"
   RL="--max_steps 2 --batch_size 2 --samples_per_prompt 4 --max_new_tokens 24"; EVAL="--samples_per_prompt 4 --pass_k 1,4"
 else
-  DATA_ARGS="--n_eval_prompts 128"; SFT="--max_steps 600 --eval_interval 200"
-  RL="--max_steps ${STEPS:-30} --batch_size 8 --samples_per_prompt 8 --max_new_tokens 48"
+  DATA_ARGS=""; SFT="--max_steps 600 --eval_interval 200"
+  RL="--max_steps ${STEPS:-60} --lr 1e-4 --batch_size 8 --samples_per_prompt 8 --max_new_tokens 48"
   EVAL="--samples_per_prompt 8 --pass_k 1,8"
 fi
 # the same for every method: the verifier as the reward, no score normalisation to undo, no penalty that
@@ -28,19 +28,21 @@ COMMON="--init $OUT/sft --prompts $DATA/prompts.jsonl --eval_prompts $DATA/eval_
         --reward nano_rlhf.reasoning:reward --missing_eos_penalty none --eval_interval 0 --eval_samples 16 $RL"
 
 run() { echo "+ $*"; "$@"; }
+mkdir -p "$OUT"; : > "$OUT/times.tsv"
+timed() { local name=$1 t0=$SECONDS; shift; run "$@"; printf '%s\t%s\n' "$name" $((SECONDS - t0)) >> "$OUT/times.tsv"; }
 
 run $PY -m nano_rlhf.reasoning --out_dir "$DATA" $DATA_ARGS
-run $PY train_sft.py --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$OUT/sft" --overwrite \
+timed sft $PY train_sft.py --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$OUT/sft" --overwrite \
   --save_interval 0 $SFT
-run $PY train_ppo.py $COMMON --advantage grpo --out_dir "$OUT/grpo" --overwrite
-run $PY train_ppo.py $COMMON --advantage dr_grpo --out_dir "$OUT/dr_grpo" --overwrite
-run $PY train_ppo.py $COMMON --advantage grpo --clip_high 0.28 --dynamic_sampling --loss_agg token_mean \
+timed grpo $PY train_ppo.py $COMMON --advantage grpo --out_dir "$OUT/grpo" --overwrite
+timed dr_grpo $PY train_ppo.py $COMMON --advantage dr_grpo --out_dir "$OUT/dr_grpo" --overwrite
+timed dapo $PY train_ppo.py $COMMON --advantage grpo --clip_high 0.28 --dynamic_sampling --loss_agg token_mean \
   --overlong penalty --kl_coef 0 --out_dir "$OUT/dapo" --overwrite
-run $PY train_ppo.py $COMMON --advantage grpo --policy_loss gspo --clip_eps 3e-4 --clip_high 4e-4 \
+timed gspo $PY train_ppo.py $COMMON --advantage grpo --policy_loss gspo --clip_eps 3e-4 --clip_high 4e-4 \
   --out_dir "$OUT/gspo" --overwrite
-run $PY train_ppo.py $COMMON --advantage grpo --policy_loss cispo --clip_high 0.28 --out_dir "$OUT/cispo" --overwrite
-run $PY train_ppo.py $COMMON --advantage rloo --out_dir "$OUT/rloo" --overwrite
-run $PY train_ppo.py $COMMON --advantage gae --out_dir "$OUT/ppo" --overwrite
+timed cispo $PY train_ppo.py $COMMON --advantage grpo --policy_loss cispo --clip_high 0.28 --out_dir "$OUT/cispo" --overwrite
+timed rloo $PY train_ppo.py $COMMON --advantage rloo --out_dir "$OUT/rloo" --overwrite
+timed ppo $PY train_ppo.py $COMMON --advantage gae --out_dir "$OUT/ppo" --overwrite
 run $PY -m nano_rlhf.evaluate --model "$OUT/sft" "$OUT/grpo" "$OUT/dr_grpo" "$OUT/dapo" "$OUT/gspo" "$OUT/cispo" \
   "$OUT/rloo" "$OUT/ppo" --ref "$OUT/sft" --reward nano_rlhf.reasoning:reward --prompts "$DATA/eval_prompts.jsonl" \
-  --summary "$OUT/results.json" $EVAL
+  --summary "$OUT/results.json" --times "$OUT/times.tsv" $EVAL

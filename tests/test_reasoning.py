@@ -256,6 +256,8 @@ def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
         assert rows[0][f"maj@{k}"] == pytest.approx(sum(mk) / 6)
         assert rows[0][f"pass@{k}_se"] == pytest.approx(evaluate.mean_se(pk)[1])
     assert rows[0]["pass@1"] == pytest.approx(rows[0]["reward"])
+    # prompts whose samples all pass or all fail: no group-relative signal
+    assert rows[0]["zero_spread"] == sum(len({s["reward"] for s in g}) == 1 for g in per_prompt) / 6
     assert json.loads(summary.read_text())[0]["pass@4"] == rows[0]["pass@4"]
     line = evaluate.format_summary("toy", rows[0])
     assert line.index("pass@1") < line.index("pass@4") < line.index("maj@1") < line.index("maj@4") and " ± " in line
@@ -263,7 +265,7 @@ def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
     # the built-in verifier: a random model answers nothing right, and the figures are there
     rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--max_new_tokens", "4",
                           "--samples_per_prompt", "2", "--pass_k", "2", "--reward", "nano_rlhf.reasoning:reward"])
-    assert rows[0]["pass@2"] == 0.0 and rows[0]["maj@2"] == 0.0
+    assert rows[0]["pass@2"] == 0.0 and rows[0]["maj@2"] == 0.0 and rows[0]["zero_spread"] == 1.0
     assert all("answer" in json.loads(x) for x in open(out))
 
 
