@@ -53,12 +53,13 @@ from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import Batches, collate_listwise, load_records, tokenize_listwise
 from nano_rlhf.model import GPT, token_logprobs
+from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
 
 MAX_LIPO_SCORE = 30.0     # gains 2^ψ above ~2^30 overflow float32 gradient norms (Δ is cast to float32)
 
 
 @dataclass
-class Options:
+class Options(CompileOption, FrozenModelOptions, RunOptions):
     loss: Literal["rrhf", "pro", "lipo"] = "rrhf"  # which listwise loss
     beta: Optional[float] = None  # lipo: β of the implicit reward s = β·log π/π_ref (none = 0.1) {> 0}
     nll_coef: Optional[float] = None  # weight of NLL(best response); none = 1 for rrhf/pro, 0 for lipo {>= 0}
@@ -67,11 +68,6 @@ class Options:
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = "out/sft"         # policy to start from (an SFT model directory)
     ref: str = ""                 # lipo: reference model directory; empty = --init
-    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
-    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
-    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
-    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer, else the template's default
     out_dir: str = ""             # output directory; empty = out/<loss>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
     batch_size: int = 4           # prompts (each with all its completions) per device per micro-step {>= 1}
@@ -85,18 +81,6 @@ class Options:
     beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
     grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for data order
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
-    compile: bool = False         # torch.compile the policy
-    grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
-    log_interval: int = 10        # print and log every N steps {>= 1}
-    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
-    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
-    resume: bool = False          # continue from out_dir/state
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later); 0 = never {>= 0}
-    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
 
 # ---- the losses: pure functions of (prompts, K) grids, per prompt (P,) ---------------------------------
@@ -291,6 +275,8 @@ def evaluate(opts, policy, ref, examples, pad_id, device):
 def check_options(opts):
     """Rules between options (ranges are checked by parse_args), then the defaults that depend on --loss.
     A flag the loss would silently ignore is an error."""
+    if opts.fsdp or opts.lora_r or opts.frozen != "shard" or opts.offload_frozen:  # until they are wired up
+        fail("--fsdp, --frozen, --offload_frozen and --lora_r are not supported by train_listwise.py yet", 2)
     if opts.loss != "lipo":
         for name, given in (("beta", opts.beta is not None), ("ref", opts.ref)):
             if given:
@@ -367,8 +353,9 @@ def load_examples(opts, files, tok, block_size):
 
 
 # options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs
+# (sharding does not change the math; lora.attach records the --lora_* fields, with the base's checksum, when on)
 NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
-                "grad_checkpoint")
+                "grad_checkpoint", "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 
 
 # ---- training -----------------------------------------------------------------------------------

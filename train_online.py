@@ -72,6 +72,7 @@ from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, preference_matrix, symmetric_preference
 from nano_rlhf.judge import model_dir as judge_dir
 from nano_rlhf.model import GPT
+from nano_rlhf.options import FrozenModelOptions, RunOptions
 from train_ppo import load_prompts, response_logprobs
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
@@ -81,7 +82,7 @@ PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
 
 
 @dataclass
-class Options:
+class Options(FrozenModelOptions, RunOptions):
     method: Literal["online_dpo", "dno", "sppo", "nash_md", "cringe"] = "online_dpo"  # which online method
     judge: str = "out/rm"         # reward-model dir, gold, module:function, llm:MODEL_DIR; empty = --pair_judge only
     pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b), asked both ways
@@ -108,11 +109,6 @@ class Options:
     prompts: str = ""             # prompts JSONL {"prompt": ...}; empty = built-in task
     eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
     eval_fraction: float = 0.05   # share of --prompts held out when no --eval_prompts {0 < x < 1}
-    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
-    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
-    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational prompts are rendered
-    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer, else the template's default
     out_dir: str = ""             # output directory; empty = out/<method>
     batch_size: int = 8           # prompts per device per step {>= 1}
     samples_per_prompt: int = 4   # k responses per prompt (nash_md: k policy samples, each against its own opponent) {>= 1}
@@ -127,18 +123,10 @@ class Options:
     grad_clip: float = 1.0        # clip the global gradient norm (0 = off) {>= 0}
     max_steps: int = 100          # sample + judge + update iterations {>= 1}
     seed: int = 0                 # seed of the prompt order and of every sample
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (log-softmax always float32)
-    grad_checkpoint: bool = False # recompute each block's activations in backward
     log_interval: int = 1         # print and log every N steps {>= 1}
     eval_interval: int = 20       # evaluate on held-out prompts every N steps (and at the end); 0 = end only {>= 0}
     eval_samples: int = 128       # held-out prompts sampled per evaluation {>= 1}
     save_interval: int = 50       # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
-    resume: bool = False          # continue from out_dir/state
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later) {>= 0}
-    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
 
 # ---- the losses: pure functions, float64-testable ----------------------------------------------
@@ -484,6 +472,8 @@ def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=Non
 
 def check_options(opts):
     """Rules between options; each option's own range is declared on Options (checked on parsing)."""
+    if opts.fsdp or opts.lora_r or opts.frozen != "shard" or opts.offload_frozen:  # until they are wired up
+        fail("--fsdp, --frozen, --offload_frozen and --lora_r are not supported by train_online.py yet", 2)
     m = opts.method
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
@@ -538,9 +528,12 @@ def needs_reference(opts):
     return opts.method != "cringe" and not (opts.method in PAIRWISE and opts.loss in train_dpo.REFERENCE_FREE)
 
 
+# how the run is placed and sharded does not change the math; lora.attach records the --lora_* fields, with the
+# base's checksum, when LoRA is on
 NOT_IDENTITY = ("prompts", "eval_prompts", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint",
                 "log_interval", "eval_interval", "eval_samples", "save_interval", "report_to", "dist_timeout", "stop_at",
-                "max_steps", "resume", "overwrite")
+                "max_steps", "resume", "overwrite",
+                "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 
 
 def main(argv=None):

@@ -70,12 +70,13 @@ from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, DataError, collate_prompts, load_records, load_scored, pad_right,
                             tokenize_scored, tokenize_unpaired)
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs, upcast
+from nano_rlhf.options import FrozenModelOptions, RunOptions
 
 SAMPLES_FILE = "d2o_samples.jsonl"
 
 
 @dataclass
-class Options:
+class Options(FrozenModelOptions, RunOptions):
     method: Literal["npo", "d2o", "dro"] = "npo"   # which loss
     beta: float = 0.1             # npo, d2o: β {> 0}
     alpha: Optional[float] = None # d2o: weight α of the negative's log-ratio; none = β {>= 0}
@@ -91,11 +92,6 @@ class Options:
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = "out/sft"         # policy to start from (an SFT model directory); dro's value trunk too
     ref: str = ""                 # reference model directory; empty = --init
-    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
-    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
-    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered
-    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer
     out_dir: str = ""             # output directory; empty = out/<method>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
     batch_size: int = 16          # examples per device per micro-step {>= 1}
@@ -109,17 +105,7 @@ class Options:
     beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
     grad_clip: float = 1.0        # clip each network's global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for data order and D2O's samples
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
-    grad_checkpoint: bool = False # recompute each block's activations in backward
-    log_interval: int = 10        # print and log every N steps {>= 1}
-    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
-    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
     resume: bool = False          # continue from out_dir/state (D2O: with the saved samples)
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later); 0 = never {>= 0}
-    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective {> 0}
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
@@ -351,6 +337,8 @@ def load_samples(path, prompts, k):
 
 def check_options(opts):
     """Rules between options; a flag the method would silently ignore is an error."""
+    if opts.fsdp or opts.lora_r or opts.frozen != "shard" or opts.offload_frozen:  # until they are wired up
+        fail("--fsdp, --frozen, --offload_frozen and --lora_r are not supported by train_unpaired.py yet", 2)
     m = opts.method
     defaults = Options()
     own = {"retain_coef": "npo", "retain_warn": "npo", "num_samples": "d2o", "max_new_tokens": "d2o",
@@ -454,7 +442,10 @@ def load_models(opts):
     return tok, policy, ref, value
 
 
-NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint")
+# how the run is placed and sharded does not change the math; lora.attach records the --lora_* fields, with the
+# base's checksum, when LoRA is on
+NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint",
+                "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 
 
 # ---- training -----------------------------------------------------------------------------------
