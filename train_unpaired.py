@@ -43,6 +43,8 @@ Run:
     python train_unpaired.py --method dro                  # built-in scored.jsonl (gold reward + noise) -> out/dro
     python train_unpaired.py --method dro --data kto.jsonl # a label file works too: true/false = +1/−1
     torchrun --nproc_per_node 2 train_unpaired.py --method dro
+    torchrun --nproc_per_node 2 train_unpaired.py --method dro --fsdp      # policy, value and reference sharded
+    python train_unpaired.py --method npo --lora_r 16      # adapters; the reference is the policy with them off
 
 Data: npo and d2o read unpaired rows {"prompt", "completion", "label"}; dro reads scored rows {"prompt",
 "completion", "score"} (or "label"). Conversational rows are rendered with the model's chat template.
@@ -61,9 +63,10 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, synthetic
+from nano_rlhf import dist, lora, parallel, synthetic
 from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import atomic_write_text, save_model_dir, save_state
+from nano_rlhf.checkpoint import atomic_write_text, save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
@@ -335,10 +338,20 @@ def load_samples(path, prompts, k):
 
 # ---- set-up -------------------------------------------------------------------------------------
 
+def evaluate_gathered(opts, policy, ref, value, examples, pad_id, device, samples):
+    """evaluate() on gathered weights under FSDP: ranks may hold different numbers of eval batches, so the
+    forwards must not all-gather."""
+    with parallel.gathered(policy, ref, value):
+        return evaluate(opts, policy, ref, value, examples, pad_id, device, samples)
+
+
 def check_options(opts):
     """Rules between options; a flag the method would silently ignore is an error."""
-    if opts.fsdp or opts.lora_r or opts.frozen != "shard" or opts.offload_frozen:  # until they are wired up
-        fail("--fsdp, --frozen, --offload_frozen and --lora_r are not supported by train_unpaired.py yet", 2)
+    if opts.frozen != "shard" and not opts.fsdp:
+        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
+    msg = lora.check_options(opts)
+    if msg:
+        fail(msg, 2)
     m = opts.method
     defaults = Options()
     own = {"retain_coef": "npo", "retain_warn": "npo", "num_samples": "d2o", "max_new_tokens": "d2o",
@@ -425,16 +438,20 @@ def tokenize_examples(opts, files, records, eval_records, eval_source, tok, bloc
 
 
 def load_models(opts):
+    """Tokenizer, policy, the frozen reference (none when LoRA's adapters-off policy is the reference: main makes
+    it) and DRO's value model. Raises on bad input (one line via input_errors)."""
     tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
                          opts.date_string)
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
-    ref_dir = opts.ref or opts.init
-    ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
-    check_vocab(tok, ref.cfg, ref_dir)
-    if ref.cfg.block_size < policy.cfg.block_size:
-        raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the "
-                         f"policy's {policy.cfg.block_size}")
+    ref = None
+    if not lora.shares_base(opts, opts.ref):
+        ref_dir = opts.ref or opts.init
+        ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+        check_vocab(tok, ref.cfg, ref_dir)
+        if ref.cfg.block_size < policy.cfg.block_size:
+            raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the "
+                             f"policy's {policy.cfg.block_size}")
     value = None
     if opts.method == "dro":
         value = ScoreModel.from_pretrained(opts.init, new_head=True, dropout=0.0)
@@ -462,6 +479,12 @@ def main(argv=None):
     with input_errors():
         records = read_train_eval(opts, files)
         tok, policy, ref, value = load_models(opts)
+        run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
+        if value is not None:      # DRO's value model as PPO's critic: adapters on its trunk, its head trained fully
+            run.identity.update(lora.attach(value, opts, opts.init, trainable=("score",), prefix="value_lora",
+                                            seed=opts.seed + 1))
+        if ref is None:                                                  # LoRA, reference = --init: the policy
+            ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = tokenize_examples(opts, files, *records, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
@@ -491,26 +514,32 @@ def main(argv=None):
             if longest > policy.cfg.block_size:
                 raise ValueError(f"{path}: a prompt + sample of {longest} tokens exceeds block_size "
                                  f"{policy.cfg.block_size}")
-    ddp = {name: dist.wrap_ddp(m) for name, m in models.items()}
+    ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
+    ddp = {name: parallel.wrap(m, opts.fsdp, dtype=opts.dtype) for name, m in models.items()}
     optimizers = {"policy": adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))}
     if value is not None:
         optimizers["value"] = adamw(value, opts.value_lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    dist.print0(parallel.startup_plan({**models, "ref": ref}, "fsdp" if parallel.is_sharded(policy) else "ddp",
+                                      opts.frozen, opts.offload_frozen))
     peak = {"policy": opts.lr, "value": opts.value_lr}
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
     if opts.resume:
-        batches.load_state_dict(run.resume(models=models, optimizers=optimizers)["data"])
+        batches.load_state_dict(run.resume(models={k: lora.checkpointed(m) for k, m in models.items()},
+                                           optimizers=optimizers)["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
-    dist.print0(f"{opts.method.upper()} | {len(train):,} train examples ({counts}) | {len(evals):,} eval | global "
-                f"batch {batches.global_batch} | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
+    dist.print0(f"{opts.method.upper()}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | "
+                f"{len(evals):,} eval | global batch {batches.global_batch} | {max_steps} steps"
+                + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = {"npo": ["train/loss", "train/rewards_negative", "train/nll", "eval/loss"],
                 "d2o": ["train/loss", "train/accuracy", "train/rewards_negative", "train/rewards_samples", "eval/loss"],
                 "dro": ["train/loss", "train/value", "train/advantage", "train/log_ratio", "eval/loss"]}[opts.method]
     run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        save_state(opts.out_dir, models, optimizers, {"step": step, "data": batches.state_dict()})
+        save_state(opts.out_dir, {k: lora.checkpointed(m) for k, m in models.items()}, optimizers,
+                   {"step": step, "data": batches.state_dict()})
         save_model_dir(opts.out_dir, policy, tok)
         if value is not None:
             save_model_dir(os.path.join(opts.out_dir, "value"), value, tok)
@@ -549,17 +578,18 @@ def main(argv=None):
                           f"term is overpowering the retain term; lower --lr (the paper: 1e-5) or raise --retain_coef "
                           f"(docs/algorithms.md, NPO)", file=sys.stderr, flush=True)
         for name, m in models.items():
-            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), opts.grad_clip or float("inf")).item()
+            norm = parallel.clip_grad_norm(m.parameters(), opts.grad_clip)
             metrics["train/grad_norm" if name == "policy" else f"train/{name}_grad_norm"] = norm
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
         metrics.update({"train/lr": optimizers["policy"].param_groups[0]["lr"],
                         "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)})
-        if run.end_of_step(step, metrics, save=save, evaluate=lambda: evaluate(
+        if run.end_of_step(step, metrics, save=save, evaluate=lambda: evaluate_gathered(
                 opts, policy, ref, value, evals, tok.pad_id, world.device, samples)):
             break
     for name, m in models.items():
         dist.check_same_weights(m, name)
+    parallel.check_frozen({"reference": ref})
     dist.print0(f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=policy, ref=ref, value=value, optimizers=optimizers, options=opts, samples=samples)
