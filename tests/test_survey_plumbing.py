@@ -3,6 +3,7 @@
 merged export is base + (alpha / r) B A; --fsdp on 2 gloo ranks (torchrun, CPU) follows the unsharded run as
 train_dpo.py's does (tests/test_fsdp.py: the same tolerance), its frozen reference bit-identical at the end."""
 import math
+import os
 
 import pytest
 import torch
@@ -182,3 +183,33 @@ def test_online_fsdp_follows_ddp(tmp_path, sft_dir, rm_dir, method):
     close_metrics(tmp_path / "ddp", tmp_path / "fsdp", ["train/loss", "train/score", "train/kl", "train/grad_norm",
                                                         "train/response_length", "eval/rm_score", "eval/kl"])
     assert weights_close(weights(tmp_path / "ddp"), weights(tmp_path / "fsdp"))
+
+
+# ---- resume under LoRA ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["listwise", "unpaired", "online"])
+def test_lora_resume_is_exact(tmp_path, task_dir, sft_dir, rm_dir, script):
+    """4 steps straight == 2 steps, stop, --resume: the saved adapters (DRO: the value model's too), the merged
+    export and every logged figure, bit for bit."""
+    mod, args = {
+        "listwise": (train_listwise, lambda out, *x: lw_args(task_dir, sft_dir, tmp_path / out, "--batch_size", "4",
+                                                             "--eval_interval", "0", "--max_steps", "4", *LORA, *x)),
+        "unpaired": (train_unpaired, lambda out, *x: unpaired_args(tmp_path, sft_dir, out, "dro", *LORA, "--lr",
+                                                                   "1e-2", "--value_lr", "1e-2", *x, steps=4)),
+        "online": (train_online, lambda out, *x: online_args(tmp_path, sft_dir, rm_dir, out, *LORA, "--pairs", "all",
+                                                             "--lr", "1e-2", *x, steps=4)),
+    }[script]
+    mod.main(args("straight"))
+    mod.main(args("split", "--stop_at", "2"))
+    mod.main(args("split", "--resume"))
+    names = [n for n in os.listdir(tmp_path / "straight" / "state") if n.startswith("model_")]
+    assert names
+    for name in names:
+        a, b = (load_file(str(tmp_path / d / "state" / name)) for d in ("straight", "split"))
+        assert a and all(".lora_" in k or k.startswith("score.") for k in a), name   # adapters (and a head) only
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("straight", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    timing = ("train/tokens_per_s", "train/step_time", "train/generate_time", "time/rollout_frac")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    assert strip(metrics(tmp_path / "straight")) == strip(metrics(tmp_path / "split"))
