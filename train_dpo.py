@@ -83,6 +83,7 @@ from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records, pad_right,
                             tokenize_pairs, tokenize_unpaired, training_length)
 from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs, upcast
+from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
 # β defaults: 0.1, except SimPO (its reward is a per-token mean, so it needs a larger scale, as in the paper)
@@ -91,7 +92,7 @@ DEFAULT_BETA = {"simpo": 2.0, "ipo": 0.5}
 
 
 @dataclass
-class Options:
+class Options(CompileOption, FrozenModelOptions, RunOptions):
     loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo", "kto", "tdpo"] = "dpo"  # which loss
     beta: Optional[float] = None  # β (ipo: τ); none = 0.1, or 2.0 for simpo, 0.5 for ipo {> 0}
     label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust) {0 <= x < 0.5}
@@ -109,11 +110,6 @@ class Options:
     listwise_pairs: Literal["auto", "all", "best_worst"] = "auto"  # listwise --data/--eval_data (rows with 'completions'/'scores') -> pairs: all = every pair with s_i > s_j (ties skipped), best_worst = best vs worst; auto = all, and pairs data as is
     init: str = "out/sft"         # policy to start from (an SFT model directory)
     ref: str = ""                 # reference model directory; empty = --init
-    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
-    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
-    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
-    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
     out_dir: str = ""             # output directory; empty = out/<loss>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
     batch_size: int = 16          # pairs (kto: examples) per device per micro-step {>= 1}
@@ -127,26 +123,7 @@ class Options:
     beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
     grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for data order (and KTO's mismatched pairs)
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
-    compile: bool = False         # torch.compile the policy
-    grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
     max_length: int = 0           # training sequence length: prompts are left-truncated so prompt + response fits; 0 = min(block_size, 1024) {>= 0}
-    fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
-    frozen: Literal["shard", "replicate"] = "shard"  # --fsdp: the frozen reference / reward model sharded too, or whole on every rank
-    offload_frozen: bool = False  # keep the frozen models in CPU memory; they visit the GPU for their forwards
-    log_interval: int = 10        # print and log every N steps {>= 1}
-    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
-    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
-    resume: bool = False          # continue from out_dir/state
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later); 0 = never {>= 0}
-    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
-    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model; the reference is then the policy with adapters off; 0 = off {>= 0}
-    lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
-    lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
-    lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
 
 
 # ---- the one log-prob gather --------------------------------------------------------------------

@@ -26,6 +26,8 @@ Run:
     python train_listwise.py --loss rrhf                  # built-in task (data/listwise.jsonl), out/sft -> out/rrhf
     python train_listwise.py --loss lipo --beta 0.1 --data ranked.jsonl --out_dir out/my_lipo
     torchrun --nproc_per_node 2 train_listwise.py --loss pro
+    torchrun --nproc_per_node 2 train_listwise.py --loss lipo --fsdp     # policy and reference sharded (FSDP2)
+    python train_listwise.py --loss lipo --lora_r 16      # adapters; the reference is the policy with them off
 
 Memory: a micro-batch of --batch_size prompts is one forward over all their completions (Σ K rows); log-probs
 come from the chunked `token_logprobs`, so no (rows, T, vocab) tensor exists. A row → prompt map turns the
@@ -45,20 +47,22 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, synthetic
+from nano_rlhf import dist, lora, parallel, synthetic
 from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import Batches, collate_listwise, load_records, tokenize_listwise
 from nano_rlhf.model import GPT, token_logprobs
+from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
 
 MAX_LIPO_SCORE = 30.0     # gains 2^ψ above ~2^30 overflow float32 gradient norms (Δ is cast to float32)
 
 
 @dataclass
-class Options:
+class Options(CompileOption, FrozenModelOptions, RunOptions):
     loss: Literal["rrhf", "pro", "lipo"] = "rrhf"  # which listwise loss
     beta: Optional[float] = None  # lipo: β of the implicit reward s = β·log π/π_ref (none = 0.1) {> 0}
     nll_coef: Optional[float] = None  # weight of NLL(best response); none = 1 for rrhf/pro, 0 for lipo {>= 0}
@@ -67,11 +71,6 @@ class Options:
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = "out/sft"         # policy to start from (an SFT model directory)
     ref: str = ""                 # lipo: reference model directory; empty = --init
-    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
-    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
-    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
-    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer, else the template's default
     out_dir: str = ""             # output directory; empty = out/<loss>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
     batch_size: int = 4           # prompts (each with all its completions) per device per micro-step {>= 1}
@@ -85,18 +84,6 @@ class Options:
     beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
     grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for data order
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
-    compile: bool = False         # torch.compile the policy
-    grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
-    log_interval: int = 10        # print and log every N steps {>= 1}
-    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
-    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
-    resume: bool = False          # continue from out_dir/state
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later); 0 = never {>= 0}
-    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
 
 # ---- the losses: pure functions of (prompts, K) grids, per prompt (P,) ---------------------------------
@@ -288,9 +275,25 @@ def evaluate(opts, policy, ref, examples, pad_id, device):
 
 # ---- set-up -------------------------------------------------------------------------------------
 
+def evaluate_gathered(opts, policy, ref, examples, pad_id, device):
+    """evaluate() on gathered weights under FSDP: ranks may hold different numbers of eval batches, so the
+    forwards must not all-gather."""
+    with parallel.gathered(policy, ref):
+        return evaluate(opts, policy, ref, examples, pad_id, device)
+
+
 def check_options(opts):
     """Rules between options (ranges are checked by parse_args), then the defaults that depend on --loss.
     A flag the loss would silently ignore is an error."""
+    if opts.fsdp and opts.compile:
+        fail("--compile with --fsdp is not supported; drop one of them", 2)
+    if opts.frozen != "shard" and not opts.fsdp:
+        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
+    if opts.offload_frozen and opts.loss != "lipo":
+        fail(f"--offload_frozen: this run holds no reference model (--loss {opts.loss} uses none)", 2)
+    msg = lora.check_options(opts)
+    if msg:
+        fail(msg, 2)
     if opts.loss != "lipo":
         for name, given in (("beta", opts.beta is not None), ("ref", opts.ref)):
             if given:
@@ -321,13 +324,14 @@ def data_files(opts):
 
 
 def load_models(opts):
-    """Tokenizer, policy and (lipo only) the frozen reference. Raises on bad input (one line via input_errors)."""
+    """Tokenizer, policy and (lipo only) the frozen reference; none when LoRA's adapters-off policy is the reference
+    (main makes it). Raises on bad input (one line via input_errors)."""
     tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
                          opts.date_string)
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
     ref = None
-    if opts.loss == "lipo":
+    if opts.loss == "lipo" and not lora.shares_base(opts, opts.ref):
         ref_dir = opts.ref or opts.init
         ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
         check_vocab(tok, ref.cfg, ref_dir)
@@ -367,8 +371,10 @@ def load_examples(opts, files, tok, block_size):
 
 
 # options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs
+# (sharding does not change the math; lora.attach records the --lora_* fields, with the base's checksum, when on)
 NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
-                "grad_checkpoint")
+                "grad_checkpoint", "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout",
+                "lora_targets")
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -383,6 +389,9 @@ def main(argv=None):
                         inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
     with input_errors():
         tok, policy, ref = load_models(opts)
+        run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
+        if ref is None and opts.loss == "lipo":                         # LoRA, reference = --init: the policy
+            ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
@@ -396,16 +405,21 @@ def main(argv=None):
     dist.seed_everything(opts.seed, world.rank)
     if opts.compile:
         policy = torch.compile(policy)
-    ddp = dist.wrap_ddp(policy)
+    ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
+    ddp = parallel.wrap(policy, opts.fsdp, dtype=opts.dtype)
     optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    dist.print0(parallel.startup_plan({"policy": policy, "ref": ref}, "fsdp" if parallel.is_sharded(policy) else "ddp",
+                                      opts.frozen, opts.offload_frozen))
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
     if opts.resume:
-        batches.load_state_dict(run.resume(models={"policy": policy}, optimizers={"policy": optimizer})["data"])
+        batches.load_state_dict(run.resume(models={"policy": lora.checkpointed(policy)},
+                                           optimizers={"policy": optimizer})["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
     n_rows = sum(len(e["completions"]) for e in train)
-    dist.print0(f"{opts.loss.upper()} | " + (f"beta {opts.beta} | " if opts.loss == "lipo" else "")
+    dist.print0(f"{opts.loss.upper()}{lora.describe(policy)} | "
+                + (f"beta {opts.beta} | " if opts.loss == "lipo" else "")
                 + f"nll_coef {opts.nll_coef} | {len(train):,} train prompts, {n_rows:,} completions ({counts}) | "
                 f"{len(evals):,} eval | global batch {batches.global_batch} prompts | {max_steps} steps"
                 + (f" | resuming at step {run.step}" if run.step else ""))
@@ -414,7 +428,8 @@ def main(argv=None):
     run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        save_state(opts.out_dir, {"policy": policy}, {"policy": optimizer}, {"step": step, "data": batches.state_dict()})
+        save_state(opts.out_dir, {"policy": lora.checkpointed(policy)}, {"policy": optimizer},
+                   {"step": step, "data": batches.state_dict()})
         save_model_dir(opts.out_dir, policy, tok)
 
     for step in range(run.step + 1, max_steps + 1):
@@ -435,15 +450,16 @@ def main(argv=None):
                 (objective * dist.ddp_scale()).backward()                    # DDP averages over ranks: undo it
             add_to(sums, stats, batch)
         totals = sum_over_ranks(sums)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), opts.grad_clip or float("inf")).item()
+        grad_norm = parallel.clip_grad_norm(policy.parameters(), opts.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         metrics = {**{f"train/{k}": v for k, v in means(totals).items()}, "train/lr": lr, "train/grad_norm": grad_norm,
                    "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)}
-        if run.end_of_step(step, metrics, evaluate=lambda: evaluate(opts, policy, ref, evals, tok.pad_id, world.device),
-                           save=save):
+        if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
+                                                                             world.device), save=save):
             break
     dist.check_same_weights(policy, "policy")
+    parallel.check_frozen({"reference": ref})
     dist.print0(f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)

@@ -40,6 +40,8 @@ Run:
     python train_online.py --method cringe --judge gold --cringe_threshold 0.5
     python train_online.py --judge llm:out/sft --judge_template my_template.txt   # LLM-as-a-judge (self-rewarding)
     torchrun --nproc_per_node 2 train_online.py --method sppo
+    torchrun --nproc_per_node 2 train_online.py --fsdp          # sampling on gathered weights, as train_ppo.py
+    python train_online.py --lora_r 16                          # adapters; the reference: the policy with them off
 
 Choices: every log-prob (and CRINGE's logits) uses logits/τ, as train_ppo.py; one optimizer step per rollout
 (on-policy); each rank samples and judges its own prompts' groups, so group statistics need no communication;
@@ -61,10 +63,11 @@ import torch
 import torch.nn.functional as F
 
 import train_dpo
-from nano_rlhf import dist
+from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_model_dir, save_state
+from nano_rlhf.checkpoint import save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import BUILTIN_DIR, adamw, autocast, check_vocab, fail, input_errors, load_tokenizer, lr_at, set_lr
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
@@ -72,6 +75,7 @@ from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, preference_matrix, symmetric_preference
 from nano_rlhf.judge import model_dir as judge_dir
 from nano_rlhf.model import GPT
+from nano_rlhf.options import FrozenModelOptions, RunOptions
 from train_ppo import load_prompts, response_logprobs
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
@@ -81,7 +85,7 @@ PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
 
 
 @dataclass
-class Options:
+class Options(FrozenModelOptions, RunOptions):
     method: Literal["online_dpo", "dno", "sppo", "nash_md", "cringe"] = "online_dpo"  # which online method
     judge: str = "out/rm"         # reward-model dir, gold, module:function, llm:MODEL_DIR; empty = --pair_judge only
     pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b), asked both ways
@@ -108,11 +112,6 @@ class Options:
     prompts: str = ""             # prompts JSONL {"prompt": ...}; empty = built-in task
     eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
     eval_fraction: float = 0.05   # share of --prompts held out when no --eval_prompts {0 < x < 1}
-    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
-    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
-    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational prompts are rendered
-    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer, else the template's default
     out_dir: str = ""             # output directory; empty = out/<method>
     batch_size: int = 8           # prompts per device per step {>= 1}
     samples_per_prompt: int = 4   # k responses per prompt (nash_md: k policy samples, each against its own opponent) {>= 1}
@@ -127,18 +126,10 @@ class Options:
     grad_clip: float = 1.0        # clip the global gradient norm (0 = off) {>= 0}
     max_steps: int = 100          # sample + judge + update iterations {>= 1}
     seed: int = 0                 # seed of the prompt order and of every sample
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (log-softmax always float32)
-    grad_checkpoint: bool = False # recompute each block's activations in backward
     log_interval: int = 1         # print and log every N steps {>= 1}
     eval_interval: int = 20       # evaluate on held-out prompts every N steps (and at the end); 0 = end only {>= 0}
     eval_samples: int = 128       # held-out prompts sampled per evaluation {>= 1}
     save_interval: int = 50       # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
-    resume: bool = False          # continue from out_dir/state
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later) {>= 0}
-    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
 
 
 # ---- the losses: pure functions, float64-testable ----------------------------------------------
@@ -485,6 +476,18 @@ def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=Non
 def check_options(opts):
     """Rules between options; each option's own range is declared on Options (checked on parsing)."""
     m = opts.method
+    if opts.frozen != "shard" and not opts.fsdp:
+        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
+    msg = lora.check_options(opts)
+    if msg:
+        fail(msg, 2)
+    if opts.fsdp and opts.ref_update_every:   # the reference would be a sharded copy rewritten every N steps
+        fail("--ref_update_every with --fsdp is not supported yet", 2)
+    if m == "nash_md" and lora.shares_base(opts, opts.ref):
+        # the mixture sampler runs the reference's blocks directly (a KV cache per model), which the adapters-off
+        # view of the policy does not switch: it would sample from the adapted policy twice
+        fail("--method nash_md with --lora_r needs a separate --ref DIR (not --init): its mixture sampler cannot "
+             "use the policy with its adapters off as the reference", 2)
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
     # the judge flags as train_ppo.py's SPO reads them (nano_rlhf/judge.py), refused before out_dir is touched
@@ -538,9 +541,12 @@ def needs_reference(opts):
     return opts.method != "cringe" and not (opts.method in PAIRWISE and opts.loss in train_dpo.REFERENCE_FREE)
 
 
+# how the run is placed and sharded does not change the math; lora.attach records the --lora_* fields, with the
+# base's checksum, when LoRA is on
 NOT_IDENTITY = ("prompts", "eval_prompts", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint",
                 "log_interval", "eval_interval", "eval_samples", "save_interval", "report_to", "dist_timeout", "stop_at",
-                "max_steps", "resume", "overwrite")
+                "max_steps", "resume", "overwrite",
+                "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 
 
 def main(argv=None):
@@ -560,9 +566,14 @@ def main(argv=None):
         check_vocab(tok, policy.cfg, opts.init)
         # the initial reference: the KL of the evaluation is always to it; training uses `ref`, the same model
         # unless --ref_update_every replaces it with copies of the policy
+        # (--lora_r with the reference = --init: the policy with its adapters off, no second copy)
         ref_dir = opts.ref or opts.init
-        init_ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
-        check_vocab(tok, init_ref.cfg, ref_dir)
+        run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
+        if lora.shares_base(opts, opts.ref):
+            init_ref = lora.BaseView(policy)
+        else:
+            init_ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+            check_vocab(tok, init_ref.cfg, ref_dir)
         if init_ref.cfg.vocab_size != policy.cfg.vocab_size:     # Nash-MD adds their logits; every method compares them
             raise ValueError(f"{ref_dir}: the reference's vocabulary ({init_ref.cfg.vocab_size}) differs from the "
                              f"policy's ({policy.cfg.vocab_size})")
@@ -579,25 +590,30 @@ def main(argv=None):
     gold = reward_mod.builtin_gold(texts)
     policy.to(world.device)
     init_ref.to(world.device)
+    for name, m in (("policy", policy), ("reference", init_ref)):
+        dist.check_same_weights(m, name)
+    init_ref = parallel.prepare_frozen(init_ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
     ref = None
     if needs_reference(opts):
         ref = init_ref
         if opts.ref_update_every:        # a separate copy, replaced every N steps; init_ref stays for the eval KL
             ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval().to(world.device)
-    for name, m in (("policy", policy), ("reference", init_ref)):
-        dist.check_same_weights(m, name)
     dist.seed_everything(opts.seed, world.rank)
     if opts.grad_checkpoint:
         policy.set_grad_checkpointing(True)
-    ddp = dist.wrap_ddp(policy)
+    ddp = parallel.wrap(policy, opts.fsdp, dtype=opts.dtype)
     optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    models = {"policy": policy, **({"ref": ref} if opts.ref_update_every and ref is not None else {})}
+    dist.print0(parallel.startup_plan({"policy": policy, "ref": init_ref}, "fsdp" if parallel.is_sharded(policy)
+                                      else "ddp", opts.frozen, opts.offload_frozen))
+    models = {"policy": lora.checkpointed(policy),
+              **({"ref": ref} if opts.ref_update_every and ref is not None else {})}
     if opts.resume:
         prompt_batches.load_state_dict(run.resume(models=models, optimizers={"policy": optimizer})["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size)
     k = opts.samples_per_prompt
-    dist.print0(f"{opts.method.upper()} | judge {opts.judge or '-'}{' + pairwise ' + opts.pair_judge if opts.pair_judge else ''}"
+    dist.print0(f"{opts.method.upper()}{lora.describe(policy)} | judge {opts.judge or '-'}"
+                f"{' + pairwise ' + opts.pair_judge if opts.pair_judge else ''}"
                 f" | {len(prompts):,} prompts ({prompt_stats}) | {opts.batch_size} prompts x {k} samples x "
                 f"{world.world_size} ranks per step | reference update every {opts.ref_update_every or 'never'} | "
                 f"{opts.max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
@@ -609,16 +625,19 @@ def main(argv=None):
     def evaluate(step):
         """Held-out prompts, pure sampling at T = 1 with a fixed seed, KL to the initial reference; rank 0 only."""
         metrics = {}
-        if world.is_main:
-            cols = {}
-            if judge.pointwise is not None and judge.pointwise is not gold:
-                cols["rm_score" if isinstance(judge.pointwise, reward_mod.RewardModel) else "reward"] = judge.pointwise
-            if gold is not None:
-                cols["gold_reward"] = gold
-            samples = sample_and_score(policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
-                                       ref=init_ref, rewards=cols)
-            metrics = {f"eval/{k_}": v for k_, v in summarize(samples).items() if not k_.endswith("_se") and k_ != "n"}
-            run.log_samples(step, samples[:8])
+        with parallel.gathered(policy, init_ref):     # FSDP: rank 0 samples alone, on weights gathered on every rank
+            if world.is_main:
+                cols = {}
+                if judge.pointwise is not None and judge.pointwise is not gold:
+                    cols["rm_score" if isinstance(judge.pointwise, reward_mod.RewardModel) else "reward"] = \
+                        judge.pointwise
+                if gold is not None:
+                    cols["gold_reward"] = gold
+                samples = sample_and_score(policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
+                                           ref=init_ref, rewards=cols)
+                metrics = {f"eval/{k_}": v for k_, v in summarize(samples).items()
+                           if not k_.endswith("_se") and k_ != "n"}
+                run.log_samples(step, samples[:8])
         dist.barrier()
         return metrics
 
@@ -635,12 +654,14 @@ def main(argv=None):
         set_lr(optimizer, lr)
         idx = prompt_batches.next_step()[0]
         batch = [prompts[i] for i in idx]
-        # 1. sample (nash_md: and the opponents from the geometric mixture of policy and reference)
-        s = sample([(policy, 1.0)], batch, idx, tok, opts, step, world.device)
+        # 1. sample (nash_md: and the opponents from the geometric mixture of policy and reference); under FSDP on
+        # weights gathered once for the whole decoding, not once per token, as train_ppo.py's rollout
         opponents = None
-        if opts.method == "nash_md":
-            opponents = sample([(policy, 1 - opts.mixture_coef), (ref, opts.mixture_coef)], batch, idx, tok, opts,
-                               step, world.device, stream=1)
+        with parallel.gathered(policy, ref if opts.method == "nash_md" else None):
+            s = sample([(policy, 1.0)], batch, idx, tok, opts, step, world.device)
+            if opts.method == "nash_md":
+                opponents = sample([(policy, 1 - opts.mixture_coef), (ref, opts.mixture_coef)], batch, idx, tok,
+                                   opts, step, world.device, stream=1)
         policy.train()
         t_gen = time.time() - t0
         # 2. judge
@@ -659,11 +680,12 @@ def main(argv=None):
         grad_norm = 0.0
         if objective is not None:        # no pair / no labelled token on any rank: no update at all
             (objective * dist.ddp_scale()).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), opts.grad_clip or float("inf")).item()
+            grad_norm = parallel.clip_grad_norm(policy.parameters(), opts.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if opts.ref_update_every and ref is not None and step % opts.ref_update_every == 0:
-            ref.load_state_dict(policy.state_dict())     # iterative DPO / DNO / SPPO: π_t ← π_θ
+            # iterative DPO / DNO / SPPO: π_t ← π_θ (--lora_r: the base with the adapters merged in)
+            ref.load_state_dict((lora.merged_copy(policy) if opts.lora_r else policy).state_dict())
         metrics = step_metrics(s, scores, stats, gold)
         if "train/kl" in metrics and opts.kl_warn:      # the same value on every rank (all-reduced)
             if not kl_warned and kl_jump(kl_history, metrics["train/kl"], opts.kl_warn) and world.is_main:
@@ -680,6 +702,7 @@ def main(argv=None):
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
     dist.check_same_weights(policy, "policy")
+    parallel.check_frozen({"reference": init_ref})
     dist.print0(f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=policy, ref=ref, init_ref=init_ref, judge=judge, optimizer=optimizer, options=opts)

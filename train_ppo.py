@@ -75,6 +75,7 @@ from nano_rlhf.data import (Batches, collate_prompts, collate_sft, load_records,
 from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
+from nano_rlhf.options import FrozenModelOptions, RunOptions
 from nano_rlhf.sampling import sampling_copy
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
@@ -82,7 +83,7 @@ WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened o
 
 
 @dataclass
-class Options:
+class Options(FrozenModelOptions, RunOptions):
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
     reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge / --pair_judge), or module:function / file.py:function
     judge: str = ""               # --reward selfplay: pointwise judge, preferences by Bradley-Terry (reward-model dir, gold, module:function, llm:MODEL_DIR)
@@ -95,15 +96,6 @@ class Options:
     prompts: str = ""             # RL prompts JSONL {"prompt": ...}; empty = built-in task
     eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
     eval_fraction: float = 0.05   # share of --prompts held out for evaluation when no --eval_prompts {0 < x < 1}
-    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
-    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
-    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
-    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
-    grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
-    fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
-    frozen: Literal["shard", "replicate"] = "shard"  # --fsdp: the frozen reference / reward model sharded too, or whole on every rank
-    offload_frozen: bool = False  # keep the frozen models in CPU memory; they visit the GPU for their forwards
     out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
     batch_size: int = 8           # prompts per device per step {>= 1}
     samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
@@ -155,21 +147,11 @@ class Options:
     grad_clip: float = 1.0        # clip each model's global gradient norm (0 = off) {>= 0}
     max_steps: int = 100          # rollout + update iterations {>= 1}
     seed: int = 0                 # seed (ranks sample with seed + rank offset)
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (log-softmax always float32)
     log_interval: int = 1         # print and log every N steps {>= 1}
     eval_interval: int = 20       # evaluate on held-out prompts every N steps (and at the end); 0 = end only {>= 0}
     eval_samples: int = 128       # held-out prompts sampled per evaluation {>= 1}
     save_interval: int = 50       # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
-    resume: bool = False          # continue from out_dir/state
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later) {>= 0}
-    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
     lora_r: int = 0               # LoRA rank for the policy and the critic (its score head trains fully); the reference is then the policy with adapters off; 0 = off {>= 0}
-    lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
-    lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
-    lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
 
 
 # ---- the rollout container and the models ---------------------------------------------------------

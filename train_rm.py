@@ -36,7 +36,6 @@ import os
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -50,17 +49,15 @@ from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check
 from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs, training_length
 from nano_rlhf.model import GPTConfig, ScoreModel, upcast
+from nano_rlhf.options import CompileOption, RunOptions
 
 
 @dataclass
-class Options:
+class Options(CompileOption, RunOptions):
     data: str = ""                # preference JSONL {"prompt","chosen","rejected"[,"margin"]}; empty = built-in task
     eval_data: str = ""           # held-out preference JSONL; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = "out/sft"         # SFT (or reward model) directory for the trunk; empty = from scratch
-    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
-    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
-    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
     out_dir: str = "out/rm"       # where the reward model, metrics and state go
     n_layer: int = 4              # layers (from scratch only) {>= 1}
     n_head: int = 4               # attention heads (from scratch only) {>= 1}
@@ -81,26 +78,8 @@ class Options:
     center_coef: float = 0.0      # c in c·(r_w + r_l)²: keeps rewards centred on 0 (TRL; 0.01 in the paper) {>= 0}
     l2_coef: float = 0.0          # λ in λ/2·(r_w² + r_l²) (align-anything uses 0.001) {>= 0}
     seed: int = 0                 # seed for init, data order and dropout {>= 0}
-    device: str = "auto"          # cpu, cuda, cuda:N, or auto
-    dtype: Literal["float32", "bfloat16"] = "float32"  # autocast precision (weights stay float32)
-    compile: bool = False         # torch.compile the model
-    log_interval: int = 10        # print and log every N steps {>= 1}
-    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
-    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
-    resume: bool = False          # continue from out_dir/state
-    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later) {>= 0}
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
-    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
-    grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
     max_length: int = 0           # training sequence length: prompts are left-truncated so each pair fits; 0 = min(block_size, 1024) {>= 0}
     lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init trunk (the score head fully); 0 = off {>= 0}
-    lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
-    lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
-    lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
-    fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
 
 
 # ---- the loss and the scores -----------------------------------------------------------------------

@@ -43,6 +43,8 @@ Run:
     python train_unpaired.py --method dro                  # built-in scored.jsonl (gold reward + noise) -> out/dro
     python train_unpaired.py --method dro --data kto.jsonl # a label file works too: true/false = +1/−1
     torchrun --nproc_per_node 2 train_unpaired.py --method dro
+    torchrun --nproc_per_node 2 train_unpaired.py --method dro --fsdp      # policy, value and reference sharded
+    python train_unpaired.py --method npo --lora_r 16      # adapters; the reference is the policy with them off
 
 Data: npo and d2o read unpaired rows {"prompt", "completion", "label"}; dro reads scored rows {"prompt",
 "completion", "score"} (or "label"). Conversational rows are rendered with the model's chat template.
@@ -61,21 +63,23 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, synthetic
+from nano_rlhf import dist, lora, parallel, synthetic
 from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import atomic_write_text, save_model_dir, save_state
+from nano_rlhf.checkpoint import atomic_write_text, save_state
+from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors,
                               load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, DataError, collate_prompts, load_records, load_scored, pad_right,
                             tokenize_scored, tokenize_unpaired)
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs, upcast
+from nano_rlhf.options import FrozenModelOptions, RunOptions
 
 SAMPLES_FILE = "d2o_samples.jsonl"
 
 
 @dataclass
-class Options:
+class Options(FrozenModelOptions, RunOptions):
     method: Literal["npo", "d2o", "dro"] = "npo"   # which loss
     beta: float = 0.1             # npo, d2o: β {> 0}
     alpha: Optional[float] = None # d2o: weight α of the negative's log-ratio; none = β {>= 0}
@@ -91,11 +95,6 @@ class Options:
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = "out/sft"         # policy to start from (an SFT model directory); dro's value trunk too
     ref: str = ""                 # reference model directory; empty = --init
-    tokenizer: str = ""           # tokenizer.json; empty = the one in --init
-    eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
-    pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered
-    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer
     out_dir: str = ""             # output directory; empty = out/<method>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
     batch_size: int = 16          # examples per device per micro-step {>= 1}
@@ -109,17 +108,7 @@ class Options:
     beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
     grad_clip: float = 1.0        # clip each network's global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for data order and D2O's samples
-    device: str = "auto"          # cpu, cuda, or auto
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
-    grad_checkpoint: bool = False # recompute each block's activations in backward
-    log_interval: int = 10        # print and log every N steps {>= 1}
-    eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}
-    save_interval: int = 500      # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
     resume: bool = False          # continue from out_dir/state (D2O: with the saved samples)
-    stop_at: int = 0              # end this run after step N with a checkpoint (--resume later); 0 = never {>= 0}
-    overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective {> 0}
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
@@ -349,8 +338,20 @@ def load_samples(path, prompts, k):
 
 # ---- set-up -------------------------------------------------------------------------------------
 
+def evaluate_gathered(opts, policy, ref, value, examples, pad_id, device, samples):
+    """evaluate() on gathered weights under FSDP: ranks may hold different numbers of eval batches, so the
+    forwards must not all-gather."""
+    with parallel.gathered(policy, ref, value):
+        return evaluate(opts, policy, ref, value, examples, pad_id, device, samples)
+
+
 def check_options(opts):
     """Rules between options; a flag the method would silently ignore is an error."""
+    if opts.frozen != "shard" and not opts.fsdp:
+        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
+    msg = lora.check_options(opts)
+    if msg:
+        fail(msg, 2)
     m = opts.method
     defaults = Options()
     own = {"retain_coef": "npo", "retain_warn": "npo", "num_samples": "d2o", "max_new_tokens": "d2o",
@@ -437,16 +438,20 @@ def tokenize_examples(opts, files, records, eval_records, eval_source, tok, bloc
 
 
 def load_models(opts):
+    """Tokenizer, policy, the frozen reference (none when LoRA's adapters-off policy is the reference: main makes
+    it) and DRO's value model. Raises on bad input (one line via input_errors)."""
     tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
                          opts.date_string)
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
-    ref_dir = opts.ref or opts.init
-    ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
-    check_vocab(tok, ref.cfg, ref_dir)
-    if ref.cfg.block_size < policy.cfg.block_size:
-        raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the "
-                         f"policy's {policy.cfg.block_size}")
+    ref = None
+    if not lora.shares_base(opts, opts.ref):
+        ref_dir = opts.ref or opts.init
+        ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+        check_vocab(tok, ref.cfg, ref_dir)
+        if ref.cfg.block_size < policy.cfg.block_size:
+            raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the "
+                             f"policy's {policy.cfg.block_size}")
     value = None
     if opts.method == "dro":
         value = ScoreModel.from_pretrained(opts.init, new_head=True, dropout=0.0)
@@ -454,7 +459,10 @@ def load_models(opts):
     return tok, policy, ref, value
 
 
-NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint")
+# how the run is placed and sharded does not change the math; lora.attach records the --lora_* fields, with the
+# base's checksum, when LoRA is on
+NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint",
+                "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -471,6 +479,12 @@ def main(argv=None):
     with input_errors():
         records = read_train_eval(opts, files)
         tok, policy, ref, value = load_models(opts)
+        run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
+        if value is not None:      # DRO's value model as PPO's critic: adapters on its trunk, its head trained fully
+            run.identity.update(lora.attach(value, opts, opts.init, trainable=("score",), prefix="value_lora",
+                                            seed=opts.seed + 1))
+        if ref is None:                                                  # LoRA, reference = --init: the policy
+            ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = tokenize_examples(opts, files, *records, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
@@ -500,26 +514,32 @@ def main(argv=None):
             if longest > policy.cfg.block_size:
                 raise ValueError(f"{path}: a prompt + sample of {longest} tokens exceeds block_size "
                                  f"{policy.cfg.block_size}")
-    ddp = {name: dist.wrap_ddp(m) for name, m in models.items()}
+    ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
+    ddp = {name: parallel.wrap(m, opts.fsdp, dtype=opts.dtype) for name, m in models.items()}
     optimizers = {"policy": adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))}
     if value is not None:
         optimizers["value"] = adamw(value, opts.value_lr, opts.weight_decay, (opts.beta1, opts.beta2))
+    dist.print0(parallel.startup_plan({**models, "ref": ref}, "fsdp" if parallel.is_sharded(policy) else "ddp",
+                                      opts.frozen, opts.offload_frozen))
     peak = {"policy": opts.lr, "value": opts.value_lr}
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
     if opts.resume:
-        batches.load_state_dict(run.resume(models=models, optimizers=optimizers)["data"])
+        batches.load_state_dict(run.resume(models={k: lora.checkpointed(m) for k, m in models.items()},
+                                           optimizers=optimizers)["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
-    dist.print0(f"{opts.method.upper()} | {len(train):,} train examples ({counts}) | {len(evals):,} eval | global "
-                f"batch {batches.global_batch} | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
+    dist.print0(f"{opts.method.upper()}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | "
+                f"{len(evals):,} eval | global batch {batches.global_batch} | {max_steps} steps"
+                + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = {"npo": ["train/loss", "train/rewards_negative", "train/nll", "eval/loss"],
                 "d2o": ["train/loss", "train/accuracy", "train/rewards_negative", "train/rewards_samples", "eval/loss"],
                 "dro": ["train/loss", "train/value", "train/advantage", "train/log_ratio", "eval/loss"]}[opts.method]
     run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        save_state(opts.out_dir, models, optimizers, {"step": step, "data": batches.state_dict()})
+        save_state(opts.out_dir, {k: lora.checkpointed(m) for k, m in models.items()}, optimizers,
+                   {"step": step, "data": batches.state_dict()})
         save_model_dir(opts.out_dir, policy, tok)
         if value is not None:
             save_model_dir(os.path.join(opts.out_dir, "value"), value, tok)
@@ -558,17 +578,18 @@ def main(argv=None):
                           f"term is overpowering the retain term; lower --lr (the paper: 1e-5) or raise --retain_coef "
                           f"(docs/algorithms.md, NPO)", file=sys.stderr, flush=True)
         for name, m in models.items():
-            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), opts.grad_clip or float("inf")).item()
+            norm = parallel.clip_grad_norm(m.parameters(), opts.grad_clip)
             metrics["train/grad_norm" if name == "policy" else f"train/{name}_grad_norm"] = norm
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
         metrics.update({"train/lr": optimizers["policy"].param_groups[0]["lr"],
                         "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)})
-        if run.end_of_step(step, metrics, save=save, evaluate=lambda: evaluate(
+        if run.end_of_step(step, metrics, save=save, evaluate=lambda: evaluate_gathered(
                 opts, policy, ref, value, evals, tok.pad_id, world.device, samples)):
             break
     for name, m in models.items():
         dist.check_same_weights(m, name)
+    parallel.check_frozen({"reference": ref})
     dist.print0(f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     run.finish()
     return SimpleNamespace(policy=policy, ref=ref, value=value, optimizers=optimizers, options=opts, samples=samples)

@@ -34,7 +34,18 @@ import typing
 
 
 def _field_comments(cls):
-    """{field name: trailing comment} read from the class source."""
+    """{field name: trailing comment} read from the source of cls and of every dataclass it inherits from, base
+    classes first, so a field a script inherits from nano_rlhf.options keeps its --help and its range, and a field
+    a subclass declares again takes the subclass's comment."""
+    comments = {}
+    for c in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(c):
+            comments.update(_own_field_comments(c))
+    return comments
+
+
+def _own_field_comments(cls):
+    """{field name: trailing comment} read from the source of this one class."""
     try:
         src = inspect.getsource(cls)
     except (OSError, TypeError):
@@ -150,7 +161,9 @@ def build_parser(cls, description=None):
     hints = typing.get_type_hints(cls)
     comments = _field_comments(cls)
     p = OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(cls):
+    # the fields cls declares itself (a script's algorithm and data) are listed in --help before the inherited ones
+    own = vars(cls).get("__annotations__", {})
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         t = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kw = {"default": default, "help": f"{comments.get(f.name, '')} (default: {default})"}

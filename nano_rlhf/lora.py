@@ -165,7 +165,7 @@ def trainable_and_frozen_bytes(model):
     return trainable, frozen
 
 
-# ---- what the four scripts use: flags, the reference without a copy, checkpoints, export -----------
+# ---- what the scripts use: flags, the reference without a copy, checkpoints, export ----------------
 
 # every nn.Linear name a policy or reward model of either family can have (GPT-2's output layer is tied:
 # no lm_head; a Llama with untied embeddings has one)

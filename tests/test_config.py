@@ -104,3 +104,29 @@ def test_negative_exponent_and_unknown_option_are_one_line(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("error: ") and needle in err, err
+
+
+@dataclass
+class Base:
+    log_interval: int = 10        # print every N steps {>= 1}
+    note: float = 1.0             # said by the base {>= 0}
+
+
+@dataclass
+class Sub(Base):
+    lr: float = 3e-4              # peak learning rate {> 0}
+    note: float = 2.0             # said again by the subclass {> 1}
+
+
+def test_an_inherited_field_keeps_its_help_and_range_and_a_redeclared_one_takes_the_subclass(capsys):
+    text = " ".join(build_parser(Sub).format_help().split())
+    assert "print every N steps {>= 1} (default: 10)" in text
+    assert "said again by the subclass {> 1} (default: 2.0)" in text and "said by the base" not in text
+    assert text.index("--lr") < text.index("--log_interval")      # the subclass's own fields are listed first
+    assert parse_args(Sub, ["--log_interval", "3"]).log_interval == 3
+    with pytest.raises(SystemExit) as e:
+        parse_args(Sub, ["--log_interval", "0"])
+    assert e.value.code == 2 and capsys.readouterr().err == "error: --log_interval must be >= 1 (got 0)\n"
+    with pytest.raises(SystemExit):
+        parse_args(Sub, ["--note", "1"])       # the subclass's range, not the base's {>= 0}
+    assert capsys.readouterr().err == "error: --note must be > 1 (got 1.0)\n"

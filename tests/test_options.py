@@ -1,0 +1,44 @@
+"""The shared run options (nano_rlhf/options.py): every script accepts exactly the flags, with the same defaults
+and choices, that it accepted when each script declared its own (recorded from the scripts' parsers before the
+move, in fixtures/script_flags_before_run_options.json), and the survey scripts gain the FSDP and LoRA flags."""
+import importlib
+import json
+import os
+
+import pytest
+
+from nano_rlhf.config import build_parser
+
+BEFORE = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "script_flags_before_run_options.json")))
+# what train_listwise / train_unpaired / train_online gained: train_dpo's FSDP and LoRA flags, its defaults
+GAINED = {"--fsdp": [False, None], "--frozen": ["shard", ["shard", "replicate"]], "--offload_frozen": [False, None],
+          "--lora_r": [0, None], "--lora_alpha": [16.0, None], "--lora_dropout": [0.0, None],
+          "--lora_targets": ["", None]}
+SURVEY = ("train_listwise", "train_unpaired", "train_online")
+
+
+def flags(script):
+    """{flag: [default, choices]} of a script's command line, as the recording was made."""
+    p = build_parser(importlib.import_module(script).Options)
+    return {a.option_strings[0]: [a.default, a.choices] for a in p._actions if a.option_strings[0] != "-h"}
+
+
+@pytest.mark.parametrize("script", sorted(BEFORE))
+def test_every_script_accepts_the_flags_it_did_with_the_same_defaults(script):
+    want = dict(BEFORE[script], **(GAINED if script in SURVEY else {}))
+    got = flags(script)
+    assert sorted(set(got) - set(want)) == [] and sorted(set(want) - set(got)) == []
+    assert {k: v for k, v in got.items() if v != want[k]} == {}
+
+
+def test_script_specific_help_survives_the_move():
+    """A field a script declares again keeps its own text (and default) in --help, not the shared one."""
+    def help_of(script):
+        return " ".join(build_parser(importlib.import_module(script).Options).format_help().split())
+    assert "LoRA rank for the policy and the critic" in help_of("train_ppo")
+    assert "(the score head fully)" in help_of("train_rm")
+    assert "or train one on the data" in help_of("train_sft")
+    assert "evaluate on held-out prompts every N steps (and at the end); 0 = end only {>= 0} (default: 20)" \
+        in help_of("train_online")
+    dpo = help_of("train_dpo")
+    assert "print and log every N steps {>= 1} (default: 10)" in dpo and dpo.index("--loss") < dpo.index("--device")
