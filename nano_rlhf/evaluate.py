@@ -175,7 +175,9 @@ def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, sa
         rmask = (torch.arange(resp.shape[1])[None] < length[:, None]).long()
         full_attn = torch.cat([attn, rmask], 1)
         kl = None
-        if ref is not None:
+        if ref is model:     # the policy is its own reference (a table's start row): the KL is 0, no forward needed
+            kl = torch.zeros(len(chunk))
+        elif ref is not None:
             lp = response_logprobs(model, seq, full_attn, Tp, temperature, rmask)
             rlp = response_logprobs(ref, seq, full_attn, Tp, temperature, rmask)
             kl = (lp - rlp).sum(1)
@@ -315,8 +317,9 @@ def main(argv=None):
                 check_vocab(tok, ref.cfg, a.ref)                   # the reference scores this policy's ids
             if a.reward_model:                                     # likewise the reward model
                 rewards["rm_score"] = reward_mod.load_reward(a.reward_model, tokenizer=tok, batch_size=a.batch_size)
+            same = ref is not None and os.path.realpath(d) == os.path.realpath(a.ref)
             samples = sample_and_score(model, tok, prompts, a.max_new_tokens, a.temperature, a.samples_per_prompt,
-                                       a.seed, a.batch_size, ref, rewards, a.top_k, a.top_p,
+                                       a.seed, a.batch_size, model if same else ref, rewards, a.top_k, a.top_p,
                                        engine=dict(compile=a.compile, dtype=getattr(torch, a.sample_dtype)))
             if answer is not None:
                 for r in samples:

@@ -84,3 +84,19 @@ def test_unwritable_output_is_one_line_before_sampling(tmp_path, capsys, flag, m
     assert e.value.code not in (0, None)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_kl_column_and_the_policy_as_its_own_reference(tmp_path, tok, sft_dir, prompts):
+    """--ref naming the policy's own directory gives KL 0 without the two extra forwards, the same figure a copy of
+    the directory gives through them; a different reference gives the per-sample Σ log π − log π_ref, not 0."""
+    import shutil
+    copy, other = tmp_path / "copy", tmp_path / "other"
+    shutil.copytree(sft_dir, copy)
+    tiny_model(tok, seed=5).save_pretrained(str(other))
+    tok.save(str(other / "tokenizer.json"))
+    args = ["--model", sft_dir, "--prompts", prompts, "--out", str(tmp_path / "s.jsonl"), "--max_new_tokens", "6"]
+    own = evaluate.main(args + ["--ref", sft_dir])
+    through_copy = evaluate.main(args + ["--ref", str(copy)])
+    assert own[0]["kl"] == through_copy[0]["kl"] == 0.0
+    far = evaluate.main(args + ["--ref", str(other)])
+    assert far[0]["kl"] != 0.0 and all(s["kl"] != 0.0 for s in samples(tmp_path / "s.jsonl"))
