@@ -200,3 +200,26 @@ def test_fsdp_two_ranks_from_smollm2_loads_in_transformers(smol, data, tmp_path)
         ours = GPT.from_pretrained(str(out)).eval()(ids)
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(ids).logits
     torch.testing.assert_close(hf, ours, atol=real_atol(hf), rtol=0)
+
+
+def test_ifeval_script_tiny_from_smollm2(smol, tmp_path):
+    """scripts/ifeval.sh (TINY=1) on the real model: self-labelled pairs, DPO, GRPO with the checker as the reward,
+    and the held-out table with a row per policy; both outputs load in transformers."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = tmp_path / os.path.basename(smol)     # links to the shared files: evaluate writes its samples here
+    model.mkdir()
+    for name in os.listdir(smol):
+        (model / name).symlink_to(os.path.join(smol, name))
+    env = dict(os.environ, TINY="1", MODEL=str(model), OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"),
+               PYTHON=sys.executable, OMP_NUM_THREADS="2")
+    p = subprocess.run(["bash", "scripts/ifeval.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["name"] for r in results] == [os.path.basename(smol), "dpo", "grpo"]
+    assert all(0 <= r["reward"] <= 1 for r in results) and results[0]["kl"] == 0.0
+    assert {r["name"] for r in results if "train_seconds" in r} == {"dpo", "grpo"}
+    for name in ("dpo", "grpo"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / name))
+        assert model.config.vocab_size == 49152
