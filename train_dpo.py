@@ -78,7 +78,7 @@ from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_state
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
-                              set_lr, split_off)
+                              load_reference, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records, pad_right,
                             tokenize_pairs, tokenize_unpaired, training_length)
@@ -554,12 +554,8 @@ def load_models(opts):
     max_length = training_length(opts.max_length, policy.cfg.block_size, opts.init)
     ref = None
     if opts.loss not in REFERENCE_FREE and not lora.shares_base(opts, opts.ref):   # (else: main's BaseView)
-        ref_dir = opts.ref or opts.init
-        ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
-        check_vocab(tok, ref.cfg, ref_dir)
-        if ref.cfg.block_size < max_length:
-            raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the "
-                             f"training length {max_length} (--max_length, default min(policy block_size, 1024))")
+        ref = load_reference(opts.ref or opts.init, tok, max_length, f"training length {max_length} "
+                             "(--max_length, default min(policy block_size, 1024))")
     return tok, policy, ref, max_length
 
 

@@ -68,7 +68,7 @@ from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import atomic_write_text, save_state
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors,
-                              load_tokenizer, lr_at, set_lr, split_off)
+                              load_reference, load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, DataError, collate_prompts, load_records, load_scored, pad_right,
                             tokenize_scored, tokenize_unpaired)
@@ -446,11 +446,7 @@ def load_models(opts):
     check_vocab(tok, policy.cfg, opts.init)
     ref = None
     if not lora.shares_base(opts, opts.ref):
-        ref_dir = opts.ref or opts.init
-        ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
-        check_vocab(tok, ref.cfg, ref_dir)
-        if ref.cfg.block_size < policy.cfg.block_size:
-            raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the "
+        ref = load_reference(opts.ref or opts.init, tok, policy.cfg.block_size,
                              f"policy's {policy.cfg.block_size}")
     value = None
     if opts.method == "dro":

@@ -11,6 +11,7 @@ import torch
 
 from . import dist
 from .data import DataError, split_off  # noqa: F401  (split_off re-exported: it lived here)
+from .model import GPT
 from .run import check_finite, fail  # noqa: F401  (re-exported: they lived here)
 
 
@@ -145,6 +146,16 @@ def check_vocab(tok, cfg, where: str):
         msg = mismatch(tok, where)
         if msg:
             fail(msg)
+
+
+def load_reference(ref_dir: str, tok, length: int, what: str):
+    """A frozen reference policy (no dropout, no gradient, eval mode) read with the tokenizer's vocabulary checked
+    and room for `length` tokens; `what` names that length in the error (e.g. "policy's 1024")."""
+    ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+    check_vocab(tok, ref.cfg, ref_dir)
+    if ref.cfg.block_size < length:
+        raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the {what}")
+    return ref
 
 
 def check_output_file(flag, path, input_files=(), input_dirs=()):
