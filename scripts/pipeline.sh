@@ -6,6 +6,7 @@
 #   NPROC=2 bash scripts/pipeline.sh      # every training stage under torchrun with 2 processes
 #   TINY=1 bash scripts/pipeline.sh       # a smoke run of about a minute (what the tests run)
 #   OUT=runs/a bash scripts/pipeline.sh   # another output directory (default: out)
+#   SEED=1 OUT=runs/s1 bash scripts/pipeline.sh   # another training seed (the data and evaluation stay the same)
 #
 # Each command is printed before it runs ("+ ..."): copy any of them to rerun one stage by hand.
 # Every training stage gets --overwrite: the pipeline is meant to be rerun, replacing the previous results.
@@ -16,6 +17,7 @@ NPROC=${NPROC:-1}
 OUT=${OUT:-out}
 DATA=${DATA:-data}
 PY=${PYTHON:-python}
+SEED=${SEED:-0}
 if [ "$NPROC" -gt 1 ]; then
   TRAIN="$PY -m torch.distributed.run --nproc_per_node $NPROC"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -34,6 +36,9 @@ else
   SFT=""; RM=""; DPO="--max_steps 200"; PPO="--max_steps 30 --eval_interval 10"; GRPO="--max_steps 40"; EVAL=""
   OVEROPT="--max_steps 60 --eval_interval 5"
 fi
+# the training seed (initialisation, data order, sampling); evaluation keeps its own fixed seed
+SFT="$SFT --seed $SEED"; RM="$RM --seed $SEED"; DPO="$DPO --seed $SEED"; PPO="$PPO --seed $SEED"
+GRPO="$GRPO --seed $SEED"; OVEROPT="$OVEROPT --seed $SEED"
 export NANO_RLHF_DATA="$DATA"
 
 run() { echo "+ $*"; "$@"; }
