@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .hf_io import GPTConfig
+from .gpt_config import GPTConfig
 
 
 def attend(q, k, v, attn_mask=None, dropout_p=0.0):

@@ -34,9 +34,10 @@ from torch.utils.checkpoint import checkpoint
 
 from . import sampling
 from .sampling import inverse_cdf_sample, sample_token  # noqa: F401  (re-exported: they lived here)
-# GPTConfig, check_config and ARCHITECTURES are defined in hf_io.py (reading a config needs them; hf_io imports
+# GPTConfig, check_config and ARCHITECTURES are defined in gpt_config.py (reading a config needs them; it imports
 # nothing of ours) and re-exported here, as is read_hf_dir (`from nano_rlhf.model import GPTConfig, read_hf_dir`)
-from .hf_io import ARCHITECTURES, GPTConfig, check_config, hf_config, read_hf_dir, write_hf_dir  # noqa: F401
+from .gpt_config import ARCHITECTURES, GPTConfig, check_config  # noqa: F401
+from .hf_io import hf_config, read_hf_dir, write_hf_dir  # noqa: F401
 # the pieces (attention, MLPs, norms, blocks, masks and positions) are in layers.py; the names other files import
 # from here (upcast, in_vocabulary, document_attention, rope_frequencies, _Block) stay importable from here
 from .layers import (Block, LlamaBlock, RMSNorm, _alias, _Block, apply_rope, attend, document_attention,  # noqa: F401
