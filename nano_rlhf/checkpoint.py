@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from . import dist, parallel
 from .files import StateError, _read_json, atomic_write_text, write_json  # noqa: F401  (re-exported: they lived here)
-from .parallel import _optim_from_flat
+from .sharded import _optim_from_flat
 
 # A function returning the run's identity record, registered by nano_rlhf.run.start(); save_state writes it
 # into every state directory as run.json, inside the atomic swap, so a state never exists without it.
