@@ -161,7 +161,8 @@ def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: 
     dist.barrier()
     if ctx.is_main:
         if RUN_INFO is not None:
-            write_json(os.path.join(tmp, "run.json"), dict(RUN_INFO(), world_size=ctx.world_size, step=meta.get("step")))
+            write_json(os.path.join(tmp, "run.json"),
+                       dict(RUN_INFO(), world_size=ctx.world_size, step=meta.get("step")))
         write_json(os.path.join(tmp, "meta.json"), dict(meta, world_size=ctx.world_size))  # written last
         if os.path.isdir(final):
             shutil.rmtree(old, ignore_errors=True)

@@ -100,7 +100,8 @@ class _Fields:
               "bool": lambda x: isinstance(x, bool),
               "id": lambda x: x is None or (isinstance(x, int) and not isinstance(x, bool))}[kind]
         if not ok(v):
-            want = {"int": "an integer", "size": "a positive integer", "float": "a number", "bool": "true or false", "id": "an integer or null"}
+            want = {"int": "an integer", "size": "a positive integer", "float": "a number", "bool": "true or false",
+                    "id": "an integer or null"}
             raise ValueError(f"{self.path}: {key} must be {want[kind]}, got {v!r}")
         return v
 
@@ -163,7 +164,8 @@ def config_from_hf(raw, path):
                         dropout=f.get("resid_pdrop", 0.1, "float"),
                         bias=_Fields(ours if isinstance(ours, dict) else {}, path).get("bias", True, "bool"),
                         layer_norm_epsilon=f.get("layer_norm_epsilon", 1e-5, "float"),
-                        eos_token_id=_first_id(f, "eos_token_id", 50256), pad_token_id=f.get("pad_token_id", None, "id"),
+                        eos_token_id=_first_id(f, "eos_token_id", 50256),
+                        pad_token_id=f.get("pad_token_id", None, "id"),
                         tie_word_embeddings=True)
         check_config(cfg, path)
         return cfg
@@ -201,8 +203,8 @@ def config_from_hf(raw, path):
     cfg = GPTConfig(model_type=mt, vocab_size=f.get("vocab_size", None, "size"),
                     block_size=f.get("max_position_embeddings", 2048 if mt == "llama" else 32768, "size"),
                     n_layer=f.get("num_hidden_layers", None, "size"), n_head=heads, n_embd=hidden,
-                    n_kv_head=f.get("num_key_value_heads", heads, "size"), head_dim=_Fields({"head_dim": head_dim},
-                                                                                          path).get("head_dim", 0, "int"),
+                    n_kv_head=f.get("num_key_value_heads", heads, "size"),
+                    head_dim=_Fields({"head_dim": head_dim}, path).get("head_dim", 0, "int"),
                     intermediate_size=f.get("intermediate_size", None, "size"),
                     rms_norm_eps=f.get("rms_norm_eps", 1e-6, "float"), rope_theta=float(theta), rope_scaling=scaling,
                     attention_bias=True if mt == "qwen2" else f.get("attention_bias", False, "bool"),

@@ -70,7 +70,8 @@ def safetensors_header(path):
 def weight_files(model_dir):
     """{name: (shape, dtype, file)} over model.safetensors or the shards of model.safetensors.index.json
     (the single file wins when both exist, as in transformers)."""
-    single, index = os.path.join(model_dir, "model.safetensors"), os.path.join(model_dir, "model.safetensors.index.json")
+    single = os.path.join(model_dir, "model.safetensors")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(single):
         return {k: (s, d, single) for k, (s, d) in safetensors_header(single).items()}
     if not os.path.isfile(index):
@@ -124,7 +125,8 @@ def expected_shapes(cfg, head=None):
                  "self_attn.v_proj.weight": (kv, C), "self_attn.o_proj.weight": (C, q),
                  "mlp.gate_proj.weight": (F_, C), "mlp.up_proj.weight": (F_, C), "mlp.down_proj.weight": (C, F_)}
         if cfg.attention_bias:
-            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
             if cfg.model_type != "qwen2":
                 layer["self_attn.o_proj.bias"] = (C,)
         if cfg.qk_norm:
@@ -165,7 +167,8 @@ def read_hf_dir(model_dir, head=None, allow_missing=(), **overrides):
         if dtype not in _DTYPES:
             raise ValueError(f"{path}: {k} is stored as {dtype}; only float32/float16/bfloat16 weights are supported")
         stored[ours] = (k, shape[::-1] if ours.endswith(_CONV1D) and cfg.model_type == "gpt2" else shape, path)
-    layers = {int(m.group(1)) for m in map(re.compile(r"^(?:transformer\.h|model\.layers)\.(\d+)\.").match, stored) if m}
+    block_key = re.compile(r"^(?:transformer\.h|model\.layers)\.(\d+)\.")
+    layers = {int(m.group(1)) for m in map(block_key.match, stored) if m}
     if len(layers) != cfg.n_layer or (layers and max(layers) != cfg.n_layer - 1):
         raise ValueError(f"{cpath}: the config says {cfg.n_layer} layers but {wpath} holds {len(layers)}")
     drop = {"lm": ("score.weight",), "score": ("lm_head.weight",), None: ("score.weight", "lm_head.weight")}[head]
@@ -230,7 +233,8 @@ def _load(cfg, ours, key, shape, path):
         with safe_open(path, framework="pt") as fh:
             t = fh.get_tensor(key)
     except Exception as e:       # the header was valid, so this is a damaged file
-        raise ValueError(f"{path}: cannot read {key} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: cannot read {key} ({why})") from None
     t = t.to(torch.float32)
     return t.t().contiguous() if cfg.model_type == "gpt2" and ours.endswith(_CONV1D) else t
 
