@@ -1,7 +1,7 @@
 """Sharded checkpoints without pickle: per-rank safetensors files and a JSON index (parallel.py shards the
 models; checkpoint.py decides what a run's state holds).
 
-Checkpoints: each rank writes its own shards (`<name>.rank<r>.safetensors`) and rank 0 a JSON index (global
+Each rank writes its own shards (`<name>.rank<r>.safetensors`) and rank 0 a JSON index (global
 shapes, how many ranks); nothing is pickled. A state saved by N ranks (or by one process, unsharded) loads on
 M ranks: each rank reads, from whichever files hold them, only the rows of its own shard (FSDP2 shards dim 0
 in torch.chunk's pieces: ceil(n / world) rows per rank, the last ranks fewer or none).
