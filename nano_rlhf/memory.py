@@ -68,8 +68,7 @@ PRESETS = {   # shapes of public checkpoints (their config.json), for the plan w
 
 def preset_config(spec):
     """GPTConfig of a preset name or of a model directory's config.json (no weights are read)."""
-    from .gpt_config import config_from_hf
-    from .model import GPTConfig
+    from .gpt_config import GPTConfig, config_from_hf
     if spec in PRESETS:
         return GPTConfig(**PRESETS[spec])
     path = os.path.join(spec, "config.json")
