@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import dist, parallel
+from . import dist, parallel, sharded
 from .files import StateError, _read_json, atomic_write_text, write_json  # noqa: F401  (re-exported: they lived here)
-from .parallel import _optim_from_flat
+from .sharded import _optim_from_flat
 
 # A function returning the run's identity record, registered by nano_rlhf.run.start(); save_state writes it
 # into every state directory as run.json, inside the atomic swap, so a state never exists without it.
@@ -141,15 +141,15 @@ def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: 
         os.makedirs(tmp)
     dist.barrier()
     for name, m in models.items():
-        if parallel.is_sharded(m):      # FSDP: every rank writes its shards (parallel.save_sharded)
-            parallel.save_sharded(tmp, f"model_{name}", dist.unwrap(m).state_dict())
+        if parallel.is_sharded(m):      # FSDP: every rank writes its shards (sharded.save_sharded)
+            sharded.save_sharded(tmp, f"model_{name}", dist.unwrap(m).state_dict())
         elif ctx.is_main:
             sd = {k: v.detach().to("cpu").contiguous() for k, v in dist.unwrap(m).state_dict().items()}
             save_file(sd, os.path.join(tmp, f"model_{name}.safetensors"))
     for name, opt in optimizers.items():
         if any(parallel.is_sharded(p) for g in opt.param_groups for p in g["params"]):
-            tensors, ometa = parallel.optimizer_tensors(opt)
-            parallel.save_sharded(tmp, f"optim_{name}", tensors, ometa)
+            tensors, ometa = sharded.optimizer_tensors(opt)
+            sharded.save_sharded(tmp, f"optim_{name}", tensors, ometa)
         elif ctx.is_main:
             tensors, ometa = _optim_to_flat(opt)
             save_file(tensors, os.path.join(tmp, f"optim_{name}.safetensors"))
@@ -161,7 +161,8 @@ def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: 
     dist.barrier()
     if ctx.is_main:
         if RUN_INFO is not None:
-            write_json(os.path.join(tmp, "run.json"), dict(RUN_INFO(), world_size=ctx.world_size, step=meta.get("step")))
+            write_json(os.path.join(tmp, "run.json"),
+                       dict(RUN_INFO(), world_size=ctx.world_size, step=meta.get("step")))
         write_json(os.path.join(tmp, "meta.json"), dict(meta, world_size=ctx.world_size))  # written last
         if os.path.isdir(final):
             shutil.rmtree(old, ignore_errors=True)
@@ -192,7 +193,7 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
         path = os.path.join(d, f"model_{name}.safetensors")
         if parallel.is_sharded(m) or not os.path.isfile(path):      # sharded now, or saved sharded
             try:
-                parallel.load_model(parallel.TensorSource(d, f"model_{name}"), m)
+                sharded.load_model(sharded.TensorSource(d, f"model_{name}"), m)
             except RuntimeError as e:
                 raise StateError(f"{d}/model_{name}: does not fit the model ({str(e).splitlines()[0]})") from None
             continue
@@ -205,7 +206,7 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
         sharded_now = any(parallel.is_sharded(p) for g in opt.param_groups for p in g["params"])
         try:
             if sharded_now or not os.path.isfile(tpath):
-                parallel.load_optimizer(parallel.TensorSource(d, f"optim_{name}"), opt, _read_json(jpath))
+                sharded.load_optimizer(sharded.TensorSource(d, f"optim_{name}"), opt, _read_json(jpath))
             else:
                 _optim_from_flat(opt, _read_tensors(tpath), _read_json(jpath))
         except StateError:

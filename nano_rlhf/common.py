@@ -31,7 +31,8 @@ def adamw(model, lr, weight_decay, betas=(0.9, 0.95), eps=1e-8):
     for name, p in dist.unwrap(model).named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and not name.endswith(("wte.weight", "wpe.weight", "embed_tokens.weight")) else no_decay).append(p)
+        embedding = name.endswith(("wte.weight", "wpe.weight", "embed_tokens.weight"))
+        (decay if p.dim() >= 2 and not embedding else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach=True: one fused kernel per group instead of a Python loop over 50 tensors
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)

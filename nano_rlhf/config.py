@@ -9,6 +9,11 @@ becomes `--lr 0.0003 --loss ipo`; the trailing comment of each field is its `--h
 its default. Booleans take `--flag`, `--flag true` or `--flag false`; `Literal[...]` gives choices;
 `Optional[int] = None` takes an int or `none`.
 
+A help line too long for one line continues on the lines below, each only a comment starting under the first:
+
+    lora_targets: str = ""    # comma list of nn.Linear names to adapt;
+                              # empty = attention + MLP
+
 A comment may end with a range in braces, which parse_args enforces before anything else runs (and
 --help shows, as part of the comment):
 
@@ -45,18 +50,32 @@ def _field_comments(cls):
 
 
 def _own_field_comments(cls):
-    """{field name: trailing comment} read from the source of this one class."""
+    """{field name: trailing comment} read from the source of this one class. A comment continues on the lines
+    right below it that hold only a comment starting at its column or further right (joined with one space):
+
+        lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model;
+                                      # 0 = off {>= 0}
+    """
     try:
         src = inspect.getsource(cls)
     except (OSError, TypeError):
         return {}
     comments, line_names = {}, {}
+    open_ = None          # (field name, row, column) of the comment the next comment-only line may continue
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        row = tok.start[0]
+        row, col = tok.start
         if tok.type == tokenize.NAME and row not in line_names:
             line_names[row] = tok.string
         elif tok.type == tokenize.COMMENT and row in line_names:
             comments[line_names[row]] = tok.string.lstrip("#").strip()
+            open_ = (line_names[row], row, col)
+        elif tok.type == tokenize.COMMENT:
+            if open_ and row == open_[1] + 1 and col >= open_[2]:
+                name = open_[0]
+                comments[name] = f"{comments[name]} {tok.string.lstrip('#').strip()}".strip()
+                open_ = (name, row, open_[2])
+            else:
+                open_ = None
     return comments
 
 

@@ -12,18 +12,23 @@ A script whose default or help differs for one of these declares that field agai
 The mixins are for options that only some scripts have: a frozen model to place (FrozenModelOptions), a model
 that torch.compile can take whole (CompileOption; the scripts that sample from the policy while training
 do not offer it).
+
+A help line longer than one line continues on the comment-only lines right below it (config.py joins them).
 """
 from dataclasses import dataclass
 from typing import Literal
 
+ChatTemplate = Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"]   # tokenizer.CHAT_TEMPLATES
 
 @dataclass
 class RunOptions:
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init
     eos_token: str = ""           # end-of-text token name; empty = from tokenizer_config.json or the usual names
     pad_token: str = ""           # pad token name; empty = likewise (none: an id outside the vocabulary)
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational data is rendered; auto = recognised from the tokenizer's own template
-    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the tokenizer, else the template's default
+    chat_template: ChatTemplate = "auto"  # how conversational data is rendered;
+                                          # auto = recognised from the tokenizer's own template
+    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the
+                                  # tokenizer, else the template's default
     device: str = "auto"          # cpu, cuda, cuda:N, or auto
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
@@ -36,16 +41,19 @@ class RunOptions:
     overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
     dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
-    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model; a reference that is --init is then the policy with adapters off; 0 = off {>= 0}
+    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model; a reference
+                                  # that is --init is then the policy with adapters off; 0 = off {>= 0}
     lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
     lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
-    lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
+    lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP
+                                  # (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
 
 
 @dataclass
 class FrozenModelOptions:
     """For the scripts that hold a frozen model (a reference, a reward model, a judge) beside the trained one."""
-    frozen: Literal["shard", "replicate"] = "shard"  # --fsdp: the frozen reference / reward model sharded too, or whole on every rank
+    frozen: Literal["shard", "replicate"] = "shard"  # --fsdp: the frozen reference / reward model sharded too,
+                                                     # or whole on every rank
     offload_frozen: bool = False  # keep the frozen models in CPU memory; they visit the GPU for their forwards
 
 

@@ -43,17 +43,17 @@ is never re-tokenized, so a BPE merge can never straddle the boundary and shift 
 A response in conversational form starts right after the generation prompt and ends with the end-of-turn
 token; a plain-text response ends with eos.
 """
-import hashlib
 import json
 import os
-import re
 import sys
 from typing import List, Sequence, Tuple, Union
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from . import chat
+# training a BPE, reading a tokenizer.json and its fingerprint live in bpe.py (the tokenizers-library side);
+# the names other files import from here stay importable from here
+from .bpe import TRAIN_MAX_CHARS, TRAIN_MAX_WORD, _for_training, _read, fingerprint, train_bpe  # noqa: F401
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>")
@@ -61,29 +61,9 @@ ROLES = ("system", "user", "assistant")
 ROLE_HEADER = {"system": "System: ", "user": "User: "}
 ASSISTANT_HEADER = "Assistant:"
 CHAT_TEMPLATES = chat.VARIANTS
-# BPE training cost grows with the square of a pre-tokenized word's length: a 10-MB single-word line
-# never finishes. So the trainer sees at most TRAIN_MAX_CHARS of each text, with runs of non-space (or
-# of space) cut into pieces of at most TRAIN_MAX_WORD characters.
-TRAIN_MAX_CHARS = 100_000
-TRAIN_MAX_WORD = 256
-_LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (TRAIN_MAX_WORD + 1, TRAIN_MAX_WORD + 1))
 
 Messages = List[dict]
 Text = Union[str, Messages]
-
-
-def _for_training(texts):
-    """What the BPE trainer sees of `texts`: each capped and its over-long runs split (see TRAIN_MAX_*)."""
-    for t in texts:
-        t, start = t[:TRAIN_MAX_CHARS], 0
-        for m in _LONG_RUN.finditer(t):
-            if m.start() > start:
-                yield t[start:m.start()]
-            for i in range(m.start(), m.end(), TRAIN_MAX_WORD):
-                yield t[i:min(i + TRAIN_MAX_WORD, m.end())]
-            start = m.end()
-        if start < len(t):
-            yield t[start:] if start else t
 
 
 class Tokenizer:
@@ -176,13 +156,7 @@ class Tokenizer:
             raise ValueError(f"unknown chat template {chat_template!r} (one of {', '.join(CHAT_TEMPLATES)})")
         variant = "plain" if chat_template == "auto" else chat_template
         extra = chat.TOKENS.get(variant, ()) + (("<|begin_of_text|>",) if variant == "llama3" else ())
-        tk = HFTokenizer(models.BPE())
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tk.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                      special_tokens=["<|endoftext|>", "<|pad|>", *extra],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tk.train_from_iterator(_for_training(texts), trainer)
+        tk = train_bpe(texts, vocab_size, min_frequency, ["<|endoftext|>", "<|pad|>", *extra])
         return cls(tk, "<|endoftext|>", "<|pad|>", variant, date_string)
 
     @classmethod
@@ -192,10 +166,7 @@ class Tokenizer:
         the special tokens not named here (--eos_token / --pad_token; else they are found by their usual
         names) and may hold the chat template (`chat_template`: a string, or a list of {name, template} of
         which "default" is taken); a chat_template.jinja beside it takes precedence, as in transformers."""
-        try:
-            tk = HFTokenizer.from_file(path)
-        except Exception as e:  # tokenizers raises a bare Exception with a long message
-            raise ValueError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
+        tk = _read(path)
         folder = os.path.dirname(path)
         cfg_path = os.path.join(folder, "tokenizer_config.json")
         jinja_path = os.path.join(folder, "chat_template.jinja")
@@ -416,34 +387,12 @@ class Tokenizer:
 
 # ---- one tokenizer for the models of a run ----------------------------------------------------------
 
-def fingerprint(tk: HFTokenizer) -> str:
-    """sha256 of what decides the ids of a text: the tokenizer model (its type, vocabulary, merges and settings)
-    and the added tokens (id, content). Taken from the tokenizers library's own serialisation of the loaded
-    tokenizer, so two files that differ only in layout (another library version's field order or defaults,
-    merges stored as "a b" or ["a", "b"]) compare equal; comparing vocabulary sizes only would take another
-    model's tokenizer of the same size."""
-    d = json.loads(tk.to_str())
-    model = dict(d.get("model") or {})
-    if isinstance(model.get("merges"), list):
-        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model["merges"]]
-    added = sorted((t.get("id"), t.get("content")) for t in d.get("added_tokens") or [])
-    text = json.dumps({"model": model, "added_tokens": added}, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def _fingerprint_of(ours):
     if isinstance(ours, Tokenizer):
         if getattr(ours, "_fingerprint", None) is None:
             ours._fingerprint = fingerprint(ours.tk)
         return ours._fingerprint
     return fingerprint(_read(ours))
-
-
-def _read(path):
-    try:
-        return HFTokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises a bare Exception with a long message
-        raise ValueError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
 
 
 def mismatch(ours, model_dir):

@@ -130,3 +130,35 @@ def test_an_inherited_field_keeps_its_help_and_range_and_a_redeclared_one_takes_
     with pytest.raises(SystemExit):
         parse_args(Sub, ["--note", "1"])       # the subclass's range, not the base's {>= 0}
     assert capsys.readouterr().err == "error: --note must be > 1 (got 1.0)\n"
+
+
+@dataclass
+class Wrapped:
+    rank: int = 0                 # adapter rank: train rank-r adapters on the frozen model;
+                                  # a reference that is --init is then the policy with adapters off;
+                                  # 0 = off {>= 0}
+    alpha: float = 16.0           # scale α {> 0}
+    # a section note at field indentation: not the help of alpha or of what follows
+    targets: str = ""             # comma list of names
+    # not a continuation either (left of the comment above)
+    plain: int = 1                # one line
+                                  # continued under it
+
+    dropout: float = 0.0          # after a blank line nothing continues {0 <= x < 1}
+
+
+def test_a_wrapped_comment_is_one_help_line_with_its_range(capsys):
+    from nano_rlhf.config import _field_comments
+    c = _field_comments(Wrapped)
+    assert c["rank"] == ("adapter rank: train rank-r adapters on the frozen model; a reference that is --init is "
+                         "then the policy with adapters off; 0 = off {>= 0}")
+    assert c["alpha"] == "scale α {> 0}"            # the following section comment is not swallowed
+    assert c["targets"] == "comma list of names"
+    assert c["plain"] == "one line continued under it"
+    assert c["dropout"] == "after a blank line nothing continues {0 <= x < 1}"
+    text = " ".join(build_parser(Wrapped).format_help().split())
+    assert "adapters off; 0 = off {>= 0} (default: 0)" in text
+    with pytest.raises(SystemExit) as e:
+        parse_args(Wrapped, ["--rank", "-1"])          # the range read from the comment's last line
+    assert e.value.code == 2 and capsys.readouterr().err == "error: --rank must be >= 0 (got -1)\n"
+    assert parse_args(Wrapped, ["--rank", "4"]).rank == 4

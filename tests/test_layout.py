@@ -73,3 +73,45 @@ def test_package_has_no_import_cycles():
     assert cycle is None, (
         "import cycle in nano_rlhf/: " + " -> ".join(cycle)
         + "\nmove the shared piece to the module it belongs to (or a leaf) instead of a local import")
+
+
+# Names that moved when a package file was split (issue 24) and stay importable from where the scripts, the
+# other modules and the tests import them today: (old module, new module, names). The lead moves the imports later.
+MOVED = [
+    ("model", "layers", ["upcast", "in_vocabulary", "document_attention", "rope_frequencies", "_Block", "attend",
+                         "is_right_padded", "padding_attention", "full_attention", "RMSNorm", "Block", "LlamaBlock"]),
+    ("model", "gpt_config", ["GPTConfig", "check_config", "ARCHITECTURES"]),
+    ("hf_io", "gpt_config", ["GPTConfig", "check_config", "ARCHITECTURES", "config_from_hf", "model_type_of"]),
+    ("data", "jsonl", ["DataError", "KINDS", "read_jsonl", "finite_number", "validate", "load_records", "split_off",
+                       "load_train_eval", "validate_listwise", "is_listwise_file", "listwise_to_pairs",
+                       "validate_scored", "load_scored"]),
+    ("parallel", "memory", ["FROZEN_CHOICES", "PRESETS", "STRATEGIES", "memory_plan", "preset_config", "count_params",
+                            "ppo_models", "gib", "format_plan", "plan_table", "startup_plan", "main"]),
+    ("parallel", "sharded", ["shard_rows", "save_sharded", "TensorSource", "read_like", "load_model",
+                             "optimizer_tensors", "load_optimizer", "_optim_from_flat"]),
+    ("tokenizer", "bpe", ["TRAIN_MAX_CHARS", "TRAIN_MAX_WORD", "_for_training", "fingerprint"]),
+]
+
+
+def test_moved_names_are_the_same_objects_at_their_old_address():
+    import importlib
+    for old, new, names in MOVED:
+        a, b = importlib.import_module(f"nano_rlhf.{old}"), importlib.import_module(f"nano_rlhf.{new}")
+        for name in names:
+            assert getattr(a, name) is getattr(b, name), f"nano_rlhf.{old}.{name} is not nano_rlhf.{new}.{name}"
+
+
+def test_run_methods_from_reporting_are_run_methods():
+    from nano_rlhf import reporting, run
+    for name in ("log", "log_samples", "_progress", "_import_backend", "_open_backend"):
+        assert getattr(run.Run, name) is getattr(reporting.Reporting, name), name
+
+
+# package files whose long lines belong to another part of issue 24 (emptied when those parts land)
+NOT_YET_WRAPPED = {"evaluate", "judge", "label", "merge", "plot", "reward", "synthetic"}
+
+
+def test_package_lines_fit_120_characters():
+    long = [f"nano_rlhf/{p.name}:{i}" for p in sorted(PKG.glob("*.py")) if p.stem not in NOT_YET_WRAPPED
+            for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, "lines over 120 characters: " + ", ".join(long)
