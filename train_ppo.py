@@ -76,7 +76,7 @@ from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
 from nano_rlhf.options import FrozenModelOptions, RunOptions
-from nano_rlhf.sampling import sampling_copy
+from nano_rlhf.sampling import SamplingOptions, cut_at_stop, generate, sampling_copy
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
 WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened over the whole batch
@@ -513,12 +513,14 @@ def scores_from_reward(raw, has_eos, opts, rm_stats=None):
     return score
 
 
-def engine_options(opts):
-    """The rollout engine's keyword options (nano_rlhf.sampling.generate) from the command line."""
+def sampling_options(opts, tok):
+    """What the rollout samples and how the engine computes it (nano_rlhf.sampling.SamplingOptions): pure
+    sampling at τ up to the tokenizer's stop ids (end-of-text, the template's end-of-turn)."""
     # under --fsdp the engine samples with the gathered weights themselves (an FSDP module cannot be copied
     # into a sampling copy of another dtype; --rollout_dtype bfloat16 is refused with --fsdp)
-    return dict(compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill, compact=opts.compact_rollout,
-                dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
+    return SamplingOptions(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, stop_ids=tok.stop_ids,
+                           pad_id=tok.pad_id, compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill,
+                           compact=opts.compact_rollout, dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
 
 
 @torch.no_grad()
@@ -538,16 +540,12 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None):
     # the sampled tokens are all the update takes from generation: log-probs (π_old) are recomputed below or
     # in the update by the float32 policy, so a bfloat16 sampling copy keeps the ratio exactly 1 at lr 0
     with parallel.gathered(models.policy):      # FSDP: one all-gather for the whole decoding, not one per token
-        seq = dist.unwrap(models.policy).generate(q_ids, q_mask, opts.max_new_tokens, opts.temperature,
-                                                  eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id, generator=gen,
-                                                  stats=gen_stats, **engine_options(opts))
-    resp = seq[:, q_ids.shape[1]:]
-    is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=device))
-    has_eos = is_eos.any(1)
-    # response = tokens up to and including the first stop token (generate already pads after it); its last
-    # real token is where the reward model reads the score (the end-of-turn token of a conversation)
-    length = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
-    response_mask = (torch.arange(resp.shape[1], device=device)[None] < length[:, None]).float()
+        seq = generate(dist.unwrap(models.policy), q_ids, q_mask, sampling_options(opts, tok), gen, gen_stats)
+    # response = tokens up to and including the first stop token, pad after it; its last real token is where
+    # the reward model reads the score (the end-of-turn token of a conversation)
+    resp, response_mask, length, has_eos = cut_at_stop(seq[:, q_ids.shape[1]:], tok.stop_ids, tok.pad_id)
+    seq = torch.cat([q_ids, resp], 1)
+    response_mask = response_mask.float()
     attn = torch.cat([q_mask, response_mask.long()], 1)
     completions = [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
     prompt_texts = [p["text"] for p in prompts for _ in range(k)]
@@ -1023,9 +1021,9 @@ def main(argv=None):
         # FSDP: rank 0 samples alone, so the models it uses are gathered (on every rank) for the duration
         with parallel.gathered(models.policy, models.ref, getattr(models.reward, "model", None)):
             if world.is_main:
-                samples = sample_and_score(models.policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
-                                           ref=models.ref, rewards=eval_rewards(models, opts),
-                                           engine=engine_options(opts))
+                samples = sample_and_score(models.policy, tok, eval_prompts,
+                                           replace(sampling_options(opts, tok), temperature=1.0), seed=1234,
+                                           ref=models.ref, rewards=eval_rewards(models, opts))
                 metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
                 run.log_samples(step, samples[:8])
                 for smp in samples[:3]:
