@@ -269,8 +269,8 @@ def selfplay_rewards(pref):
 def token_rewards(score, kl, response_mask, beta):
     """r_t = −β·KL_t on every response token; the score is added on the last real token (the stop token).
     A row with no response token gets no reward at all (all zeros), like every estimator's padding."""
-    n = response_mask.sum(1).long()                               # (B,) response lengths
-    at_end = F.one_hot((n - 1).clamp(min=0), response_mask.shape[1]).to(kl.dtype) * (n > 0)[:, None]
+    lengths = response_mask.sum(1).long()                         # (B,)
+    at_end = F.one_hot((lengths - 1).clamp(min=0), response_mask.shape[1]).to(kl.dtype) * (lengths > 0)[:, None]
     return -beta * kl * response_mask + score[:, None].to(kl.dtype) * at_end
 
 
@@ -327,26 +327,27 @@ def explained_variance(return_sq_dev, residual_sq_dev):
     return (1 - residual_sq_dev / return_sq_dev).item() if return_sq_dev > 0 else float("nan")
 
 
-def rloo_advantages(R, k):
-    """A_i = R_i − mean of the other k−1 rewards of its group; groups are k consecutive samples."""
-    g = R.view(-1, k)
-    return (g - (g.sum(1, keepdim=True) - g) / (k - 1)).view(-1)
+def rloo_advantages(rewards, k):
+    """A_i = R_i − mean of the other k−1 rewards of its group; rewards (B,) = R, groups are k consecutive
+    samples."""
+    by_group = rewards.view(-1, k)
+    return (by_group - (by_group.sum(1, keepdim=True) - by_group) / (k - 1)).view(-1)
 
 
-def grpo_advantages(R, k, eps=1e-4):
-    """A_i = (R_i − mean_G)/(std_G + eps), std with Bessel's correction; a group whose rewards are all
-    equal gets exactly 0 (no float noise, no division)."""
-    g = R.view(-1, k)
-    centred = g - g.mean(1, keepdim=True)
-    std = g.std(1, keepdim=True)
-    same = (g.max(1, keepdim=True).values == g.min(1, keepdim=True).values)
-    return torch.where(same, torch.zeros_like(g), centred / (std + eps)).view(-1)
+def grpo_advantages(rewards, k, eps=1e-4):
+    """A_i = (R_i − mean_G)/(std_G + eps), rewards (B,) = R, std with Bessel's correction; a group whose
+    rewards are all equal gets exactly 0 (no float noise, no division)."""
+    by_group = rewards.view(-1, k)
+    centred = by_group - by_group.mean(1, keepdim=True)
+    std = by_group.std(1, keepdim=True)
+    same = (by_group.max(1, keepdim=True).values == by_group.min(1, keepdim=True).values)
+    return torch.where(same, torch.zeros_like(by_group), centred / (std + eps)).view(-1)
 
 
-def dr_grpo_advantages(R, k):
-    """A_i = R_i − mean_G (no std: Dr. GRPO removes the difficulty bias)."""
-    g = R.view(-1, k)
-    return (g - g.mean(1, keepdim=True)).view(-1)
+def dr_grpo_advantages(rewards, k):
+    """A_i = R_i − mean_G, rewards (B,) = R (no std: Dr. GRPO removes the difficulty bias)."""
+    by_group = rewards.view(-1, k)
+    return (by_group - by_group.mean(1, keepdim=True)).view(-1)
 
 
 @dataclass
@@ -394,8 +395,8 @@ def value_loss(values, old_values, returns, clip=0.2):
     """Per-token clipped value loss ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²), and whether the
     clipped branch was the larger (for the value clip fraction)."""
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
-    a, b = (values - returns) ** 2, (clipped - returns) ** 2
-    return 0.5 * torch.max(a, b), b > a
+    unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.max(unclipped_sq, clipped_sq), clipped_sq > unclipped_sq
 
 
 def dual_clip_loss(loss, adv, c=3.0):
@@ -411,8 +412,8 @@ def gspo_loss(logp, old_logp, adv, mask, clip_low=3e-4, clip_high=4e-4):
     s_i·∇log π_θ(y_t)), so averaged over each sequence's tokens (--loss_agg seq_mean_token_mean) the value is
     max(−A_i s_i, −A_i clip(s_i, 1−ε_low, 1+ε_high)) and the gradient GSPO's −A_i s_i ∇log s_i.
     Returns the per-token loss and the (broadcast) sequence ratio s_i."""
-    n = mask.sum(1, keepdim=True).clamp(min=1)
-    log_s = ((logp - old_logp) * mask).sum(1, keepdim=True) / n                # (B, 1) log s_i
+    lengths = mask.sum(1, keepdim=True).clamp(min=1)
+    log_s = ((logp - old_logp) * mask).sum(1, keepdim=True) / lengths          # (B, 1) log s_i
     s_tok = torch.exp(log_s.detach() + logp - logp.detach())                    # value s_i, gradient through log π
     loss = torch.max(-adv * s_tok, -adv * torch.clamp(s_tok, 1 - clip_low, 1 + clip_high))
     return loss, s_tok.detach().expand_as(logp)
@@ -577,8 +578,8 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None):
 def group_spread(scores, k):
     """(G,) True where the k scores of a prompt's group are not all equal: the only groups a group estimator
     learns from (an all-equal group's advantages are 0)."""
-    g = scores.view(-1, k)
-    return g.max(1).values != g.min(1).values
+    by_group = scores.view(-1, k)
+    return by_group.max(1).values != by_group.min(1).values
 
 
 def join(parts, pad_id):
@@ -658,17 +659,17 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
                if mismatch and opts.rollout_dtype != "float32" else models.policy)
     models.policy.eval()
     for i in range(0, seq.shape[0], opts.micro_batch_size):
-        s = slice(i, i + opts.micro_batch_size)
+        mb = slice(i, i + opts.micro_batch_size)
+        batch = (seq[mb], attn[mb], response_mask[mb], opts.temperature)
         with autocast(device, opts.dtype):
             if logprobs is not None:
-                logprobs[s] = response_logprobs(models.policy, seq[s], attn[s], response_mask[s], opts.temperature)
+                logprobs[mb] = response_logprobs(models.policy, *batch)
             if sampler_logprobs is not None:
-                sampler_logprobs[s] = (logprobs[s] if sampler is models.policy else
-                                       response_logprobs(sampler, seq[s], attn[s], response_mask[s], opts.temperature))
+                sampler_logprobs[mb] = logprobs[mb] if sampler is models.policy else response_logprobs(sampler, *batch)
             if ref_logprobs is not None:
-                ref_logprobs[s] = response_logprobs(models.ref, seq[s], attn[s], response_mask[s], opts.temperature)
+                ref_logprobs[mb] = response_logprobs(models.ref, *batch)
             if values is not None:
-                values[s] = models.critic(seq[s], attn[s])[0][:, P - 1:-1].float() * response_mask[s]
+                values[mb] = models.critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
     models.policy.train()
     policy_mask, is_weight, stats = r.policy_mask, None, dict(r.stats)
     if mismatch:
@@ -732,26 +733,29 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
             idx = order[start:start + mb_size]
             # the minibatch's global normalisers, over all ranks: response tokens (the critic's), and the policy
             # loss's tokens and sequences (truncated or mismatched ones may be masked out of it)
-            pm = policy_mask[idx]
+            mb_policy_mask = policy_mask[idx]
             n_tok, n_pol_tok, n_pol_seq = dist.all_reduce_sum(torch.tensor(
-                [r.response_mask[idx].sum().item(), pm.sum().item(), float((pm.sum(1) > 0).sum())],
+                [r.response_mask[idx].sum().item(), mb_policy_mask.sum().item(),
+                 float((mb_policy_mask.sum(1) > 0).sum())],
                 dtype=torch.float64)).tolist()
             if policy is not None and ptx is not None:
                 ptx_backward(policy, ptx, opts)
             micro = list(range(0, len(idx), opts.micro_batch_size))
             for j, ms in enumerate(micro):
                 i = idx[ms:ms + opts.micro_batch_size]
-                seq, attn, m, pm = r.query_response[i], r.attention_mask[i], r.response_mask[i], policy_mask[i]
+                seq, attn = r.query_response[i], r.attention_mask[i]
+                mb_mask, mb_policy_mask = r.response_mask[i], policy_mask[i]      # (b, R): critic's, policy's
                 sync = not world.enabled or j == len(micro) - 1          # DDP all-reduces on the last micro-batch
-                sums["tokens"] += m.sum().item()
+                sums["tokens"] += mb_mask.sum().item()
                 if policy is not None:
                     with contextlib.nullcontext() if sync else policy.ddp.no_sync():
                         with autocast(seq.device, opts.dtype):
-                            logp, ent = response_logprobs(policy.ddp, seq, attn, m, opts.temperature, with_entropy=True)
+                            logp, ent = response_logprobs(policy.ddp, seq, attn, mb_mask, opts.temperature,
+                                                          with_entropy=True)
                         old = logp.detach() if r.logprobs is None else r.logprobs[i]
                         adv = targets.adv[i]
                         if opts.policy_loss == "gspo":
-                            pg, ratio = gspo_loss(logp, old, adv, pm, opts.clip_eps, clip_high)
+                            pg, ratio = gspo_loss(logp, old, adv, mb_policy_mask, opts.clip_eps, clip_high)
                         elif opts.policy_loss == "cispo":
                             pg, ratio = cispo_loss(logp, old, adv, opts.clip_eps, clip_high)
                         else:
@@ -762,27 +766,29 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                             pg = pg * r.is_weight[i]
                         per_token = pg - opts.entropy_coef * ent
                         if opts.kl_in_loss and r.ref_logprobs is not None:
-                            per_token = per_token + beta * kl_estimate(logp, r.ref_logprobs[i], opts.kl_loss_estimator)
-                        aggregate_loss(per_token, pm, agg, n_pol_tok, n_pol_seq, opts.max_new_tokens,
+                            per_token = per_token + beta * kl_estimate(logp, r.ref_logprobs[i],
+                                                                       opts.kl_loss_estimator)
+                        aggregate_loss(per_token, mb_policy_mask, agg, n_pol_tok, n_pol_seq, opts.max_new_tokens,
                                        scale=dist.ddp_scale()).backward()
                     with torch.no_grad():
-                        sums["policy_tokens"] += pm.sum().item()
-                        sums["policy_loss"] += (pg * pm).sum().item()
-                        sums["entropy"] += (ent * pm).sum().item()
-                        sums["approx_kl"] += ((ratio - 1 - (logp - old)) * pm).sum().item()   # k3 of KL(old‖new)
+                        sums["policy_tokens"] += mb_policy_mask.sum().item()
+                        sums["policy_loss"] += (pg * mb_policy_mask).sum().item()
+                        sums["entropy"] += (ent * mb_policy_mask).sum().item()
+                        # k3 of KL(old‖new)
+                        sums["approx_kl"] += ((ratio - 1 - (logp - old)) * mb_policy_mask).sum().item()
                         # clip fraction = tokens whose ratio lies outside [1 − ε, 1 + ε_high] (as OpenAI
                         # baselines / TRL log it), not "the clipped term was the one selected by the max"
                         outside = (ratio < 1 - opts.clip_eps) | (ratio > 1 + clip_high)
-                        sums["clipfrac"] += (outside.float() * pm).sum().item()
-                        sums["ratio"] += (ratio * pm).sum().item()
+                        sums["clipfrac"] += (outside.float() * mb_policy_mask).sum().item()
+                        sums["ratio"] += (ratio * mb_policy_mask).sum().item()
                 if critic is not None:
                     with contextlib.nullcontext() if sync else critic.ddp.no_sync():
                         with autocast(seq.device, opts.dtype):
-                            v = critic.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
-                        vl, v_clipped = value_loss(v, r.values[i], targets.returns[i], opts.value_clip)
-                        ((vl * m).sum() * token_mean_scale(n_tok)).backward()
-                    sums["value_loss"] += (vl.detach() * m).sum().item()
-                    sums["value_clipfrac"] += (v_clipped.float() * m).sum().item()
+                            new_values = critic.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
+                        v_loss, v_clipped = value_loss(new_values, r.values[i], targets.returns[i], opts.value_clip)
+                        ((v_loss * mb_mask).sum() * token_mean_scale(n_tok)).backward()
+                    sums["value_loss"] += (v_loss.detach() * mb_mask).sum().item()
+                    sums["value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
             sums["updates"] += 1
             if policy is not None:
                 sums["grad_norm"] += policy.step(opts.grad_clip)

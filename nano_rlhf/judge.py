@@ -32,6 +32,7 @@ import torch
 from . import reward as reward_mod
 from .common import fail
 from .data import finite_number
+from .sampling import SamplingOptions, generate
 
 
 def bradley_terry(r_a, r_b):
@@ -254,8 +255,8 @@ class LLMJudge:
             self.truncated += sum(len(x) > room for x in ids)
             # left-truncated, as the data pipeline truncates prompts: the question that closes the template survives
             q, mask = collate_prompts([x[-room:] for x in ids], self.tok.pad_id)
-            seq = self.model.generate(q.to(device), mask.to(device), self.max_new_tokens, temperature=0,
-                                      eos_token_id=self.tok.stop_ids, pad_token_id=self.tok.pad_id)
+            seq = generate(self.model, q.to(device), mask.to(device), SamplingOptions(
+                self.max_new_tokens, temperature=0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id))
             out += [self.tok.decode(row) for row in seq[:, q.shape[1]:].tolist()]
         return out
 
