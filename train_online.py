@@ -136,8 +136,8 @@ class Options(FrozenModelOptions, RunOptions):
 # ---- the losses: pure functions, float64-testable ----------------------------------------------
 
 def sppo_loss(logp, ref_logp, p_hat, eta):
-    """SPPO (Wu et al. 2024, the loss of Alg. 1): (log π_θ(y)/π_t(y) − η(P̂(y ≻ π_t) − ½))² per response; logp, ref_logp are
-    summed sequence log-probs S_θ, S_t (B,), p_hat the estimated win probability against π_t (B,)."""
+    """SPPO (Wu et al. 2024, the loss of Alg. 1): (log π_θ(y)/π_t(y) − η(P̂(y ≻ π_t) − ½))² per response; logp,
+    ref_logp are summed sequence log-probs S_θ, S_t (B,), p_hat the estimated win probability against π_t (B,)."""
     return (logp - ref_logp - eta * (p_hat - 0.5)) ** 2
 
 
@@ -338,7 +338,8 @@ def _raw_scores(judge, samples: Samples, tok):
     if not isinstance(rm, reward_mod.RewardModel):
         return judge.scores(samples.prompts, samples.completions)
     rows = []
-    for ids, attn, ended, prompt in zip(samples.ids.tolist(), samples.attn.tolist(), samples.has_eos.tolist(), samples.prompts):
+    for ids, attn, ended, prompt in zip(samples.ids.tolist(), samples.attn.tolist(), samples.has_eos.tolist(),
+                                        samples.prompts):
         row = [t for t, a in zip(ids, attn) if a]                  # the row alone, no padding
         if not ended:
             row.append(tok.eos_id if isinstance(prompt, str) else tok.eot_id)
@@ -460,7 +461,7 @@ def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_k
         return None, {"positive_tokens": (0.0, 1), "negative_tokens": (0.0, 1)}
     prompt_len = samples.ids.shape[1] - samples.response_mask.shape[1]
     sel = torch.zeros_like(samples.ids, dtype=torch.bool)
-    sel[:, prompt_len - 1:-1] = valid                                           # the positions predicting response tokens
+    sel[:, prompt_len - 1:-1] = valid                          # the positions predicting response tokens
     with autocast(device, opts.dtype):
         hidden = policy(samples.ids, samples.attn, select=sel, return_hidden=True)
     logits = F.linear(hidden, dist.unwrap(policy).output_weight()).float() / opts.temperature   # (M, V)

@@ -185,7 +185,8 @@ class Rollout:
 class Models:
     """Frozen = requires_grad_(False), eval(), never wrapped in DDP, in no optimizer."""
     policy: GPT                           # π_θ (trained)
-    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen); SPO: a Judge
+    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen);
+    #                                     SPO: a Judge
     ref: Optional[GPT] = None             # π_ref (frozen; --lora_r: a lora.BaseView of the policy); None when β = 0
     critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
     gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
@@ -201,7 +202,8 @@ class Learner:
 
     @classmethod
     def of(cls, model, lr, opts):
-        return cls(model, parallel.wrap(model, opts.fsdp, dtype=opts.dtype), adamw(model, lr, opts.weight_decay, eps=opts.adam_eps))
+        return cls(model, parallel.wrap(model, opts.fsdp, dtype=opts.dtype),
+                   adamw(model, lr, opts.weight_decay, eps=opts.adam_eps))
 
     def step(self, grad_clip):
         """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
@@ -521,7 +523,8 @@ def sampling_options(opts, tok):
     # into a sampling copy of another dtype; --rollout_dtype bfloat16 is refused with --fsdp)
     return SamplingOptions(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, stop_ids=tok.stop_ids,
                            pad_id=tok.pad_id, compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill,
-                           compact=opts.compact_rollout, dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
+                           compact=opts.compact_rollout,
+                           dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
 
 
 @torch.no_grad()
@@ -816,7 +819,8 @@ def check_options(opts):
              f"{opts.kl_estimator} applies only with gae / reinforce_pp (the KL in the loss: --kl_in_loss, "
              "with --kl_loss_estimator)")
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
-        fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function (got {opts.reward!r})")
+        fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function "
+             f"(got {opts.reward!r})")
     if opts.policy_loss == "gspo" and opts.advantage == "gae":
         fail("--policy_loss gspo weighs whole sequences: it needs a sequence-level advantage "
              "(--advantage rloo, grpo, dr_grpo or reinforce_pp), not gae's per-token one")
@@ -835,12 +839,14 @@ def check_options(opts):
              "(under --dtype bfloat16 on CUDA they are already bf16)")
     if opts.reward == "selfplay":
         if opts.samples_per_prompt < 2:
-            fail("--reward selfplay needs --samples_per_prompt >= 2 (a sample's reward is its win rate against the others)")
+            fail("--reward selfplay needs --samples_per_prompt >= 2 (a sample's reward is its win rate against the "
+                 "others)")
         if not (opts.judge or opts.pair_judge):
             fail("--reward selfplay needs a judge: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) "
                  "and/or --pair_judge module:function")
         if not opts.normalize_score or opts.score_clip != 5.0:
-            fail("--normalize_score / --score_clip apply to a reward model's score, not to --reward selfplay's win rates")
+            fail("--normalize_score / --score_clip apply to a reward model's score, not to --reward selfplay's win "
+                 "rates")
         if opts.missing_eos_penalty == -3.0:     # the default, made for scores of a few units: a win rate lies in
             opts.missing_eos_penalty = 0.0       # [0, 1], so an unfinished sample gets the worst win rate instead
     else:
@@ -849,8 +855,9 @@ def check_options(opts):
                 fail(f"--{flag} applies only to --reward selfplay (got --reward {opts.reward})")
     rollout_size = opts.batch_size * opts.samples_per_prompt
     if rollout_size % opts.num_minibatches:
-        fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x --samples_per_prompt "
-             f"{opts.samples_per_prompt}) does not split into --num_minibatches {opts.num_minibatches}")
+        fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x "
+             f"--samples_per_prompt {opts.samples_per_prompt}) does not split into --num_minibatches "
+             f"{opts.num_minibatches}")
     mb_size = rollout_size // opts.num_minibatches
     if mb_size % (opts.micro_batch_size or mb_size):
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
@@ -870,7 +877,8 @@ def load_prompts(opts):
     if opts.eval_prompts:
         return records, load_records(opts.eval_prompts, "prompts")
     if len(records) < 2:
-        raise ValueError(f"{opts.prompts}: {len(records)} prompt(s); need at least 2 to hold some out (or --eval_prompts)")
+        raise ValueError(f"{opts.prompts}: {len(records)} prompt(s); need at least 2 to hold some out "
+                         "(or --eval_prompts)")
     return split_off(records, opts.eval_fraction, opts.seed)
 
 
@@ -1117,7 +1125,7 @@ def eval_rewards(models: Models, opts):
     judge's own pointwise score stands in (none for a pairwise-only judge)."""
     reward = models.reward.pointwise if isinstance(models.reward, Judge) else models.reward
     cols = {} if reward is None else {"rm_score" if isinstance(reward, reward_mod.RewardModel) else "reward": reward}
-    if models.gold is not None and models.gold is reward:   # --reward gold (or --judge gold): one column, its usual name
+    if models.gold is not None and models.gold is reward:   # --reward gold (or --judge gold): one column, its name
         return {"gold_reward": models.gold}
     if models.gold is not None:
         cols["gold_reward"] = models.gold

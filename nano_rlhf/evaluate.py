@@ -267,7 +267,8 @@ def main(argv=None):
                    "f(prompts, completions) -> list of floats, for the reward column")
     p.add_argument("--baseline", default="", help="samples.jsonl of a baseline policy, or a model directory "
                    "(evaluated first), for the win-rate column")
-    p.add_argument("--summary", default="", help="also write the summary figures (one entry per model) to this JSON file")
+    p.add_argument("--summary", default="", help="also write the summary figures (one entry per model) to this "
+                   "JSON file")
     p.add_argument("--times", default="", help="TSV of training wall-clock seconds (NAME<TAB>SECONDS, NAME = the "
                    "model directory's basename), shown as a column (scripts/survey.sh writes one)")
     p.add_argument("--name", default="", help="row label when one model is given (default: the directory)")

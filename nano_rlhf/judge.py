@@ -112,7 +112,8 @@ def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", promp
         pointwise = LLMJudge.from_dir(spec[len(LLM):], template, device=device, spec=spec, batch_size=batch_size)
     else:
         pointwise = None if spec is None else reward_mod.load_reward(spec, tokenizer=tokenizer, device=device,
-                                                                     prompts=prompts, batch_size=batch_size, flag="--judge")
+                                                                     prompts=prompts, batch_size=batch_size,
+                                                                     flag="--judge")
     pairwise = None
     if pair_spec is not None:
         pairwise = _CheckedPairwise(reward_mod.load_function(pair_spec, "--pair_judge").fn, pair_spec)
