@@ -682,7 +682,7 @@ def main(argv=None):
         else:
             groups, scores = group_preferences(judge, s, k, tok, opts.missing_eos_penalty)
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only
-            accept_key = list(scores) if scores is not None else [copeland(D) for _, D in groups]
+            accept_key = list(scores) if scores is not None else [copeland(pref_logits) for _, pref_logits in groups]
         # 3.-4. examples, loss, update
         objective, stats = step_objective(opts, ddp, ref, s, groups, step, prob, accept_key, init_ref)
         grad_norm = 0.0
