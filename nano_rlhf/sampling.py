@@ -88,8 +88,9 @@ def bucket_sizes(batch):
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """What generate samples (the first six fields) and how the engine computes it (the rest: the same tokens
-    at a seed, up to float rounding, whatever they are)."""
+    """What generate samples (the first six fields) and how the engine computes it: use_cache, compile,
+    share_prefix and compact give the same tokens at a seed up to float rounding; dtype samples with a copy of
+    the model in another dtype (its own numbers)."""
     max_new_tokens: int = 32
     temperature: float = 1.0                  # 0 = greedy (argmax)
     top_k: Optional[int] = None               # sample among the k most likely tokens only
