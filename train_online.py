@@ -76,6 +76,7 @@ from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, prefere
 from nano_rlhf.judge import model_dir as judge_dir
 from nano_rlhf.model import GPT
 from nano_rlhf.options import FrozenModelOptions, RunOptions
+from nano_rlhf.sampling import SamplingOptions, cut_at_stop
 from train_ppo import load_prompts, response_logprobs
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
@@ -135,8 +136,8 @@ class Options(FrozenModelOptions, RunOptions):
 # ---- the losses: pure functions, float64-testable ----------------------------------------------
 
 def sppo_loss(logp, ref_logp, p_hat, eta):
-    """SPPO (Wu et al. 2024, the loss of Alg. 1): (log π_θ(y)/π_t(y) − η(P̂(y ≻ π_t) − ½))² per response; logp, ref_logp are
-    summed sequence log-probs S_θ, S_t (B,), p_hat the estimated win probability against π_t (B,)."""
+    """SPPO (Wu et al. 2024, the loss of Alg. 1): (log π_θ(y)/π_t(y) − η(P̂(y ≻ π_t) − ½))² per response; logp,
+    ref_logp are summed sequence log-probs S_θ, S_t (B,), p_hat the estimated win probability against π_t (B,)."""
     return (logp - ref_logp - eta * (p_hat - 0.5)) ** 2
 
 
@@ -170,25 +171,27 @@ def cringe_positives(logits, negative, top_k, generator=None):
 
 # ---- group preferences and example selection: pure functions -----------------------------------
 
-def preference_logits(P, scores=None):
-    """D, the logit of the preferences P (..., k, k): log P − log(1 − P), antisymmetric when P is; 0 on the
-    diagonal (P = ½). From pointwise scores (..., k), whose P is Bradley–Terry, D_ij = r_i − r_j exactly (no
-    round trip through σ, which saturates)."""
+def preference_logits(pref, scores=None):
+    """D, the logit of the preferences P = pref (..., k, k): log P − log(1 − P), antisymmetric when P is; 0 on
+    the diagonal (P = ½). From pointwise scores r (..., k), whose P is Bradley–Terry, D_ij = r_i − r_j exactly
+    (no round trip through σ, which saturates)."""
     if scores is not None:
-        s = torch.as_tensor(scores, dtype=torch.float64)
-        return s[..., :, None] - s[..., None, :]
-    return torch.log(P) - torch.log1p(-P)
+        scores = torch.as_tensor(scores, dtype=torch.float64)
+        return scores[..., :, None] - scores[..., None, :]
+    return torch.log(pref) - torch.log1p(-pref)
 
 
-def win_rates(P):
-    """W_i = mean_{j≠i} P(y_i ≻ y_j): the estimate of P(y_i ≻ π) from the group (SPPO's P̂, DNO's ranking)."""
-    k = P.shape[0]
-    return (P.sum(1) - P.diagonal()) / (k - 1)
+def win_rates(pref):
+    """W_i = mean_{j≠i} P(y_i ≻ y_j), pref (k, k) = P: the estimate of P(y_i ≻ π) from the group (SPPO's P̂,
+    DNO's ranking)."""
+    k = pref.shape[0]
+    return (pref.sum(1) - pref.diagonal()) / (k - 1)
 
 
-def copeland(D):
-    """Copeland score: pairwise wins, a tie counting ½ (the diagonal is not a tie)."""
-    return (D > 0).double().sum(1) + 0.5 * ((D == 0).double().sum(1) - 1)
+def copeland(pref_logits):
+    """Copeland score of each sample from D = pref_logits (k, k): pairwise wins, a tie counting ½ (the diagonal
+    is not a tie)."""
+    return (pref_logits > 0).double().sum(1) + 0.5 * ((pref_logits == 0).double().sum(1) - 1)
 
 
 def select_pairs(gap, rank_key, pairs="best_worst", margin=0.0):
@@ -215,12 +218,12 @@ def cringe_labels(scores, threshold=None):
     """Per response of one group: +1 accepted (MLE), −1 rejected (CRINGE), 0 unused. With a threshold: score ≥ it
     accepted, below it rejected; without: the group's best accepted and its worst rejected (first of equals),
     nothing when every score is equal."""
-    s = torch.as_tensor(scores, dtype=torch.float64)
+    scores = torch.as_tensor(scores, dtype=torch.float64)
     if threshold is not None:
-        return torch.where(s >= threshold, 1, -1)
-    labels = torch.zeros(len(s), dtype=torch.long)
-    if s.max() > s.min():
-        key = s.tolist()
+        return torch.where(scores >= threshold, 1, -1)
+    labels = torch.zeros(len(scores), dtype=torch.long)
+    if scores.max() > scores.min():
+        key = scores.tolist()
         labels[key.index(max(key))], labels[key.index(min(key))] = 1, -1
     return labels
 
@@ -273,7 +276,7 @@ def generate_mixture(mixture, input_ids, attention_mask, uniforms, temperature, 
         hidden.append(model.trunk.forward_cached(input_ids, mask, pos, caches[-1], 0)[:, -1])
     next_pos, finished, new = pos[:, -1:] + 1, torch.zeros(B, dtype=torch.bool, device=input_ids.device), []
     for t in range(n_new):
-        logits = sum(w * F.linear(h, m.output_weight()).float() for (m, w), h in zip(mixture, hidden))
+        logits = sum(weight * F.linear(h, model.output_weight()).float() for (model, weight), h in zip(mixture, hidden))
         cdf = (logits / temperature).softmax(-1).cumsum(-1)
         u = uniforms[:, t:t + 1].to(cdf) * cdf[:, -1:]
         tok = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
@@ -283,8 +286,8 @@ def generate_mixture(mixture, input_ids, attention_mask, uniforms, temperature, 
         mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
         if bool(finished.all()) or t == n_new - 1:
             break
-        hidden = [m.trunk.forward_cached(tok[:, None], mask, next_pos, cache, Tp + t)[:, -1]
-                  for (m, _), cache in zip(mixture, caches)]
+        hidden = [model.trunk.forward_cached(tok[:, None], mask, next_pos, cache, Tp + t)[:, -1]
+                  for (model, _), cache in zip(mixture, caches)]
         next_pos = next_pos + 1
     return torch.cat([input_ids, torch.stack(new, 1)], 1)
 
@@ -294,7 +297,7 @@ class Samples:
     """k responses per prompt, groups of k consecutive rows. R = longest response."""
     ids: torch.Tensor             # (N, P+R) left-padded prompt | response, padded after its stop token
     attn: torch.Tensor            # (N, P+R) 1 on real tokens
-    resp: torch.Tensor            # (N, R) float, 1 up to and including the first stop token
+    response_mask: torch.Tensor   # (N, R) float, 1 up to and including the first stop token
     has_eos: torch.Tensor         # (N,) float
     prompts: list                 # N prompt texts (as given in the prompts file)
     completions: list             # N decoded responses
@@ -307,17 +310,16 @@ def sample(mixture, prompts, prompt_ids, tok, opts, step, device, stream=0):
     u = sample_uniforms(opts.seed, step, prompt_ids, k, opts.max_new_tokens, stream)
     seq = generate_mixture(mixture, q_ids.to(device), q_mask.to(device), u.to(device), opts.temperature,
                            tok.stop_ids, tok.pad_id)
-    resp = seq[:, q_ids.shape[1]:]
-    is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=device))
-    has_eos = is_eos.any(1)
-    length = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
-    resp_mask = (torch.arange(resp.shape[1], device=device)[None] < length[:, None]).float()
-    return Samples(seq, torch.cat([q_mask.to(device), resp_mask.long()], 1), resp_mask, has_eos.float(),
-                   [p["text"] for p in prompts for _ in range(k)],
-                   [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())])
+    prompt_len = q_ids.shape[1]
+    resp, response_mask, length, has_eos = cut_at_stop(seq[:, prompt_len:], tok.stop_ids, tok.pad_id)
+    return Samples(ids=torch.cat([seq[:, :prompt_len], resp], 1),
+                   attn=torch.cat([q_mask.to(device), response_mask.long()], 1),
+                   response_mask=response_mask.float(), has_eos=has_eos.float(),
+                   prompts=[p["text"] for p in prompts for _ in range(k)],
+                   completions=[tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())])
 
 
-def judge_scores(judge, s: Samples, tok, missing_eos_penalty=None):
+def judge_scores(judge, samples: Samples, tok, missing_eos_penalty=None):
     """The pointwise judge's scores of the samples (N,), float64. A reward model scores the very ids sampled, as
     the PPO rollout does (a decode/re-encode round trip need not give them back, nor fit the context), each row
     closed by the end token the score is read at when the response never produced it (end-of-text after a text
@@ -325,18 +327,19 @@ def judge_scores(judge, s: Samples, tok, missing_eos_penalty=None):
     missing_eos_penalty: subtracted from the score of every response cut at --max_new_tokens (TRL's
     OnlineDPOConfig.missing_eos_penalty). Why: a judge may like a long unfinished answer; without the penalty the
     policy learns to ramble until the length limit."""
-    scores = _raw_scores(judge, s, tok)
+    scores = _raw_scores(judge, samples, tok)
     if missing_eos_penalty:
-        scores = scores - missing_eos_penalty * (1 - s.has_eos.double().cpu())
+        scores = scores - missing_eos_penalty * (1 - samples.has_eos.double().cpu())
     return scores
 
 
-def _raw_scores(judge, s: Samples, tok):
+def _raw_scores(judge, samples: Samples, tok):
     rm = judge.pointwise
     if not isinstance(rm, reward_mod.RewardModel):
-        return judge.scores(s.prompts, s.completions)
+        return judge.scores(samples.prompts, samples.completions)
     rows = []
-    for ids, attn, ended, prompt in zip(s.ids.tolist(), s.attn.tolist(), s.has_eos.tolist(), s.prompts):
+    for ids, attn, ended, prompt in zip(samples.ids.tolist(), samples.attn.tolist(), samples.has_eos.tolist(),
+                                        samples.prompts):
         row = [t for t, a in zip(ids, attn) if a]                  # the row alone, no padding
         if not ended:
             row.append(tok.eos_id if isinstance(prompt, str) else tok.eot_id)
@@ -345,80 +348,84 @@ def _raw_scores(judge, s: Samples, tok):
     return rm.score_tokens(ids.to(rm.device), attn.to(rm.device)).double().cpu()
 
 
-def group_preferences(judge, s: Samples, k, tok, penalty=None):
-    """Per group of k: (P, D), and the judge's pointwise scores (G, k) (None for a pairwise-only judge). P is
-    nano_rlhf.judge.preference_matrix: Bradley–Terry on the scores (those of judge_scores: the sampled ids, the
-    missing-end-of-text penalty), or, when given, the pairwise judge asked about every ordered pair and made
-    antisymmetric (the rule SPO and the labelling tool use). D = preference_logits."""
-    n_groups = len(s.completions) // k
-    scores = judge_scores(judge, s, tok, penalty).view(n_groups, k) if judge.pointwise is not None else None
-    P = preference_matrix(judge, s.prompts, s.completions, k, scores=None if scores is None else scores.flatten())
-    D = preference_logits(P, scores if judge.pairwise is None else None)
-    return list(zip(P, D)), scores
+def group_preferences(judge, samples: Samples, k, tok, penalty=None):
+    """Per group of k: (pref, pref_logits), and the judge's pointwise scores (G, k) (None for a pairwise-only
+    judge). pref (k, k), P_ij = P(y_i ≻ y_j), is nano_rlhf.judge.preference_matrix: Bradley–Terry on the scores
+    (those of judge_scores: the sampled ids, the missing-end-of-text penalty), or, when given, the pairwise judge
+    asked about every ordered pair and made antisymmetric (the rule SPO and the labelling tool use);
+    pref_logits = preference_logits (D)."""
+    n_groups = len(samples.completions) // k
+    scores = judge_scores(judge, samples, tok, penalty).view(n_groups, k) if judge.pointwise is not None else None
+    pref = preference_matrix(judge, samples.prompts, samples.completions, k,
+                             scores=None if scores is None else scores.flatten())
+    pref_logits = preference_logits(pref, scores if judge.pairwise is None else None)
+    return list(zip(pref, pref_logits)), scores
 
 
 # ---- one update per method ---------------------------------------------------------------------
 
-def seq_logps(model, s: Samples, opts):
+def seq_logps(model, samples: Samples, opts):
     """Per-token log π(y_t) at τ (N, R) (through the DDP wrapper when given one) and S = Σ_t (N,)."""
-    with autocast(s.ids.device, opts.dtype):
-        lp = response_logprobs(model, s.ids, s.attn, s.resp, opts.temperature)
-    return lp, (lp * s.resp).sum(1)
+    with autocast(samples.ids.device, opts.dtype):
+        lp = response_logprobs(model, samples.ids, samples.attn, samples.response_mask, opts.temperature)
+    return lp, (lp * samples.response_mask).sum(1)
 
 
 @torch.no_grad()
-def kl_sum(S, S_ref, ref, init_ref, s, opts):
+def kl_sum(S, S_ref, ref, init_ref, samples, opts):
     """Σ over this rank's samples of S_θ(y) − S_0(y), y ~ π_θ: the k1 estimate of the sequence KL(π_θ ‖ π_0) to
     the initial reference π_0 (at τ, as sampled), times the number of samples. Why every step: the evaluation
     KL comes only every --eval_interval steps, and a run-away (1 → 15 nats between two evaluations, seen on a
     held-back task) must be seen when it starts. Reuses S_ref when the training reference is π_0 (no extra forward)."""
-    S_0 = S_ref if ref is init_ref and S_ref is not None else seq_logps(init_ref, s, opts)[1]
+    S_0 = S_ref if ref is init_ref and S_ref is not None else seq_logps(init_ref, samples, opts)[1]
     return float((S.detach() - S_0).sum())
 
 
-def pairwise_terms(opts, policy, ref, s, pairs, init_ref=None):
+def pairwise_terms(opts, policy, ref, samples, pairs, init_ref=None):
     """online_dpo / dno: Σ of train_dpo.pair_loss over this rank's pairs (with graph), Σ NLL(chosen) (with graph)
     and sums for the log (with init_ref: the KL to it over all samples, kl_sum)."""
-    _, S = seq_logps(policy, s, opts)
-    S_ref = None if ref is None else seq_logps(ref, s, opts)[1].detach()
-    w = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=S.device)
-    l = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=S.device)
-    lengths = s.resp.sum(1)
-    ref_w, ref_l = (None, None) if S_ref is None else (S_ref[w], S_ref[l])
-    loss, rw, rl = train_dpo.pair_loss(opts, S[w], S[l], ref_w, ref_l, lengths[w], lengths[l])
-    sums = {"loss": loss.sum(), "rewards_chosen": rw.sum(), "rewards_rejected": rl.sum(),
-            "reward_accuracy": (rw > rl).float().sum(), "reward_margin": (rw - rl).sum()}
+    _, S = seq_logps(policy, samples, opts)
+    S_ref = None if ref is None else seq_logps(ref, samples, opts)[1].detach()
+    chosen = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=S.device)
+    rejected = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=S.device)
+    lengths = samples.response_mask.sum(1)
+    ref_chosen, ref_rejected = (None, None) if S_ref is None else (S_ref[chosen], S_ref[rejected])
+    loss, reward_chosen, reward_rejected = train_dpo.pair_loss(opts, S[chosen], S[rejected], ref_chosen, ref_rejected,
+                                                               lengths[chosen], lengths[rejected])
+    sums = {"loss": loss.sum(), "rewards_chosen": reward_chosen.sum(), "rewards_rejected": reward_rejected.sum(),
+            "reward_accuracy": (reward_chosen > reward_rejected).float().sum(),
+            "reward_margin": (reward_chosen - reward_rejected).sum()}
     if init_ref is not None:
-        sums["kl"] = kl_sum(S, S_ref, ref, init_ref, s, opts)
+        sums["kl"] = kl_sum(S, S_ref, ref, init_ref, samples, opts)
     # a rank without pairs still runs its backward (DDP all-reduces every rank's gradients): 0·S keeps the graph
-    return loss.sum() + 0 * S.sum(), -S[w].sum(), sums
+    return loss.sum() + 0 * S.sum(), -S[chosen].sum(), sums
 
 
-def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=None, init_ref=None):
+def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_key=None, init_ref=None):
     """This rank's share of the step's objective (with graph, divided by the global counts; None when no rank has
     anything to learn from) and the log's figures as {name: (this rank's sum, global denominator)}. The counts
     are all-reduced first, so every rank divides by the same numbers. With init_ref, every method that computes
     sequence log-probs (all but CRINGE) also logs kl, the mean sequence KL of its samples to init_ref."""
-    k, device = opts.samples_per_prompt, s.ids.device
-    n = dist.all_reduce_sum(float(s.ids.shape[0]))
+    k, device = opts.samples_per_prompt, samples.ids.device
+    n = dist.all_reduce_sum(float(samples.ids.shape[0]))
     if opts.method in PAIRWISE:
         pairs = []
-        for g, (P, D) in enumerate(groups):
+        for g, (pref, pref_logits) in enumerate(groups):
             if opts.method == "online_dpo":
-                gap, key = D, copeland(D)
+                gap, key = pref_logits, copeland(pref_logits)
             else:
-                W = win_rates(P)
-                gap, key = W[:, None] - W[None, :], W
+                win_rate = win_rates(pref)
+                gap, key = win_rate[:, None] - win_rate[None, :], win_rate
             pairs += [(g * k + i, g * k + j) for i, j in select_pairs(gap, key, opts.pairs, opts.margin)]
-        chosen_tokens = sum(float(s.resp[i].sum()) for i, _ in pairs)
+        chosen_tokens = sum(float(samples.response_mask[i].sum()) for i, _ in pairs)
         n_pairs, n_chosen = dist.all_reduce_sum(torch.tensor([len(pairs), chosen_tokens], dtype=torch.float64)).tolist()
         if n_pairs == 0:                 # nothing to learn from; the KL of the samples is still news
             if init_ref is None:
                 return None, {"pairs": (0.0, 1)}
             with torch.no_grad():
-                S = seq_logps(policy, s, opts)[1]
-            return None, {"pairs": (0.0, 1), "kl": (kl_sum(S, None, None, init_ref, s, opts), n)}
-        loss_sum, nll_sum, sums = pairwise_terms(opts, policy, ref, s, pairs, init_ref)
+                S = seq_logps(policy, samples, opts)[1]
+            return None, {"pairs": (0.0, 1), "kl": (kl_sum(S, None, None, init_ref, samples, opts), n)}
+        loss_sum, nll_sum, sums = pairwise_terms(opts, policy, ref, samples, pairs, init_ref)
         kl = {"kl": (sums.pop("kl"), n)} if "kl" in sums else {}
         objective = loss_sum / n_pairs                                  # mean over the step's pairs (all ranks) ...
         nll_w = train_dpo.nll_weight(opts)
@@ -427,38 +434,38 @@ def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=Non
         log = {name: (float(v.detach()), n_pairs) for name, v in sums.items()}
         return objective, {**log, **kl, "pairs": (float(len(pairs)), 1),
                            "nll": (float(nll_sum.detach()), max(n_chosen, 1))}
-    kl = (lambda S, S_ref: {"kl": (kl_sum(S, S_ref, ref, init_ref, s, opts), n)}) if init_ref is not None \
+    kl = (lambda S, S_ref: {"kl": (kl_sum(S, S_ref, ref, init_ref, samples, opts), n)}) if init_ref is not None \
         else (lambda S, S_ref: {})
     if opts.method == "sppo":
-        p_hat = torch.cat([win_rates(P) for P, _ in groups]).to(device, torch.float32)
-        _, S = seq_logps(policy, s, opts)
-        S_ref = seq_logps(ref, s, opts)[1].detach()
+        p_hat = torch.cat([win_rates(pref) for pref, _ in groups]).to(device, torch.float32)
+        _, S = seq_logps(policy, samples, opts)
+        S_ref = seq_logps(ref, samples, opts)[1].detach()
         loss = sppo_loss(S, S_ref, p_hat, opts.eta)
         return loss.sum() / n, {"loss": (float(loss.detach().sum()), n), "p_hat": (float(p_hat.sum()), n),
                                 "log_ratio": (float((S.detach() - S_ref).sum()), n), **kl(S, S_ref)}
     if opts.method == "nash_md":
-        lp, S = seq_logps(policy, s, opts)
-        ref_lp, S_ref = (t.detach() for t in seq_logps(ref, s, opts))
-        loss = nash_md_loss(lp, ref_lp, s.resp, prob.to(lp), opts.beta)
+        lp, S = seq_logps(policy, samples, opts)
+        ref_lp, S_ref = (t.detach() for t in seq_logps(ref, samples, opts))
+        loss = nash_md_loss(lp, ref_lp, samples.response_mask, prob.to(lp), opts.beta)
         return loss.sum() / n, {"loss": (float(loss.detach().sum()), n), "probability": (float(prob.sum()), n),
                                 **(kl(S, S_ref) if init_ref is not None else
-                                   {"kl": (float(((lp.detach() - ref_lp) * s.resp).sum()), n)})}
+                                   {"kl": (float(((lp.detach() - ref_lp) * samples.response_mask).sum()), n)})}
     # cringe: accepted responses' tokens get the MLE loss, rejected responses' tokens the CRINGE loss
     labels = torch.cat([cringe_labels(g, opts.cringe_threshold) for g in accept_key]).to(device)
-    valid = s.resp.bool()
+    valid = samples.response_mask.bool()
     is_pos = (labels == 1)[:, None].expand_as(valid)[valid]            # per response token, row-major
     is_neg = (labels == -1)[:, None].expand_as(valid)[valid]
     n_pos, n_neg = dist.all_reduce_sum(torch.tensor([float(is_pos.sum()), float(is_neg.sum())],
                                                     dtype=torch.float64)).tolist()
     if n_pos + n_neg == 0:
         return None, {"positive_tokens": (0.0, 1), "negative_tokens": (0.0, 1)}
-    P = s.ids.shape[1] - s.resp.shape[1]
-    sel = torch.zeros_like(s.ids, dtype=torch.bool)
-    sel[:, P - 1:-1] = valid                                           # the positions predicting response tokens
+    prompt_len = samples.ids.shape[1] - samples.response_mask.shape[1]
+    sel = torch.zeros_like(samples.ids, dtype=torch.bool)
+    sel[:, prompt_len - 1:-1] = valid                          # the positions predicting response tokens
     with autocast(device, opts.dtype):
-        hidden = policy(s.ids, s.attn, select=sel, return_hidden=True)
+        hidden = policy(samples.ids, samples.attn, select=sel, return_hidden=True)
     logits = F.linear(hidden, dist.unwrap(policy).output_weight()).float() / opts.temperature   # (M, V)
-    targets = s.ids[:, P:][valid]
+    targets = samples.ids[:, prompt_len:][valid]
     nll = F.cross_entropy(logits, targets, reduction="none")
     # the positive tokens: a fresh generator per (step, rank), so a resumed run draws what it would have
     seed = (opts.seed * 1_000_003 + step * 1009 + dist.world().rank) % 2 ** 63
@@ -475,7 +482,7 @@ def step_objective(opts, policy, ref, s, groups, step, prob=None, accept_key=Non
 
 def check_options(opts):
     """Rules between options; each option's own range is declared on Options (checked on parsing)."""
-    m = opts.method
+    method = opts.method
     if opts.frozen != "shard" and not opts.fsdp:
         fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
     msg = lora.check_options(opts)
@@ -483,7 +490,7 @@ def check_options(opts):
         fail(msg, 2)
     if opts.fsdp and opts.ref_update_every:   # the reference would be a sharded copy rewritten every N steps
         fail("--ref_update_every with --fsdp is not supported yet", 2)
-    if m == "nash_md" and lora.shares_base(opts, opts.ref):
+    if method == "nash_md" and lora.shares_base(opts, opts.ref):
         # the mixture sampler runs the reference's blocks directly (a KV cache per model), which the adapters-off
         # view of the policy does not switch: it would sample from the adapted policy twice
         fail("--method nash_md with --lora_r needs a separate --ref DIR (not --init): its mixture sampler cannot "
@@ -499,30 +506,31 @@ def check_options(opts):
              "path/to/file.py:function")
     if opts.judge and not llm and reward_mod.is_function_spec(opts.judge):
         reward_mod.load_function(opts.judge, "--judge")          # its import errors name --judge, not --reward
-    if m != "nash_md" and opts.samples_per_prompt < 2:
-        fail(f"--method {m} compares the samples of a prompt: it needs --samples_per_prompt >= 2")
+    if method != "nash_md" and opts.samples_per_prompt < 2:
+        fail(f"--method {method} compares the samples of a prompt: it needs --samples_per_prompt >= 2")
     if opts.ref_update_every and not needs_reference(opts):
-        fail(f"--ref_update_every has no effect with --method {m}" + (f" --loss {opts.loss} (reference-free)"
-                                                                      if m in PAIRWISE else ""))
-    if m == "cringe" and opts.cringe_threshold is not None and not opts.judge:
+        fail(f"--ref_update_every has no effect with --method {method}" + (f" --loss {opts.loss} (reference-free)"
+                                                                      if method in PAIRWISE else ""))
+    if method == "cringe" and opts.cringe_threshold is not None and not opts.judge:
         fail("--cringe_threshold compares scores: it needs a pointwise --judge")
     if opts.missing_eos_penalty and (not opts.judge or opts.pair_judge):
         fail("--missing_eos_penalty lowers a --judge score: it needs a pointwise --judge and no --pair_judge "
              "(whose preferences it would not change)")
     # a flag the method would ignore is an error, not a silent no-op
-    ignored = {"loss": m in PAIRWISE or opts.loss == "dpo", "pairs": m in PAIRWISE or opts.pairs == "best_worst",
-               "margin": m in PAIRWISE or opts.margin == 0, "nll_coef": m in PAIRWISE or opts.nll_coef == 0,
-               "label_smoothing": m in PAIRWISE or opts.label_smoothing == 0, "eta": m == "sppo" or opts.eta == 10.0,
-               "mixture_coef": m == "nash_md" or opts.mixture_coef == 0.5,
-               "cringe_threshold": m == "cringe" or opts.cringe_threshold is None,
-               "beta": m in PAIRWISE or m == "nash_md" or opts.beta is None,
-               "gamma": m in PAIRWISE or opts.gamma == 0.5, "alpha": m in PAIRWISE or opts.alpha is None,
-               "lam": m in PAIRWISE or opts.lam == 0.1, "cringe_topk": m == "cringe" or opts.cringe_topk == 5,
-               "cringe_alpha": m == "cringe" or opts.cringe_alpha == 1.0}
+    pairwise = method in PAIRWISE
+    ignored = {"loss": pairwise or opts.loss == "dpo", "pairs": pairwise or opts.pairs == "best_worst",
+               "margin": pairwise or opts.margin == 0, "nll_coef": pairwise or opts.nll_coef == 0,
+               "label_smoothing": pairwise or opts.label_smoothing == 0, "eta": method == "sppo" or opts.eta == 10.0,
+               "mixture_coef": method == "nash_md" or opts.mixture_coef == 0.5,
+               "cringe_threshold": method == "cringe" or opts.cringe_threshold is None,
+               "beta": pairwise or method == "nash_md" or opts.beta is None,
+               "gamma": pairwise or opts.gamma == 0.5, "alpha": pairwise or opts.alpha is None,
+               "lam": pairwise or opts.lam == 0.1, "cringe_topk": method == "cringe" or opts.cringe_topk == 5,
+               "cringe_alpha": method == "cringe" or opts.cringe_alpha == 1.0}
     bad = next((k for k, ok in ignored.items() if not ok), None)
     if bad:
-        fail(f"--{bad} has no effect with --method {m}")
-    if m in PAIRWISE:
+        fail(f"--{bad} has no effect with --method {method}")
+    if pairwise:
         if opts.label_smoothing and opts.loss not in ("dpo", "robust"):
             fail(f"--label_smoothing applies only to --loss dpo or robust, not {opts.loss}")
         for flag, default, losses in (("gamma", 0.5, ("simpo",)), ("alpha", None, ("rdpo", "cpo")),
@@ -531,9 +539,9 @@ def check_options(opts):
                 fail(f"--{flag} applies only to --loss {' or '.join(losses)}, not {opts.loss}")
         opts.beta = train_dpo.DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
         opts.alpha = (1.0 if opts.loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
-    elif m == "nash_md":
+    elif method == "nash_md":
         opts.beta = 0.1 if opts.beta is None else opts.beta
-    opts.out_dir = opts.out_dir or f"out/{m}"
+    opts.out_dir = opts.out_dir or f"out/{method}"
 
 
 def needs_reference(opts):
@@ -633,7 +641,7 @@ def main(argv=None):
                         judge.pointwise
                 if gold is not None:
                     cols["gold_reward"] = gold
-                samples = sample_and_score(policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
+                samples = sample_and_score(policy, tok, eval_prompts, SamplingOptions(opts.max_new_tokens), seed=1234,
                                            ref=init_ref, rewards=cols)
                 metrics = {f"eval/{k_}": v for k_, v in summarize(samples).items()
                            if not k_.endswith("_se") and k_ != "n"}
@@ -674,7 +682,7 @@ def main(argv=None):
         else:
             groups, scores = group_preferences(judge, s, k, tok, opts.missing_eos_penalty)
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only
-            accept_key = list(scores) if scores is not None else [copeland(D) for _, D in groups]
+            accept_key = list(scores) if scores is not None else [copeland(pref_logits) for _, pref_logits in groups]
         # 3.-4. examples, loss, update
         objective, stats = step_objective(opts, ddp, ref, s, groups, step, prob, accept_key, init_ref)
         grad_norm = 0.0
@@ -708,16 +716,16 @@ def main(argv=None):
     return SimpleNamespace(policy=policy, ref=ref, init_ref=init_ref, judge=judge, optimizer=optimizer, options=opts)
 
 
-def step_metrics(s: Samples, scores, stats, gold):
+def step_metrics(samples: Samples, scores, stats, gold):
     """The step's figures over all ranks, in one all-reduce: sequence means (judge score, gold reward, length,
     end-of-text rate) and the method's {name: (this rank's sum, global denominator)}."""
-    seq = {"response_length": s.resp.sum(1), "eos_rate": s.has_eos}
+    seq = {"response_length": samples.response_mask.sum(1), "eos_rate": samples.has_eos}
     if scores is not None:
         seq["score"] = scores.flatten()
     if gold is not None:
-        seq["gold_reward"] = torch.tensor(gold(s.prompts, s.completions))
+        seq["gold_reward"] = torch.tensor(gold(samples.prompts, samples.completions))
     names = ["sequences", *seq, *stats]
-    local = [float(s.ids.shape[0]), *(float(v.sum()) for v in seq.values()), *(v[0] for v in stats.values())]
+    local = [float(samples.ids.shape[0]), *(float(v.sum()) for v in seq.values()), *(v[0] for v in stats.values())]
     total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
     metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
     metrics.update({f"train/{k}": total[k] / denominator for k, (_, denominator) in stats.items()})

@@ -76,7 +76,7 @@ from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
 from nano_rlhf.options import FrozenModelOptions, RunOptions
-from nano_rlhf.sampling import sampling_copy
+from nano_rlhf.sampling import SamplingOptions, cut_at_stop, generate, sampling_copy
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
 WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened over the whole batch
@@ -185,7 +185,8 @@ class Rollout:
 class Models:
     """Frozen = requires_grad_(False), eval(), never wrapped in DDP, in no optimizer."""
     policy: GPT                           # π_θ (trained)
-    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen); SPO: a Judge
+    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen);
+    #                                     SPO: a Judge
     ref: Optional[GPT] = None             # π_ref (frozen; --lora_r: a lora.BaseView of the policy); None when β = 0
     critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
     gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
@@ -201,7 +202,8 @@ class Learner:
 
     @classmethod
     def of(cls, model, lr, opts):
-        return cls(model, parallel.wrap(model, opts.fsdp, dtype=opts.dtype), adamw(model, lr, opts.weight_decay, eps=opts.adam_eps))
+        return cls(model, parallel.wrap(model, opts.fsdp, dtype=opts.dtype),
+                   adamw(model, lr, opts.weight_decay, eps=opts.adam_eps))
 
     def step(self, grad_clip):
         """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
@@ -269,8 +271,8 @@ def selfplay_rewards(pref):
 def token_rewards(score, kl, response_mask, beta):
     """r_t = −β·KL_t on every response token; the score is added on the last real token (the stop token).
     A row with no response token gets no reward at all (all zeros), like every estimator's padding."""
-    n = response_mask.sum(1).long()                               # (B,) response lengths
-    at_end = F.one_hot((n - 1).clamp(min=0), response_mask.shape[1]).to(kl.dtype) * (n > 0)[:, None]
+    lengths = response_mask.sum(1).long()                         # (B,)
+    at_end = F.one_hot((lengths - 1).clamp(min=0), response_mask.shape[1]).to(kl.dtype) * (lengths > 0)[:, None]
     return -beta * kl * response_mask + score[:, None].to(kl.dtype) * at_end
 
 
@@ -327,26 +329,27 @@ def explained_variance(return_sq_dev, residual_sq_dev):
     return (1 - residual_sq_dev / return_sq_dev).item() if return_sq_dev > 0 else float("nan")
 
 
-def rloo_advantages(R, k):
-    """A_i = R_i − mean of the other k−1 rewards of its group; groups are k consecutive samples."""
-    g = R.view(-1, k)
-    return (g - (g.sum(1, keepdim=True) - g) / (k - 1)).view(-1)
+def rloo_advantages(rewards, k):
+    """A_i = R_i − mean of the other k−1 rewards of its group; rewards (B,) = R, groups are k consecutive
+    samples."""
+    by_group = rewards.view(-1, k)
+    return (by_group - (by_group.sum(1, keepdim=True) - by_group) / (k - 1)).view(-1)
 
 
-def grpo_advantages(R, k, eps=1e-4):
-    """A_i = (R_i − mean_G)/(std_G + eps), std with Bessel's correction; a group whose rewards are all
-    equal gets exactly 0 (no float noise, no division)."""
-    g = R.view(-1, k)
-    centred = g - g.mean(1, keepdim=True)
-    std = g.std(1, keepdim=True)
-    same = (g.max(1, keepdim=True).values == g.min(1, keepdim=True).values)
-    return torch.where(same, torch.zeros_like(g), centred / (std + eps)).view(-1)
+def grpo_advantages(rewards, k, eps=1e-4):
+    """A_i = (R_i − mean_G)/(std_G + eps), rewards (B,) = R, std with Bessel's correction; a group whose
+    rewards are all equal gets exactly 0 (no float noise, no division)."""
+    by_group = rewards.view(-1, k)
+    centred = by_group - by_group.mean(1, keepdim=True)
+    std = by_group.std(1, keepdim=True)
+    same = (by_group.max(1, keepdim=True).values == by_group.min(1, keepdim=True).values)
+    return torch.where(same, torch.zeros_like(by_group), centred / (std + eps)).view(-1)
 
 
-def dr_grpo_advantages(R, k):
-    """A_i = R_i − mean_G (no std: Dr. GRPO removes the difficulty bias)."""
-    g = R.view(-1, k)
-    return (g - g.mean(1, keepdim=True)).view(-1)
+def dr_grpo_advantages(rewards, k):
+    """A_i = R_i − mean_G, rewards (B,) = R (no std: Dr. GRPO removes the difficulty bias)."""
+    by_group = rewards.view(-1, k)
+    return (by_group - by_group.mean(1, keepdim=True)).view(-1)
 
 
 @dataclass
@@ -394,8 +397,8 @@ def value_loss(values, old_values, returns, clip=0.2):
     """Per-token clipped value loss ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²), and whether the
     clipped branch was the larger (for the value clip fraction)."""
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
-    a, b = (values - returns) ** 2, (clipped - returns) ** 2
-    return 0.5 * torch.max(a, b), b > a
+    unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.max(unclipped_sq, clipped_sq), clipped_sq > unclipped_sq
 
 
 def dual_clip_loss(loss, adv, c=3.0):
@@ -411,8 +414,8 @@ def gspo_loss(logp, old_logp, adv, mask, clip_low=3e-4, clip_high=4e-4):
     s_i·∇log π_θ(y_t)), so averaged over each sequence's tokens (--loss_agg seq_mean_token_mean) the value is
     max(−A_i s_i, −A_i clip(s_i, 1−ε_low, 1+ε_high)) and the gradient GSPO's −A_i s_i ∇log s_i.
     Returns the per-token loss and the (broadcast) sequence ratio s_i."""
-    n = mask.sum(1, keepdim=True).clamp(min=1)
-    log_s = ((logp - old_logp) * mask).sum(1, keepdim=True) / n                # (B, 1) log s_i
+    lengths = mask.sum(1, keepdim=True).clamp(min=1)
+    log_s = ((logp - old_logp) * mask).sum(1, keepdim=True) / lengths          # (B, 1) log s_i
     s_tok = torch.exp(log_s.detach() + logp - logp.detach())                    # value s_i, gradient through log π
     loss = torch.max(-adv * s_tok, -adv * torch.clamp(s_tok, 1 - clip_low, 1 + clip_high))
     return loss, s_tok.detach().expand_as(logp)
@@ -513,12 +516,15 @@ def scores_from_reward(raw, has_eos, opts, rm_stats=None):
     return score
 
 
-def engine_options(opts):
-    """The rollout engine's keyword options (nano_rlhf.sampling.generate) from the command line."""
+def sampling_options(opts, tok):
+    """What the rollout samples and how the engine computes it (nano_rlhf.sampling.SamplingOptions): pure
+    sampling at τ up to the tokenizer's stop ids (end-of-text, the template's end-of-turn)."""
     # under --fsdp the engine samples with the gathered weights themselves (an FSDP module cannot be copied
     # into a sampling copy of another dtype; --rollout_dtype bfloat16 is refused with --fsdp)
-    return dict(compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill, compact=opts.compact_rollout,
-                dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
+    return SamplingOptions(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, stop_ids=tok.stop_ids,
+                           pad_id=tok.pad_id, compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill,
+                           compact=opts.compact_rollout,
+                           dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
 
 
 @torch.no_grad()
@@ -538,16 +544,12 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None):
     # the sampled tokens are all the update takes from generation: log-probs (π_old) are recomputed below or
     # in the update by the float32 policy, so a bfloat16 sampling copy keeps the ratio exactly 1 at lr 0
     with parallel.gathered(models.policy):      # FSDP: one all-gather for the whole decoding, not one per token
-        seq = dist.unwrap(models.policy).generate(q_ids, q_mask, opts.max_new_tokens, opts.temperature,
-                                                  eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id, generator=gen,
-                                                  stats=gen_stats, **engine_options(opts))
-    resp = seq[:, q_ids.shape[1]:]
-    is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=device))
-    has_eos = is_eos.any(1)
-    # response = tokens up to and including the first stop token (generate already pads after it); its last
-    # real token is where the reward model reads the score (the end-of-turn token of a conversation)
-    length = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
-    response_mask = (torch.arange(resp.shape[1], device=device)[None] < length[:, None]).float()
+        seq = generate(dist.unwrap(models.policy), q_ids, q_mask, sampling_options(opts, tok), gen, gen_stats)
+    # response = tokens up to and including the first stop token, pad after it; its last real token is where
+    # the reward model reads the score (the end-of-turn token of a conversation)
+    resp, response_mask, length, has_eos = cut_at_stop(seq[:, q_ids.shape[1]:], tok.stop_ids, tok.pad_id)
+    seq = torch.cat([q_ids, resp], 1)
+    response_mask = response_mask.float()
     attn = torch.cat([q_mask, response_mask.long()], 1)
     completions = [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
     prompt_texts = [p["text"] for p in prompts for _ in range(k)]
@@ -579,8 +581,8 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None):
 def group_spread(scores, k):
     """(G,) True where the k scores of a prompt's group are not all equal: the only groups a group estimator
     learns from (an all-equal group's advantages are 0)."""
-    g = scores.view(-1, k)
-    return g.max(1).values != g.min(1).values
+    by_group = scores.view(-1, k)
+    return by_group.max(1).values != by_group.min(1).values
 
 
 def join(parts, pad_id):
@@ -660,17 +662,17 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
                if mismatch and opts.rollout_dtype != "float32" else models.policy)
     models.policy.eval()
     for i in range(0, seq.shape[0], opts.micro_batch_size):
-        s = slice(i, i + opts.micro_batch_size)
+        mb = slice(i, i + opts.micro_batch_size)
+        batch = (seq[mb], attn[mb], response_mask[mb], opts.temperature)
         with autocast(device, opts.dtype):
             if logprobs is not None:
-                logprobs[s] = response_logprobs(models.policy, seq[s], attn[s], response_mask[s], opts.temperature)
+                logprobs[mb] = response_logprobs(models.policy, *batch)
             if sampler_logprobs is not None:
-                sampler_logprobs[s] = (logprobs[s] if sampler is models.policy else
-                                       response_logprobs(sampler, seq[s], attn[s], response_mask[s], opts.temperature))
+                sampler_logprobs[mb] = logprobs[mb] if sampler is models.policy else response_logprobs(sampler, *batch)
             if ref_logprobs is not None:
-                ref_logprobs[s] = response_logprobs(models.ref, seq[s], attn[s], response_mask[s], opts.temperature)
+                ref_logprobs[mb] = response_logprobs(models.ref, *batch)
             if values is not None:
-                values[s] = models.critic(seq[s], attn[s])[0][:, P - 1:-1].float() * response_mask[s]
+                values[mb] = models.critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
     models.policy.train()
     policy_mask, is_weight, stats = r.policy_mask, None, dict(r.stats)
     if mismatch:
@@ -734,26 +736,29 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
             idx = order[start:start + mb_size]
             # the minibatch's global normalisers, over all ranks: response tokens (the critic's), and the policy
             # loss's tokens and sequences (truncated or mismatched ones may be masked out of it)
-            pm = policy_mask[idx]
+            mb_policy_mask = policy_mask[idx]
             n_tok, n_pol_tok, n_pol_seq = dist.all_reduce_sum(torch.tensor(
-                [r.response_mask[idx].sum().item(), pm.sum().item(), float((pm.sum(1) > 0).sum())],
+                [r.response_mask[idx].sum().item(), mb_policy_mask.sum().item(),
+                 float((mb_policy_mask.sum(1) > 0).sum())],
                 dtype=torch.float64)).tolist()
             if policy is not None and ptx is not None:
                 ptx_backward(policy, ptx, opts)
             micro = list(range(0, len(idx), opts.micro_batch_size))
             for j, ms in enumerate(micro):
                 i = idx[ms:ms + opts.micro_batch_size]
-                seq, attn, m, pm = r.query_response[i], r.attention_mask[i], r.response_mask[i], policy_mask[i]
+                seq, attn = r.query_response[i], r.attention_mask[i]
+                mb_mask, mb_policy_mask = r.response_mask[i], policy_mask[i]      # (b, R): critic's, policy's
                 sync = not world.enabled or j == len(micro) - 1          # DDP all-reduces on the last micro-batch
-                sums["tokens"] += m.sum().item()
+                sums["tokens"] += mb_mask.sum().item()
                 if policy is not None:
                     with contextlib.nullcontext() if sync else policy.ddp.no_sync():
                         with autocast(seq.device, opts.dtype):
-                            logp, ent = response_logprobs(policy.ddp, seq, attn, m, opts.temperature, with_entropy=True)
+                            logp, ent = response_logprobs(policy.ddp, seq, attn, mb_mask, opts.temperature,
+                                                          with_entropy=True)
                         old = logp.detach() if r.logprobs is None else r.logprobs[i]
                         adv = targets.adv[i]
                         if opts.policy_loss == "gspo":
-                            pg, ratio = gspo_loss(logp, old, adv, pm, opts.clip_eps, clip_high)
+                            pg, ratio = gspo_loss(logp, old, adv, mb_policy_mask, opts.clip_eps, clip_high)
                         elif opts.policy_loss == "cispo":
                             pg, ratio = cispo_loss(logp, old, adv, opts.clip_eps, clip_high)
                         else:
@@ -764,27 +769,29 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                             pg = pg * r.is_weight[i]
                         per_token = pg - opts.entropy_coef * ent
                         if opts.kl_in_loss and r.ref_logprobs is not None:
-                            per_token = per_token + beta * kl_estimate(logp, r.ref_logprobs[i], opts.kl_loss_estimator)
-                        aggregate_loss(per_token, pm, agg, n_pol_tok, n_pol_seq, opts.max_new_tokens,
+                            per_token = per_token + beta * kl_estimate(logp, r.ref_logprobs[i],
+                                                                       opts.kl_loss_estimator)
+                        aggregate_loss(per_token, mb_policy_mask, agg, n_pol_tok, n_pol_seq, opts.max_new_tokens,
                                        scale=dist.ddp_scale()).backward()
                     with torch.no_grad():
-                        sums["policy_tokens"] += pm.sum().item()
-                        sums["policy_loss"] += (pg * pm).sum().item()
-                        sums["entropy"] += (ent * pm).sum().item()
-                        sums["approx_kl"] += ((ratio - 1 - (logp - old)) * pm).sum().item()   # k3 of KL(old‖new)
+                        sums["policy_tokens"] += mb_policy_mask.sum().item()
+                        sums["policy_loss"] += (pg * mb_policy_mask).sum().item()
+                        sums["entropy"] += (ent * mb_policy_mask).sum().item()
+                        # k3 of KL(old‖new)
+                        sums["approx_kl"] += ((ratio - 1 - (logp - old)) * mb_policy_mask).sum().item()
                         # clip fraction = tokens whose ratio lies outside [1 − ε, 1 + ε_high] (as OpenAI
                         # baselines / TRL log it), not "the clipped term was the one selected by the max"
                         outside = (ratio < 1 - opts.clip_eps) | (ratio > 1 + clip_high)
-                        sums["clipfrac"] += (outside.float() * pm).sum().item()
-                        sums["ratio"] += (ratio * pm).sum().item()
+                        sums["clipfrac"] += (outside.float() * mb_policy_mask).sum().item()
+                        sums["ratio"] += (ratio * mb_policy_mask).sum().item()
                 if critic is not None:
                     with contextlib.nullcontext() if sync else critic.ddp.no_sync():
                         with autocast(seq.device, opts.dtype):
-                            v = critic.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
-                        vl, v_clipped = value_loss(v, r.values[i], targets.returns[i], opts.value_clip)
-                        ((vl * m).sum() * token_mean_scale(n_tok)).backward()
-                    sums["value_loss"] += (vl.detach() * m).sum().item()
-                    sums["value_clipfrac"] += (v_clipped.float() * m).sum().item()
+                            new_values = critic.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
+                        v_loss, v_clipped = value_loss(new_values, r.values[i], targets.returns[i], opts.value_clip)
+                        ((v_loss * mb_mask).sum() * token_mean_scale(n_tok)).backward()
+                    sums["value_loss"] += (v_loss.detach() * mb_mask).sum().item()
+                    sums["value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
             sums["updates"] += 1
             if policy is not None:
                 sums["grad_norm"] += policy.step(opts.grad_clip)
@@ -812,7 +819,8 @@ def check_options(opts):
              f"{opts.kl_estimator} applies only with gae / reinforce_pp (the KL in the loss: --kl_in_loss, "
              "with --kl_loss_estimator)")
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
-        fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function (got {opts.reward!r})")
+        fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function "
+             f"(got {opts.reward!r})")
     if opts.policy_loss == "gspo" and opts.advantage == "gae":
         fail("--policy_loss gspo weighs whole sequences: it needs a sequence-level advantage "
              "(--advantage rloo, grpo, dr_grpo or reinforce_pp), not gae's per-token one")
@@ -831,12 +839,14 @@ def check_options(opts):
              "(under --dtype bfloat16 on CUDA they are already bf16)")
     if opts.reward == "selfplay":
         if opts.samples_per_prompt < 2:
-            fail("--reward selfplay needs --samples_per_prompt >= 2 (a sample's reward is its win rate against the others)")
+            fail("--reward selfplay needs --samples_per_prompt >= 2 (a sample's reward is its win rate against the "
+                 "others)")
         if not (opts.judge or opts.pair_judge):
             fail("--reward selfplay needs a judge: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) "
                  "and/or --pair_judge module:function")
         if not opts.normalize_score or opts.score_clip != 5.0:
-            fail("--normalize_score / --score_clip apply to a reward model's score, not to --reward selfplay's win rates")
+            fail("--normalize_score / --score_clip apply to a reward model's score, not to --reward selfplay's win "
+                 "rates")
         if opts.missing_eos_penalty == -3.0:     # the default, made for scores of a few units: a win rate lies in
             opts.missing_eos_penalty = 0.0       # [0, 1], so an unfinished sample gets the worst win rate instead
     else:
@@ -845,8 +855,9 @@ def check_options(opts):
                 fail(f"--{flag} applies only to --reward selfplay (got --reward {opts.reward})")
     rollout_size = opts.batch_size * opts.samples_per_prompt
     if rollout_size % opts.num_minibatches:
-        fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x --samples_per_prompt "
-             f"{opts.samples_per_prompt}) does not split into --num_minibatches {opts.num_minibatches}")
+        fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x "
+             f"--samples_per_prompt {opts.samples_per_prompt}) does not split into --num_minibatches "
+             f"{opts.num_minibatches}")
     mb_size = rollout_size // opts.num_minibatches
     if mb_size % (opts.micro_batch_size or mb_size):
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
@@ -866,7 +877,8 @@ def load_prompts(opts):
     if opts.eval_prompts:
         return records, load_records(opts.eval_prompts, "prompts")
     if len(records) < 2:
-        raise ValueError(f"{opts.prompts}: {len(records)} prompt(s); need at least 2 to hold some out (or --eval_prompts)")
+        raise ValueError(f"{opts.prompts}: {len(records)} prompt(s); need at least 2 to hold some out "
+                         "(or --eval_prompts)")
     return split_off(records, opts.eval_fraction, opts.seed)
 
 
@@ -1023,9 +1035,9 @@ def main(argv=None):
         # FSDP: rank 0 samples alone, so the models it uses are gathered (on every rank) for the duration
         with parallel.gathered(models.policy, models.ref, getattr(models.reward, "model", None)):
             if world.is_main:
-                samples = sample_and_score(models.policy, tok, eval_prompts, opts.max_new_tokens, 1.0, 1, seed=1234,
-                                           ref=models.ref, rewards=eval_rewards(models, opts),
-                                           engine=engine_options(opts))
+                samples = sample_and_score(models.policy, tok, eval_prompts,
+                                           replace(sampling_options(opts, tok), temperature=1.0), seed=1234,
+                                           ref=models.ref, rewards=eval_rewards(models, opts))
                 metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
                 run.log_samples(step, samples[:8])
                 for smp in samples[:3]:
@@ -1113,7 +1125,7 @@ def eval_rewards(models: Models, opts):
     judge's own pointwise score stands in (none for a pairwise-only judge)."""
     reward = models.reward.pointwise if isinstance(models.reward, Judge) else models.reward
     cols = {} if reward is None else {"rm_score" if isinstance(reward, reward_mod.RewardModel) else "reward": reward}
-    if models.gold is not None and models.gold is reward:   # --reward gold (or --judge gold): one column, its usual name
+    if models.gold is not None and models.gold is reward:   # --reward gold (or --judge gold): one column, its name
         return {"gold_reward": models.gold}
     if models.gold is not None:
         cols["gold_reward"] = models.gold

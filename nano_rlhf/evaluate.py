@@ -39,9 +39,9 @@ import math
 import os
 import random
 import sys
+from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from . import reward as reward_mod
 from .checkpoint import write_json
@@ -49,24 +49,25 @@ from .common import builtin_file, check_output_file, check_vocab, fail, load_tok
 from .config import OneLineErrors, finite_float
 from .data import DataError, collate_prompts, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
+from .sampling import SamplingOptions, cut_at_stop, generate
 from .tokenizer import CHAT_TEMPLATES
 
 
-def response_logprobs(model, ids, attn, prompt_len, temperature=1.0, response_mask=None):
-    """log π(token) for every generated position (B, T - prompt_len), logits / temperature (none when greedy),
-    float32; 0 where response_mask (B, T - prompt_len) is 0. The output layer runs in chunks (token_logprobs)
-    and only on the positions that predict a response token, so a real vocabulary's logits stay bounded."""
-    R = ids.shape[1] - prompt_len
-    valid = torch.ones(ids.shape[0], R, dtype=torch.bool, device=ids.device) if response_mask is None \
-        else response_mask.bool()
-    sel = F.pad(valid, (prompt_len - 1, 1))                         # position P−1+t predicts response token t
-    targets = ids[:, prompt_len:][valid]
-    targets = targets.masked_fill(targets >= model.output_weight().shape[0], 0)   # a pad id outside the vocabulary
+def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
+    """log π(y_t | ...) at temperature τ for each response token, (B, R) float32, 0 where response_mask is 0:
+    train_ppo.py's contract (its copy adds the entropy). ids = [left-padded prompt (P) | response (R)]; the
+    hidden state at position P−1+t predicts response token t, and only those positions go through the output
+    layer, in chunks (token_logprobs), so a real vocabulary's logits stay bounded."""
+    B, T = ids.shape
+    P = T - response_mask.shape[1]
+    valid = response_mask.bool()
+    sel = torch.zeros_like(ids, dtype=torch.bool)
+    sel[:, P - 1:T - 1] = valid                                  # the predicting positions
     # through forward (not hidden_states): module hooks fire — an offloaded frozen model comes to the device,
     # an FSDP root gathers — and the output weight is read after it
     hidden = model(ids, attn, select=sel, return_hidden=True)
-    lp = token_logprobs(hidden, model.output_weight(), targets, temperature if temperature > 0 else 1.0)
-    return torch.zeros(valid.shape, device=ids.device).masked_scatter(valid, lp)
+    lp = token_logprobs(hidden, model.output_weight(), ids[:, P:][valid], temperature)
+    return torch.zeros(response_mask.shape, device=ids.device).masked_scatter(valid, lp)
 
 
 def pass_at_k(n, c, k):
@@ -146,40 +147,42 @@ def mean_se(xs):
 
 
 @torch.no_grad()
-def sample_and_score(model, tok, prompts, max_new_tokens=48, temperature=1.0, samples_per_prompt=1, seed=0,
-                     batch_size=64, ref=None, rewards=None, top_k=None, top_p=None, engine=None):
+def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_tokens=48), *, samples_per_prompt=1,
+                     seed=0, batch_size=64, ref=None, rewards=None):
     """Generate for every prompt (records with "prompt") and score; returns one dict per sample.
-    engine: keyword options of the rollout engine (nano_rlhf.sampling.generate: compile, share_prefix, ...).
-    rewards: {column name: reward(prompts, completions)} (nano_rlhf.reward); a reward model scores the very
-    token ids sampled."""
+    sampling: nano_rlhf.sampling.SamplingOptions (its stop_ids and pad_id default to the tokenizer's; each
+    response is cut after its first stop token). seed: one generator for the whole call. rewards: {column
+    name: reward(prompts, completions)} (nano_rlhf.reward); a reward model scores the very token ids sampled.
+    ref: the reference for the KL column (the model itself: KL 0 without a forward)."""
     model.eval()
-    max_prompt = model.cfg.block_size - max_new_tokens
+    sampling = replace(sampling, stop_ids=tok.stop_ids if sampling.stop_ids is None else sampling.stop_ids,
+                       pad_id=tok.pad_id if sampling.pad_id is None else sampling.pad_id)
+    max_prompt = model.cfg.block_size - sampling.max_new_tokens
     if max_prompt < 1:
-        raise ValueError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in block_size {model.cfg.block_size}")
+        raise ValueError(f"--max_new_tokens {sampling.max_new_tokens} leaves no room for a prompt in block_size "
+                         f"{model.cfg.block_size}")
     items, _ = tokenize_prompts(prompts, tok, max_prompt)
     work = [(i, j) for i in range(len(items)) for j in range(samples_per_prompt)]
     gen = torch.Generator().manual_seed(seed)
     rewards = rewards or {}
+    # log-probs at the sampling temperature; greedy decoding has none, so the KL is that of the plain softmax
+    temperature = sampling.temperature or 1.0
     out = []
     for s in range(0, len(work), batch_size):
         chunk = work[s:s + batch_size]
         ids, attn = collate_prompts([items[i]["prompt"] for i, _ in chunk], tok.pad_id)
-        seq = model.generate(ids, attn, max_new_tokens, temperature, top_k, top_p, tok.stop_ids, tok.pad_id, gen,
-                             **(engine or {}))
-        Tp = ids.shape[1]
-        resp = seq[:, Tp:]
-        is_eos = torch.isin(resp, torch.tensor(tok.stop_ids, device=resp.device))   # end-of-text or the template's end-of-turn
-        has_eos = is_eos.any(1)
-        # response length up to and including the first stop token; positions after it are padding
-        length = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
-        rmask = (torch.arange(resp.shape[1])[None] < length[:, None]).long()
-        full_attn = torch.cat([attn, rmask], 1)
+        seq = generate(model, ids, attn, sampling, gen)
+        # end-of-text or the template's end-of-turn ends a response; its mask covers it, the padding after it not
+        resp, response_mask, length, has_eos = cut_at_stop(seq[:, ids.shape[1]:], sampling.stop_ids,
+                                                           sampling.pad_id)
+        seq = torch.cat([ids, resp], 1)
+        full_attn = torch.cat([attn, response_mask.long()], 1)
         kl = None
         if ref is model:     # the policy is its own reference (a table's start row): the KL is 0, no forward needed
             kl = torch.zeros(len(chunk))
         elif ref is not None:
-            lp = response_logprobs(model, seq, full_attn, Tp, temperature, rmask)
-            rlp = response_logprobs(ref, seq, full_attn, Tp, temperature, rmask)
+            lp = response_logprobs(model, seq, full_attn, response_mask, temperature)
+            rlp = response_logprobs(ref, seq, full_attn, response_mask, temperature)
             kl = (lp - rlp).sum(1)
         texts = [tok.decode(resp[b, :length[b]].tolist()) for b in range(len(chunk))]
         chunk_prompts = [prompts[i]["prompt"] for i, _ in chunk]
@@ -264,7 +267,8 @@ def main(argv=None):
                    "f(prompts, completions) -> list of floats, for the reward column")
     p.add_argument("--baseline", default="", help="samples.jsonl of a baseline policy, or a model directory "
                    "(evaluated first), for the win-rate column")
-    p.add_argument("--summary", default="", help="also write the summary figures (one entry per model) to this JSON file")
+    p.add_argument("--summary", default="", help="also write the summary figures (one entry per model) to this "
+                   "JSON file")
     p.add_argument("--times", default="", help="TSV of training wall-clock seconds (NAME<TAB>SECONDS, NAME = the "
                    "model directory's basename), shown as a column (scripts/survey.sh writes one)")
     p.add_argument("--name", default="", help="row label when one model is given (default: the directory)")
@@ -303,6 +307,8 @@ def main(argv=None):
             rewards["reward"] = reward_mod.load_function(a.reward)
             answer = getattr(rewards["reward"].module, "answer", None) if a.pass_k else None
             answer = checked_answer(answer, a.reward) if callable(answer) else None
+        sampling = SamplingOptions(a.max_new_tokens, a.temperature, a.top_k, a.top_p, compile=a.compile,
+                                   dtype=getattr(torch, a.sample_dtype))
         baseline = None
         models = list(a.model)
         if a.baseline and os.path.isdir(a.baseline):
@@ -318,9 +324,9 @@ def main(argv=None):
             if a.reward_model:                                     # likewise the reward model
                 rewards["rm_score"] = reward_mod.load_reward(a.reward_model, tokenizer=tok, batch_size=a.batch_size)
             same = ref is not None and os.path.realpath(d) == os.path.realpath(a.ref)
-            samples = sample_and_score(model, tok, prompts, a.max_new_tokens, a.temperature, a.samples_per_prompt,
-                                       a.seed, a.batch_size, model if same else ref, rewards, a.top_k, a.top_p,
-                                       engine=dict(compile=a.compile, dtype=getattr(torch, a.sample_dtype)))
+            samples = sample_and_score(model, tok, prompts, sampling, samples_per_prompt=a.samples_per_prompt,
+                                       seed=a.seed, batch_size=a.batch_size, ref=model if same else ref,
+                                       rewards=rewards)
             if answer is not None:
                 for r in samples:
                     r["answer"] = answer(r["completion"])

@@ -32,6 +32,7 @@ import torch
 from . import reward as reward_mod
 from .common import fail
 from .data import finite_number
+from .sampling import SamplingOptions, generate
 
 
 def bradley_terry(r_a, r_b):
@@ -111,7 +112,8 @@ def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", promp
         pointwise = LLMJudge.from_dir(spec[len(LLM):], template, device=device, spec=spec, batch_size=batch_size)
     else:
         pointwise = None if spec is None else reward_mod.load_reward(spec, tokenizer=tokenizer, device=device,
-                                                                     prompts=prompts, batch_size=batch_size, flag="--judge")
+                                                                     prompts=prompts, batch_size=batch_size,
+                                                                     flag="--judge")
     pairwise = None
     if pair_spec is not None:
         pairwise = _CheckedPairwise(reward_mod.load_function(pair_spec, "--pair_judge").fn, pair_spec)
@@ -254,8 +256,8 @@ class LLMJudge:
             self.truncated += sum(len(x) > room for x in ids)
             # left-truncated, as the data pipeline truncates prompts: the question that closes the template survives
             q, mask = collate_prompts([x[-room:] for x in ids], self.tok.pad_id)
-            seq = self.model.generate(q.to(device), mask.to(device), self.max_new_tokens, temperature=0,
-                                      eos_token_id=self.tok.stop_ids, pad_token_id=self.tok.pad_id)
+            seq = generate(self.model, q.to(device), mask.to(device), SamplingOptions(
+                self.max_new_tokens, temperature=0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id))
             out += [self.tok.decode(row) for row in seq[:, q.shape[1]:].tolist()]
         return out
 

@@ -44,6 +44,7 @@ from .common import builtin_file, check_output_file, check_vocab, fail, input_er
 from .config import parse_args
 from .data import collate_prompts, load_records, tokenize_prompts
 from .judge import LLM, load_judge, preference_matrix
+from .sampling import SamplingOptions, cut_at_stop, generate
 
 
 @dataclass
@@ -104,25 +105,21 @@ def sample(model, tok, items, k, o, device, rm=None):
     rows = [it["prompt"] for it in items for _ in range(k)]
     ends = [tok.eos_id if isinstance(it["text"], str) else tok.eot_id for it in items for _ in range(k)]
     gen = torch.Generator(device=device).manual_seed(o.seed)
-    stops = torch.tensor(tok.stop_ids, device=device)
+    sampling = SamplingOptions(o.max_new_tokens, o.temperature, stop_ids=tok.stop_ids, pad_id=tok.pad_id)
     texts, finished, scores = [], [], []
     for s in range(0, len(rows), o.batch_size):
         ids, mask = collate_prompts(rows[s:s + o.batch_size], tok.pad_id)
         ids, mask = ids.to(device), mask.to(device)
-        seq = model.generate(ids, mask, o.max_new_tokens, o.temperature, eos_token_id=tok.stop_ids,
-                             pad_token_id=tok.pad_id, generator=gen)
-        resp = seq[:, ids.shape[1]:]
-        is_stop = torch.isin(resp, stops)
-        length = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, resp.shape[1])
-        response_mask = torch.arange(resp.shape[1], device=device)[None] < length[:, None]
+        seq = generate(model, ids, mask, sampling, gen)
+        resp, response_mask, _, ended = cut_at_stop(seq[:, ids.shape[1]:], tok.stop_ids, tok.pad_id)
         if rm is not None:
-            cut = ~is_stop.any(1)
+            cut = ~ended
             end = torch.tensor(ends[s:s + o.batch_size], device=device)
-            closed = torch.cat([seq, torch.where(cut, end, tok.pad_id)[:, None]], 1)
+            closed = torch.cat([ids, resp, torch.where(cut, end, tok.pad_id)[:, None]], 1)
             attn = torch.cat([mask, response_mask.long(), cut.long()[:, None]], 1)
             block = rm.model.cfg.block_size      # a judge with a shorter context reads each row's last tokens
             scores.append(rm.score_tokens(closed[:, -block:], attn[:, -block:]).double().cpu())
-        finished += is_stop.any(1).tolist()
+        finished += ended.tolist()
         texts += [tok.decode(row) for row in resp.tolist()]
     return texts, finished, torch.cat(scores) if rm is not None else None
 

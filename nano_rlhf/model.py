@@ -290,9 +290,11 @@ class GPT(_Pretrained):
         """Sample continuations of left-padded prompts: nano_rlhf.sampling.generate (the rollout engine), whose
         docstring says what comes back. eos_token_id: an id or a list/set of ids that end a row. engine: its
         keyword options (compile, share_prefix, compact, dtype, stats)."""
-        return sampling.generate(self, input_ids, attention_mask, max_new_tokens, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, stop_ids=eos_token_id, pad_id=pad_token_id,
-                                 generator=generator, use_cache=use_cache, **engine)
+        stats = engine.pop("stats", None)
+        opts = sampling.SamplingOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, stop_ids=eos_token_id, pad_id=pad_token_id,
+                                        use_cache=use_cache, **engine)
+        return sampling.generate(self, input_ids, attention_mask, opts, generator, stats)
 
 
 def _chunk_logprobs(h, weight, targets, temperature, with_entropy):

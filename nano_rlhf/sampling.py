@@ -27,6 +27,8 @@ import shutil
 import sys
 import time
 import weakref
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -84,57 +86,89 @@ def bucket_sizes(batch):
 
 # ---- the engine ---------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What generate samples (the first six fields) and how the engine computes it: use_cache, compile,
+    share_prefix and compact give the same tokens at a seed up to float rounding; dtype samples with a copy of
+    the model in another dtype (its own numbers)."""
+    max_new_tokens: int = 32
+    temperature: float = 1.0                  # 0 = greedy (argmax)
+    top_k: Optional[int] = None               # sample among the k most likely tokens only
+    top_p: Optional[float] = None             # nucleus: the smallest set of tokens holding this much probability
+    stop_ids: Union[int, Iterable[int], None] = None   # ids that end a row (end-of-text, end-of-turn)
+    pad_id: Optional[int] = None              # written after a row's stop token (default: the first stop id, else 0)
+    use_cache: bool = True                    # False: the reference loop, a full forward per token
+    compile: bool = False                     # decode with the torch.compile'd static-cache step
+    share_prefix: bool = True                 # prefill identical prompt rows once
+    compact: bool = True                      # ended rows leave the decode batch
+    dtype: Optional[torch.dtype] = None       # sample with a copy of the model in this dtype (e.g. torch.bfloat16)
+
+
+def stop_list(stop_ids):
+    """An id, a list/set of ids or None -> a sorted list of stop ids."""
+    return [] if stop_ids is None else [stop_ids] if isinstance(stop_ids, int) else sorted(stop_ids)
+
+
 @torch.no_grad()
-def generate(model, input_ids, attention_mask=None, max_new_tokens=32, *, temperature=1.0, top_k=None, top_p=None,
-             stop_ids=None, pad_id=None, generator=None, use_cache=True, compile=False, share_prefix=True,
-             compact=True, dtype=None, stats=None):
+def generate(model, input_ids, attention_mask=None, opts=SamplingOptions(), generator=None, stats=None):
     """Sample continuations of left-padded prompts with a GPT (nano_rlhf.model).
 
-    input_ids, attention_mask: (B, Tp) prompts, left-padded (mask 0 on pads). temperature 0 = greedy.
-    stop_ids: an id or a list/set of ids (end-of-text and end-of-turn tokens) that end a row.
-    pad_id: written after a row's stop token (default: the first stop id, else 0).
-    Returns (B, Tp + n) ids, n <= max_new_tokens: prompts followed by the new tokens; after a row's first stop
-    token every position holds pad_id. Stops early when every row has ended.
-    compile: decode with the compiled static-cache step. share_prefix: prefill identical prompt rows once.
-    compact: ended rows leave the decode batch. dtype: sample with a copy of the model in this dtype (e.g.
-    torch.bfloat16; the caller recomputes log-probs with its own model). use_cache=False: the reference loop
-    (a full forward per token). stats: a dict to fill with timings and counts (compile_s apart from the rest).
+    input_ids, attention_mask: (B, Tp) prompts, left-padded (mask 0 on pads). opts: SamplingOptions.
+    Returns (B, Tp + n) ids, n <= opts.max_new_tokens: prompts followed by the new tokens; after a row's first
+    stop token every position holds the pad id (cut_at_stop gives each row's length and mask). Stops early
+    when every row has ended. With opts.dtype the caller recomputes log-probs with its own model
+    (sampling_copy gives the sampler's). stats: a dict to fill with timings and counts (compile_s apart from
+    the rest).
     """
     B, Tp = input_ids.shape
     cfg = model.cfg
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    if Tp + max_new_tokens > cfg.block_size:
-        raise ValueError(f"prompt ({Tp}) + max_new_tokens ({max_new_tokens}) exceeds block_size {cfg.block_size}")
-    stops = [] if stop_ids is None else [stop_ids] if isinstance(stop_ids, int) else sorted(stop_ids)
-    pad = pad_id if pad_id is not None else (stops[0] if stops else 0)
+    if Tp + opts.max_new_tokens > cfg.block_size:
+        raise ValueError(f"prompt ({Tp}) + max_new_tokens ({opts.max_new_tokens}) exceeds block_size "
+                         f"{cfg.block_size}")
+    stops = stop_list(opts.stop_ids)
+    opts = replace(opts, stop_ids=stops, pad_id=opts.pad_id if opts.pad_id is not None else (stops[0] if stops else 0))
     stats = {} if stats is None else stats
     stats.update(compile_s=0.0, prefill_s=0.0, decode_s=0.0, steps=0, row_steps=0, prefill_rows=0, compiled=False)
     was_training = model.training
     model.eval()
     try:
+        dtype = opts.dtype
         net = model if dtype is None or dtype == model.output_weight().dtype else _shadow(model, dtype)
-        if not use_cache:
-            return _generate_uncached(net, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
-                                      stops, pad, generator, stats)
-        return _generate_cached(net, input_ids, attention_mask.long(), max_new_tokens, temperature, top_k, top_p,
-                                stops, pad, generator, compile, share_prefix, compact, stats)
+        if not opts.use_cache:
+            return _generate_uncached(net, input_ids, attention_mask, opts, generator, stats)
+        return _generate_cached(net, input_ids, attention_mask.long(), opts, generator, stats)
     finally:
         model.train(was_training)
 
 
-def _generate_uncached(model, ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad, generator, stats):
+def cut_at_stop(response, stop_ids, pad_id):
+    """Each sampled response cut after its first stop token: (B, R) ids -> (ids, mask, length, ended).
+
+    ids (B, R): the response with pad_id after its first stop token (generate already writes them: then
+    unchanged); mask (B, R) bool: True up to and including the first stop token, every position of a row with
+    none; length (B,): its True count; ended (B,) bool: the row holds a stop token. stop_ids: an id, a
+    list/set of ids or None (no row ends). pad_id may lie outside the vocabulary (it is only written)."""
+    stops = torch.tensor(stop_list(stop_ids), dtype=response.dtype, device=response.device)
+    is_stop = torch.isin(response, stops)
+    # a position is kept while no stop token came before it (cumsum counts the stops up to and including it)
+    mask = (is_stop.cumsum(1) - is_stop.long()) == 0
+    return response.masked_fill(~mask, pad_id), mask, mask.sum(1), is_stop.any(1)
+
+
+def _generate_uncached(model, ids, mask, opts, generator, stats):
     """The reference loop: a full forward over the whole sequence for every new token."""
     B, Tp = ids.shape
-    is_stop = stop_table(stops, model.cfg.vocab_size, ids.device)
+    is_stop = stop_table(opts.stop_ids, model.cfg.vocab_size, ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=ids.device)
     left_padded = not bool(mask.all())
     t0, new = time.perf_counter(), []
-    for _ in range(max_new_tokens):
+    for _ in range(opts.max_new_tokens):
         logits = model(ids, mask if left_padded else None)[:, -1]
-        u = torch.rand(B, generator=generator, device=ids.device) if temperature else None
-        tok = sample_token(logits, temperature, top_k, top_p, generator, u)
-        new.append(tok.masked_fill(done, pad))
+        u = torch.rand(B, generator=generator, device=ids.device) if opts.temperature else None
+        tok = sample_token(logits, opts.temperature, opts.top_k, opts.top_p, generator, u)
+        new.append(tok.masked_fill(done, opts.pad_id))
         done |= is_stop[tok]
         ids, mask = torch.cat([ids, tok[:, None]], 1), torch.cat([mask, mask.new_ones(B, 1)], 1)
         stats["steps"] += 1
@@ -145,12 +179,12 @@ def _generate_uncached(model, ids, mask, max_new_tokens, temperature, top_k, top
     return torch.cat([ids[:, :Tp], torch.stack(new, 1)], 1)
 
 
-def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad, generator,
-                     compile, share_prefix, compact, stats):
+def _generate_cached(model, input_ids, mask, opts, generator, stats):
     B, Tp = input_ids.shape
+    max_new_tokens, temperature, stops, pad = opts.max_new_tokens, opts.temperature, opts.stop_ids, opts.pad_id
     device, trunk, W = input_ids.device, model.trunk, model.output_weight()
     tc = time.perf_counter()
-    step_fn = _compiled_step(model, device) if compile else None     # (imports dynamo/inductor the first time)
+    step_fn = _compiled_step(model, device) if opts.compile else None     # (imports dynamo/inductor the first time)
     stats["compile_s"] = time.perf_counter() - tc
     stats["compiled"] = step_fn is not None
     left_padded = not bool(mask.all())
@@ -162,7 +196,7 @@ def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k,
     # 1. prefill: each distinct prompt row once, then its cache rows copied to the rows that share it
     t0 = time.perf_counter()
     rows_in = torch.arange(B, device=device)
-    if share_prefix:
+    if opts.share_prefix:
         _, inverse = torch.unique(torch.cat([input_ids, mask], 1), dim=0, return_inverse=True)
         first = torch.full((int(inverse.max()) + 1,), B, device=device).scatter_reduce(0, inverse, rows_in, "amin")
         if len(first) < B:
@@ -195,7 +229,7 @@ def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k,
     for step in range(max_new_tokens):
         sel = rows if len(rows) < B else slice(None)   # until the first compaction: views, no gathers
         u = torch.rand(B, generator=generator, device=device)[sel] if temperature else None
-        tok = sample_token(logits, temperature, top_k, top_p, generator, u)
+        tok = sample_token(logits, temperature, opts.top_k, opts.top_p, generator, u)
         ended = done[sel]
         out[sel, step] = tok.masked_fill(ended, pad)
         done[sel] = ended | is_stop[tok]
@@ -204,7 +238,7 @@ def _generate_cached(model, input_ids, mask, max_new_tokens, temperature, top_k,
         n = step + 1
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        if compact and stops:                          # (without stop ids no row ends early)
+        if opts.compact and stops:                          # (without stop ids no row ends early)
             alive = (~done[rows]).nonzero().squeeze(1)
             # eager: shrink to the running rows once a quarter has ended (each shrink copies the cache);
             # static: to the smallest bucket that holds them, so only len(buckets) shapes are ever compiled

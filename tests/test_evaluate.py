@@ -100,3 +100,27 @@ def test_kl_column_and_the_policy_as_its_own_reference(tmp_path, tok, sft_dir, p
     assert own[0]["kl"] == through_copy[0]["kl"] == 0.0
     far = evaluate.main(args + ["--ref", str(other)])
     assert far[0]["kl"] != 0.0 and all(s["kl"] != 0.0 for s in samples(tmp_path / "s.jsonl"))
+
+
+def test_response_logprobs_is_train_ppos_contract(tok):
+    """evaluate.response_logprobs takes what train_ppo.response_logprobs takes (ids = [left-padded prompt |
+    response], response_mask (B, R)) and returns the same (B, R): log π(y_t) at τ, 0 off the mask; both equal a
+    full forward's log-softmax gathered at the response tokens."""
+    import torch
+    import train_ppo
+    m = tiny_model(tok, seed=3)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, tok.vocab_size, (4, 11), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, :3] = 0                                             # left padding of the prompt (P = 6)
+    response_mask = torch.ones(4, 5)
+    response_mask[0, 2:] = 0
+    response_mask[2, 4:] = 0
+    attn[:, 6:] = response_mask.long()
+    with torch.no_grad():
+        got = evaluate.response_logprobs(m, ids, attn, response_mask, 0.7)
+        want = train_ppo.response_logprobs(m, ids, attn, response_mask, 0.7)
+        full = (m(ids, attn).double() / 0.7).log_softmax(-1)[:, 5:-1].gather(-1, ids[:, 6:, None]).squeeze(-1)
+    assert got.shape == (4, 5) and torch.equal(got, want)
+    assert (got[response_mask == 0] == 0).all()
+    assert torch.allclose(got.double(), full * response_mask, atol=1e-5)

@@ -173,7 +173,7 @@ def test_grad_checkpoint_gives_the_same_first_ppo_step(family, tmp_path, monkeyp
         assert a[0][key] == pytest.approx(b[0][key], rel=1e-4)
 
 
-def test_evaluate_module_on_real_family(family, tmp_path):
+def test_evaluate_module_on_real_family(family, tmp_path, monkeypatch):
     """`python -m nano_rlhf.evaluate` on a real-family directory with conversational prompts: the template's
     end-of-turn ends responses (the end-of-text rate counts it), KL to itself is 0, RM and user reward
     columns are filled."""
@@ -196,17 +196,18 @@ def test_evaluate_module_on_real_family(family, tmp_path):
     assert 0 < summary["eos_rate"] < 1
     assert all(s["length"] <= 8 and (s["eos"] or s["length"] == 8) for s in samples)
     # the same prompts, tokenized and sampled in process: every finished response ends with the end-of-turn id
-    from nano_rlhf.evaluate import sample_and_score
+    from nano_rlhf import evaluate
+    from nano_rlhf.sampling import SamplingOptions
     model = GPT.from_pretrained(str(d)).eval()
     ends = []
-    orig = model.generate
+    orig = evaluate.generate
 
-    def spy(*args, **kw):
-        seq = orig(*args, **kw)
-        ends.append((args[0].shape[1], seq))
+    def spy(model, ids, *args, **kw):
+        seq = orig(model, ids, *args, **kw)
+        ends.append((ids.shape[1], seq))
         return seq
-    model.generate = spy
-    got = sample_and_score(model, tok, prompt_rows(16), 8)
+    monkeypatch.setattr(evaluate, "generate", spy)
+    got = evaluate.sample_and_score(model, tok, prompt_rows(16), SamplingOptions(max_new_tokens=8))
     P, seq = ends[0]
     for s, row in zip(got, seq[:, P:]):
         if s["eos"]:

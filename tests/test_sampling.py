@@ -139,6 +139,58 @@ def test_stop_ids_end_rows_and_a_pad_outside_the_vocabulary_is_never_fed_back():
     assert ended >= 4
 
 
+def test_sampling_options_are_what_the_model_generate_keywords_mean():
+    """sampling.generate(model, ids, mask, SamplingOptions(...)) samples what GPT.generate's keywords sample,
+    seeded: every option reaches the engine."""
+    m = model()
+    ids, mask = prompts()
+    for kw, engine in ((dict(temperature=0.8, top_k=9), {}), (dict(top_p=0.7), dict(compact=False)),
+                       (dict(temperature=0), dict(use_cache=False)), ({}, dict(share_prefix=False))):
+        opts = sampling.SamplingOptions(max_new_tokens=16, stop_ids=STOPS, pad_id=PAD, **kw, **engine)
+        got = sampling.generate(m, ids, mask, opts, torch.Generator().manual_seed(4))
+        want = run(m, ids, mask, n=16, seed=4, **kw, **engine)
+        assert torch.equal(got, want)
+    greedy = sampling.generate(m, ids, mask, sampling.SamplingOptions(max_new_tokens=16, temperature=0))
+    assert not torch.equal(greedy, sampling.generate(m, ids, mask, sampling.SamplingOptions(
+        max_new_tokens=16, temperature=1.0), torch.Generator().manual_seed(4)))
+
+
+def cut_oracle(row, stops, pad):
+    """The cut of one response row, written out: up to and including the first stop id."""
+    n = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+    return row[:n] + [pad] * (len(row) - n), n, any(t in stops for t in row)
+
+
+@pytest.mark.parametrize("stops", [[3], [3, 5, 7], 5, None, []])
+def test_cut_at_stop_matches_the_written_out_rule(stops):
+    """No stop token (the row is kept whole, not ended), a stop at position 0 (length 1), several stop ids, a
+    stop in the last position (ended, full length), a pad id outside the vocabulary, rows of any length."""
+    rows = [[3, 9, 9, 9, 9], [9, 9, 9, 9, 9], [9, 5, 3, 9, 7], [9, 9, 9, 9, 7], [7, 3, 5, 9, 9], [9, 9, 5, 5, 5]]
+    pad = V + 5
+    ids, mask, length, ended = sampling.cut_at_stop(torch.tensor(rows), stops, pad)
+    as_list = [] if stops is None else [stops] if isinstance(stops, int) else stops
+    for b, row in enumerate(rows):
+        want, n, end = cut_oracle(row, as_list, pad)
+        assert ids[b].tolist() == want
+        assert mask[b].tolist() == [True] * n + [False] * (len(row) - n)
+        assert int(length[b]) == n and bool(ended[b]) == end
+    assert mask.dtype == torch.bool and length.dtype == torch.long and ended.dtype == torch.bool
+    if stops == [3, 5, 7]:
+        assert length.tolist() == [1, 5, 2, 5, 1, 3] and ended.tolist() == [True, False, True, True, True, True]
+    empty = sampling.cut_at_stop(torch.zeros(2, 0, dtype=torch.long), STOPS, PAD)
+    assert empty[0].shape == (2, 0) and empty[2].tolist() == [0, 0] and empty[3].tolist() == [False, False]
+
+
+def test_cut_at_stop_leaves_generates_output_unchanged():
+    """generate pads after a row's first stop id already: the cut only reads the rows (and gives the mask)."""
+    m = model()
+    ids, mask = prompts()
+    out = run(m, ids, mask)[:, ids.shape[1]:]
+    cut, keep, length, ended = sampling.cut_at_stop(out, STOPS, PAD)
+    assert torch.equal(cut, out) and 0 < int(ended.sum()) < len(out)
+    assert (out[~keep] == PAD).all() and int(keep.sum()) == int(length.sum())
+
+
 def test_bf16_sampling_copy_follows_the_models_weights():
     """dtype=bfloat16 samples with a bf16 copy refreshed from the model on every call (not a stale one)."""
     m = model(dtype=torch.float32)           # the training dtype the copy is made from
