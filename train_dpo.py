@@ -60,6 +60,7 @@ reference-model syncing (TR-DPO).
 """
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -395,8 +396,8 @@ def precompute_reference(opts, ref, examples, pad_id, device):
         idx = mine[i:i + opts.batch_size]
         batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
         with autocast(device, opts.dtype):
-            s = sequence_logps(ref, batch.ids, batch.attn, batch.resp)[0]
-        values[idx] = torch.stack(s.chunk(2), 1).double().cpu()
+            s_ref = sequence_logps(ref, batch.ids, batch.attn, batch.resp)[0]
+        values[idx] = torch.stack(s_ref.chunk(2), 1).double().cpu()
     values = dist.all_reduce_sum(values)
     for e, row in zip(examples, values.tolist()):
         e.update(zip(REF_KEYS, row))
@@ -457,7 +458,8 @@ def check_options(opts):
         fail("--precompute_ref cannot be used with --loss tdpo: its KL term needs the reference's whole "
              "next-token distribution at every response position, so the reference runs live")
     if loss in REFERENCE_FREE and (opts.ref or opts.precompute_ref):
-        fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, which uses no reference model")
+        fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, "
+             "which uses no reference model")
     if opts.l1_coef and opts.fsdp:   # θ_init is held whole; under --fsdp the parameters are shards
         fail("--l1_coef with --fsdp is not supported yet (θ_init would have to be sharded like the policy)", 2)
     if opts.l1_coef and opts.lora_r:  # the penalty would fall on A and B, not on PAFT's merged delta B·A
@@ -568,10 +570,20 @@ def kto_argv(argv):
 
 def run_kto(argv):
     """`train_dpo.py --loss kto ...`: one line of notice (rank 0), then train_unpaired.main on the same flags
-    (imported here, not at the top: train_unpaired.py imports sequence_logps from this file)."""
+    (imported here, not at the top: train_unpaired.py imports sequence_logps from this file). A flag of this
+    script's pairwise losses that train_unpaired.py does not have is a one-line error, as before."""
     if os.environ.get("RANK", "0") == "0":
         print(KTO_MOVED, flush=True)
     import train_unpaired
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
+    theirs = {f.name for f in dataclasses.fields(train_unpaired.Options)}
+    for f in dataclasses.fields(Options):
+        if f.name not in theirs:
+            pre.add_argument(f"--{f.name}", nargs="?", const=True)
+    given = pre.parse_known_args(argv)[0]
+    for name, value in vars(given).items():
+        if value is not None:
+            fail(f"--{name} is not an option of train_unpaired.py --method kto, where --loss kto moved")
     return train_unpaired.main(argv)
 
 
@@ -616,7 +628,8 @@ def main(argv=None):
         for examples in (train, evals):
             precompute_reference(opts, ref, examples, tok.pad_id, world.device)
         ref = None                                          # frees the reference model's memory
-        dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in {time.time() - t0:.1f}s")
+        dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in "
+                    f"{time.time() - t0:.1f}s")
     if opts.compile:
         policy = torch.compile(policy)
     ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
@@ -631,8 +644,9 @@ def main(argv=None):
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
-    dist.print0(f"{opts.loss.upper()} | beta {opts.beta}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | {len(evals):,} "
-                f"eval | max length {max_length} | global batch {batches.global_batch} | {max_steps} steps | reference: {reference}"
+    dist.print0(f"{opts.loss.upper()} | beta {opts.beta}{lora.describe(policy)} | {len(train):,} train examples "
+                f"({counts}) | {len(evals):,} eval | max length {max_length} | global batch {batches.global_batch} | "
+                f"{max_steps} steps | reference: {reference}"
                 + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
                 "eval/loss", "eval/reward_accuracy"]

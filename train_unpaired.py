@@ -95,7 +95,7 @@ class Options(FrozenModelOptions, RunOptions):
     beta: float = 0.1             # kto, npo, d2o: β {> 0}
     desirable_weight: float = 1.0     # kto: λ_D {> 0}
     undesirable_weight: float = 1.0   # kto: λ_U {> 0}
-    precompute_ref: bool = False  # kto: compute the reference log-probs once before training, then drop the reference
+    precompute_ref: bool = False  # kto: compute the reference log-probs once before training, then drop the model
     alpha: Optional[float] = None # d2o: weight α of the negative's log-ratio; none = β {>= 0}
     retain_coef: float = 0.0      # npo: weight of the NLL on label-true rows (retain data); 0 = they are an error {>= 0}
     retain_warn: float = 3.0      # npo: warn once if the retain NLL exceeds this × its first step's; 0 = off {>= 0}
@@ -123,7 +123,7 @@ class Options(FrozenModelOptions, RunOptions):
     grad_clip: float = 1.0        # clip each network's global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for data order, KTO's mismatched pairs and D2O's samples
     resume: bool = False          # continue from out_dir/state (D2O: with the saved samples)
-    max_length: int = 0           # kto: training sequence length (prompts left-truncated to fit); 0 = min(block_size, 1024) {>= 0}
+    max_length: int = 0           # kto: training length (prompts are left-truncated); 0 = min(block_size, 1024) {>= 0}
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
@@ -233,20 +233,21 @@ def make_batch(examples, opts, pad_id, device, samples=None):
         rows = make_rows(pairs, pad_id, device)
         return Batch(rows, len(examples), int(rows.attn.sum()))
     rows = make_rows([(e["prompt"], e["completion"]) for e in examples], pad_id, device)
-    b = Batch(rows, len(examples), int(rows.attn.sum()))
+    batch = Batch(rows, len(examples), int(rows.attn.sum()))
     if opts.method in ("kto", "npo"):
-        b.label = torch.tensor([e["label"] for e in examples], device=device)
+        batch.label = torch.tensor([e["label"] for e in examples], device=device)
     if opts.method == "kto":
-        b.mismatched = make_rows([(e["prompt"], e["mismatched"]) for e in examples], pad_id, device)
-        b.tokens += int(b.mismatched.attn.sum())
+        batch.mismatched = make_rows([(e["prompt"], e["mismatched"]) for e in examples], pad_id, device)
+        batch.tokens += int(batch.mismatched.attn.sum())
         if REF_KEYS[0] in examples[0]:
-            b.ref_logps, b.ref_mismatched = (torch.tensor([e[k] for e in examples], device=device) for k in REF_KEYS)
+            batch.ref_logps, batch.ref_mismatched = (torch.tensor([e[k] for e in examples], device=device)
+                                                     for k in REF_KEYS)
     elif opts.method == "dro":
-        b.score = torch.tensor([e["score"] for e in examples], device=device)
-        b.prompts = (pad_right([e["prompt"] for e in examples], pad_id).to(device),
-                     pad_right([[1] * len(e["prompt"]) for e in examples], 0).to(device))
-        b.tokens += int(b.prompts[1].sum())
-    return b
+        batch.score = torch.tensor([e["score"] for e in examples], device=device)
+        batch.prompts = (pad_right([e["prompt"] for e in examples], pad_id).to(device),
+                         pad_right([[1] * len(e["prompt"]) for e in examples], 0).to(device))
+        batch.tokens += int(batch.prompts[1].sum())
+    return batch
 
 
 # ---- one micro-batch: named sums ------------------------------------------------------------------
@@ -313,10 +314,10 @@ def sum_over_ranks(sums):
 def means(opts, totals):
     """Per-example means; NPO's loss and rewards per negative, its NLL per retain token; KTO's rewards per kind
     of example."""
-    n = max(totals["items"], 1)
+    n_items = max(totals["items"], 1)
     if opts.method == "kto":
         n_desirable = totals["n_desirable"]
-        return {"loss": totals["loss"] / n, "kl": totals["kl"] / n, "logps": totals["logps"] / n,
+        return {"loss": totals["loss"] / n_items, "kl": totals["kl"] / n_items, "logps": totals["logps"] / n_items,
                 "rewards_desirable": totals["rewards_desirable"] / max(n_desirable, 1),
                 "rewards_undesirable": totals["rewards_undesirable"] / max(totals["items"] - n_desirable, 1)}
     if opts.method == "npo":
@@ -326,7 +327,7 @@ def means(opts, totals):
         if opts.retain_coef:
             out["nll"] = totals["nll"] / max(totals["retain_tokens"], 1)
         return out
-    return {k: v / n for k, v in totals.items() if k not in COUNTS}
+    return {k: v / n_items for k, v in totals.items() if k not in COUNTS}
 
 
 @torch.no_grad()
@@ -587,11 +588,11 @@ def main(argv=None):
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
     models = {"policy": policy} if value is None else {"policy": policy, "value": value}
-    for name, m in models.items():
+    for name, model in models.items():
         if opts.grad_checkpoint:
-            m.set_grad_checkpointing(True)
-        m.to(world.device)
-        dist.check_same_weights(m, name)
+            model.set_grad_checkpointing(True)
+        model.to(world.device)
+        dist.check_same_weights(model, name)
     ref.to(world.device)
     dist.seed_everything(opts.seed, world.rank)
     if opts.precompute_ref:             # kto
@@ -620,7 +621,7 @@ def main(argv=None):
                 raise ValueError(f"{path}: a prompt + sample of {longest} tokens exceeds block_size "
                                  f"{policy.cfg.block_size}")
     ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
-    ddp = {name: parallel.wrap(m, opts.fsdp, dtype=opts.dtype) for name, m in models.items()}
+    ddp = {name: parallel.wrap(model, opts.fsdp, dtype=opts.dtype) for name, model in models.items()}
     optimizers = {"policy": adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))}
     if value is not None:
         optimizers["value"] = adamw(value, opts.value_lr, opts.weight_decay, (opts.beta1, opts.beta2))
@@ -629,7 +630,7 @@ def main(argv=None):
     peak = {"policy": opts.lr, "value": opts.value_lr}
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
     if opts.resume:
-        batches.load_state_dict(run.resume(models={k: lora.checkpointed(m) for k, m in models.items()},
+        batches.load_state_dict(run.resume(models={k: lora.checkpointed(model) for k, model in models.items()},
                                            optimizers=optimizers)["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
@@ -646,7 +647,7 @@ def main(argv=None):
     run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        save_state(opts.out_dir, {k: lora.checkpointed(m) for k, m in models.items()}, optimizers,
+        save_state(opts.out_dir, {k: lora.checkpointed(model) for k, model in models.items()}, optimizers,
                    {"step": step, "data": batches.state_dict()})
         save_model_dir(opts.out_dir, policy, tok)
         if value is not None:
@@ -690,8 +691,8 @@ def main(argv=None):
                           f"{metrics['train/nll'] / retain.first:.1f}x its first value {retain.first:.3f}: the NPO "
                           f"term is overpowering the retain term; lower --lr (the paper: 1e-5) or raise --retain_coef "
                           f"(docs/algorithms.md, NPO)", file=sys.stderr, flush=True)
-        for name, m in models.items():
-            norm = parallel.clip_grad_norm(m.parameters(), opts.grad_clip)
+        for name, model in models.items():
+            norm = parallel.clip_grad_norm(model.parameters(), opts.grad_clip)
             metrics["train/grad_norm" if name == "policy" else f"train/{name}_grad_norm"] = norm
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
@@ -700,8 +701,8 @@ def main(argv=None):
         if run.end_of_step(step, metrics, save=save, evaluate=lambda: evaluate_gathered(
                 opts, policy, ref, value, evals, tok.pad_id, world.device, samples)):
             break
-    for name, m in models.items():
-        dist.check_same_weights(m, name)
+    for name, model in models.items():
+        dist.check_same_weights(model, name)
     parallel.check_frozen({"reference": ref})
     dist.print0(f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     run.finish()
