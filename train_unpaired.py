@@ -345,22 +345,36 @@ def evaluate(opts, policy, ref, value, examples, pad_id, device, samples):
     return {f"eval/{k}": v for k, v in means(opts, sum_over_ranks(sums)).items()}
 
 
+def step_z0(opts, policy, ref, micro, device):
+    """KTO's z₀ of each of the step's micro-batches, from its mismatched pairs on every rank (one all-reduce);
+    None for the other methods."""
+    if opts.method != "kto":
+        return [None] * len(micro)
+    kl = dist.all_reduce_sum(torch.tensor([[float(mismatched_kl_sum(opts, policy, ref, b)), b.n_items]
+                                           for b in micro], dtype=torch.float64))
+    return [kto_z0(kl_sum, count).float().to(device) for kl_sum, count in kl]
+
+
 @torch.no_grad()
-def precompute_reference(opts, ref, examples, pad_id, device):
+def precompute_reference(opts, ref, example_sets, pad_id, device):
     """KTO: S_ref of each example's [x, y] and [x, y′] stored in the example (keyed by the example, not by batch
-    position, so shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares
-    them."""
-    values = torch.zeros(len(examples), 2, dtype=torch.float64)
-    mine = dist.shard(list(range(len(examples))))
-    for i in range(0, len(mine), opts.batch_size):
-        idx = mine[i:i + opts.batch_size]
-        batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
-        with autocast(device, opts.dtype):
-            columns = [sequence_logps(ref, r.ids, r.attn, r.resp)[0] for r in (batch.rows, batch.mismatched)]
-        values[idx] = torch.stack(columns, 1).double().cpu()
-    values = dist.all_reduce_sum(values)
-    for e, row in zip(examples, values.tolist()):
-        e.update(zip(REF_KEYS, row))
+    position, so shuffling cannot misalign them: TRL#2337). Each rank computes a shard of each set; an
+    all-reduce shares them. The caller then drops the reference model."""
+    t0 = time.time()
+    for examples in example_sets:
+        values = torch.zeros(len(examples), 2, dtype=torch.float64)
+        mine = dist.shard(list(range(len(examples))))
+        for i in range(0, len(mine), opts.batch_size):
+            idx = mine[i:i + opts.batch_size]
+            batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
+            with autocast(device, opts.dtype):
+                columns = [sequence_logps(ref, r.ids, r.attn, r.resp)[0] for r in (batch.rows, batch.mismatched)]
+            values[idx] = torch.stack(columns, 1).double().cpu()
+        values = dist.all_reduce_sum(values)
+        for e, row in zip(examples, values.tolist()):
+            e.update(zip(REF_KEYS, row))
+    dist.print0(f"precomputed reference log-probs for {sum(map(len, example_sets)):,} examples in "
+                f"{time.time() - t0:.1f}s")
 
 
 # ---- D2O's samples from the reference, drawn once -------------------------------------------------
@@ -595,13 +609,9 @@ def main(argv=None):
         dist.check_same_weights(model, name)
     ref.to(world.device)
     dist.seed_everything(opts.seed, world.rank)
-    if opts.precompute_ref:             # kto
-        t0 = time.time()
-        for examples in (train, evals):
-            precompute_reference(opts, ref, examples, tok.pad_id, world.device)
-        ref = None                      # frees the reference model's memory
-        dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in "
-                    f"{time.time() - t0:.1f}s")
+    if opts.precompute_ref:             # kto: S_ref stored in the examples, then the reference model freed
+        precompute_reference(opts, ref, (train, evals), tok.pad_id, world.device)
+        ref = None
     samples = None
     if opts.method == "d2o":
         prompts = sorted({tuple(e["prompt"]) for e in train + evals})
@@ -666,11 +676,7 @@ def main(argv=None):
             n_negative, n_retain = dist.all_reduce_sum(torch.tensor(
                 [[float((~b.label).sum()), float((b.rows.resp[:, 1:].sum(1) * b.label).sum())] for b in micro],
                 dtype=torch.float64).sum(0)).tolist()
-        z0 = [None] * len(micro)
-        if opts.method == "kto":        # z₀ of each micro-batch, from its mismatched pairs on every rank
-            kl = dist.all_reduce_sum(torch.tensor([[float(mismatched_kl_sum(opts, policy, ref, b)), b.n_items]
-                                                   for b in micro], dtype=torch.float64))
-            z0 = [kto_z0(kl_sum, count).float().to(world.device) for kl_sum, count in kl]
+        z0 = step_z0(opts, policy, ref, micro, world.device)          # kto: one per micro-batch; else None
         sums = zero_sums(opts)
         for j, batch in enumerate(micro):
             with contextlib.ExitStack() as stack:
