@@ -124,7 +124,8 @@ def test_stop_and_resume_equals_one_run(tmp_path, sft_dir):
 # ---- bad input: one line, non-zero exit, nothing written ------------------------------------------------
 
 def test_bad_input_exits_with_file_line(tmp_path, sft_dir):
-    bad = write_jsonl(tmp_path / "bad.jsonl", [unpaired_rows(1)[0], {"prompt": "p", "completion": " c", "label": "yes"}])
+    rows = [unpaired_rows(1)[0], {"prompt": "p", "completion": " c", "label": "yes"}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
     p = run(["train_unpaired.py", "--method", "kto", "--data", bad, "--init", sft_dir, "--out_dir",
              str(tmp_path / "o")], check=False)
     assert p.returncode != 0 and p.stderr.strip().endswith(f"{bad}:2: field 'label' must be true or false, got 'yes'")
