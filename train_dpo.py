@@ -13,11 +13,9 @@ u = S_θ − S_ref (the implicit reward / β), h = u_w − u_l (w = chosen, l = 
   --loss cpo     −log σ(β(S_θ(y_w) − S_θ(y_l))) + α·NLL(y_w)   no reference  Xu et al. 2024, eq. 5
   --loss orpo    NLL(y_w) − λ·log σ(logodds_w − logodds_l),   no reference  Hong et al. 2024, eq. 6
                  logodds(y) = Ā_θ(y) − log(1 − exp(Ā_θ(y)))
-  --loss kto     unpaired data; z₀ = max(0, detached mean of S_θ − S_ref on mismatched (x, y′));
-                 desirable λ_D(1 − σ(β(u − z₀))), undesirable λ_U(1 − σ(β(z₀ − u)))  Ethayarajh et al. 2024, eq. 8
   --loss tdpo    −log σ(βh − α·(β·D(x, y_l) − sg[β·D(x, y_w)])),  D(x, y) = Σ_t KL(π_ref(·|x, y_<t) ‖ π_θ(·|x, y_<t))
                  over the full vocabulary at every response position   Zeng et al. 2024, TDPO₂ (δ₂)
-  --nll_coef α   adds α·NLL(y_w) to any pair loss (RPO, Pang et al. 2024); kto has no y_w
+  --nll_coef α   adds α·NLL(y_w) to any pair loss (RPO, Pang et al. 2024)
   --l1_coef λ    adds λ·Σ|θ − θ_init| over every weight: a sparse preference delta (PAFT, Pentyala et al. 2024),
                  to be merged with an SFT delta by `python -m nano_rlhf.merge`
 
@@ -26,10 +24,12 @@ is the token-mean cross-entropy over all chosen-response tokens of the step (the
 includes it) and w = --nll_coef (+ α for cpo, + 1 for orpo). The math and its choices in detail:
 docs/algorithms.md, sections "DPO family" and "Common mechanics".
 
+KTO learns from unpaired data, so it lives with NPO, D2O and DRO: `python train_unpaired.py --method kto`. The old
+`python train_dpo.py --loss kto ...` still works: it says so in one line and runs that, with the same flags.
+
 Run:
     python train_dpo.py                                   # DPO on the built-in task, from out/sft -> out/dpo
     python train_dpo.py --loss ipo --beta 0.1             # -> out/ipo
-    python train_dpo.py --loss kto                        # reads the unpaired data -> out/kto
     python train_dpo.py --loss tdpo --alpha 0.5           # token-level KL on both responses -> out/tdpo
     python train_dpo.py --init base --l1_coef 1e-4 --out_dir out/paft_dpo   # PAFT: then nano_rlhf.merge (docs)
     python train_dpo.py --data prefs.jsonl --init out/sft --precompute_ref --out_dir out/my_dpo
@@ -56,14 +56,14 @@ it is --init (no other --ref), the policy itself with its adapters switched off:
 output directory holds the merged model and out_dir/adapter the adapters alone in PEFT's layout.
 
 Simplifications: the reference is a frozen copy of the initial policy (or precomputed log-probs); no
-reference-model syncing (TR-DPO); KTO's mismatched completion for example i is that of a fixed other
-example (a seeded derangement), so its reference log-probs can be precomputed like the others; KTO's z₀ is
-estimated per micro-batch (over every rank's share of it), not over the whole step.
+reference-model syncing (TR-DPO).
 """
+import argparse
 import contextlib
+import dataclasses
 import math
 import os
-import random
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -80,8 +80,8 @@ from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the
 from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
                               load_reference, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
-from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records, pad_right,
-                            tokenize_pairs, tokenize_unpaired, training_length)
+from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records,
+                            tokenize_pairs, training_length)
 from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs, upcast
 from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
 
@@ -93,18 +93,16 @@ DEFAULT_BETA = {"simpo": 2.0, "ipo": 0.5}
 
 @dataclass
 class Options(CompileOption, FrozenModelOptions, RunOptions):
-    loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo", "kto", "tdpo"] = "dpo"  # which loss
+    loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo", "tdpo"] = "dpo"  # which loss
     beta: Optional[float] = None  # β (ipo: τ); none = 0.1, or 2.0 for simpo, 0.5 for ipo {> 0}
     label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust) {0 <= x < 0.5}
     gamma: float = 0.5            # SimPO target margin γ {>= 0}
     alpha: Optional[float] = None # rdpo: length coefficient (none = 0.01); cpo: NLL weight (none = 1.0); tdpo: KL weight (none = 0.5) {>= 0}
     lam: float = 0.1              # ORPO weight λ of the odds-ratio term {>= 0}
-    desirable_weight: float = 1.0     # KTO λ_D {> 0}
-    undesirable_weight: float = 1.0   # KTO λ_U {> 0}
-    nll_coef: float = 0.0         # add this × NLL(chosen) to the loss (RPO); cpo/orpo add their own; not kto {>= 0}
+    nll_coef: float = 0.0         # add this × NLL(chosen) to the loss (RPO); cpo/orpo add their own {>= 0}
     l1_coef: float = 0.0          # λ of λ·Σ|θ − θ_init| (PAFT's sparse preference delta); 0 = off {>= 0}
     precompute_ref: bool = False  # compute the reference log-probs once before training, then drop the reference
-    data: str = ""                # preference JSONL (unpaired JSONL for kto); empty = built-in task
+    data: str = ""                # preference JSONL; empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     listwise_pairs: Literal["auto", "all", "best_worst"] = "auto"  # listwise --data/--eval_data (rows with 'completions'/'scores') -> pairs: all = every pair with s_i > s_j (ties skipped), best_worst = best vs worst; auto = all, and pairs data as is
@@ -112,7 +110,7 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     ref: str = ""                 # reference model directory; empty = --init
     out_dir: str = ""             # output directory; empty = out/<loss>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
-    batch_size: int = 16          # pairs (kto: examples) per device per micro-step {>= 1}
+    batch_size: int = 16          # pairs per device per micro-step {>= 1}
     grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
     max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs {>= 0}
     epochs: float = 1.0           # passes over the data when --max_steps is 0 {> 0}
@@ -122,14 +120,15 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
     beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
     grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off) {>= 0}
-    seed: int = 0                 # seed for data order (and KTO's mismatched pairs)
+    seed: int = 0                 # seed for data order
     max_length: int = 0           # training sequence length: prompts are left-truncated so prompt + response fits; 0 = min(block_size, 1024) {>= 0}
 
 
-# ---- the one log-prob gather --------------------------------------------------------------------
+# ---- the one log-prob gather (train_listwise.py and train_unpaired.py import sequence_logps) -------
 
-def response_logprobs(model, input_ids, attention_mask, response_mask):
-    """log π(y_t | x, y_<t) of every response token, (B, T−1): column t scores token t+1; 0 elsewhere.
+def _scored_logps(model, input_ids, attention_mask, response_mask):
+    """log π(y_t | x, y_<t) of the scored tokens (N,), row by row in order, and where they are: the (B, T−1)
+    mask `scored`, column t for token t+1.
 
     Shift: the hidden state at position t predicts token t+1, so token t+1 is scored iff response_mask[t+1] = 1;
     the first response token is predicted from the last prompt position. Prompt and padding are never scored.
@@ -141,8 +140,27 @@ def response_logprobs(model, input_ids, attention_mask, response_mask):
     scored = response_mask[:, 1:].bool()                             # (B, T-1): is token t+1 scored?
     hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)  # (N, C)
     targets = input_ids[:, 1:][scored]                               # (N,), N = scored.sum()
-    logp = token_logprobs(hidden, dist.unwrap(model).output_weight(), targets)   # (N,)
+    return token_logprobs(hidden, dist.unwrap(model).output_weight(), targets), scored
+
+
+def token_logps(model, input_ids, attention_mask, response_mask):
+    """log π(y_t | x, y_<t) of every response token, (B, T−1): column t scores token t+1; 0 elsewhere."""
+    logp, scored = _scored_logps(model, input_ids, attention_mask, response_mask)
     return torch.zeros(scored.shape, device=logp.device).masked_scatter(scored, logp)
+
+
+def row_sums(values, scored):
+    """(N,) values at the scored positions of a (B, T−1) mask -> (B,) per-row sums.
+    index_add, not a (B, T−1) .sum(1): it adds each row's tokens one by one, in order, as these scripts always
+    have, so results stay bit-identical to earlier runs (a pairwise sum differs in the last bits)."""
+    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
+    return torch.zeros(len(scored), device=values.device, dtype=values.dtype).index_add(0, rows, values)
+
+
+def sequence_logps(model, input_ids, attention_mask, response_mask):
+    """S = Σ_t log π(y_t | x, y_<t) per row (B,), and the response lengths |y| (B,)."""
+    logp, scored = _scored_logps(model, input_ids, attention_mask, response_mask)
+    return row_sums(logp, scored), scored.sum(1).float()
 
 
 def _chunk_kl(h_pi, h_ref, w_pi, w_ref):
@@ -161,22 +179,16 @@ def token_kl(hidden_pi, hidden_ref, weight_pi, weight_ref, chunk_size=None):
         return _chunk_kl(hidden_pi, hidden_ref, weight_pi, weight_ref)
     grad = torch.is_grad_enabled() and (hidden_pi.requires_grad or weight_pi.requires_grad)
     parts = []
-    for s in range(0, hidden_pi.shape[0], chunk_size):
-        args = (hidden_pi[s:s + chunk_size], hidden_ref[s:s + chunk_size], weight_pi, weight_ref)
+    for i in range(0, hidden_pi.shape[0], chunk_size):
+        args = (hidden_pi[i:i + chunk_size], hidden_ref[i:i + chunk_size], weight_pi, weight_ref)
         parts.append(checkpoint(_chunk_kl, *args, use_reentrant=False) if grad else _chunk_kl(*args))
     return torch.cat(parts)
-
-
-def _row_sums(values, scored):
-    """(N,) values at the scored positions of a (B, T−1) mask -> (B,) per-row sums, token by token in order."""
-    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
-    return torch.zeros(len(scored), device=values.device, dtype=values.dtype).index_add(0, rows, values)
 
 
 def sequence_logps_and_kl(policy, ref, input_ids, attention_mask, response_mask):
     """TDPO's one pass per model: S_θ (B,) with its graph, |y| (B,), S_ref (B,) and the sequential KL
     D_SeqKL(x, y; π_ref‖π_θ) = Σ_t KL(π_ref(·|x, y_<t) ‖ π_θ(·|x, y_<t)) (B,), summed over the response
-    positions (the ones whose token is scored, as in response_logprobs). The reference runs without grad."""
+    positions (the ones whose token is scored, as in sequence_logps). The reference runs without grad."""
     scored = response_mask[:, 1:].bool()
     select = F.pad(scored, (0, 1))
     targets = input_ids[:, 1:][scored]
@@ -185,21 +197,10 @@ def sequence_logps_and_kl(policy, ref, input_ids, attention_mask, response_mask)
     with torch.no_grad():
         h_ref = ref(input_ids, attention_mask, select=select, return_hidden=True)
         w_ref = ref.output_weight()
-        s_ref = _row_sums(token_logprobs(h_ref, w_ref, targets), scored)
-    s_pi = _row_sums(token_logprobs(h_pi, w_pi, targets), scored)
-    kl = _row_sums(token_kl(h_pi, h_ref, w_pi, w_ref), scored)
+        s_ref = row_sums(token_logprobs(h_ref, w_ref, targets), scored)
+    s_pi = row_sums(token_logprobs(h_pi, w_pi, targets), scored)
+    kl = row_sums(token_kl(h_pi, h_ref, w_pi, w_ref), scored)
     return s_pi, scored.sum(1).float(), s_ref, kl
-
-
-def sequence_logps(model, input_ids, attention_mask, response_mask):
-    """S = Σ_t log π(y_t | x, y_<t) per sequence (B,), and the response lengths |y| (B,)."""
-    logp = response_logprobs(model, input_ids, attention_mask, response_mask)
-    scored = response_mask[:, 1:].bool()
-    # index_add, not logp.sum(1): it adds each row's tokens one by one, in order, as this script always
-    # has, so results stay bit-identical to earlier runs (a pairwise sum differs in the last bits)
-    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
-    sums = torch.zeros(len(scored), device=logp.device, dtype=logp.dtype).index_add(0, rows, logp[scored])
-    return sums, scored.sum(1).float()
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
@@ -252,17 +253,6 @@ def orpo_loss(s_w, s_l, len_w, len_l, lam):
     return -lam * F.logsigmoid(log_odds(s_w, len_w) - log_odds(s_l, len_l))
 
 
-def kto_loss(u, desirable, z0, beta, desirable_weight=1.0, undesirable_weight=1.0):
-    return torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (u - z0))),
-                       undesirable_weight * (1 - torch.sigmoid(beta * (z0 - u))))
-
-
-def kto_z0(kl_sum, kl_count):
-    """KTO's reference point z₀ = max(0, mean of S_θ − S_ref over mismatched pairs (x, y′)), detached.
-    Pure: in training the caller passes sums over every rank, so every rank uses the same z₀."""
-    return (kl_sum.detach() / torch.as_tensor(kl_count).clamp(min=1)).clamp(min=0)
-
-
 def tdpo_loss(h, kl_w, kl_l, beta, alpha):
     """TDPO₂: −log σ(βh − α·δ₂), δ₂ = β·D_SeqKL(x, y_l; π_ref‖π_θ) − sg[β·D_SeqKL(x, y_w; π_ref‖π_θ)]. The stop-
     gradient on the chosen KL is the paper's: only the rejected response's token-level KL is pushed down
@@ -302,57 +292,28 @@ def nll_weight(opts):
 
 # ---- batches ------------------------------------------------------------------------------------
 
-def add_mismatched(examples, seed):
-    """KTO's mismatched pairs: example i gets the completion of a fixed other example (a seeded
-    derangement: a random cycle through all examples), so x and y′ are unrelated."""
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    for a, b in zip(order, order[1:] + order[:1]):
-        examples[a]["mismatched"] = examples[b]["completion"]
-
-
-def collate_unpaired(examples, pad_id, key="completion"):
-    """KTO: [prompt + example[key]] rows, right-padded -> ids, attention mask, response mask, labels (B,)."""
-    seqs = [e["prompt"] + e[key] for e in examples]
-    resp = [[0] * len(e["prompt"]) + [1] * len(e[key]) for e in examples]
-    return (pad_right(seqs, pad_id), pad_right([[1] * len(s) for s in seqs], 0), pad_right(resp, 0),
-            torch.tensor([e["label"] for e in examples]))
-
-
 @dataclass
 class Batch:
-    """One micro-batch on the device. Pairs: 2B rows, the chosen rows then the rejected ones (one forward for
-    both); KTO: B [prompt + completion] rows, and its B [prompt + mismatched completion] rows for z₀."""
+    """One micro-batch on the device: 2B rows, the chosen rows then the rejected ones (one forward for both)."""
     ids: torch.Tensor                     # (rows, T) right-padded
     attn: torch.Tensor                    # (rows, T) attention mask
     resp: torch.Tensor                    # (rows, T) response mask
     ref_logps: Optional[torch.Tensor]     # (rows,) precomputed S_ref; None = a live reference, or none needed
-    n_items: int                          # pairs (KTO: examples)
-    n_chosen_tokens: int                  # tokens of y_w (KTO: of the completions), the NLL's denominator
-    label: Optional[torch.Tensor] = None  # KTO: desirable? (B,)
-    mismatched: Optional["Batch"] = None  # KTO: the [x, y′] rows
+    n_items: int                          # pairs
+    n_chosen_tokens: int                  # tokens of y_w, the NLL's denominator
 
 
-# per-example reference log-probs that --precompute_ref stores in each example, per row kind
-REF_KEYS = {"pairs": ("ref_chosen", "ref_rejected"), "kto": ("ref", "ref_kl")}
+# the per-example reference log-probs that --precompute_ref stores in each example
+REF_KEYS = ("ref_chosen", "ref_rejected")
 
 
 def make_batch(examples, opts, pad_id, device):
     """Collate examples into a Batch on the device (with the reference log-probs when precomputed)."""
-    def ref_values(*keys):           # precomputed S_ref of each row kind, in row order (or None)
-        if keys[0] not in examples[0]:
-            return None
-        return torch.tensor([e[k] for k in keys for e in examples], device=device)
-    if opts.loss == "kto":
-        ids, attn, resp, label = collate_unpaired(examples, pad_id)
-        kl_ids, kl_attn, kl_resp, _ = collate_unpaired(examples, pad_id, key="mismatched")
-        mismatched = Batch(kl_ids.to(device), kl_attn.to(device), kl_resp.to(device), ref_logps=ref_values("ref_kl"),
-                           n_items=len(examples), n_chosen_tokens=0)
-        return Batch(ids.to(device), attn.to(device), resp.to(device), ref_logps=ref_values("ref"),
-                     n_items=len(examples), n_chosen_tokens=sum(len(e["completion"]) for e in examples),
-                     label=label.to(device), mismatched=mismatched)
     ids, attn, resp, _ = collate_pairs(examples, pad_id)
-    return Batch(ids.to(device), attn.to(device), resp.to(device), ref_logps=ref_values("ref_chosen", "ref_rejected"),
+    ref_logps = None                 # precomputed S_ref of the chosen rows, then the rejected ones
+    if REF_KEYS[0] in examples[0]:
+        ref_logps = torch.tensor([e[k] for k in REF_KEYS for e in examples], device=device)
+    return Batch(ids.to(device), attn.to(device), resp.to(device), ref_logps=ref_logps,
                  n_items=len(examples), n_chosen_tokens=sum(len(e["chosen"]) for e in examples))
 
 
@@ -367,21 +328,13 @@ def policy_and_ref_logps(opts, policy, ref, batch):
     return pi, length, ref_logps
 
 
-@torch.no_grad()
-def mismatched_kl_sum(opts, policy, ref, batch):
-    """Σ of S_θ(x, y′) − S_ref(x, y′) over the batch's mismatched pairs: KTO's z₀ before the mean."""
-    pi_kl, _, ref_kl = policy_and_ref_logps(opts, policy, ref, batch.mismatched)
-    return (pi_kl - ref_kl).sum()
-
-
 # the named sums micro_step returns, per kind of data
 PAIR_STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
               "logps_rejected", "nll")
-KTO_STATS = ("loss", "kl", "rewards_desirable", "rewards_undesirable", "n_desirable", "logps")
 TDPO_STATS = PAIR_STATS + ("seqkl_chosen", "seqkl_rejected")
 
 
-def micro_step(opts, policy, ref, batch, z0=None):
+def micro_step(opts, policy, ref, batch):
     """Named sums over one micro-batch. 'loss' (Σ of per-example losses) and 'nll' (Σ of −log π over the
     chosen tokens) keep their graph for the backward; the others are for the log."""
     if opts.loss == "tdpo":       # the reference's whole distribution is needed: one pass of each model together
@@ -396,12 +349,6 @@ def micro_step(opts, policy, ref, batch, z0=None):
                 "logps_chosen": pi_w.sum(), "logps_rejected": pi_l.sum(), "nll": -pi_w.sum(),
                 "seqkl_chosen": kl_w.sum(), "seqkl_rejected": kl_l.sum()}
     pi, length, ref_lp = policy_and_ref_logps(opts, policy, ref, batch)
-    if opts.loss == "kto":
-        label, u = batch.label, pi - ref_lp
-        loss = kto_loss(u, label, z0, opts.beta, opts.desirable_weight, opts.undesirable_weight)
-        return {"loss": loss.sum(), "kl": z0 * len(u), "rewards_desirable": (opts.beta * u * label).sum(),
-                "rewards_undesirable": (opts.beta * u * ~label).sum(), "n_desirable": label.sum(),
-                "logps": pi.sum()}
     (pi_w, pi_l), (len_w, len_l) = pi.chunk(2), length.chunk(2)
     ref_w, ref_l = ref_lp.chunk(2) if ref_lp is not None else (None, None)
     loss, reward_w, reward_l = pair_loss(opts, pi_w, pi_l, ref_w, ref_l, len_w, len_l)
@@ -414,18 +361,16 @@ COUNTS = ("items", "chosen_tokens", "tokens")     # summed beside the statistics
 
 
 def zero_sums(opts):
-    stats = {"kto": KTO_STATS, "tdpo": TDPO_STATS}.get(opts.loss, PAIR_STATS)
-    return dict.fromkeys(stats + COUNTS, 0.0)
+    return dict.fromkeys((TDPO_STATS if opts.loss == "tdpo" else PAIR_STATS) + COUNTS, 0.0)
 
 
 def add_to(sums, stats, batch):
     """Accumulate a micro-batch's named sums and counts into `sums` (Python floats: float64, detached)."""
     for k, v in stats.items():
         sums[k] += float(v.detach())
-    tokens = batch.attn.sum() + (batch.mismatched.attn.sum() if batch.mismatched is not None else 0)
     sums["items"] += batch.n_items
     sums["chosen_tokens"] += batch.n_chosen_tokens
-    sums["tokens"] += int(tokens)
+    sums["tokens"] += int(batch.attn.sum())
 
 
 def sum_over_ranks(sums):
@@ -434,17 +379,10 @@ def sum_over_ranks(sums):
 
 
 def means(totals):
-    """Sums over a step (or the eval set) on all ranks -> what is logged: per-item means, the NLL per chosen
-    token, KTO's rewards per kind of example."""
-    n_items = totals["items"]
-    out = {k: v / max(n_items, 1) for k, v in totals.items()
-           if k not in ("nll", "n_desirable", "rewards_desirable", "rewards_undesirable") + COUNTS}
-    if "nll" in totals:
-        out["nll"] = totals["nll"] / max(totals["chosen_tokens"], 1)
-    if "n_desirable" in totals:
-        n_desirable = totals["n_desirable"]
-        out["rewards_desirable"] = totals["rewards_desirable"] / max(n_desirable, 1)
-        out["rewards_undesirable"] = totals["rewards_undesirable"] / max(n_items - n_desirable, 1)
+    """Sums over a step (or the eval set) on all ranks -> what is logged: per-pair means, the NLL per chosen
+    token."""
+    out = {k: v / max(totals["items"], 1) for k, v in totals.items() if k not in ("nll",) + COUNTS}
+    out["nll"] = totals["nll"] / max(totals["chosen_tokens"], 1)
     return out
 
 
@@ -452,33 +390,29 @@ def means(totals):
 def precompute_reference(opts, ref, examples, pad_id, device):
     """Reference log-probs stored in each example (keyed by the example, not by batch position, so
     shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares them."""
-    kind = "kto" if opts.loss == "kto" else "pairs"
     values = torch.zeros(len(examples), 2, dtype=torch.float64)         # S_ref of each example's two rows
     mine = dist.shard(list(range(len(examples))))
     for i in range(0, len(mine), opts.batch_size):
         idx = mine[i:i + opts.batch_size]
         batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
         with autocast(device, opts.dtype):
-            s = sequence_logps(ref, batch.ids, batch.attn, batch.resp)[0]
-            m = batch.mismatched
-            columns = [s, sequence_logps(ref, m.ids, m.attn, m.resp)[0]] if kind == "kto" else s.chunk(2)
-        values[idx] = torch.stack(columns, 1).double().cpu()
+            s_ref = sequence_logps(ref, batch.ids, batch.attn, batch.resp)[0]
+        values[idx] = torch.stack(s_ref.chunk(2), 1).double().cpu()
     values = dist.all_reduce_sum(values)
     for e, row in zip(examples, values.tolist()):
-        e.update(zip(REF_KEYS[kind], row))
+        e.update(zip(REF_KEYS, row))
 
 
 @torch.no_grad()
 def evaluate(opts, policy, ref, examples, pad_id, device):
-    """Means over the whole eval set, on all ranks. KTO's z₀ is each eval batch's own (ranks may hold
-    different numbers of batches, so no collective inside the loop)."""
+    """Means over the whole eval set, on all ranks (ranks may hold different numbers of batches, so no
+    collective inside the loop)."""
     policy.eval()
     mine = dist.shard(examples)
     sums = zero_sums(opts)
     for i in range(0, len(mine), opts.batch_size):
         batch = make_batch(mine[i:i + opts.batch_size], opts, pad_id, device)
-        z0 = kto_z0(mismatched_kl_sum(opts, policy, ref, batch), batch.n_items) if opts.loss == "kto" else None
-        add_to(sums, micro_step(opts, policy, ref, batch, z0), batch)
+        add_to(sums, micro_step(opts, policy, ref, batch), batch)
     policy.train()
     return {f"eval/{k}": v for k, v in means(sum_over_ranks(sums)).items()}
 
@@ -520,17 +454,12 @@ def check_options(opts):
              f"({'--precompute_ref' if opts.precompute_ref else f'--loss {loss} is reference-free'})", 2)
     if opts.label_smoothing and loss not in ("dpo", "robust"):
         fail(f"--label_smoothing applies only to --loss dpo or robust, not {loss}")
-    if opts.listwise_pairs != "auto" and loss == "kto":
-        fail("--listwise_pairs applies to the pairwise losses, not --loss kto (which reads unpaired data)")
-    if opts.nll_coef and loss == "kto":
-        fail("--nll_coef is not supported with --loss kto (unpaired data has no chosen response)")
-    if loss == "kto" and opts.batch_size < 2:
-        fail(f"--loss kto needs --batch_size >= 2 (got {opts.batch_size})")
     if loss == "tdpo" and opts.precompute_ref:
         fail("--precompute_ref cannot be used with --loss tdpo: its KL term needs the reference's whole "
              "next-token distribution at every response position, so the reference runs live")
     if loss in REFERENCE_FREE and (opts.ref or opts.precompute_ref):
-        fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, which uses no reference model")
+        fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, "
+             "which uses no reference model")
     if opts.l1_coef and opts.fsdp:   # θ_init is held whole; under --fsdp the parameters are shards
         fail("--l1_coef with --fsdp is not supported yet (θ_init would have to be sharded like the policy)", 2)
     if opts.l1_coef and opts.lora_r:  # the penalty would fall on A and B, not on PAFT's merged delta B·A
@@ -561,19 +490,16 @@ def load_models(opts):
 
 def data_files(opts):
     """The train and eval JSONL files (the built-in task's when not given); eval None = split --eval_fraction off
-    the train file (the built-in task has a preference eval file, not an unpaired one)."""
-    kind = "unpaired" if opts.loss == "kto" else "preference"
-    split = not opts.eval_data and (opts.data or opts.loss == "kto")
-    return {"data": opts.data or builtin_file(f"{kind}.jsonl"),
+    the train file."""
+    split = not opts.eval_data and opts.data
+    return {"data": opts.data or builtin_file("preference.jsonl"),
             "eval_data": None if split else opts.eval_data or builtin_file("preference_eval.jsonl")}
 
 
 def read_records(opts, path):
-    """Records of one file as pairs (or KTO's unpaired rows). A listwise file (its first row has 'completions')
-    is read as listwise and expanded into pairs by --listwise_pairs after any eval split (so one prompt's
-    pairs never straddle train and eval): here it is only read; `as_pairs` expands."""
-    if opts.loss == "kto":
-        return load_records(path, "unpaired"), False
+    """Records of one file as pairs. A listwise file (its first row has 'completions') is read as listwise and
+    expanded into pairs by --listwise_pairs after any eval split (so one prompt's pairs never straddle train and
+    eval): here it is only read; `as_pairs` expands."""
     listwise = is_listwise_file(path)
     if opts.listwise_pairs != "auto" and not listwise:
         raise ValueError(f"--listwise_pairs {opts.listwise_pairs}: {path} is not listwise data (its first row has "
@@ -595,8 +521,7 @@ def as_pairs(opts, records, listwise, source):
 
 
 def load_examples(opts, files, tok, max_length):
-    """Tokenized train and eval examples (KTO: with their mismatched completions) and the train counts."""
-    kto = opts.loss == "kto"
+    """Tokenized train and eval examples and the train counts."""
     records, listwise = read_records(opts, files["data"])
     if files["eval_data"]:
         eval_source = files["eval_data"]
@@ -609,15 +534,11 @@ def load_examples(opts, files, tok, max_length):
                              f"({len(eval_records)}): none is left to train on; pass --eval_data")
     records = as_pairs(opts, records, listwise, files["data"])
     eval_records = as_pairs(opts, eval_records, eval_listwise, eval_source)
-    tokenize = tokenize_unpaired if kto else tokenize_pairs
-    train, counts = tokenize(records, tok, max_length)
-    evals, eval_counts = tokenize(eval_records, tok, max_length)
+    train, counts = tokenize_pairs(records, tok, max_length)
+    evals, eval_counts = tokenize_pairs(eval_records, tok, max_length)
     for examples, source, c in ((train, files["data"], counts), (evals, eval_source, eval_counts)):
         if not examples:     # an empty eval set would log a loss and an accuracy of 0
             raise ValueError(f"{source}: no example fits the training length {max_length} ({c})")
-    if kto:
-        add_mismatched(train, opts.seed)
-        add_mismatched(evals, opts.seed)
     return train, evals, counts
 
 
@@ -630,9 +551,48 @@ NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out
                 "max_length")
 
 
+# ---- KTO's old command ----------------------------------------------------------------------------
+
+KTO_MOVED = "note: --loss kto moved to train_unpaired.py --method kto; running that"
+
+
+def kto_argv(argv):
+    """The flags for train_unpaired.py --method kto when argv asks for `--loss kto` (in any spelling argparse
+    takes: --loss=kto, an abbreviation), else None. The other flags pass unchanged, in order."""
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre.add_argument("--loss")
+    try:
+        known, rest = pre.parse_known_args(argv)
+    except argparse.ArgumentError:          # e.g. --loss without a value: parse_args says so
+        return None
+    return rest + ["--method", "kto"] if known.loss == "kto" else None
+
+
+def run_kto(argv):
+    """`train_dpo.py --loss kto ...`: one line of notice (rank 0), then train_unpaired.main on the same flags
+    (imported here, not at the top: train_unpaired.py imports sequence_logps from this file). A flag of this
+    script's pairwise losses that train_unpaired.py does not have is a one-line error, as before."""
+    if os.environ.get("RANK", "0") == "0":
+        print(KTO_MOVED, flush=True)
+    import train_unpaired
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
+    theirs = {f.name for f in dataclasses.fields(train_unpaired.Options)}
+    for f in dataclasses.fields(Options):
+        if f.name not in theirs:
+            pre.add_argument(f"--{f.name}", nargs="?", const=True)
+    given = pre.parse_known_args(argv)[0]
+    for name, value in vars(given).items():
+        if value is not None:
+            fail(f"--{name} is not an option of train_unpaired.py --method kto, where --loss kto moved")
+    return train_unpaired.main(argv)
+
+
 # ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
+    moved = kto_argv(sys.argv[1:] if argv is None else argv)
+    if moved is not None:
+        return run_kto(moved)
     opts = parse_args(Options, argv, __doc__)
     check_options(opts)
     world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
@@ -668,7 +628,8 @@ def main(argv=None):
         for examples in (train, evals):
             precompute_reference(opts, ref, examples, tok.pad_id, world.device)
         ref = None                                          # frees the reference model's memory
-        dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in {time.time() - t0:.1f}s")
+        dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in "
+                    f"{time.time() - t0:.1f}s")
     if opts.compile:
         policy = torch.compile(policy)
     ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
@@ -683,8 +644,9 @@ def main(argv=None):
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
-    dist.print0(f"{opts.loss.upper()} | beta {opts.beta}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | {len(evals):,} "
-                f"eval | max length {max_length} | global batch {batches.global_batch} | {max_steps} steps | reference: {reference}"
+    dist.print0(f"{opts.loss.upper()} | beta {opts.beta}{lora.describe(policy)} | {len(train):,} train examples "
+                f"({counts}) | {len(evals):,} eval | max length {max_length} | global batch {batches.global_batch} | "
+                f"{max_steps} steps | reference: {reference}"
                 + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
                 "eval/loss", "eval/reward_accuracy"]
@@ -704,16 +666,11 @@ def main(argv=None):
         # the step's denominators, over all ranks, before any backward: items, and chosen tokens for the NLL
         n_items = batches.global_batch
         n_chosen = max(dist.all_reduce_sum(float(sum(b.n_chosen_tokens for b in micro))), 1)
-        z0 = [None] * len(micro)
-        if opts.loss == "kto":   # z₀ of each micro-batch, from its mismatched pairs on every rank
-            kl = dist.all_reduce_sum(torch.tensor([[float(mismatched_kl_sum(opts, policy, ref, b)), b.n_items]
-                                                   for b in micro], dtype=torch.float64))
-            z0 = [kto_z0(kl_sum, count).float().to(world.device) for kl_sum, count in kl]
         sums = zero_sums(opts)
         for j, batch in enumerate(micro):
             # gradients are all-reduced once, on the last micro-batch
             with ddp.no_sync() if world.enabled and j < len(micro) - 1 else contextlib.nullcontext():
-                stats = micro_step(opts, ddp, ref, batch, z0[j])
+                stats = micro_step(opts, ddp, ref, batch)
                 objective = stats["loss"] / n_items                        # mean over the step's items ...
                 if nll_w:                                                   # ... + w · token-mean NLL(y_w)
                     objective = objective + nll_w * stats["nll"] / n_chosen

@@ -1,4 +1,5 @@
 """Listwise preference optimisation: K scored responses per prompt, one loss over the whole ranking.
+Imports sequence_logps (the log-prob gather) from train_dpo.py.
 
 Data: JSONL rows {"prompt", "completions": [y_1 … y_K], "scores": [ψ_1 … ψ_K]}, higher ψ = better, ties allowed,
 K may differ per row (nano_rlhf/data.py). Notation: S(y) = Σ_t log π(y_t | x, y_<t) over the response
@@ -55,8 +56,9 @@ from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_
                               load_reference, load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import Batches, collate_listwise, load_records, tokenize_listwise
-from nano_rlhf.model import GPT, token_logprobs
+from nano_rlhf.model import GPT
 from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
+from train_dpo import sequence_logps
 
 MAX_LIPO_SCORE = 30.0     # gains 2^ψ above ~2^30 overflow float32 gradient norms (Δ is cast to float32)
 
@@ -146,8 +148,8 @@ def to_grid(values, group, n_groups):
     slot = torch.arange(len(group), device=group.device) - starts[group]
     shape = (n_groups, int(counts.max()))
     grid = torch.zeros(shape, dtype=values.dtype, device=values.device).index_put((group, slot), values)
-    mask = torch.zeros(shape, dtype=torch.bool, device=values.device).index_put((group, slot),
-                                                                                torch.ones_like(group, dtype=torch.bool))
+    filled = torch.ones_like(group, dtype=torch.bool)
+    mask = torch.zeros(shape, dtype=torch.bool, device=values.device).index_put((group, slot), filled)
     return grid, mask
 
 
@@ -182,23 +184,11 @@ def make_batch(examples, pad_id, device):
     ids, attn, resp, group, scores = collate_listwise(examples, pad_id)
     best, n_best_tokens = [], 0
     for e in examples:
-        b = e["scores"].index(max(e["scores"]))
-        best += [k == b for k in range(len(e["scores"]))]
-        n_best_tokens += len(e["completions"][b])
+        top = e["scores"].index(max(e["scores"]))
+        best += [k == top for k in range(len(e["scores"]))]
+        n_best_tokens += len(e["completions"][top])
     return Batch(ids.to(device), attn.to(device), resp.to(device), group.to(device), scores.to(device),
                  torch.tensor(best, device=device), len(examples), n_best_tokens)
-
-
-def sequence_logps(model, input_ids, attention_mask, response_mask):
-    """S = Σ_t log π(y_t | x, y_<t) per row (R,), and the response lengths |y| (R,). The hidden state at t
-    predicts token t+1: only those positions are kept (select=...), and token_logprobs makes their logits
-    in chunks, log-softmax in float32. forward(return_hidden=True), so DDP's gradient hook sees the call."""
-    scored = response_mask[:, 1:].bool()
-    hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)
-    logp = token_logprobs(hidden, dist.unwrap(model).output_weight(), input_ids[:, 1:][scored])
-    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
-    sums = torch.zeros(len(scored), device=logp.device, dtype=logp.dtype).index_add(0, rows, logp)
-    return sums, scored.sum(1).float()
 
 
 STATS = ("loss", "nll", "pair_accuracy", "n_pairs", "top1_accuracy", "n_ranked", "value_best", "value_mean")
@@ -320,7 +310,8 @@ def data_files(opts):
     """Train and eval JSONL (the built-in task's when not given); eval None = split --eval_fraction off --data."""
     if opts.data:
         return {"data": opts.data, "eval_data": opts.eval_data or None}
-    return {"data": builtin_listwise("listwise.jsonl"), "eval_data": opts.eval_data or builtin_listwise("listwise_eval.jsonl")}
+    return {"data": builtin_listwise("listwise.jsonl"),
+            "eval_data": opts.eval_data or builtin_listwise("listwise_eval.jsonl")}
 
 
 def load_models(opts):

@@ -1,8 +1,15 @@
-"""Learning from single responses, not pairs: negatives only (NPO, D2O), or a scalar reward with a value (DRO).
+"""Learning from single responses, not pairs: labelled good or bad (KTO), negatives only (NPO, D2O), or a scalar
+reward with a value (DRO). Imports sequence_logps (the log-prob gather) from train_dpo.py.
 
 Notation: S(y) = Σ_t log π(y_t | x, y_<t) over the response (end-of-text included), u(y) = S_θ(y) − S_ref(y) the
 log-ratio to the frozen reference, σ the logistic, y⁻ an undesirable response (a row with "label": false).
 
+  --method kto   desirable y: λ_D·(1 − σ(β(u(y) − z₀))),  undesirable y: λ_U·(1 − σ(β(z₀ − u(y))))
+                 z₀ = max(0, detached mean of u(x, y′) over mismatched pairs)   Ethayarajh et al. 2024, eq. 8
+                 (λ_D, λ_U = --desirable_weight, --undesirable_weight). The mismatched completion y′ of example i
+                 is that of a fixed other example (a seeded derangement), so its reference log-probs can be
+                 precomputed like the others (--precompute_ref); z₀ is estimated per micro-batch (over every
+                 rank's share of it), not over the whole step. `python train_dpo.py --loss kto` runs this too.
   --method npo   −(2/β)·log σ(−β·u(y⁻))                                       Zhang et al. 2024, eq. 3
                  rows with "label": true are an error, unless --retain_coef c > 0 makes them retain data:
                  + c·NLL over their tokens (the paper's retain-loss variant, NPO+RT; a token mean, as its code)
@@ -37,6 +44,8 @@ Every loss is a mean over the step's examples on all ranks (NPO: over its negati
 mean over the step's retain tokens). See docs/algorithms.md, "Negative-only" and "DRO".
 
 Run:
+    python train_unpaired.py --method kto                  # built-in task: unpaired.jsonl, both labels -> out/kto
+    python train_unpaired.py --method kto --precompute_ref # reference log-probs once, then the reference is freed
     python train_unpaired.py --method npo                  # built-in task: the undesirable half of unpaired.jsonl
     python train_unpaired.py --method npo --retain_coef 1  # ... and its desirable half as retain data
     python train_unpaired.py --method d2o --num_samples 4  # samples 4 responses per prompt first -> out/d2o
@@ -46,7 +55,7 @@ Run:
     torchrun --nproc_per_node 2 train_unpaired.py --method dro --fsdp      # policy, value and reference sharded
     python train_unpaired.py --method npo --lora_r 16      # adapters; the reference is the policy with them off
 
-Data: npo and d2o read unpaired rows {"prompt", "completion", "label"}; dro reads scored rows {"prompt",
+Data: kto, npo and d2o read unpaired rows {"prompt", "completion", "label"}; dro reads scored rows {"prompt",
 "completion", "score"} (or "label"). Conversational rows are rendered with the model's chat template.
 Outputs: the policy in out_dir (HF layout); dro also saves its value model to out_dir/value (a
 *ForSequenceClassification directory).
@@ -54,6 +63,7 @@ Outputs: the policy in out_dir (HF layout); dro also saves its value model to ou
 import contextlib
 import json
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -71,17 +81,21 @@ from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, 
                               load_reference, load_tokenizer, lr_at, set_lr, split_off)
 from nano_rlhf.config import parse_args, save_config, to_dict
 from nano_rlhf.data import (Batches, DataError, collate_prompts, load_records, load_scored, pad_right,
-                            tokenize_scored, tokenize_unpaired)
-from nano_rlhf.model import GPT, ScoreModel, token_logprobs, upcast
+                            tokenize_scored, tokenize_unpaired, training_length)
+from nano_rlhf.model import GPT, ScoreModel, upcast
 from nano_rlhf.options import FrozenModelOptions, RunOptions
+from train_dpo import sequence_logps
 
 SAMPLES_FILE = "d2o_samples.jsonl"
 
 
 @dataclass
 class Options(FrozenModelOptions, RunOptions):
-    method: Literal["npo", "d2o", "dro"] = "npo"   # which loss
-    beta: float = 0.1             # npo, d2o: β {> 0}
+    method: Literal["kto", "npo", "d2o", "dro"] = "npo"   # which loss
+    beta: float = 0.1             # kto, npo, d2o: β {> 0}
+    desirable_weight: float = 1.0     # kto: λ_D {> 0}
+    undesirable_weight: float = 1.0   # kto: λ_U {> 0}
+    precompute_ref: bool = False  # kto: compute the reference log-probs once before training, then drop the model
     alpha: Optional[float] = None # d2o: weight α of the negative's log-ratio; none = β {>= 0}
     retain_coef: float = 0.0      # npo: weight of the NLL on label-true rows (retain data); 0 = they are an error {>= 0}
     retain_warn: float = 3.0      # npo: warn once if the retain NLL exceeds this × its first step's; 0 = off {>= 0}
@@ -90,7 +104,7 @@ class Options(FrozenModelOptions, RunOptions):
     temperature: float = 1.0      # d2o: sampling temperature of the K responses {> 0}
     tau: float = 0.1              # dro: τ, the KL-regularisation strength {> 0}
     value_lr: float = 1e-4        # dro: peak learning rate of the value model {> 0}
-    data: str = ""                # unpaired JSONL (npo, d2o) or scored JSONL (dro); empty = built-in task
+    data: str = ""                # unpaired JSONL (kto, npo, d2o) or scored JSONL (dro); empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = "out/sft"         # policy to start from (an SFT model directory); dro's value trunk too
@@ -107,11 +121,25 @@ class Options(FrozenModelOptions, RunOptions):
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
     beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
     grad_clip: float = 1.0        # clip each network's global gradient norm to this (0 = off) {>= 0}
-    seed: int = 0                 # seed for data order and D2O's samples
+    seed: int = 0                 # seed for data order, KTO's mismatched pairs and D2O's samples
     resume: bool = False          # continue from out_dir/state (D2O: with the saved samples)
+    max_length: int = 0           # kto: training length (prompts are left-truncated); 0 = min(block_size, 1024) {>= 0}
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
+
+def kto_loss(u, desirable, z0, beta, desirable_weight=1.0, undesirable_weight=1.0):
+    """KTO (Ethayarajh et al. 2024, eq. 8): λ_D·(1 − σ(β(u − z₀))) where `desirable`, else λ_U·(1 − σ(β(z₀ − u)));
+    u = log π_θ/π_ref(y|x), z₀ the reference point (kto_z0)."""
+    return torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (u - z0))),
+                       undesirable_weight * (1 - torch.sigmoid(beta * (z0 - u))))
+
+
+def kto_z0(kl_sum, kl_count):
+    """KTO's reference point z₀ = max(0, mean of S_θ − S_ref over mismatched pairs (x, y′)), detached.
+    Pure: in training the caller passes sums over every rank, so every rank uses the same z₀."""
+    return (kl_sum.detach() / torch.as_tensor(kl_count).clamp(min=1)).clamp(min=0)
+
 
 def npo_loss(u, beta):
     """NPO (Zhang et al. 2024, eq. 3): (2/β)·log(1 + (π_θ/π_ref)^β) = −(2/β)·log σ(−β·u), u = log π_θ/π_ref(y⁻)."""
@@ -137,25 +165,23 @@ def dro_loss(reward, value, u, tau):
     return 0.5 * (reward - value - tau * u) ** 2
 
 
-# ---- log-probs and values ----------------------------------------------------------------------
+# ---- log-probs and values (sequence_logps: train_dpo.py's gather) ------------------------------
 
-def sequence_logps(model, input_ids, attention_mask, response_mask):
-    """S = Σ_t log π(y_t | x, y_<t) per row (B,): the hidden state at t scores token t+1 when it is a response
-    token; only those positions' logits are made (token_logprobs, in chunks)."""
-    scored = response_mask[:, 1:].bool()
-    hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)
-    logp = token_logprobs(hidden, dist.unwrap(model).output_weight(), input_ids[:, 1:][scored])
-    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
-    return torch.zeros(len(scored), device=logp.device, dtype=logp.dtype).index_add(0, rows, logp)
-
-
-def log_ratios(opts, policy, ref, rows):
-    """u = S_θ − S_ref of each row (B,), with the policy's graph; S_θ too (the retain NLL)."""
+def log_ratios(opts, policy, ref, rows, s_ref=None):
+    """u = S_θ − S_ref of each row (B,), with the policy's graph; S_θ too (the retain NLL). S_ref: given
+    (KTO's precomputed reference) or from the reference model."""
     with autocast(rows.ids.device, opts.dtype):
-        s = sequence_logps(policy, rows.ids, rows.attn, rows.resp)
-        with torch.no_grad():
-            s_ref = sequence_logps(ref, rows.ids, rows.attn, rows.resp)
+        s = sequence_logps(policy, rows.ids, rows.attn, rows.resp)[0]
+        if s_ref is None:
+            with torch.no_grad():
+                s_ref = sequence_logps(ref, rows.ids, rows.attn, rows.resp)[0]
     return s - s_ref, s
+
+
+@torch.no_grad()
+def mismatched_kl_sum(opts, policy, ref, batch):
+    """Σ of S_θ(x, y′) − S_ref(x, y′) over the batch's mismatched pairs: KTO's z₀ before the mean."""
+    return log_ratios(opts, policy, ref, batch.mismatched, batch.ref_mismatched)[0].sum()
 
 
 # ---- batches ------------------------------------------------------------------------------------
@@ -167,6 +193,15 @@ class Rows:
     resp: torch.Tensor    # (R, T) response mask
 
 
+def add_mismatched(examples, seed):
+    """KTO's mismatched pairs: example i gets the completion of a fixed other example (a seeded
+    derangement: a random cycle through all examples), so x and y′ are unrelated."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    for a, b in zip(order, order[1:] + order[:1]):
+        examples[a]["mismatched"] = examples[b]["completion"]
+
+
 def make_rows(pairs, pad_id, device):
     """[(prompt ids, response ids)] -> Rows on the device."""
     seqs = [p + r for p, r in pairs]
@@ -176,12 +211,19 @@ def make_rows(pairs, pad_id, device):
 
 @dataclass
 class Batch:
-    rows: Rows                              # npo, dro: B rows; d2o: B negatives then B·K samples (example-major)
+    rows: Rows                              # kto, npo, dro: B rows; d2o: B negatives then B·K samples (example-major)
     n_items: int
     tokens: int
-    label: Optional[torch.Tensor] = None    # npo: desirable (retain) rows (B,)
+    label: Optional[torch.Tensor] = None    # kto: desirable, npo: desirable (retain) rows (B,)
     score: Optional[torch.Tensor] = None    # dro: r (B,)
     prompts: Optional[tuple] = None         # dro: the prompts alone, right-padded (ids, attn), for V(x)
+    mismatched: Optional[Rows] = None       # kto: the B [x, y′] rows, for z₀
+    ref_logps: Optional[torch.Tensor] = None       # kto --precompute_ref: S_ref of the rows (B,)
+    ref_mismatched: Optional[torch.Tensor] = None  # ... and of the mismatched rows (B,)
+
+
+# the per-example reference log-probs that KTO's --precompute_ref stores: of [x, y] and of [x, y′]
+REF_KEYS = ("ref", "ref_kl")
 
 
 def make_batch(examples, opts, pad_id, device, samples=None):
@@ -191,28 +233,42 @@ def make_batch(examples, opts, pad_id, device, samples=None):
         rows = make_rows(pairs, pad_id, device)
         return Batch(rows, len(examples), int(rows.attn.sum()))
     rows = make_rows([(e["prompt"], e["completion"]) for e in examples], pad_id, device)
-    b = Batch(rows, len(examples), int(rows.attn.sum()))
-    if opts.method == "npo":
-        b.label = torch.tensor([e["label"] for e in examples], device=device)
-    else:
-        b.score = torch.tensor([e["score"] for e in examples], device=device)
-        b.prompts = (pad_right([e["prompt"] for e in examples], pad_id).to(device),
-                     pad_right([[1] * len(e["prompt"]) for e in examples], 0).to(device))
-        b.tokens += int(b.prompts[1].sum())
-    return b
+    batch = Batch(rows, len(examples), int(rows.attn.sum()))
+    if opts.method in ("kto", "npo"):
+        batch.label = torch.tensor([e["label"] for e in examples], device=device)
+    if opts.method == "kto":
+        batch.mismatched = make_rows([(e["prompt"], e["mismatched"]) for e in examples], pad_id, device)
+        batch.tokens += int(batch.mismatched.attn.sum())
+        if REF_KEYS[0] in examples[0]:
+            batch.ref_logps, batch.ref_mismatched = (torch.tensor([e[k] for e in examples], device=device)
+                                                     for k in REF_KEYS)
+    elif opts.method == "dro":
+        batch.score = torch.tensor([e["score"] for e in examples], device=device)
+        batch.prompts = (pad_right([e["prompt"] for e in examples], pad_id).to(device),
+                         pad_right([[1] * len(e["prompt"]) for e in examples], 0).to(device))
+        batch.tokens += int(batch.prompts[1].sum())
+    return batch
 
 
 # ---- one micro-batch: named sums ------------------------------------------------------------------
 
-STATS = {"npo": ("loss", "nll", "n_negative", "retain_tokens", "rewards_negative", "logps_negative"),
+STATS = {"kto": ("loss", "kl", "rewards_desirable", "rewards_undesirable", "n_desirable", "logps"),
+         "npo": ("loss", "nll", "n_negative", "retain_tokens", "rewards_negative", "logps_negative"),
          "d2o": ("loss", "rewards_negative", "rewards_samples", "margin", "accuracy", "logps_negative"),
          "dro": ("loss", "value", "reward", "advantage", "residual", "log_ratio", "logps")}
 COUNTS = ("items", "tokens")
 
 
-def micro_step(opts, policy, ref, batch, value=None):
-    """Named sums over one micro-batch: 'loss' (and npo's 'nll') keep their graph, the rest is for the log."""
-    u, s = log_ratios(opts, policy, ref, batch.rows)
+def micro_step(opts, policy, ref, batch, value=None, z0=None):
+    """Named sums over one micro-batch: 'loss' (and npo's 'nll') keep their graph, the rest is for the log.
+    value: DRO's value model; z0: KTO's reference point for this micro-batch."""
+    u, s = log_ratios(opts, policy, ref, batch.rows, batch.ref_logps)
+    if opts.method == "kto":
+        label = batch.label
+        loss = kto_loss(u, label, z0, opts.beta, opts.desirable_weight, opts.undesirable_weight)
+        return {"loss": loss.sum(), "kl": z0 * len(u), "rewards_desirable": (opts.beta * u * label).sum(),
+                "rewards_undesirable": (opts.beta * u * ~label).sum(), "n_desirable": label.sum(),
+                "logps": s.sum()}
     if opts.method == "npo":
         neg, pos = ~batch.label, batch.label
         tokens = batch.rows.resp[:, 1:].sum(1)
@@ -256,8 +312,14 @@ def sum_over_ranks(sums):
 
 
 def means(opts, totals):
-    """Per-example means; NPO's loss and rewards per negative, its NLL per retain token."""
-    n = max(totals["items"], 1)
+    """Per-example means; NPO's loss and rewards per negative, its NLL per retain token; KTO's rewards per kind
+    of example."""
+    n_items = max(totals["items"], 1)
+    if opts.method == "kto":
+        n_desirable = totals["n_desirable"]
+        return {"loss": totals["loss"] / n_items, "kl": totals["kl"] / n_items, "logps": totals["logps"] / n_items,
+                "rewards_desirable": totals["rewards_desirable"] / max(n_desirable, 1),
+                "rewards_undesirable": totals["rewards_undesirable"] / max(totals["items"] - n_desirable, 1)}
     if opts.method == "npo":
         n_neg = max(totals["n_negative"], 1)
         out = {"loss": totals["loss"] / n_neg, "rewards_negative": totals["rewards_negative"] / n_neg,
@@ -265,19 +327,54 @@ def means(opts, totals):
         if opts.retain_coef:
             out["nll"] = totals["nll"] / max(totals["retain_tokens"], 1)
         return out
-    return {k: v / n for k, v in totals.items() if k not in COUNTS}
+    return {k: v / n_items for k, v in totals.items() if k not in COUNTS}
 
 
 @torch.no_grad()
 def evaluate(opts, policy, ref, value, examples, pad_id, device, samples):
+    """Means over the whole eval set, on all ranks. KTO's z₀ is each eval batch's own (ranks may hold
+    different numbers of batches, so no collective inside the loop)."""
     policy.eval()
     mine = dist.shard(examples)
     sums = zero_sums(opts)
     for i in range(0, len(mine), opts.batch_size):
         batch = make_batch(mine[i:i + opts.batch_size], opts, pad_id, device, samples)
-        add_to(sums, micro_step(opts, policy, ref, batch, value), batch)
+        z0 = kto_z0(mismatched_kl_sum(opts, policy, ref, batch), batch.n_items) if opts.method == "kto" else None
+        add_to(sums, micro_step(opts, policy, ref, batch, value, z0), batch)
     policy.train()
     return {f"eval/{k}": v for k, v in means(opts, sum_over_ranks(sums)).items()}
+
+
+def step_z0(opts, policy, ref, micro, device):
+    """KTO's z₀ of each of the step's micro-batches, from its mismatched pairs on every rank (one all-reduce);
+    None for the other methods."""
+    if opts.method != "kto":
+        return [None] * len(micro)
+    kl = dist.all_reduce_sum(torch.tensor([[float(mismatched_kl_sum(opts, policy, ref, b)), b.n_items]
+                                           for b in micro], dtype=torch.float64))
+    return [kto_z0(kl_sum, count).float().to(device) for kl_sum, count in kl]
+
+
+@torch.no_grad()
+def precompute_reference(opts, ref, example_sets, pad_id, device):
+    """KTO: S_ref of each example's [x, y] and [x, y′] stored in the example (keyed by the example, not by batch
+    position, so shuffling cannot misalign them: TRL#2337). Each rank computes a shard of each set; an
+    all-reduce shares them. The caller then drops the reference model."""
+    t0 = time.time()
+    for examples in example_sets:
+        values = torch.zeros(len(examples), 2, dtype=torch.float64)
+        mine = dist.shard(list(range(len(examples))))
+        for i in range(0, len(mine), opts.batch_size):
+            idx = mine[i:i + opts.batch_size]
+            batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
+            with autocast(device, opts.dtype):
+                columns = [sequence_logps(ref, r.ids, r.attn, r.resp)[0] for r in (batch.rows, batch.mismatched)]
+            values[idx] = torch.stack(columns, 1).double().cpu()
+        values = dist.all_reduce_sum(values)
+        for e, row in zip(examples, values.tolist()):
+            e.update(zip(REF_KEYS, row))
+    dist.print0(f"precomputed reference log-probs for {sum(map(len, example_sets)):,} examples in "
+                f"{time.time() - t0:.1f}s")
 
 
 # ---- D2O's samples from the reference, drawn once -------------------------------------------------
@@ -352,22 +449,27 @@ def check_options(opts):
     msg = lora.check_options(opts)
     if msg:
         fail(msg, 2)
-    m = opts.method
+    method = opts.method
     defaults = Options()
-    own = {"retain_coef": "npo", "retain_warn": "npo", "num_samples": "d2o", "max_new_tokens": "d2o",
+    own = {"desirable_weight": "kto", "undesirable_weight": "kto", "precompute_ref": "kto", "max_length": "kto",
+           "retain_coef": "npo", "retain_warn": "npo", "num_samples": "d2o", "max_new_tokens": "d2o",
            "temperature": "d2o", "tau": "dro", "value_lr": "dro"}
-    for name, method in own.items():
-        if m != method and getattr(opts, name) != getattr(defaults, name):
-            fail(f"--{name} applies only to --method {method}, not {m}")
-    if opts.alpha is not None and m != "d2o":
-        fail(f"--alpha applies only to --method d2o, not {m}")
-    if m == "dro" and opts.beta != defaults.beta:
+    for name, owner in own.items():
+        if method != owner and getattr(opts, name) != getattr(defaults, name):
+            fail(f"--{name} applies only to --method {owner}, not {method}")
+    if opts.alpha is not None and method != "d2o":
+        fail(f"--alpha applies only to --method d2o, not {method}")
+    if method == "dro" and opts.beta != defaults.beta:
         fail("--beta does not apply to --method dro (its KL strength is --tau)")
+    if method == "kto" and opts.batch_size < 2:     # z₀ of one example is its own log-ratio
+        fail(f"--method kto needs --batch_size >= 2 (got {opts.batch_size})")
+    if opts.offload_frozen and opts.precompute_ref:
+        fail("--offload_frozen: this run holds no reference model (--precompute_ref)", 2)
     opts.alpha = opts.beta if opts.alpha is None else opts.alpha
     # NPO: 1e-5, the paper's (its code's config/forget.yaml): at 1e-4 its forget term, a SUMMED sequence log-prob,
     # wrecked the retain NLL of the built-in task's policy (0.90 -> 4.3 in 50 steps; docs/algorithms.md, NPO)
-    opts.lr = opts.lr if opts.lr is not None else (1e-5 if m == "npo" else 1e-4)
-    opts.out_dir = opts.out_dir or f"out/{m}"
+    opts.lr = opts.lr if opts.lr is not None else (1e-5 if method == "npo" else 1e-4)
+    opts.out_dir = opts.out_dir or f"out/{method}"
 
 
 def data_files(opts):
@@ -391,11 +493,14 @@ def data_files(opts):
 
 
 def read_records(opts, path, builtin=False):
-    """Validated records. npo/d2o: a desirable row (label true) is an error (FILE:LINE) unless npo's
-    --retain_coef asks for it; in the built-in file (both labels, by design) those rows are left out instead."""
+    """Validated records. kto: every row. npo/d2o: a desirable row (label true) is an error (FILE:LINE) unless
+    npo's --retain_coef asks for it; in the built-in file (both labels, by design) those rows are left out
+    instead."""
     if opts.method == "dro":
         return load_scored(path)
     records = load_records(path, "unpaired")
+    if opts.method == "kto":
+        return records
     if opts.method == "npo" and opts.retain_coef:
         keep = records
     elif builtin:
@@ -427,38 +532,48 @@ def read_train_eval(opts, files):
     return records, eval_records, eval_source
 
 
-def tokenize_examples(opts, files, records, eval_records, eval_source, tok, block_size):
+def tokenize_examples(opts, files, records, eval_records, eval_source, tok, length):
+    """Tokenized train and eval examples (KTO: with their mismatched completions) and the train counts."""
     tokenize = tokenize_scored if opts.method == "dro" else tokenize_unpaired
-    train, counts = tokenize(records, tok, block_size)
-    evals, eval_counts = tokenize(eval_records, tok, block_size)
+    train, counts = tokenize(records, tok, length)
+    evals, eval_counts = tokenize(eval_records, tok, length)
     for examples, source, c in ((train, files["data"], counts), (evals, eval_source, eval_counts)):
         if not examples:
-            raise ValueError(f"{source}: no example fits the model's block_size {block_size} ({c})")
+            raise ValueError(f"{source}: no example fits the training length {length} ({c})")
+    if opts.method == "kto":
+        add_mismatched(train, opts.seed)
+        add_mismatched(evals, opts.seed)
     return train, evals, counts
 
 
 def load_models(opts):
     """Tokenizer, policy, the frozen reference (none when LoRA's adapters-off policy is the reference: main makes
-    it) and DRO's value model. Raises on bad input (one line via input_errors)."""
+    it), DRO's value model and the training length (kto: --max_length resolved against the policy; else its
+    block_size). Raises on bad input (one line via input_errors)."""
     tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
                          opts.date_string)
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
+    length, what = policy.cfg.block_size, f"policy's {policy.cfg.block_size}"
+    if opts.method == "kto":
+        length = training_length(opts.max_length, policy.cfg.block_size, opts.init)
+        what = f"training length {length} (--max_length, default min(policy block_size, 1024))"
     ref = None
     if not lora.shares_base(opts, opts.ref):
-        ref = load_reference(opts.ref or opts.init, tok, policy.cfg.block_size,
-                             f"policy's {policy.cfg.block_size}")
+        ref = load_reference(opts.ref or opts.init, tok, length, what)
     value = None
     if opts.method == "dro":
         value = ScoreModel.from_pretrained(opts.init, new_head=True, dropout=0.0)
         torch.nn.init.zeros_(value.score.weight)        # V(x) = 0 at the start: the first steps see the raw r
-    return tok, policy, ref, value
+    return tok, policy, ref, value, length
 
 
 # how the run is placed and sharded does not change the math; lora.attach records the --lora_* fields, with the
 # base's checksum, when LoRA is on
+# kto's max_length: its resolved value enters the identity once the model is read, when it is not the block_size
 NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint",
-                "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+                "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+                "precompute_ref", "max_length")
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -474,24 +589,29 @@ def main(argv=None):
                         data_files={k: v for k, v in files.items() if v})
     with input_errors():
         records = read_train_eval(opts, files)
-        tok, policy, ref, value = load_models(opts)
+        tok, policy, ref, value, length = load_models(opts)
+        if length != policy.cfg.block_size:
+            run.identity.update(max_length=length)
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
         if value is not None:      # DRO's value model as PPO's critic: adapters on its trunk, its head trained fully
             run.identity.update(lora.attach(value, opts, opts.init, trainable=("score",), prefix="value_lora",
                                             seed=opts.seed + 1))
         if ref is None:                                                  # LoRA, reference = --init: the policy
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
-        train, evals, counts = tokenize_examples(opts, files, *records, tok, policy.cfg.block_size)
+        train, evals, counts = tokenize_examples(opts, files, *records, tok, length)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
     models = {"policy": policy} if value is None else {"policy": policy, "value": value}
-    for name, m in models.items():
+    for name, model in models.items():
         if opts.grad_checkpoint:
-            m.set_grad_checkpointing(True)
-        m.to(world.device)
-        dist.check_same_weights(m, name)
+            model.set_grad_checkpointing(True)
+        model.to(world.device)
+        dist.check_same_weights(model, name)
     ref.to(world.device)
     dist.seed_everything(opts.seed, world.rank)
+    if opts.precompute_ref:             # kto: S_ref stored in the examples, then the reference model freed
+        precompute_reference(opts, ref, (train, evals), tok.pad_id, world.device)
+        ref = None
     samples = None
     if opts.method == "d2o":
         prompts = sorted({tuple(e["prompt"]) for e in train + evals})
@@ -511,7 +631,7 @@ def main(argv=None):
                 raise ValueError(f"{path}: a prompt + sample of {longest} tokens exceeds block_size "
                                  f"{policy.cfg.block_size}")
     ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
-    ddp = {name: parallel.wrap(m, opts.fsdp, dtype=opts.dtype) for name, m in models.items()}
+    ddp = {name: parallel.wrap(model, opts.fsdp, dtype=opts.dtype) for name, model in models.items()}
     optimizers = {"policy": adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))}
     if value is not None:
         optimizers["value"] = adamw(value, opts.value_lr, opts.weight_decay, (opts.beta1, opts.beta2))
@@ -520,21 +640,24 @@ def main(argv=None):
     peak = {"policy": opts.lr, "value": opts.value_lr}
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
     if opts.resume:
-        batches.load_state_dict(run.resume(models={k: lora.checkpointed(m) for k, m in models.items()},
+        batches.load_state_dict(run.resume(models={k: lora.checkpointed(model) for k, model in models.items()},
                                            optimizers=optimizers)["data"])
     if world.is_main:
         save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
                     global_batch=batches.global_batch, max_steps=max_steps)
     dist.print0(f"{opts.method.upper()}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | "
                 f"{len(evals):,} eval | global batch {batches.global_batch} | {max_steps} steps"
+                + (f" | max length {length} | reference: {'precomputed' if ref is None else 'live'}"
+                   if opts.method == "kto" else "")
                 + (f" | resuming at step {run.step}" if run.step else ""))
-    run.show = {"npo": ["train/loss", "train/rewards_negative", "train/nll", "eval/loss"],
+    run.show = {"kto": ["train/loss", "train/kl", "eval/loss"],
+                "npo": ["train/loss", "train/rewards_negative", "train/nll", "eval/loss"],
                 "d2o": ["train/loss", "train/accuracy", "train/rewards_negative", "train/rewards_samples", "eval/loss"],
                 "dro": ["train/loss", "train/value", "train/advantage", "train/log_ratio", "eval/loss"]}[opts.method]
     run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        save_state(opts.out_dir, {k: lora.checkpointed(m) for k, m in models.items()}, optimizers,
+        save_state(opts.out_dir, {k: lora.checkpointed(model) for k, model in models.items()}, optimizers,
                    {"step": step, "data": batches.state_dict()})
         save_model_dir(opts.out_dir, policy, tok)
         if value is not None:
@@ -553,13 +676,14 @@ def main(argv=None):
             n_negative, n_retain = dist.all_reduce_sum(torch.tensor(
                 [[float((~b.label).sum()), float((b.rows.resp[:, 1:].sum(1) * b.label).sum())] for b in micro],
                 dtype=torch.float64).sum(0)).tolist()
+        z0 = step_z0(opts, policy, ref, micro, world.device)          # kto: one per micro-batch; else None
         sums = zero_sums(opts)
         for j, batch in enumerate(micro):
             with contextlib.ExitStack() as stack:
                 if world.enabled and j < len(micro) - 1:           # gradients are all-reduced on the last one
                     for d in ddp.values():
                         stack.enter_context(d.no_sync())
-                stats = micro_step(opts, ddp["policy"], ref, batch, ddp.get("value"))
+                stats = micro_step(opts, ddp["policy"], ref, batch, ddp.get("value"), z0[j])
                 (objective(opts, stats, n_items, n_negative, n_retain) * dist.ddp_scale()).backward()
             add_to(sums, stats, batch)
         totals = sum_over_ranks(sums)
@@ -573,8 +697,8 @@ def main(argv=None):
                           f"{metrics['train/nll'] / retain.first:.1f}x its first value {retain.first:.3f}: the NPO "
                           f"term is overpowering the retain term; lower --lr (the paper: 1e-5) or raise --retain_coef "
                           f"(docs/algorithms.md, NPO)", file=sys.stderr, flush=True)
-        for name, m in models.items():
-            norm = parallel.clip_grad_norm(m.parameters(), opts.grad_clip)
+        for name, model in models.items():
+            norm = parallel.clip_grad_norm(model.parameters(), opts.grad_clip)
             metrics["train/grad_norm" if name == "policy" else f"train/{name}_grad_norm"] = norm
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
@@ -583,8 +707,8 @@ def main(argv=None):
         if run.end_of_step(step, metrics, save=save, evaluate=lambda: evaluate_gathered(
                 opts, policy, ref, value, evals, tok.pad_id, world.device, samples)):
             break
-    for name, m in models.items():
-        dist.check_same_weights(m, name)
+    for name, model in models.items():
+        dist.check_same_weights(model, name)
     parallel.check_frozen({"reference": ref})
     dist.print0(f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     run.finish()

@@ -46,9 +46,10 @@ run() { echo "+ $*"; "$@"; }
 run $PY -m nano_rlhf.synthetic --out_dir "$DATA" $DATA_ARGS
 run $TRAIN train_sft.py --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$OUT/sft" --overwrite $SFT
 run $TRAIN train_rm.py --init "$OUT/sft" --data "$DATA/preference.jsonl" --eval_data "$DATA/preference_eval.jsonl" --out_dir "$OUT/rm" --overwrite $RM
-for loss in dpo ipo simpo orpo kto; do
+for loss in dpo ipo simpo orpo; do
   run $TRAIN train_dpo.py --loss $loss --init "$OUT/sft" --out_dir "$OUT/$loss" --overwrite $DPO
 done
+run $TRAIN train_unpaired.py --method kto --init "$OUT/sft" --out_dir "$OUT/kto" --overwrite $DPO
 run $TRAIN train_ppo.py --init "$OUT/sft" --reward_model "$OUT/rm" --out_dir "$OUT/ppo" --overwrite $PPO
 run $TRAIN train_ppo.py --advantage grpo --reward gold --init "$OUT/sft" --out_dir "$OUT/grpo" --overwrite $GRPO
 # the same PPO with a 5x smaller KL coefficient, for longer: the reward model gets over-optimised

@@ -21,8 +21,9 @@ import pytest
 import torch
 from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
 
-from train_dpo import (cpo_loss, dpo_loss, hinge_loss, ipo_loss, kto_loss, kto_z0, log_odds, nll_weight,
-                       orpo_loss, rdpo_loss, response_logprobs, robust_loss, sequence_logps, simpo_loss)
+from train_dpo import (cpo_loss, dpo_loss, hinge_loss, ipo_loss, log_odds, nll_weight, orpo_loss, rdpo_loss,
+                       robust_loss, sequence_logps, simpo_loss, token_logps)
+from train_unpaired import kto_loss, kto_z0      # KTO's home: its data is unpaired
 
 pytestmark = pytest.mark.numeric     # also run under ATEN_CPU_CAPABILITY=default by .ci/run
 
@@ -672,11 +673,10 @@ def test_kto_z0_is_pure(monkeypatch):
 @pytest.mark.parametrize("loss,nll_coef,alpha,want", [
     ("dpo", 0.0, 1.0, 0.0), ("dpo", 0.5, 1.0, 0.5), ("ipo", 0.2, 0.3, 0.2), ("simpo", 0.0, 1.0, 0.0),
     ("simpo", 0.7, 1.0, 0.7), ("cpo", 0.0, 1.0, 1.0), ("cpo", 0.0, 0.25, 0.25), ("cpo", 0.5, 0.25, 0.75),
-    ("orpo", 0.0, 0.4, 1.0), ("orpo", 0.3, 0.4, 1.3), ("kto", 0.0, 2.0, 0.0), ("hinge", 0.0, 0.5, 0.0),
+    ("orpo", 0.0, 0.4, 1.0), ("orpo", 0.3, 0.4, 1.3), ("hinge", 0.0, 0.5, 0.0),
     ("rdpo", 0.0, 0.5, 0.0), ("robust", 0.0, 0.5, 0.0),
 ])
 def test_nll_weight(loss, nll_coef, alpha, want):
-    # kto: --nll_coef is rejected at start-up (test_dpo.py), so only alpha's not leaking into it is checked
     opts = types.SimpleNamespace(loss=loss, nll_coef=nll_coef, alpha=alpha)
     assert nll_weight(opts) == pytest.approx(want, abs=1e-12)
 
@@ -811,12 +811,12 @@ def test_sequence_logps_row_without_response_tokens():
 
 
 @pytest.mark.parametrize("seed", SEEDS[:2])
-def test_response_logprobs_per_token_and_one_gather(seed):
+def test_token_logps_per_token_and_one_gather(seed):
     """The one gather: column t holds log π(token t+1) where token t+1 is a response token, 0 elsewhere;
     sequence_logps is its row sum (one model call each)."""
     ids, attn, resp, logits = make_batch(seed)
     model = FakeLM(logits.float())
-    lp = response_logprobs(model, ids, attn, resp)
+    lp = token_logps(model, ids, attn, resp)
     assert lp.shape == (ids.shape[0], ids.shape[1] - 1) and lp.dtype == torch.float32 and len(model.calls) == 1
     full = torch.log_softmax(logits, -1)
     for b in range(ids.shape[0]):
@@ -825,3 +825,13 @@ def test_response_logprobs_per_token_and_one_gather(seed):
             assert lp[b, t - 1].item() == pytest.approx(want, abs=2e-5), (b, t)
     sums, _ = sequence_logps(model, ids, attn, resp)
     torch.testing.assert_close(sums, lp.sum(1), rtol=1e-6, atol=FLOAT32_ATOL)
+
+
+def test_one_gather_for_the_pairwise_listwise_and_unpaired_scripts():
+    """train_listwise.py and train_unpaired.py score sequences with train_dpo.py's sequence_logps itself (one
+    name, one contract: sums and lengths), not with copies of it."""
+    import train_dpo
+    import train_listwise
+    import train_unpaired
+    assert train_listwise.sequence_logps is train_dpo.sequence_logps
+    assert train_unpaired.sequence_logps is train_dpo.sequence_logps

@@ -372,7 +372,7 @@ def test_flags_the_loss_would_ignore_are_errors(tmp_path, sft_dir, capsys):
                       (["--loss", "pro", "--ref", sft_dir], "error: --ref applies only to --loss lipo")):
         assert one_line_exit(capsys, L.main, [*args, "--init", sft_dir, "--out_dir", str(tmp_path / "o")]).startswith(msg)
     assert one_line_exit(capsys, train_dpo.main, ["--loss", "kto", "--listwise_pairs", "all", "--init", sft_dir]) \
-        .startswith("error: --listwise_pairs applies to the pairwise losses")
+        .startswith("error: --listwise_pairs is not an option of train_unpaired.py --method kto")
 
 
 # ---- the built-in task, end to end ---------------------------------------------------------------

@@ -17,6 +17,7 @@ import train_dpo
 import train_ppo
 import train_rm
 import train_sft
+import train_unpaired
 from nano_rlhf import dist
 from nano_rlhf.lora import BaseView, lora_modules, lora_parameters
 from nano_rlhf.model import GPT, ScoreModel
@@ -113,7 +114,8 @@ def dpo_args(tmp_path, init, out, loss="dpo", *extra, steps=3):
     data = tmp_path / f"{kind}.jsonl"
     if not data.exists():
         write_jsonl(data, unpaired_rows(48) if loss == "kto" else pref_rows(48))
-    return ["--loss", loss, "--init", init, "--data", str(data), "--out_dir", str(tmp_path / out), "--max_steps",
+    algo = ["--method", "kto"] if loss == "kto" else ["--loss", loss]       # KTO: train_unpaired.py
+    return [*algo, "--init", init, "--data", str(data), "--out_dir", str(tmp_path / out), "--max_steps",
             str(steps), "--batch_size", "4", "--lr", "1e-2", "--warmup_steps", "0", "--log_interval", "1",
             "--eval_interval", "0", *extra]
 
@@ -168,7 +170,7 @@ def test_rm_lora_trains_adapters_and_the_head(tmp_path, sft_dir):
 
 @pytest.mark.parametrize("loss", ["dpo", "kto"])
 def test_dpo_lora_reference_is_the_policy_with_adapters_off(tmp_path, sft_dir, loss):
-    out = train_dpo.main(dpo_args(tmp_path, sft_dir, "o", loss, *LORA))
+    out = (train_unpaired.main if loss == "kto" else train_dpo.main)(dpo_args(tmp_path, sft_dir, "o", loss, *LORA))
     # no second model: the reference is a view of the policy, holding no module of its own
     assert isinstance(out.ref, BaseView) and out.ref.model is dist.unwrap(out.policy)
     assert [v for v in vars(out.ref).values() if isinstance(v, torch.nn.Module)] == [out.ref.model]
@@ -181,7 +183,7 @@ def test_dpo_lora_reference_is_the_policy_with_adapters_off(tmp_path, sft_dir, l
     assert metrics(tmp_path / "o")[-1]["train/loss"] != first["train/loss"]
     fresh = GPT.from_pretrained(sft_dir)
     assert_base_untouched(out.policy, fresh)
-    assert_only_adapters_optimised(out.policy, out.optimizer)
+    assert_only_adapters_optimised(out.policy, out.optimizer if loss == "dpo" else out.optimizers["policy"])
     merged = assert_merged_export_exact(out.policy, tmp_path / "o")
     x = ids()
     with torch.no_grad():    # the reference still gives the base model's logits after training

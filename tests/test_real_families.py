@@ -9,6 +9,7 @@ import torch
 from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
 
 import train_dpo
+import train_unpaired
 from hf_fixtures import FAMILIES, make_hf_dir, pref_rows, unpaired_rows, write_jsonl
 from nano_rlhf import model as model_mod
 from nano_rlhf.data import collate_pairs, load_records, tokenize_pairs
@@ -67,7 +68,8 @@ def dpo_args(tmp_path, init, out, loss="dpo", *extra, steps=2):
         rows = unpaired_rows if loss == "kto" else pref_rows
         write_jsonl(tmp_path / f"{kind}.jsonl", rows(16))
         write_jsonl(tmp_path / f"{kind}_eval.jsonl", rows(4, seed=1))
-    return ["--loss", loss, "--data", str(tmp_path / f"{kind}.jsonl"), "--eval_data", str(tmp_path / f"{kind}_eval.jsonl"),
+    algo = ["--method", "kto"] if loss == "kto" else ["--loss", loss]       # KTO: train_unpaired.py
+    return [*algo, "--data", str(tmp_path / f"{kind}.jsonl"), "--eval_data", str(tmp_path / f"{kind}_eval.jsonl"),
             "--init", init, "--out_dir", str(tmp_path / out), "--max_steps", str(steps), "--batch_size", "2",
             "--log_interval", "1", "--eval_interval", "0", "--lr", "1e-3", "--warmup_steps", "0", *extra]
 
@@ -75,7 +77,8 @@ def dpo_args(tmp_path, init, out, loss="dpo", *extra, steps=2):
 @pytest.mark.parametrize("loss", ["dpo", "kto"])
 def test_dpo_trains_a_family_checkpoint_with_its_chat_template(tmp_path, family, loss):
     name, init = family
-    out = train_dpo.main(dpo_args(tmp_path, init, "o", loss))       # no --tokenizer: tokenizer.json is in init
+    main = train_unpaired.main if loss == "kto" else train_dpo.main
+    out = main(dpo_args(tmp_path, init, "o", loss))       # no --tokenizer: tokenizer.json is in init
     m = metrics(tmp_path / "o")
     assert [x["step"] for x in m] == [1, 2] and all(torch.isfinite(torch.tensor(x["train/loss"])) for x in m)
     # the policy moved, the frozen reference did not

@@ -117,7 +117,7 @@ SCRIPTS = {
     "sft": ["train_sft.py", "--data", "sft.jsonl"],
     "rm": ["train_rm.py", "--data", "pref.jsonl"],
     "dpo": ["train_dpo.py", "--data", "pref.jsonl"],
-    "kto": ["train_dpo.py", "--data", "unpaired.jsonl", "--loss", "kto"],
+    "kto": ["train_unpaired.py", "--data", "unpaired.jsonl", "--method", "kto"],
     "listwise": ["train_listwise.py", "--data", "listwise.jsonl"],
     "unpaired": ["train_unpaired.py", "--data", "unpaired.jsonl", "--method", "npo", "--retain_coef", "1"],
     "grpo": ["train_ppo.py", "--prompts", "prompts.jsonl", "--eval_prompts", "prompts.jsonl", "--advantage", "grpo",

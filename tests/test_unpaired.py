@@ -327,7 +327,7 @@ BAD = [
     ("npo", ["--beta", "0"], "--beta"),
     ("dro", ["--tau", "-1"], "--tau"),
     ("dro", ["--value_lr", "0"], "--value_lr"),
-    ("npo", ["--method", "kto"], "argument --method: invalid choice"),
+    ("npo", ["--method", "ppo"], "argument --method: invalid choice"),
 ]
 
 

@@ -1,0 +1,231 @@
+"""KTO as a whole, in its home train_unpaired.py (--method kto): the frozen reference, precomputed reference,
+DDP's z₀, end to end, resume, bad input (one line, nothing written); and its old command `train_dpo.py --loss
+kto`: one line of notice, then the same run, to the bit. The loss and z₀ against float64 oracles:
+test_dpo_losses.py."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train_dpo
+import train_unpaired
+from conftest import run, unpaired_rows, write_jsonl
+from nano_rlhf.model import GPT
+
+
+def kto_args(tmp_path, sft_dir, out, *extra, steps=3):
+    if not (tmp_path / "unpaired.jsonl").exists():
+        write_jsonl(tmp_path / "unpaired.jsonl", unpaired_rows(64))
+        write_jsonl(tmp_path / "unpaired_eval.jsonl", unpaired_rows(8, seed=1))
+    return ["--method", "kto", "--data", str(tmp_path / "unpaired.jsonl"), "--eval_data",
+            str(tmp_path / "unpaired_eval.jsonl"), "--init", sft_dir, "--out_dir", str(tmp_path / out), "--max_steps",
+            str(steps), "--batch_size", "4", "--log_interval", "1", "--eval_interval", "0", "--lr", "1e-3",
+            "--warmup_steps", "0", *extra]
+
+
+def old_command(args):
+    """The same flags as train_dpo.py took them before KTO moved: --loss kto, not --method kto."""
+    i = args.index("--method")
+    return args[:i] + ["--loss", "kto"] + args[i + 2:]
+
+
+def metrics(path):
+    return [json.loads(x) for x in open(path / "metrics.jsonl")]
+
+
+def one_line_error(capsys, fn, start):
+    with pytest.raises(SystemExit) as e:
+        fn()
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {start}"), err
+
+
+# ---- the mismatched pairs ---------------------------------------------------------------------------
+
+def test_mismatched_completions_are_a_seeded_derangement():
+    examples = [{"completion": [i]} for i in range(9)]
+    train_unpaired.add_mismatched(examples, seed=3)
+    got = [e["mismatched"][0] for e in examples]
+    assert sorted(got) == list(range(9)) and all(g != i for i, g in enumerate(got))   # each used once, none own
+    again = [{"completion": [i]} for i in range(9)]
+    train_unpaired.add_mismatched(again, seed=3)
+    assert [e["mismatched"][0] for e in again] == got
+    other = [{"completion": [i]} for i in range(9)]
+    train_unpaired.add_mismatched(other, seed=4)
+    assert [e["mismatched"][0] for e in other] != got
+
+
+# ---- training -----------------------------------------------------------------------------------------
+
+def test_reference_is_frozen_and_never_optimised(tmp_path, sft_dir):
+    out = train_unpaired.main(kto_args(tmp_path, sft_dir, "o", steps=4))
+    fresh = GPT.from_pretrained(sft_dir)
+    for (n, a), b in zip(out.ref.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert all(not p.requires_grad for p in out.ref.parameters()) and not out.ref.training
+    in_opt = {id(p) for g in out.optimizers["policy"].param_groups for p in g["params"]}
+    assert in_opt == {id(p) for p in out.policy.parameters()}
+    assert not in_opt & {id(p) for p in out.ref.parameters()}
+    assert any(not torch.equal(a, b) for a, b in zip(out.policy.state_dict().values(), fresh.state_dict().values()))
+
+
+def test_precomputed_reference_gives_the_same_losses(tmp_path, sft_dir):
+    train_unpaired.main(kto_args(tmp_path, sft_dir, "live", "--eval_interval", "3"))
+    out = train_unpaired.main(kto_args(tmp_path, sft_dir, "pre", "--eval_interval", "3", "--precompute_ref"))
+    assert out.ref is None                              # the reference model was dropped
+    a, b = metrics(tmp_path / "live"), metrics(tmp_path / "pre")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        for k in ("train/loss", "train/kl", "train/rewards_desirable", "train/rewards_undesirable", "eval/loss"):
+            if k in x:
+                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), k
+
+
+def test_end_to_end_logs_kto_statistics(tmp_path, sft_dir):
+    out = train_unpaired.main(kto_args(tmp_path, sft_dir, "o", "--eval_interval", "2", steps=2))
+    m = metrics(tmp_path / "o")
+    assert len(m) == 2 and all(torch.isfinite(torch.tensor(x["train/loss"])) for x in m)
+    assert {"train/loss", "train/kl", "train/logps", "train/rewards_desirable", "train/rewards_undesirable",
+            "train/grad_norm", "train/lr"} <= set(m[0])
+    assert m[0]["train/loss"] == pytest.approx(0.5, abs=1e-6) and m[0]["train/kl"] == 0.0   # π = π_ref: u = z₀ = 0
+    assert "eval/loss" in m[-1]
+    GPT.from_pretrained(str(tmp_path / "o"))
+    assert json.loads((tmp_path / "o" / "train_config.json").read_text())["method"] == "kto"
+    assert out.options.beta == 0.1 and out.value is None
+
+
+@pytest.mark.slow
+def test_ddp_z0_is_all_reduced(tmp_path, sft_dir):
+    run(["train_unpaired.py"] + kto_args(tmp_path, sft_dir, "one", "--batch_size", "4"))
+    run(["train_unpaired.py"] + kto_args(tmp_path, sft_dir, "two", "--batch_size", "2"), nproc=2)
+    la, lb = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    # z0 = 0 at step 1 (policy = reference); it must be > 0 on some later step, or the clamp max(0, .) would
+    # hide a per-rank z0 and this test would prove nothing
+    assert any(x["train/kl"] > 0.05 for x in la), [x["train/kl"] for x in la]
+    # z0 is estimated per micro-batch: the same 4 examples on one rank or split over two give the same z0.
+    # The logged kl is a mean of z0 over ranks, so a per-rank z0 barely moves it; the loss and the gradient
+    # norm see each rank's z0 in every example's term and pin it
+    for key in ("train/kl", "train/loss", "train/grad_norm"):
+        assert [x[key] for x in la] == pytest.approx([x[key] for x in lb], rel=1e-4, abs=1e-6), key
+
+
+def test_stop_and_resume_equals_one_run(tmp_path, sft_dir):
+    train_unpaired.main(kto_args(tmp_path, sft_dir, "straight", steps=4))
+    train_unpaired.main(kto_args(tmp_path, sft_dir, "resumed", "--stop_at", "2", steps=4))
+    train_unpaired.main(kto_args(tmp_path, sft_dir, "resumed", "--resume", steps=4))
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    la, lb = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [x["train/loss"] for x in la] == [x["train/loss"] for x in lb]
+
+
+# ---- bad input: one line, non-zero exit, nothing written ------------------------------------------------
+
+def test_bad_input_exits_with_file_line(tmp_path, sft_dir):
+    rows = [unpaired_rows(1)[0], {"prompt": "p", "completion": " c", "label": "yes"}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
+    p = run(["train_unpaired.py", "--method", "kto", "--data", bad, "--init", sft_dir, "--out_dir",
+             str(tmp_path / "o")], check=False)
+    assert p.returncode != 0 and p.stderr.strip().endswith(f"{bad}:2: field 'label' must be true or false, got 'yes'")
+
+
+BAD_FLAGS = [
+    (["--desirable_weight", "0"], "--desirable_weight"),
+    (["--undesirable_weight", "-1"], "--undesirable_weight"),
+    (["--batch_size", "1"], "--method kto needs --batch_size >= 2"),
+    (["--max_length", "-1"], "--max_length"),
+    (["--max_length", "100"], "--max_length 100 is above the block_size 64"),
+    (["--precompute_ref", "--offload_frozen"], "--offload_frozen: this run holds no reference model"),
+    (["--alpha", "0.1"], "--alpha applies only to --method d2o, not kto"),
+    (["--tau", "0.5"], "--tau applies only to --method dro, not kto"),
+    (["--nll_coef", "0.1"], "unrecognized arguments: --nll_coef"),
+]
+
+
+@pytest.mark.parametrize("flags,msg", BAD_FLAGS, ids=["".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_error_before_any_work(tmp_path, sft_dir, capsys, flags, msg):
+    one_line_error(capsys, lambda: train_unpaired.main(kto_args(tmp_path, sft_dir, "o", *flags)), msg)
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("flag", ["--desirable_weight", "--precompute_ref", "--max_length"])
+def test_kto_flags_are_errors_with_other_methods(tmp_path, sft_dir, capsys, flag):
+    value = {"--desirable_weight": ["2"], "--precompute_ref": [], "--max_length": ["32"]}[flag]
+    args = kto_args(tmp_path, sft_dir, "o", flag, *value)
+    args[args.index("kto")] = "npo"
+    one_line_error(capsys, lambda: train_unpaired.main(args), f"{flag} applies only to --method kto, not npo")
+    assert not (tmp_path / "o").exists()
+
+
+def too_long_rows(rows, key):
+    return [dict(r, **{key: r[key] + " and great" * 40}) for r in rows]
+
+
+def test_empty_eval_set_is_refused(tmp_path, sft_dir, capsys):
+    """Every eval example longer than the training length used to give eval/loss 0.0: a number that looks like
+    a result."""
+    long_eval = write_jsonl(tmp_path / "long_eval.jsonl", too_long_rows(unpaired_rows(4, seed=1), "completion"))
+    one_line_error(capsys, lambda: train_unpaired.main(kto_args(tmp_path, sft_dir, "o", "--eval_data", long_eval)),
+                   f"{long_eval}: no example fits")
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_eval_fraction_taking_every_row_says_so(tmp_path, sft_dir, capsys):
+    one_row = write_jsonl(tmp_path / "one.jsonl", unpaired_rows(1))
+    args = ["--method", "kto", "--data", one_row, "--init", sft_dir, "--out_dir", str(tmp_path / "o"),
+            "--batch_size", "2"]
+    one_line_error(capsys, lambda: train_unpaired.main(args), "--eval_fraction 0.05 holds out every row")
+
+
+# ---- the old command: train_dpo.py --loss kto ------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,want", [
+    (["--loss", "kto", "--data", "x"], ["--data", "x", "--method", "kto"]),
+    (["--lr", "-1e-4", "--loss=kto", "--beta", "0.2"], ["--lr", "-1e-4", "--beta", "0.2", "--method", "kto"]),
+    (["--los", "kto"], ["--method", "kto"]),                        # an abbreviation argparse takes
+    (["--loss", "dpo", "--data", "x"], None), ([], None), (["--loss"], None), (["--data", "kto"], None),
+])
+def test_old_kto_command_is_recognised_and_translated(argv, want):
+    assert train_dpo.kto_argv(argv) == want
+
+
+def test_old_command_prints_one_notice_and_trains_the_same_weights(tmp_path, sft_dir, capsys, monkeypatch):
+    """`train_dpo.py --loss kto` runs train_unpaired.py --method kto: one line says so, the weights are the new
+    command's to the bit (same data order, z₀, mismatched pairs and sums), and the default out_dir is still
+    out/kto."""
+    args = kto_args(tmp_path, sft_dir, "new", "--eval_interval", "2")
+    train_unpaired.main(args)
+    assert "note: --loss kto moved" not in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    old = old_command(args)
+    i = old.index("--out_dir")
+    out = train_dpo.main(old[:i] + old[i + 2:])                    # no --out_dir: the default
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == train_dpo.KTO_MOVED == "note: --loss kto moved to train_unpaired.py --method kto; running that"
+    assert sum("--loss kto" in x for x in lines) == 1
+    assert out.options.method == "kto" and out.options.out_dir == "out/kto"
+    a, b = load_file(tmp_path / "new" / "model.safetensors"), load_file(tmp_path / "out" / "kto" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda rows: [{k: v for k, v in x.items() if k != "train/tokens_per_s"} for x in rows]
+    assert strip(metrics(tmp_path / "new")) == strip(metrics(tmp_path / "out" / "kto"))
+
+
+def test_old_command_as_a_process(tmp_path, sft_dir):
+    args = old_command(kto_args(tmp_path, sft_dir, "o", "--precompute_ref", steps=1))
+    p = run(["train_dpo.py"] + args)
+    assert p.stdout.splitlines()[0] == train_dpo.KTO_MOVED and p.stdout.count("note: --loss kto") == 1
+    assert "precomputed reference log-probs" in p.stdout and (tmp_path / "o" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--nll_coef", "0.1"], "--nll_coef is not an option of train_unpaired.py --method kto"),
+    (["--listwise_pairs", "all"], "--listwise_pairs is not an option of train_unpaired.py --method kto"),
+    (["--compile"], "--compile is not an option of train_unpaired.py --method kto"),
+    (["--batch_size", "1"], "--method kto needs --batch_size >= 2"),
+    (["--desirable_weight", "0"], "--desirable_weight"),
+])
+def test_old_command_bad_flag_is_one_line_error(tmp_path, sft_dir, capsys, flags, msg):
+    one_line_error(capsys, lambda: train_dpo.main(old_command(kto_args(tmp_path, sft_dir, "o", *flags))), msg)
+    assert not (tmp_path / "o" / "model.safetensors").exists()
