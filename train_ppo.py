@@ -985,14 +985,7 @@ def main(argv=None):
         kl_ctl.beta = meta["kl_coef"]
         if ptx is not None and "ptx_data" in meta:
             ptx.batches.load_state_dict(meta["ptx_data"])
-    dist.print0(f"{opts.advantage.upper()} | reward {opts.reward} | {len(prompts):,} prompts ({prompt_stats}) | "
-                f"{opts.batch_size} prompts x {opts.samples_per_prompt} samples x {world.world_size} ranks per step | "
-                f"{opts.ppo_epochs} epochs x {opts.num_minibatches} minibatches of "
-                f"{opts.batch_size * opts.samples_per_prompt // opts.num_minibatches} (micro "
-                f"{opts.micro_batch_size}) | critic: {opts.critic_init if critic else 'none'} | {opts.max_steps} steps"
-                + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
-                                                  if isinstance(models.ref, lora.BaseView) else "")
-                + (f" | resuming at step {run.step}" if run.step else ""))
+    dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
     run.show = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac",
                 "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]
     run.loss_key = ["train/policy_loss", "train/value_loss"]
@@ -1089,6 +1082,19 @@ def run_record(opts, _):
                                                      "judge": judge_mod.model_dir(opts.judge)},
                 data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
                             "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
+
+
+def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
+    """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
+    return (f"{opts.advantage.upper()} | reward {opts.reward} | {n_prompts:,} prompts ({prompt_stats}) | "
+            f"{opts.batch_size} prompts x {opts.samples_per_prompt} samples x {dist.world().world_size} ranks per "
+            f"step | "
+            f"{opts.ppo_epochs} epochs x {opts.num_minibatches} minibatches of "
+            f"{opts.batch_size * opts.samples_per_prompt // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
+            f"critic: {opts.critic_init if models.critic is not None else 'none'} | {opts.max_steps} steps"
+            + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
+                                              if isinstance(models.ref, lora.BaseView) else "")
+            + (f" | resuming at step {step}" if step else ""))
 
 
 def eval_rewards(models: Models, opts):
