@@ -625,7 +625,6 @@ NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out
                 "max_length")
 
 
-
 def run_record(opts, files):
     """What defines the run (compared on --resume), the inputs it only reads and its data files."""
     return dict(identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
