@@ -170,18 +170,19 @@ def task_dir(tmp_path_factory):
 
 
 def script_args(name, tmp_path, sft_dir, rm_dir, task_dir):
-    """(module, argv) of a tiny run of each script; trained: the names launch.place gets for the trained models."""
-    return {
-        "sft": (train_sft, sft_args(tmp_path, sft_dir, "o")),
-        "rm": (train_rm, rm_args(tmp_path, sft_dir, "o")),
-        "dpo": (train_dpo, dpo_args(tmp_path, sft_dir, "o")),
-        "ppo": (train_ppo, ppo_args(tmp_path, sft_dir, rm_dir, "o")),
-        "listwise": (train_listwise, ["--loss", "lipo", "--data", str(task_dir / "listwise.jsonl"), "--init", sft_dir,
-                                      "--out_dir", str(tmp_path / "o"), "--max_steps", "2", "--batch_size", "4"]),
-        "unpaired": (train_unpaired, unpaired_args(tmp_path, sft_dir, "o", "dro")),
-        "online": (train_online, online_args(tmp_path, sft_dir, rm_dir, "o")),
+    """(module, argv) of a tiny run of the script `name`."""
+    mod, argv = {
+        "sft": (train_sft, lambda: sft_args(tmp_path, sft_dir, "o")),
+        "rm": (train_rm, lambda: rm_args(tmp_path, sft_dir, "o")),
+        "dpo": (train_dpo, lambda: dpo_args(tmp_path, sft_dir, "o")),
+        "ppo": (train_ppo, lambda: ppo_args(tmp_path, sft_dir, rm_dir, "o")),
+        "listwise": (train_listwise, lambda: ["--loss", "lipo", "--data", str(task_dir / "listwise.jsonl"), "--init",
+                                              sft_dir, "--out_dir", str(tmp_path / "o"), "--max_steps", "2",
+                                              "--batch_size", "4"]),
+        "unpaired": (train_unpaired, lambda: unpaired_args(tmp_path, sft_dir, "o", "dro")),
+        "online": (train_online, lambda: online_args(tmp_path, sft_dir, rm_dir, "o")),
     }[name]
-
+    return mod, argv()      # only this script's files are written (two scripts' helpers share a file name)
 
 SCRIPTS = ["sft", "rm", "dpo", "ppo", "listwise", "unpaired", "online"]
 # what each script places: {trained}, {frozen}, and the live models of its memory plan
