@@ -131,9 +131,9 @@ def train_tokenizer(records, opts):
 def load_data(opts):
     """(train records, eval records, training file, eval file); the built-in task's files when --data is empty.
     Every line is validated here, before anything is written or built (one line and exit on bad input)."""
-    data_path = opts.data or builtin_file("sft.jsonl")
-    eval_path = opts.eval_data or ("" if opts.data else builtin_file("sft_eval.jsonl"))
     with input_errors():
+        data_path = opts.data or builtin_file("sft.jsonl")
+        eval_path = opts.eval_data or ("" if opts.data else builtin_file("sft_eval.jsonl"))
         records, eval_records = load_train_eval("sft", data=data_path, eval_data=eval_path,
                                                 eval_fraction=opts.eval_fraction, seed=opts.seed)
     return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
