@@ -1,22 +1,24 @@
 """The set-up every training script shares, written once (as nanochat's `compute_init`): options in, the run's
 distributed context, run record, tokenizer and placed models out. A script's main() reads, in order:
 
-    opts, world, run, data = launch.start(Options, argv, __doc__, check_options, "dpo", run_record, load=data_files)
+    opts, world, run, files = launch.start(Options, argv, __doc__, check_options, "dpo", run_record,
+                                           load=data_files)
     tok = launch.tokenizer(opts, run)
-    ... the script's own models and data (in the order that decides which bad input is reported first) ...
+    ... the script's own models and data, in its own order ...
     launch.place(opts, world, {"policy": policy}, {"reference model": ref})   # device, same weights, seeds
-    ddp, optimizer = launch.wrap(opts, policy, opts.lr)                        # compile, DDP / FSDP, AdamW
     ref = launch.frozen(opts, ref)                                             # --fsdp / --frozen / --offload_frozen
+    ddp, optimizer = launch.wrap(opts, policy, opts.lr)                        # compile, DDP / FSDP, AdamW
     launch.plan(opts, {"policy": policy, "ref": ref})                          # the memory plan
     launch.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
-    ... the loop: run.end_of_step(...) with launch.save(...) ...
-    launch.finish(opts, run, {"policy": policy}, {"reference": ref})
+    ... the loop: run.end_of_step(..., save=...) with launch.save(...) inside save ...
+    launch.finish(run, {"policy": policy}, {"reference": ref}, saved="saved out/dpo ...")
 
-So --fsdp, --lora_* (its adapters saved and resumed), --report_to, --resume / --overwrite, the memory plan and
-train_config.json behave the same in every script. What differs stays visible in the script: which data and
-models it reads and in what order (data is validated before any model is built, nothing is written to out_dir
-before the inputs are checked), what it computes between placing and wrapping (train_dpo.py's precomputed
-reference log-probs, train_unpaired.py's D2O samples), and its loop.
+So --fsdp, --lora_* (only the adapters in the state), --report_to, --resume / --overwrite, the same-weights
+check, the seeding, the memory plan and train_config.json are the same code in every script. What differs stays
+visible in the script: which inputs it reads and in what order (that order decides which bad input a user is
+told about first: train_sft.py and train_rm.py validate every data line before the run starts, through
+start's `load`), what it computes between placing and wrapping (train_dpo.py's precomputed reference log-probs,
+train_unpaired.py's D2O samples), and its loop.
 """
 import os
 
