@@ -73,13 +73,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nano_rlhf import dist, lora, parallel
-from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_state
+from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors, load_tokenizer, lr_at,
+from nano_rlhf.common import (autocast, builtin_file, check_vocab, fail, input_errors, lr_at,
                               load_reference, set_lr, split_off)
-from nano_rlhf.config import parse_args, save_config, to_dict
+from nano_rlhf.config import to_dict
 from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records,
                             tokenize_pairs, training_length)
 from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs, upcast
@@ -472,12 +470,10 @@ def check_options(opts):
     opts.out_dir = opts.out_dir or f"out/{loss}"
 
 
-def load_models(opts):
-    """Tokenizer, policy, (unless the loss is reference-free) the frozen reference: no grad, eval mode, never in
-    DDP or the optimizer, and the training length (--max_length resolved against the policy). Raises on bad
-    input (input_errors turns that into one line)."""
-    tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
-                         opts.date_string)
+def load_models(opts, tok):
+    """Policy, (unless the loss is reference-free) the frozen reference: no grad, eval mode, never in DDP or the
+    optimizer, and the training length (--max_length resolved against the policy). Raises on bad input
+    (input_errors turns that into one line)."""
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
     max_length = training_length(opts.max_length, policy.cfg.block_size, opts.init)
@@ -485,7 +481,7 @@ def load_models(opts):
     if opts.loss not in REFERENCE_FREE and not lora.shares_base(opts, opts.ref):   # (else: main's BaseView)
         ref = load_reference(opts.ref or opts.init, tok, max_length, f"training length {max_length} "
                              "(--max_length, default min(policy block_size, 1024))")
-    return tok, policy, ref, max_length
+    return policy, ref, max_length
 
 
 def data_files(opts):
@@ -587,20 +583,22 @@ def run_kto(argv):
     return train_unpaired.main(argv)
 
 
+def run_record(opts, files):
+    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
+    return dict(identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
+                inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
+
+
 # ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
     moved = kto_argv(sys.argv[1:] if argv is None else argv)
     if moved is not None:
         return run_kto(moved)
-    opts = parse_args(Options, argv, __doc__)
-    check_options(opts)
-    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
-    files = data_files(opts)
-    run = run_mod.start(opts, script="dpo", identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
-                        inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
+    opts, world, run, files = launch.start(Options, argv, __doc__, check_options, "dpo", run_record, load=data_files)
     with input_errors():
-        tok, policy, ref, max_length = load_models(opts)
+        tok = launch.tokenizer(opts, run)
+        policy, ref, max_length = load_models(opts, tok)
         if max_length != policy.cfg.block_size:
             run.identity.update(max_length=max_length)
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
@@ -608,19 +606,9 @@ def main(argv=None):
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = load_examples(opts, files, tok, max_length)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    # what the tokenizer resolved, not the flags: "auto" and an empty --date_string stand for a template and a
-    # date that a later --resume must render again (a Llama 3 date may default to today)
-    run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
-    if opts.grad_checkpoint:
-        policy.set_grad_checkpointing(True)                 # the reference runs without grad: nothing to save
-    policy.to(world.device)
-    if ref is not None:
-        ref.to(world.device)
-        dist.check_same_weights(ref, "reference model")
-    dist.check_same_weights(policy, "policy")
+    launch.place(opts, world, {"policy": policy}, {"reference model": ref})
     # PAFT: θ_init is the --init weights, held once (also on --resume, which restores θ but not θ_init)
     init_params = [p.detach().clone() for p in policy.parameters()] if opts.l1_coef else None
-    dist.seed_everything(opts.seed, world.rank)
     reference = "none" if ref is None else "precomputed" if opts.precompute_ref else "live"
     reference += " (the policy with its LoRA adapters off)" if isinstance(ref, lora.BaseView) else ""
     if opts.precompute_ref:
@@ -630,20 +618,12 @@ def main(argv=None):
         ref = None                                          # frees the reference model's memory
         dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in "
                     f"{time.time() - t0:.1f}s")
-    if opts.compile:
-        policy = torch.compile(policy)
-    ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
-    ddp = parallel.wrap(policy, opts.fsdp, dtype=opts.dtype)
-    optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    dist.print0(parallel.startup_plan({"policy": policy, "ref": ref}, "fsdp" if parallel.is_sharded(policy) else "ddp",
-                                      opts.frozen, opts.offload_frozen))
+    ref = launch.frozen(opts, ref)
+    ddp, optimizer = launch.wrap(opts, policy, opts.lr)
+    launch.plan(opts, {"policy": policy, "ref": ref})
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
-    if opts.resume:
-        batches.load_state_dict(run.resume(models={"policy": lora.checkpointed(policy)},
-                                           optimizers={"policy": optimizer})["data"])
-    if world.is_main:
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
-                    global_batch=batches.global_batch, max_steps=max_steps)
+    launch.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches},
+                  global_batch=batches.global_batch, max_steps=max_steps)
     dist.print0(f"{opts.loss.upper()} | beta {opts.beta}{lora.describe(policy)} | {len(train):,} train examples "
                 f"({counts}) | {len(evals):,} eval | max length {max_length} | global batch {batches.global_batch} | "
                 f"{max_steps} steps | reference: {reference}"
@@ -653,8 +633,7 @@ def main(argv=None):
     run.loss_key = ("train/loss", "train/grad_norm")      # a NaN/inf in either stops the run (checkpoint intact)
 
     def save(step):
-        save_state(opts.out_dir, {"policy": lora.checkpointed(policy)}, {"policy": optimizer},
-                   {"step": step, "data": batches.state_dict()})
+        launch.save(opts, step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
 
     nll_w = nll_weight(opts)
@@ -688,10 +667,8 @@ def main(argv=None):
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
                                                                              world.device), save=save):
             break
-    dist.check_same_weights(policy, "policy")
-    parallel.check_frozen({"reference": ref})
-    dist.print0(f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
-    run.finish()
+    launch.finish(run, {"policy": policy}, {"reference": ref},
+                  saved=f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)
 
 

@@ -48,13 +48,11 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora, parallel, synthetic
-from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_state
+from nano_rlhf import dist, launch, lora, parallel, synthetic
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_vocab, fail, input_errors,
-                              load_reference, load_tokenizer, lr_at, set_lr, split_off)
-from nano_rlhf.config import parse_args, save_config, to_dict
+from nano_rlhf.common import (BUILTIN_DIR, autocast, builtin_file, check_vocab, fail, input_errors,
+                              load_reference, lr_at, set_lr, split_off)
+from nano_rlhf.config import to_dict
 from nano_rlhf.data import Batches, collate_listwise, load_records, tokenize_listwise
 from nano_rlhf.model import GPT
 from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
@@ -314,18 +312,16 @@ def data_files(opts):
             "eval_data": opts.eval_data or builtin_listwise("listwise_eval.jsonl")}
 
 
-def load_models(opts):
-    """Tokenizer, policy and (lipo only) the frozen reference; none when LoRA's adapters-off policy is the reference
+def load_models(opts, tok):
+    """Policy and (lipo only) the frozen reference; none when LoRA's adapters-off policy is the reference
     (main makes it). Raises on bad input (one line via input_errors)."""
-    tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
-                         opts.date_string)
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
     ref = None
     if opts.loss == "lipo" and not lora.shares_base(opts, opts.ref):
         ref = load_reference(opts.ref or opts.init, tok, policy.cfg.block_size,
                              f"policy's {policy.cfg.block_size}")
-    return tok, policy, ref
+    return policy, ref
 
 
 def load_examples(opts, files, tok, block_size):
@@ -364,46 +360,32 @@ NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out
                 "lora_targets")
 
 
+def run_record(opts, files):
+    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
+    return dict(identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
+                inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
+
+
 # ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
-    opts = parse_args(Options, argv, __doc__)
-    check_options(opts)
-    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
-    files = data_files(opts)
-    run = run_mod.start(opts, script="listwise",
-                        identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
-                        inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
+    opts, world, run, files = launch.start(Options, argv, __doc__, check_options, "listwise", run_record,
+                                           load=data_files)
     with input_errors():
-        tok, policy, ref = load_models(opts)
+        tok = launch.tokenizer(opts, run)
+        policy, ref = load_models(opts, tok)
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
         if ref is None and opts.loss == "lipo":                         # LoRA, reference = --init: the policy
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
-    if opts.grad_checkpoint:
-        policy.set_grad_checkpointing(True)
-    policy.to(world.device)
-    if ref is not None:
-        ref.to(world.device)
-        dist.check_same_weights(ref, "reference model")
-    dist.check_same_weights(policy, "policy")
-    dist.seed_everything(opts.seed, world.rank)
-    if opts.compile:
-        policy = torch.compile(policy)
-    ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
-    ddp = parallel.wrap(policy, opts.fsdp, dtype=opts.dtype)
-    optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    dist.print0(parallel.startup_plan({"policy": policy, "ref": ref}, "fsdp" if parallel.is_sharded(policy) else "ddp",
-                                      opts.frozen, opts.offload_frozen))
+    launch.place(opts, world, {"policy": policy}, {"reference model": ref})
+    ref = launch.frozen(opts, ref)
+    ddp, optimizer = launch.wrap(opts, policy, opts.lr)
+    launch.plan(opts, {"policy": policy, "ref": ref})
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
-    if opts.resume:
-        batches.load_state_dict(run.resume(models={"policy": lora.checkpointed(policy)},
-                                           optimizers={"policy": optimizer})["data"])
-    if world.is_main:
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
-                    global_batch=batches.global_batch, max_steps=max_steps)
+    launch.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches},
+                  global_batch=batches.global_batch, max_steps=max_steps)
     n_rows = sum(len(e["completions"]) for e in train)
     dist.print0(f"{opts.loss.upper()}{lora.describe(policy)} | "
                 + (f"beta {opts.beta} | " if opts.loss == "lipo" else "")
@@ -415,8 +397,7 @@ def main(argv=None):
     run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        save_state(opts.out_dir, {"policy": lora.checkpointed(policy)}, {"policy": optimizer},
-                   {"step": step, "data": batches.state_dict()})
+        launch.save(opts, step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
 
     for step in range(run.step + 1, max_steps + 1):
@@ -445,10 +426,8 @@ def main(argv=None):
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
                                                                              world.device), save=save):
             break
-    dist.check_same_weights(policy, "policy")
-    parallel.check_frozen({"reference": ref})
-    dist.print0(f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
-    run.finish()
+    launch.finish(run, {"policy": policy}, {"reference": ref},
+                  saved=f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)
 
 

@@ -63,13 +63,10 @@ import torch
 import torch.nn.functional as F
 
 import train_dpo
-from nano_rlhf import dist, lora, parallel
+from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf import reward as reward_mod
-from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_state
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import BUILTIN_DIR, adamw, autocast, check_vocab, fail, input_errors, load_tokenizer, lr_at, set_lr
-from nano_rlhf.config import parse_args, save_config
+from nano_rlhf.common import BUILTIN_DIR, autocast, check_vocab, fail, input_errors, lr_at, set_lr
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, preference_matrix, symmetric_preference
@@ -557,74 +554,78 @@ NOT_IDENTITY = ("prompts", "eval_prompts", "tokenizer", "eos_token", "pad_token"
                 "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 
 
+def run_record(opts, _):
+    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
+    return dict(identity={k: v for k, v in vars(opts).items() if k not in NOT_IDENTITY},
+                inputs={"init": opts.init, "ref": opts.ref, "judge": judge_dir(opts.judge)},
+                data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
+                            "eval_prompts": opts.eval_prompts})
+
+
+def load_models(opts, tok, run):
+    """The policy (--lora_r: with adapters, what they add to the run's identity recorded), the initial
+    reference (the KL of the evaluation is always to it; --lora_r with the reference = --init: the policy with
+    its adapters off, no second copy) and, with --ref_update_every, the training reference: a separate copy
+    that is replaced with the policy every N steps (else training uses the initial reference). Raises on bad
+    input (one line via input_errors)."""
+    policy = GPT.from_pretrained(opts.init, dropout=0.0)
+    check_vocab(tok, policy.cfg, opts.init)
+    ref_dir = opts.ref or opts.init
+    run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
+    if lora.shares_base(opts, opts.ref):
+        init_ref = lora.BaseView(policy)
+    else:
+        init_ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+        check_vocab(tok, init_ref.cfg, ref_dir)
+    if init_ref.cfg.vocab_size != policy.cfg.vocab_size:     # Nash-MD adds their logits; every method compares them
+        raise ValueError(f"{ref_dir}: the reference's vocabulary ({init_ref.cfg.vocab_size}) differs from the "
+                         f"policy's ({policy.cfg.vocab_size})")
+    copy = None                # --ref_update_every: the training reference, a copy replaced every N steps
+    if needs_reference(opts) and opts.ref_update_every:
+        copy = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+    return policy, init_ref, copy
+
+
+def tokenize_inputs(opts, tok, block, prompt_records):
+    """The tokenized prompts and their stats, cut to leave --max_new_tokens of the policy's block_size."""
+    max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
+    if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
+        raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
+                         f"block_size {block}")
+    return tokenize_prompts(prompt_records, tok, max_prompt)
+
+
+def startup_line(opts, n_prompts, prompt_stats, step):
+    """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
+    return (f"{opts.method.upper()} | judge {opts.judge or '-'}"
+            f"{' + pairwise ' + opts.pair_judge if opts.pair_judge else ''}"
+            f" | {n_prompts:,} prompts ({prompt_stats}) | {opts.batch_size} prompts x {opts.samples_per_prompt} "
+            f"samples x {dist.world().world_size} ranks per step | reference update every "
+            f"{opts.ref_update_every or 'never'} | {opts.max_steps} steps"
+            + (f" | resuming at step {step}" if step else ""))
+
+
 def main(argv=None):
-    opts = parse_args(Options, argv, __doc__)
-    check_options(opts)
-    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
-    run = run_mod.start(opts, script="online", identity={k: v for k, v in vars(opts).items() if k not in NOT_IDENTITY},
-                        inputs={"init": opts.init, "ref": opts.ref, "judge": judge_dir(opts.judge)},
-                        data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
-                                    "eval_prompts": opts.eval_prompts})
+    opts, world, run, _ = launch.start(Options, argv, __doc__, check_options, "online", run_record)
     with input_errors():
         prompt_records, eval_records = load_prompts(opts)
-        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
-                             opts.date_string)
-        run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
-        policy = GPT.from_pretrained(opts.init, dropout=0.0)
-        check_vocab(tok, policy.cfg, opts.init)
-        # the initial reference: the KL of the evaluation is always to it; training uses `ref`, the same model
-        # unless --ref_update_every replaces it with copies of the policy
-        # (--lora_r with the reference = --init: the policy with its adapters off, no second copy)
-        ref_dir = opts.ref or opts.init
-        run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
-        if lora.shares_base(opts, opts.ref):
-            init_ref = lora.BaseView(policy)
-        else:
-            init_ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
-            check_vocab(tok, init_ref.cfg, ref_dir)
-        if init_ref.cfg.vocab_size != policy.cfg.vocab_size:     # Nash-MD adds their logits; every method compares them
-            raise ValueError(f"{ref_dir}: the reference's vocabulary ({init_ref.cfg.vocab_size}) differs from the "
-                             f"policy's ({policy.cfg.vocab_size})")
+        tok = launch.tokenizer(opts, run)
+        policy, init_ref, copy = load_models(opts, tok, run)
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
                            prompts=texts, template=opts.judge_template)
-        block = policy.cfg.block_size
-        max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
-        if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
-            raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
-                             f"block_size {block}")
-        prompts, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
+        prompts, prompt_stats = tokenize_inputs(opts, tok, policy.cfg.block_size, prompt_records)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     gold = reward_mod.builtin_gold(texts)
-    policy.to(world.device)
-    init_ref.to(world.device)
-    for name, m in (("policy", policy), ("reference", init_ref)):
-        dist.check_same_weights(m, name)
-    init_ref = parallel.prepare_frozen(init_ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
-    ref = None
-    if needs_reference(opts):
-        ref = init_ref
-        if opts.ref_update_every:        # a separate copy, replaced every N steps; init_ref stays for the eval KL
-            ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval().to(world.device)
-    dist.seed_everything(opts.seed, world.rank)
-    if opts.grad_checkpoint:
-        policy.set_grad_checkpointing(True)
-    ddp = parallel.wrap(policy, opts.fsdp, dtype=opts.dtype)
-    optimizer = adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    dist.print0(parallel.startup_plan({"policy": policy, "ref": init_ref}, "fsdp" if parallel.is_sharded(policy)
-                                      else "ddp", opts.frozen, opts.offload_frozen))
-    models = {"policy": lora.checkpointed(policy),
-              **({"ref": ref} if opts.ref_update_every and ref is not None else {})}
-    if opts.resume:
-        prompt_batches.load_state_dict(run.resume(models=models, optimizers={"policy": optimizer})["data"])
-    if world.is_main:
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size)
+    launch.place(opts, world, {"policy": policy}, {"reference": init_ref, "reference copy": copy})
+    init_ref = launch.frozen(opts, init_ref)
+    ref = copy if copy is not None else init_ref if needs_reference(opts) else None
+    ddp, optimizer = launch.wrap(opts, policy, opts.lr)
+    launch.plan(opts, {"policy": policy, "ref": init_ref})
+    models = {"policy": policy, **({"ref": ref} if opts.ref_update_every and ref is not None else {})}
+    launch.resume(opts, run, models, {"policy": optimizer}, data={"data": prompt_batches})
     k = opts.samples_per_prompt
-    dist.print0(f"{opts.method.upper()}{lora.describe(policy)} | judge {opts.judge or '-'}"
-                f"{' + pairwise ' + opts.pair_judge if opts.pair_judge else ''}"
-                f" | {len(prompts):,} prompts ({prompt_stats}) | {opts.batch_size} prompts x {k} samples x "
-                f"{world.world_size} ranks per step | reference update every {opts.ref_update_every or 'never'} | "
-                f"{opts.max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
+    dist.print0(startup_line(opts, len(prompts), prompt_stats, run.step))
     run.show = ["train/loss", "train/pairs", "train/score", "train/gold_reward", "train/response_length",
                 "time/rollout_frac", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]
     run.loss_key = ("train/loss", "train/grad_norm")
@@ -650,12 +651,12 @@ def main(argv=None):
         return metrics
 
     def save(step):
-        save_state(opts.out_dir, models, {"policy": optimizer}, {"step": step, "data": prompt_batches.state_dict()})
+        launch.save(opts, step, models, {"policy": optimizer}, data={"data": prompt_batches})
         save_model_dir(opts.out_dir, policy, tok)
 
     if run.step == 0 and opts.eval_interval:
         run.log(0, evaluate(0))
-    kl_history, kl_warned = [], False       # train/kl of the steps so far (a resumed run starts a new history)
+    kl_watch = SimpleNamespace(history=[], warned=False)   # train/kl so far (a resumed run starts a new history)
     for step in range(run.step + 1, opts.max_steps + 1):
         t0 = time.time()
         lr = lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant")
@@ -696,24 +697,28 @@ def main(argv=None):
             ref.load_state_dict((lora.merged_copy(policy) if opts.lora_r else policy).state_dict())
         metrics = step_metrics(s, scores, stats, gold)
         if "train/kl" in metrics and opts.kl_warn:      # the same value on every rank (all-reduced)
-            if not kl_warned and kl_jump(kl_history, metrics["train/kl"], opts.kl_warn) and world.is_main:
-                kl_warned = True
-                print(f"warning: step {step}: the KL to the initial reference jumped to {metrics['train/kl']:.2f} "
-                      f"nats (median {median(kl_history[-10:] or [0.0]):.2f} over the previous steps): the policy "
-                      "may be exploiting a blind spot of the judge; compare train/score with an independent measure of "
-                      "quality, and see docs/algorithms.md, 'Online and self-play methods'",
-                      file=sys.stderr, flush=True)
-            kl_history.append(metrics["train/kl"])
+            watch_kl(kl_watch, metrics["train/kl"], opts.kl_warn, step)
         t_step = time.time() - t0
         metrics.update({"train/lr": lr, "train/grad_norm": grad_norm, "train/step_time": t_step,
                         "train/generate_time": t_gen, "time/rollout_frac": t_gen / max(t_step, 1e-9)})
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
-    dist.check_same_weights(policy, "policy")
-    parallel.check_frozen({"reference": init_ref})
-    dist.print0(f"saved {opts.out_dir} (HF {policy.architecture} layout)")
-    run.finish()
+    launch.finish(run, {"policy": policy}, {"reference": init_ref},
+                  saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, init_ref=init_ref, judge=judge, optimizer=optimizer, options=opts)
+
+
+def watch_kl(watch, kl, floor, step):
+    """--kl_warn: one warning (rank 0) the first time the KL to the initial reference jumps (kl_jump: above
+    `floor` nats and a multiple of the previous steps' median); watch.history: train/kl of the steps so far."""
+    if not watch.warned and kl_jump(watch.history, kl, floor) and dist.world().is_main:
+        watch.warned = True
+        print(f"warning: step {step}: the KL to the initial reference jumped to {kl:.2f} "
+              f"nats (median {median(watch.history[-10:] or [0.0]):.2f} over the previous steps): the policy "
+              "may be exploiting a blind spot of the judge; compare train/score with an independent measure of "
+              "quality, and see docs/algorithms.md, 'Online and self-play methods'",
+              file=sys.stderr, flush=True)
+    watch.history.append(kl)
 
 
 def step_metrics(samples: Samples, scores, stats, gold):

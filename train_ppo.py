@@ -61,15 +61,12 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora, parallel
+from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf import judge as judge_mod
 from nano_rlhf import reward as reward_mod
-from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_state
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (BUILTIN_DIR, adamw, autocast, builtin_file, check_vocab, fail, input_errors,
-                              load_tokenizer, lr_at, set_lr, split_off)
-from nano_rlhf.config import parse_args, save_config
+from nano_rlhf.common import (BUILTIN_DIR, autocast, builtin_file, check_vocab, fail, input_errors,
+                              lr_at, set_lr, split_off)
 from nano_rlhf.data import (Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft,
                             training_length)
 from nano_rlhf.evaluate import sample_and_score, summarize
@@ -202,8 +199,7 @@ class Learner:
 
     @classmethod
     def of(cls, model, lr, opts):
-        return cls(model, parallel.wrap(model, opts.fsdp, dtype=opts.dtype),
-                   adamw(model, lr, opts.weight_decay, eps=opts.adam_eps))
+        return cls(model, *launch.wrap(opts, model, lr))     # DDP / FSDP; AdamW with --adam_eps
 
     def step(self, grad_clip):
         """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
@@ -865,6 +861,10 @@ def check_options(opts):
     msg = lora.check_options(opts)
     if msg:
         fail(msg, 2)
+    opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
+    if opts.critic_init == "auto":
+        opts.critic_init = "reward_model" if opts.reward == "model" else "policy"
+    opts.micro_batch_size = opts.micro_batch_size or mb_size
 
 
 def load_prompts(opts):
@@ -883,7 +883,8 @@ def load_prompts(opts):
 
 
 def load_models(opts, tok, prompt_texts, device, identity):
-    """Policy, reference (only if β > 0), reward and critic (only for gae), on the device. With --lora_r the
+    """Policy, reference (only if β > 0), reward and critic (only for gae); the reward on the device (launch.place
+    moves the others). With --lora_r the
     policy and critic get adapters (what that adds to the run's identity goes into `identity`) and a
     reference that is --init is the policy with its adapters off (lora.BaseView), not a second model."""
     policy = GPT.from_pretrained(opts.init, dropout=0.0)      # dropout off: rollout log-probs must be reproducible
@@ -910,15 +911,31 @@ def load_models(opts, tok, prompt_texts, device, identity):
         critic = ScoreModel.from_pretrained(src, new_head=opts.critic_init == "policy", dropout=0.0)
         check_vocab(tok, critic.cfg, src)                     # it reads the policy tokenizer's ids
         identity.update(lora.attach(critic, opts, src, trainable=("score",), prefix="critic_lora", seed=opts.seed + 1))
-    models = Models(policy=policy.to(device), reward=reward, ref=ref and ref.to(device),
-                    critic=critic and critic.to(device), gold=reward_mod.builtin_gold(prompt_texts))
-    for name in ("policy", "ref", "critic"):
-        if getattr(models, name) is not None:
-            dist.check_same_weights(getattr(models, name), name)
     for rm in (reward, getattr(reward, "pointwise", None)):
         if isinstance(rm, reward_mod.RewardModel):
             dist.check_same_weights(rm.model, "reward model")
-    return models
+    return Models(policy=policy, reward=reward, ref=ref, critic=critic, gold=reward_mod.builtin_gold(prompt_texts))
+
+
+def tokenize_inputs(opts, tok, block, prompt_records, ptx_records):
+    """The tokenized prompts (and their stats) and the PTX batches, at the lengths the policy's block_size
+    allows. Raises on bad input (one line via input_errors)."""
+    world = dist.world()
+    # the sequence length, as --max_length's default in the other scripts: an --init model may declare 128k
+    # positions, which no prompt + response needs (and the KV cache would be sized by)
+    length = training_length(0, block, opts.init)
+    max_prompt = opts.max_prompt_len or length - opts.max_new_tokens
+    if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
+        raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
+                         f"block_size {block}" + ("" if opts.max_prompt_len else
+                                                  " (--max_prompt_len 0 = min(block_size, 1024) - --max_new_tokens)"))
+    prompts, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
+    ptx = None
+    if ptx_records is not None:
+        ptx_examples, _ = tokenize_sft(ptx_records, tok, length)
+        ptx = Ptx(Batches(len(ptx_examples), opts.ptx_batch_size, 1, world.rank, world.world_size, opts.seed),
+                  ptx_examples, opts.ptx_coef, tok.pad_id)
+    return prompts, prompt_stats, ptx
 
 
 def step_metrics(r: Rollout, targets: Advantages, sums, beta):
@@ -948,83 +965,38 @@ def step_metrics(r: Rollout, targets: Advantages, sums, beta):
 
 
 def main(argv=None):
-    opts = parse_args(Options, argv, __doc__)
-    check_options(opts)
-    opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
-    if opts.critic_init == "auto":
-        opts.critic_init = "reward_model" if opts.reward == "model" else "policy"
-    mb_size = opts.batch_size * opts.samples_per_prompt // opts.num_minibatches
-    opts.micro_batch_size = opts.micro_batch_size or mb_size
-    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
-    run = run_mod.start(opts, script="ppo", identity=run_identity(opts),
-                        inputs={"init": opts.init, "ref": opts.ref, "reward_model": reward_model_dir(opts),
-                                "judge": judge_mod.model_dir(opts.judge)},
-                        data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
-                                    "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
+    opts, world, run, _ = launch.start(Options, argv, __doc__, check_options, "ppo", run_record)
     with input_errors():
         prompt_records, eval_records = load_prompts(opts)
         ptx_records = load_records(opts.ptx_data, "sft") if opts.ptx_data else None
-        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
-                             opts.date_string)
-        # what the prompts render to, as the tokenizer resolved it ("auto", an empty --date_string): a resumed
-        # run must render the same tokens (checked by run.resume)
-        run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
+        tok = launch.tokenizer(opts, run)
         torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
         models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device,
                              run.identity)
-        block = models.policy.cfg.block_size
-        # the sequence length, as --max_length's default in the other scripts: an --init model may declare 128k
-        # positions, which no prompt + response needs (and the KV cache would be sized by)
-        length = training_length(0, block, opts.init)
-        max_prompt = opts.max_prompt_len or length - opts.max_new_tokens
-        if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
-            raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
-                             f"block_size {block}" + ("" if opts.max_prompt_len else
-                                                      " (--max_prompt_len 0 = min(block_size, 1024) - --max_new_tokens)"))
-        prompts, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
+        prompts, prompt_stats, ptx = tokenize_inputs(opts, tok, models.policy.cfg.block_size, prompt_records,
+                                                     ptx_records)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
-        ptx = None
-        if ptx_records is not None:
-            ptx_examples, _ = tokenize_sft(ptx_records, tok, length)
-            ptx = Ptx(Batches(len(ptx_examples), opts.ptx_batch_size, 1, world.rank, world.world_size, opts.seed),
-                      ptx_examples, opts.ptx_coef, tok.pad_id)
     eval_prompts = eval_records[:opts.eval_samples]
-    dist.seed_everything(opts.seed, world.rank)
+    launch.place(opts, world, {"policy": models.policy, "critic": models.critic}, {"ref": models.ref})
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
-    if opts.grad_checkpoint:                   # the trained models (before DDP wraps them); frozen ones run without grad
-        for m in (models.policy, models.critic):
-            if m is not None:
-                m.set_grad_checkpointing(True)
-    models.ref = parallel.prepare_frozen(models.ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
+    models.ref = launch.frozen(opts, models.ref)
     if isinstance(models.reward, reward_mod.RewardModel):
-        models.reward.model = parallel.prepare_frozen(models.reward.model, opts.fsdp, opts.frozen, opts.offload_frozen,
-                                                      opts.dtype)
+        models.reward.model = launch.frozen(opts, models.reward.model)
     policy = Learner.of(models.policy, opts.lr, opts)
     critic = Learner.of(models.critic, opts.critic_lr, opts) if models.critic is not None else None
     trained = {"policy": policy, **({"critic": critic} if critic else {})}
-    state = dict(models={k: lora.checkpointed(v.model) for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
+    state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
-    dist.print0(parallel.startup_plan({"policy": models.policy, "critic": models.critic, "ref": models.ref,
-                                       "reward": getattr(models.reward, "model", None)},
-                                      "fsdp" if parallel.is_sharded(models.policy) else "ddp", opts.frozen,
-                                      opts.offload_frozen))
-    if opts.resume:
-        meta = run.resume(**state)
+    launch.plan(opts, {"policy": models.policy, "critic": models.critic, "ref": models.ref,
+                       "reward": getattr(models.reward, "model", None)})
+    meta = launch.resume(opts, run, **state, data={"data": prompt_batches})
+    if meta:
         kl_ctl.beta = meta["kl_coef"]
-        prompt_batches.load_state_dict(meta["data"])
         if ptx is not None and "ptx_data" in meta:
             ptx.batches.load_state_dict(meta["ptx_data"])
-    if world.is_main:
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size)
-    dist.print0(f"{opts.advantage.upper()} | reward {opts.reward} | {len(prompts):,} prompts ({prompt_stats}) | "
-                f"{opts.batch_size} prompts x {opts.samples_per_prompt} samples x {world.world_size} ranks per step | "
-                f"{opts.ppo_epochs} epochs x {opts.num_minibatches} minibatches of {mb_size} (micro "
-                f"{opts.micro_batch_size}) | critic: {opts.critic_init if critic else 'none'} | {opts.max_steps} steps"
-                + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
-                                                  if isinstance(models.ref, lora.BaseView) else "")
-                + (f" | resuming at step {run.step}" if run.step else ""))
+    dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
     run.show = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac",
                 "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]
     run.loss_key = ["train/policy_loss", "train/value_loss"]
@@ -1046,10 +1018,8 @@ def main(argv=None):
         return metrics
 
     def save(step):
-        meta = {"step": step, "kl_coef": kl_ctl.beta, "data": prompt_batches.state_dict()}
-        if ptx is not None:
-            meta["ptx_data"] = ptx.batches.state_dict()
-        save_state(opts.out_dir, meta=meta, **state)
+        launch.save(opts, step, **state, data={"data": prompt_batches, **({"ptx_data": ptx.batches} if ptx else {})},
+                    kl_coef=kl_ctl.beta)
         save_model_dir(opts.out_dir, models.policy, tok)
 
     if run.step == 0 and opts.eval_interval:       # the starting point of the eval curves
@@ -1091,11 +1061,8 @@ def main(argv=None):
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
-    for name, learner in trained.items():
-        dist.check_same_weights(learner.model, name)
-    parallel.check_frozen({"ref": models.ref, "reward model": getattr(models.reward, "model", None)})
-    dist.print0(f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
-    run.finish()
+    launch.finish(run, state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None)},
+                  saved=f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
                            optimizers=state["optimizers"], options=opts)
 
@@ -1117,6 +1084,28 @@ def run_identity(opts):
     if opts.reward == "selfplay":
         identity.update(judge=opts.judge, pair_judge=opts.pair_judge, judge_template=opts.judge_template)
     return identity
+
+
+def run_record(opts, _):
+    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
+    return dict(identity=run_identity(opts), inputs={"init": opts.init, "ref": opts.ref,
+                                                     "reward_model": reward_model_dir(opts),
+                                                     "judge": judge_mod.model_dir(opts.judge)},
+                data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
+                            "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
+
+
+def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
+    """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
+    return (f"{opts.advantage.upper()} | reward {opts.reward} | {n_prompts:,} prompts ({prompt_stats}) | "
+            f"{opts.batch_size} prompts x {opts.samples_per_prompt} samples x {dist.world().world_size} ranks per "
+            f"step | "
+            f"{opts.ppo_epochs} epochs x {opts.num_minibatches} minibatches of "
+            f"{opts.batch_size * opts.samples_per_prompt // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
+            f"critic: {opts.critic_init if models.critic is not None else 'none'} | {opts.max_steps} steps"
+            + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
+                                              if isinstance(models.ref, lora.BaseView) else "")
+            + (f" | resuming at step {step}" if step else ""))
 
 
 def eval_rewards(models: Models, opts):

@@ -32,7 +32,6 @@ small preference sets (Ouyang et al. 2022; the N+ implementation details); linea
 """
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -40,13 +39,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora, parallel, synthetic
-from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_state
+from nano_rlhf import dist, launch, lora, parallel, synthetic
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
-                              derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
-from nano_rlhf.config import parse_args, save_config
+from nano_rlhf.common import (autocast, builtin_file, check_device, check_finite, check_vocab,
+                              derive_max_steps, fail, input_errors, lr_at, set_lr)
 from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs, training_length
 from nano_rlhf.model import GPTConfig, ScoreModel, upcast
 from nano_rlhf.options import CompileOption, RunOptions
@@ -236,12 +232,24 @@ def builtin_gold_reward(prompts, completions):
 # ---- data and model --------------------------------------------------------------------------------
 
 def load_data(opts):
-    """(train records, eval records, training file, eval file); the built-in task's files when --data is empty."""
-    data_path = opts.data or builtin_file("preference.jsonl")
-    eval_path = opts.eval_data or ("" if opts.data else builtin_file("preference_eval.jsonl"))
-    records, eval_records = load_train_eval("preference", data=data_path, eval_data=eval_path,
-                                            eval_fraction=opts.eval_fraction, seed=opts.seed)
+    """(train records, eval records, training file, eval file); the built-in task's files when --data is empty.
+    Every line is validated here, before anything is written or built (one line and exit on bad input)."""
+    with input_errors():
+        data_path = opts.data or builtin_file("preference.jsonl")
+        eval_path = opts.eval_data or ("" if opts.data else builtin_file("preference_eval.jsonl"))
+        records, eval_records = load_train_eval("preference", data=data_path, eval_data=eval_path,
+                                                eval_fraction=opts.eval_fraction, seed=opts.seed)
     return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
+
+
+def run_record(opts, data):
+    """What defines a reward-model run (compared on --resume), the inputs it only reads and its data files."""
+    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    return dict(inputs={"init": opts.init, "tokenizer": opts.tokenizer},
+                identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
+                              use_margin=opts.use_margin, center_coef=opts.center_coef, l2_coef=opts.l2_coef,
+                              dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
+                data_files={"data": data[2], "eval_data": opts.eval_data})
 
 
 def tokenize(records, tok, block_size, path):
@@ -291,23 +299,11 @@ def check_options(opts):
 
 
 def main(argv=None):
-    opts = parse_args(Options, argv, __doc__)
-    check_options(opts)
-    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
-
-    with input_errors():     # every line is validated before anything is written or built
-        records, eval_records, data_path, eval_path = load_data(opts)
-    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
-    run = run_mod.start(opts, script="rm", inputs={"init": opts.init, "tokenizer": opts.tokenizer},
-                        identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
-                                      use_margin=opts.use_margin, center_coef=opts.center_coef, l2_coef=opts.l2_coef,
-                                      dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
-                        data_files={"data": data_path, "eval_data": opts.eval_data})
+    # data first (load_data): every line is validated before anything is written or built
+    opts, world, run, (records, eval_records, data_path, eval_path) = launch.start(
+        Options, argv, __doc__, check_options, "rm", run_record, load=load_data)
     with input_errors():
-        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
-                             opts.date_string)
-        # what the data renders to: a resumed run must render the same tokens (checked by run.resume)
-        run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
+        tok = launch.tokenizer(opts, run)
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init, trainable=("score",)))   # --lora_r; head trains
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
@@ -319,21 +315,12 @@ def main(argv=None):
     # the gold-reward diagnostic only where it is defined: every eval prompt is one of the built-in task's
     gold = builtin_gold_reward if all(isinstance(p["texts"][0], str) and synthetic.is_task_prompt(p["texts"][0])
                                       for p in evals) else None
-    model.to(world.device)
-    if opts.grad_checkpoint:
-        model.set_grad_checkpointing(True)
-    dist.check_same_weights(model, "reward model")
-    dist.seed_everything(opts.seed, world.rank)
-    ddp = parallel.wrap(model, opts.fsdp, dtype=opts.dtype) if opts.fsdp else \
-        dist.wrap_ddp(torch.compile(model) if opts.compile else model)
-    optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    dist.print0(parallel.startup_plan({"rm": model}, "fsdp" if parallel.is_sharded(model) else "ddp"))
+    launch.place(opts, world, {"reward model": model})
+    ddp, optimizer = launch.wrap(opts, model, opts.lr)
+    launch.plan(opts, {"rm": model})
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    if opts.resume:
-        batches.load_state_dict(run.resume(models={"rm": lora.checkpointed(model)}, optimizers={"rm": optimizer})["data"])
-    if world.is_main:
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
-                    global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
+    launch.resume(opts, run, {"rm": model}, {"rm": optimizer}, data={"data": batches},
+                  global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters{lora.describe(model)} | {len(train):,} train pairs "
                 f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | max length {max_length} | global batch "
                 f"{batches.global_batch} "
@@ -348,8 +335,7 @@ def main(argv=None):
         return evaluated[step]
 
     def save(step):
-        save_state(opts.out_dir, {"rm": lora.checkpointed(model)}, {"rm": optimizer},
-                   {"step": step, "data": batches.state_dict()})
+        launch.save(opts, step, {"rm": model}, {"rm": optimizer}, data={"data": batches})
         # the final model directory is written once, below, with its score statistics: a model saved
         # here at the last step without reward_mean/std would make PPO skip normalisation if the run
         # died before that save (a --resume at max_steps then only evaluates and saves)

@@ -36,13 +36,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora, parallel
-from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import save_state
+from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (adamw, autocast, builtin_file, check_device, check_finite, check_vocab,
+from nano_rlhf.common import (autocast, builtin_file, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
-from nano_rlhf.config import parse_args, save_config
 from nano_rlhf.data import (Batches, collate_packed, collate_sft, load_train_eval, pack_sft, tokenize_sft,
                             training_length)
 from nano_rlhf.model import GPT, GPTConfig, token_logprobs
@@ -118,27 +115,37 @@ def record_texts(records):
             yield flat(r["completion"])
 
 
-def train_tokenizer(records, *, out_dir, vocab_size, reuse, eos_token, pad_token, chat_template, date_string):
-    """A BPE tokenizer of vocab_size trained on the records (with the special tokens of `chat_template`;
+def train_tokenizer(records, opts):
+    """A BPE tokenizer of --vocab_size trained on the records (with the special tokens of --chat_template;
     auto = plain), saved as out_dir/tokenizer.json (the model directory's tokenizer) with the template and
-    date; reuse=True (--resume) loads the one saved there instead. Rank 0 trains it, the other ranks load
-    that very file."""
-    path = os.path.join(out_dir, "tokenizer.json")
-    if dist.world().is_main and not (reuse and os.path.isfile(path)):
-        os.makedirs(out_dir, exist_ok=True)
-        Tokenizer.train(record_texts(records), vocab_size, chat_template=chat_template,
-                        date_string=date_string or None).save(path)
+    date; --resume loads the one saved there instead. Rank 0 trains it, the other ranks load that very file."""
+    path = os.path.join(opts.out_dir, "tokenizer.json")
+    if dist.world().is_main and not (opts.resume and os.path.isfile(path)):
+        os.makedirs(opts.out_dir, exist_ok=True)
+        Tokenizer.train(record_texts(records), opts.vocab_size, chat_template=opts.chat_template,
+                        date_string=opts.date_string or None).save(path)
     dist.barrier()
-    return load_tokenizer(path, "", eos_token, pad_token, chat_template, date_string)
+    return load_tokenizer(path, "", opts.eos_token, opts.pad_token, opts.chat_template, opts.date_string)
 
 
 def load_data(opts):
-    """(train records, eval records, training file, eval file); the built-in task's files when --data is empty."""
-    data_path = opts.data or builtin_file("sft.jsonl")
-    eval_path = opts.eval_data or ("" if opts.data else builtin_file("sft_eval.jsonl"))
-    records, eval_records = load_train_eval("sft", data=data_path, eval_data=eval_path,
-                                            eval_fraction=opts.eval_fraction, seed=opts.seed)
+    """(train records, eval records, training file, eval file); the built-in task's files when --data is empty.
+    Every line is validated here, before anything is written or built (one line and exit on bad input)."""
+    with input_errors():
+        data_path = opts.data or builtin_file("sft.jsonl")
+        eval_path = opts.eval_data or ("" if opts.data else builtin_file("sft_eval.jsonl"))
+        records, eval_records = load_train_eval("sft", data=data_path, eval_data=eval_path,
+                                                eval_fraction=opts.eval_fraction, seed=opts.seed)
     return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
+
+
+def run_record(opts, data):
+    """What defines an SFT run (compared on --resume), the inputs it only reads and its data files."""
+    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    return dict(inputs={"init": opts.init, "tokenizer": opts.tokenizer},
+                identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
+                              dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
+                data_files={"data": data[2], "eval_data": opts.eval_data})
 
 
 def build_model(opts, tok):
@@ -227,26 +234,12 @@ def check_options(opts):
 
 
 def main(argv=None):
-    opts = parse_args(Options, argv, __doc__)
-    check_options(opts)
-    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
-
-    # ---- data first: every line is validated before anything is written or built ----
+    # data first (load_data): every line is validated before anything is written or built
+    opts, world, run, (records, eval_records, data_path, eval_path) = launch.start(
+        Options, argv, __doc__, check_options, "sft", run_record, load=load_data)
     with input_errors():
-        records, eval_records, data_path, eval_path = load_data(opts)
-    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
-    run = run_mod.start(opts, script="sft", inputs={"init": opts.init, "tokenizer": opts.tokenizer},
-                        identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
-                                      dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
-                        data_files={"data": data_path, "eval_data": opts.eval_data})
-    with input_errors():
-        tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
-                             opts.date_string) if opts.tokenizer or opts.init \
-            else train_tokenizer(records, out_dir=opts.out_dir, vocab_size=opts.vocab_size, reuse=opts.resume,
-                                 eos_token=opts.eos_token, pad_token=opts.pad_token,
-                                 chat_template=opts.chat_template, date_string=opts.date_string)
-        # what the data renders to: a resumed run must render the same tokens (checked by run.resume)
-        run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string, packing=opts.packing)
+        tok = launch.tokenizer(opts, run, train=lambda: train_tokenizer(records, opts))
+        run.identity.update(packing=opts.packing)     # packed rows are other tokens: a --resume must pack too
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init))   # --lora_r: adapters, the base frozen
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
@@ -259,22 +252,12 @@ def main(argv=None):
             train = pack_sft(train, max_length)
             train_stats = f"{train_stats}; packed {n_examples} into {len(train)} rows"
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    model.to(world.device)
-    if opts.grad_checkpoint:
-        model.set_grad_checkpointing(True)
-    dist.check_same_weights(model, "policy")
-    dist.seed_everything(opts.seed, world.rank)           # from here on ranks differ (dropout)
-    ddp = parallel.wrap(model, opts.fsdp, None, opts.dtype) if opts.fsdp else \
-        dist.wrap_ddp(torch.compile(model) if opts.compile else model)
-    optimizer = adamw(model, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    dist.print0(parallel.startup_plan({"policy": model}, "fsdp" if parallel.is_sharded(model) else "ddp"))
+    launch.place(opts, world, {"policy": model})            # from here on ranks differ (dropout)
+    ddp, optimizer = launch.wrap(opts, model, opts.lr)
+    launch.plan(opts, {"policy": model})
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    if opts.resume:
-        batches.load_state_dict(run.resume(models={"policy": lora.checkpointed(model)},
-                                           optimizers={"policy": optimizer})["data"])
-    if world.is_main:
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
-                    global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
+    launch.resume(opts, run, {"policy": model}, {"policy": optimizer}, data={"data": batches},
+                  global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"SFT | {model.num_params():,} parameters{lora.describe(model)} | {len(train):,} train examples ({train_stats}) | "
                 f"{len(evals):,} eval ({eval_stats}) | max length {max_length} | global batch {batches.global_batch}"
                 f" = {opts.batch_size} "
@@ -287,8 +270,7 @@ def main(argv=None):
             return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
 
     def save(step):
-        save_state(opts.out_dir, {"policy": lora.checkpointed(model)}, {"policy": optimizer},
-                   {"step": step, "data": batches.state_dict()})
+        launch.save(opts, step, {"policy": model}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, model, tok)
 
     for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
@@ -300,12 +282,9 @@ def main(argv=None):
         metrics.update({"train/lr": lr, "train/epoch": batches.epoch + batches.pos / len(train)})
         if run.end_of_step(step, metrics, evaluate=evaluate, save=save):
             break
-    dist.check_same_weights(model, "policy")     # DDP kept every rank in lock-step: prove it
-    dist.print0(f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
-                f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
-    run.finish()
+    launch.finish(run, {"policy": model}, saved=f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
+                  f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
-
 
 if __name__ == "__main__":
     main()

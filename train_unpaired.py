@@ -73,13 +73,12 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora, parallel, synthetic
-from nano_rlhf import run as run_mod
-from nano_rlhf.checkpoint import atomic_write_text, save_state
+from nano_rlhf import dist, launch, lora, parallel, synthetic
+from nano_rlhf.checkpoint import atomic_write_text
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (adamw, autocast, builtin_file, check_vocab, fail, input_errors,
-                              load_reference, load_tokenizer, lr_at, set_lr, split_off)
-from nano_rlhf.config import parse_args, save_config, to_dict
+from nano_rlhf.common import (autocast, builtin_file, check_vocab, fail, input_errors,
+                              load_reference, lr_at, set_lr, split_off)
+from nano_rlhf.config import to_dict
 from nano_rlhf.data import (Batches, DataError, collate_prompts, load_records, load_scored, pad_right,
                             tokenize_scored, tokenize_unpaired, training_length)
 from nano_rlhf.model import GPT, ScoreModel, upcast
@@ -546,12 +545,10 @@ def tokenize_examples(opts, files, records, eval_records, eval_source, tok, leng
     return train, evals, counts
 
 
-def load_models(opts):
-    """Tokenizer, policy, the frozen reference (none when LoRA's adapters-off policy is the reference: main makes
-    it), DRO's value model and the training length (kto: --max_length resolved against the policy; else its
+def load_models(opts, tok):
+    """Policy, the frozen reference (none when LoRA's adapters-off policy is the reference: main makes it),
+    DRO's value model and the training length (kto: --max_length resolved against the policy; else its
     block_size). Raises on bad input (one line via input_errors)."""
-    tok = load_tokenizer(opts.tokenizer, opts.init, opts.eos_token, opts.pad_token, opts.chat_template,
-                         opts.date_string)
     policy = GPT.from_pretrained(opts.init, dropout=opts.dropout)
     check_vocab(tok, policy.cfg, opts.init)
     length, what = policy.cfg.block_size, f"policy's {policy.cfg.block_size}"
@@ -565,7 +562,28 @@ def load_models(opts):
     if opts.method == "dro":
         value = ScoreModel.from_pretrained(opts.init, new_head=True, dropout=0.0)
         torch.nn.init.zeros_(value.score.weight)        # V(x) = 0 at the start: the first steps see the raw r
-    return tok, policy, ref, value, length
+    return policy, ref, value, length
+
+
+def d2o_samples(opts, ref, examples, tok, block_size):
+    """D2O's K responses per prompt, drawn once from the placed reference before training and written to
+    out_dir/d2o_samples.jsonl (--resume reads them back from there). Raises on bad input (one line)."""
+    prompts = sorted({tuple(e["prompt"]) for e in examples})
+    path = os.path.join(opts.out_dir, SAMPLES_FILE)
+    with input_errors():
+        if opts.resume:
+            samples = load_samples(path, prompts, opts.num_samples)
+        else:
+            t0 = time.time()
+            samples = draw_samples(opts, ref, prompts, tok, dist.world().device)
+            if dist.world().is_main:
+                save_samples(path, samples, tok)
+            dist.print0(f"sampled {opts.num_samples} responses for each of {len(prompts):,} prompts from the "
+                        f"reference in {time.time() - t0:.1f}s -> {path}")
+        longest = max(len(p) + len(y) for p, ys in samples.items() for y in ys)
+        if longest > block_size:
+            raise ValueError(f"{path}: a prompt + sample of {longest} tokens exceeds block_size {block_size}")
+    return samples
 
 
 # how the run is placed and sharded does not change the math; lora.attach records the --lora_* fields, with the
@@ -576,20 +594,21 @@ NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out
                 "precompute_ref", "max_length")
 
 
+def run_record(opts, files):
+    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
+    return dict(identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
+                inputs={"init": opts.init, "ref": opts.ref}, data_files={k: v for k, v in files.items() if v})
+
+
 # ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
-    opts = parse_args(Options, argv, __doc__)
-    check_options(opts)
-    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
-    files = data_files(opts)
-    run = run_mod.start(opts, script="unpaired",
-                        identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
-                        inputs={"init": opts.init, "ref": opts.ref},
-                        data_files={k: v for k, v in files.items() if v})
+    opts, world, run, files = launch.start(Options, argv, __doc__, check_options, "unpaired", run_record,
+                                           load=data_files)
     with input_errors():
         records = read_train_eval(opts, files)
-        tok, policy, ref, value, length = load_models(opts)
+        tok = launch.tokenizer(opts, run)
+        policy, ref, value, length = load_models(opts, tok)
         if length != policy.cfg.block_size:
             run.identity.update(max_length=length)
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
@@ -600,51 +619,21 @@ def main(argv=None):
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = tokenize_examples(opts, files, *records, tok, length)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
     models = {"policy": policy} if value is None else {"policy": policy, "value": value}
-    for name, model in models.items():
-        if opts.grad_checkpoint:
-            model.set_grad_checkpointing(True)
-        model.to(world.device)
-        dist.check_same_weights(model, name)
-    ref.to(world.device)
-    dist.seed_everything(opts.seed, world.rank)
+    launch.place(opts, world, models, {"reference": ref})
     if opts.precompute_ref:             # kto: S_ref stored in the examples, then the reference model freed
         precompute_reference(opts, ref, (train, evals), tok.pad_id, world.device)
         ref = None
-    samples = None
-    if opts.method == "d2o":
-        prompts = sorted({tuple(e["prompt"]) for e in train + evals})
-        path = os.path.join(opts.out_dir, SAMPLES_FILE)
-        with input_errors():
-            if opts.resume:
-                samples = load_samples(path, prompts, opts.num_samples)
-            else:
-                t0 = time.time()
-                samples = draw_samples(opts, ref, prompts, tok, world.device)
-                if world.is_main:
-                    save_samples(path, samples, tok)
-                dist.print0(f"sampled {opts.num_samples} responses for each of {len(prompts):,} prompts from the "
-                            f"reference in {time.time() - t0:.1f}s -> {path}")
-            longest = max(len(p) + len(y) for p, ys in samples.items() for y in ys)
-            if longest > policy.cfg.block_size:
-                raise ValueError(f"{path}: a prompt + sample of {longest} tokens exceeds block_size "
-                                 f"{policy.cfg.block_size}")
-    ref = parallel.prepare_frozen(ref, opts.fsdp, opts.frozen, opts.offload_frozen, opts.dtype)
-    ddp = {name: parallel.wrap(model, opts.fsdp, dtype=opts.dtype) for name, model in models.items()}
-    optimizers = {"policy": adamw(policy, opts.lr, opts.weight_decay, (opts.beta1, opts.beta2))}
-    if value is not None:
-        optimizers["value"] = adamw(value, opts.value_lr, opts.weight_decay, (opts.beta1, opts.beta2))
-    dist.print0(parallel.startup_plan({**models, "ref": ref}, "fsdp" if parallel.is_sharded(policy) else "ddp",
-                                      opts.frozen, opts.offload_frozen))
+    samples = d2o_samples(opts, ref, train + evals, tok, policy.cfg.block_size) if opts.method == "d2o" else None
+    ref = launch.frozen(opts, ref)
     peak = {"policy": opts.lr, "value": opts.value_lr}
+    ddp, optimizers = {}, {}
+    for name, m in models.items():
+        ddp[name], optimizers[name] = launch.wrap(opts, m, peak[name])
+    launch.plan(opts, {**models, "ref": ref})
     max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
-    if opts.resume:
-        batches.load_state_dict(run.resume(models={k: lora.checkpointed(model) for k, model in models.items()},
-                                           optimizers=optimizers)["data"])
-    if world.is_main:
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size,
-                    global_batch=batches.global_batch, max_steps=max_steps)
+    launch.resume(opts, run, models, optimizers, data={"data": batches}, global_batch=batches.global_batch,
+                  max_steps=max_steps)
     dist.print0(f"{opts.method.upper()}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | "
                 f"{len(evals):,} eval | global batch {batches.global_batch} | {max_steps} steps"
                 + (f" | max length {length} | reference: {'precomputed' if ref is None else 'live'}"
@@ -657,8 +646,7 @@ def main(argv=None):
     run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        save_state(opts.out_dir, {k: lora.checkpointed(model) for k, model in models.items()}, optimizers,
-                   {"step": step, "data": batches.state_dict()})
+        launch.save(opts, step, models, optimizers, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
         if value is not None:
             save_model_dir(os.path.join(opts.out_dir, "value"), value, tok)
@@ -707,11 +695,7 @@ def main(argv=None):
         if run.end_of_step(step, metrics, save=save, evaluate=lambda: evaluate_gathered(
                 opts, policy, ref, value, evals, tok.pad_id, world.device, samples)):
             break
-    for name, model in models.items():
-        dist.check_same_weights(model, name)
-    parallel.check_frozen({"reference": ref})
-    dist.print0(f"saved {opts.out_dir} (HF {policy.architecture} layout)")
-    run.finish()
+    launch.finish(run, models, {"reference": ref}, saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, value=value, optimizers=optimizers, options=opts, samples=samples)
 
 

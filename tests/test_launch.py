@@ -1,0 +1,247 @@
+"""nano_rlhf/launch.py, the set-up every script shares: the pieces on their own (placing and seeding, wrapping with
+the script's AdamW settings, the tokenizer recorded in the run, inputs loaded before the run touches out_dir,
+save/resume of models, optimizers and data order, train_config.json), then every one of the seven scripts
+through it: the same calls in every main (so --fsdp, --lora_*, --resume and the memory plan are the same code in
+each) and --report_to refused the same way by each before anything is written."""
+import builtins
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from test_lora_scripts import dpo_args, ppo_args, rm_args, sft_args
+from test_online import online_args
+from test_unpaired import args as unpaired_args
+
+import train_dpo
+import train_listwise
+import train_online
+import train_ppo
+import train_rm
+import train_sft
+import train_unpaired
+from nano_rlhf import dist, launch, synthetic
+from nano_rlhf import run as run_mod
+from nano_rlhf.data import Batches
+from nano_rlhf.options import RunOptions
+
+
+@dataclass
+class Toy(RunOptions):
+    out_dir: str = "out/toy"
+    seed: int = 3
+    max_steps: int = 4
+    batch_size: int = 2
+    grad_accum: int = 1
+    lr: float = 1e-2
+    weight_decay: float = 0.1
+
+
+def toy(argv=()):
+    return launch.start(Toy, list(argv), "toy", check=lambda o: None, script="toy",
+                        record=lambda o, data: {"identity": {"lr": o.lr}})
+
+
+# ---- the pieces -------------------------------------------------------------------------------------
+
+def test_place_moves_checkpoints_the_trained_only_and_seeds_per_rank(tok):
+    opts = Toy(grad_checkpoint=True)
+    policy, ref = tiny_model(tok), tiny_model(tok, seed=1)
+    launch.place(opts, dist.world(), {"policy": policy}, {"reference": ref, "absent": None})
+    assert policy.gradient_checkpointing and not ref.gradient_checkpointing
+    dev = dist.world().device
+    assert all(p.device.type == dev.type for m in (policy, ref) for p in m.parameters())
+    after = torch.rand(3)
+    dist.seed_everything(3, dist.world().rank)
+    assert torch.equal(after, torch.rand(3))        # seeded with --seed, for this rank
+
+
+def test_wrap_takes_the_scripts_adamw_settings(tok):
+    model = tiny_model(tok)
+    ddp, opt = launch.wrap(Toy(), model, 0.5)
+    assert ddp is model                             # one process: the model itself
+    groups = opt.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and groups[0]["lr"] == 0.5
+    assert groups[0]["betas"] == (0.9, 0.95) and groups[0]["eps"] == 1e-8
+
+    @dataclass
+    class WithAdam(Toy):
+        beta1: float = 0.8
+        beta2: float = 0.99
+        adam_eps: float = 1e-5
+    _, opt = launch.wrap(WithAdam(), model, 0.5)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.99) and opt.param_groups[0]["eps"] == 1e-5
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+
+
+def test_tokenizer_is_recorded_and_trained_only_without_tokenizer_or_init(tok, tmp_path):
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    run = type("R", (), {"identity": {}})()
+    made = []
+    got = launch.tokenizer(Toy(tokenizer=path), run, train=lambda: made.append(1))
+    assert not made and got.vocab_size == tok.vocab_size
+    assert run.identity == {"chat_template": got.chat_template, "date_string": got.date_string}
+    run.identity.clear()
+    assert launch.tokenizer(Toy(), run, train=lambda: got) is got and run.identity["chat_template"] == got.chat_template
+
+
+def test_start_loads_inputs_before_the_run_touches_out_dir(tmp_path, capsys):
+    out = tmp_path / "o"
+    seen = []
+
+    def bad(opts):
+        seen.append(opts.out_dir)
+        run_mod.fail("bad data")
+    with pytest.raises(SystemExit):
+        launch.start(Toy, ["--out_dir", str(out)], "toy", check=lambda o: None, script="toy",
+                     record=lambda o, d: {}, load=bad)
+    assert seen == [str(out)] and not out.exists()
+    assert capsys.readouterr().err.strip() == "error: bad data"
+    opts, world, run, data = launch.start(Toy, ["--out_dir", str(out)], "toy", check=lambda o: None, script="toy",
+                                          record=lambda o, d: {"identity": {"rows": d}}, load=lambda o: 7)
+    assert data == 7 and run.identity["rows"] == 7 and run.identity["script"] == "toy" and world is dist.world()
+    run.finish()
+
+
+def test_check_runs_before_the_run_starts(tmp_path, capsys):
+    def check(opts):
+        run_mod.fail("--lr is wrong", 2)
+    with pytest.raises(SystemExit) as e:
+        launch.start(Toy, ["--out_dir", str(tmp_path / "o")], "toy", check=check, script="toy",
+                     record=lambda o, d: {})
+    assert e.value.code == 2 and not (tmp_path / "o").exists()
+
+
+def test_save_then_resume_restores_models_optimizers_and_data_order(tok, tmp_path):
+    out = str(tmp_path / "o")
+    opts, world, run, _ = toy(["--out_dir", out])
+    model = tiny_model(tok)
+    _, opt = launch.wrap(opts, model, opts.lr)
+    batches = Batches(10, 2, 1, 0, 1, seed=0)
+    model(torch.ones(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    batches.next_step()
+    batches.next_step()
+    launch.save(opts, 2, {"policy": model}, {"policy": opt}, data={"data": batches}, extra=1.5)
+    run.saved = True
+    run.finish()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    nxt = batches.next_step()
+
+    opts, world, run, _ = toy(["--out_dir", out, "--resume"])
+    fresh = tiny_model(tok, seed=5)
+    _, opt2 = launch.wrap(opts, fresh, opts.lr)
+    order = Batches(10, 2, 1, 0, 1, seed=0)
+    meta = launch.resume(opts, run, {"policy": fresh}, {"policy": opt2}, data={"data": order}, max_steps=4)
+    assert meta["step"] == 2 and meta["extra"] == 1.5 and run.step == 2
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+    assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    assert order.next_step() == nxt
+    with open(os.path.join(out, "train_config.json")) as f:
+        config = json.load(f)
+    assert config["max_steps"] == 4 and config["world_size"] == 1 and config["resume"] is True
+    run.finish()
+
+
+def test_resume_off_writes_the_config_and_restores_nothing(tok, tmp_path):
+    opts, world, run, _ = toy(["--out_dir", str(tmp_path / "o")])
+    order = Batches(10, 2, 1, 0, 1, seed=0)
+    assert launch.resume(opts, run, {"policy": tiny_model(tok)}, {}, data={"data": order}, global_batch=2) == {}
+    with open(tmp_path / "o" / "train_config.json") as f:
+        assert json.load(f)["global_batch"] == 2
+    run.finish()
+
+
+# ---- every script through it ------------------------------------------------------------------------
+
+SMALL = dict(n_sft=50, n_pref=40, n_unpaired=20, n_prompts=10, n_eval_prompts=8, n_listwise=60)
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("task")
+    synthetic.write_dataset(str(d), seed=0, **SMALL)
+    return d
+
+
+def script_args(name, tmp_path, sft_dir, rm_dir, task_dir):
+    """(module, argv) of a tiny run of the script `name`."""
+    mod, argv = {
+        "sft": (train_sft, lambda: sft_args(tmp_path, sft_dir, "o")),
+        "rm": (train_rm, lambda: rm_args(tmp_path, sft_dir, "o")),
+        "dpo": (train_dpo, lambda: dpo_args(tmp_path, sft_dir, "o")),
+        "ppo": (train_ppo, lambda: ppo_args(tmp_path, sft_dir, rm_dir, "o")),
+        "listwise": (train_listwise, lambda: ["--loss", "lipo", "--data", str(task_dir / "listwise.jsonl"), "--init",
+                                              sft_dir, "--out_dir", str(tmp_path / "o"), "--max_steps", "2",
+                                              "--batch_size", "4"]),
+        "unpaired": (train_unpaired, lambda: unpaired_args(tmp_path, sft_dir, "o", "dro")),
+        "online": (train_online, lambda: online_args(tmp_path, sft_dir, rm_dir, "o")),
+    }[name]
+    return mod, argv()      # only this script's files are written (two scripts' helpers share a file name)
+
+SCRIPTS = ["sft", "rm", "dpo", "ppo", "listwise", "unpaired", "online"]
+# what each script places: {trained}, {frozen}, and the live models of its memory plan
+PLACED = {"sft": ({"policy"}, set(), ["policy"]), "rm": ({"reward model"}, set(), ["rm"]),
+          "dpo": ({"policy"}, {"reference model"}, ["policy", "ref"]),
+          "ppo": ({"policy", "critic"}, {"ref"}, ["policy", "critic", "ref", "reward"]),
+          "listwise": ({"policy"}, {"reference model"}, ["policy", "ref"]),
+          "unpaired": ({"policy", "value"}, {"reference"}, ["policy", "value", "ref"]),
+          "online": ({"policy"}, {"reference"}, ["policy", "ref"])}
+
+
+class Planned(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_sets_up_through_launch(name, tmp_path, sft_dir, rm_dir, task_dir, monkeypatch):
+    """Each main places its models, wraps each trained one (DDP / FSDP, AdamW) and prints the memory plan through
+    launch, in that order: --fsdp, the same-weights check, the seeding and the plan are the same code in all."""
+    mod, argv = script_args(name, tmp_path, sft_dir, rm_dir, task_dir)
+    calls = []
+    real_place, real_wrap = launch.place, launch.wrap
+
+    def place(opts, world, trained, frozen=None):
+        calls.append(("place", {k for k, m in trained.items() if m is not None},
+                      {k for k, m in (frozen or {}).items() if m is not None}))
+        return real_place(opts, world, trained, frozen)
+
+    def wrap(opts, model, lr):
+        calls.append(("wrap", lr))
+        return real_wrap(opts, model, lr)
+
+    def plan(opts, models):
+        calls.append(("plan", [k for k, m in models.items() if m is not None]))
+        raise Planned
+    monkeypatch.setattr(launch, "place", place)
+    monkeypatch.setattr(launch, "wrap", wrap)
+    monkeypatch.setattr(launch, "plan", plan)
+    with pytest.raises(Planned):
+        mod.main(argv)
+    trained, frozen, planned = PLACED[name]
+    assert calls[0] == ("place", trained, frozen)
+    assert [c[0] for c in calls[1:]] == ["wrap"] * len(trained) + ["plan"]
+    assert calls[-1][1] == planned
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_report_to_without_its_package_is_one_line_before_anything_is_written(name, tmp_path, sft_dir, rm_dir,
+                                                                               task_dir, monkeypatch, capsys):
+    real = builtins.__import__
+
+    def no_wandb(module, *a, **k):
+        if module == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real(module, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    mod, argv = script_args(name, tmp_path, sft_dir, rm_dir, task_dir)
+    with pytest.raises(SystemExit):
+        mod.main(argv + ["--report_to", "wandb"])
+    assert capsys.readouterr().err.strip() == "error: --report_to wandb needs the wandb package: pip install wandb"
+    assert not (tmp_path / "o").exists()
