@@ -95,7 +95,8 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     beta: Optional[float] = None  # β (ipo: τ); none = 0.1, or 2.0 for simpo, 0.5 for ipo {> 0}
     label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust) {0 <= x < 0.5}
     gamma: float = 0.5            # SimPO target margin γ {>= 0}
-    alpha: Optional[float] = None # rdpo: length coefficient (none = 0.01); cpo: NLL weight (none = 1.0); tdpo: KL weight (none = 0.5) {>= 0}
+    alpha: Optional[float] = None # rdpo: length coefficient (none = 0.01); cpo: NLL weight (none = 1.0); tdpo: KL
+                                  # weight (none = 0.5) {>= 0}
     lam: float = 0.1              # ORPO weight λ of the odds-ratio term {>= 0}
     nll_coef: float = 0.0         # add this × NLL(chosen) to the loss (RPO); cpo/orpo add their own {>= 0}
     l1_coef: float = 0.0          # λ of λ·Σ|θ − θ_init| (PAFT's sparse preference delta); 0 = off {>= 0}
@@ -103,7 +104,10 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     data: str = ""                # preference JSONL; empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
-    listwise_pairs: Literal["auto", "all", "best_worst"] = "auto"  # listwise --data/--eval_data (rows with 'completions'/'scores') -> pairs: all = every pair with s_i > s_j (ties skipped), best_worst = best vs worst; auto = all, and pairs data as is
+    listwise_pairs: Literal["auto", "all", "best_worst"] = "auto"  # listwise --data/--eval_data (rows with
+                                                                   # 'completions'/'scores') -> pairs: all = every pair
+                                                                   # with s_i > s_j (ties skipped), best_worst = best vs
+                                                                   # worst; auto = all, and pairs data as is
     init: str = "out/sft"         # policy to start from (an SFT model directory)
     ref: str = ""                 # reference model directory; empty = --init
     out_dir: str = ""             # output directory; empty = out/<loss>
@@ -119,7 +123,8 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
     grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for data order
-    max_length: int = 0           # training sequence length: prompts are left-truncated so prompt + response fits; 0 = min(block_size, 1024) {>= 0}
+    max_length: int = 0           # training sequence length: prompts are left-truncated so prompt + response fits; 0 =
+                                  # min(block_size, 1024) {>= 0}
 
 
 # ---- the one log-prob gather (train_listwise.py and train_unpaired.py import sequence_logps) -------

@@ -82,29 +82,36 @@ PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejecte
 PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
 
 
+PairLoss = Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo"]   # train_dpo.py's pair losses
+
+
 @dataclass
 class Options(FrozenModelOptions, RunOptions):
     method: Literal["online_dpo", "dno", "sppo", "nash_md", "cringe"] = "online_dpo"  # which online method
     judge: str = "out/rm"         # reward-model dir, gold, module:function, llm:MODEL_DIR; empty = --pair_judge only
     pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b), asked both ways
     judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default
-    loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo"] = "dpo"  # online_dpo / dno: train_dpo.py's pair loss
-    beta: Optional[float] = None  # pair loss β (train_dpo.py's default per loss); nash_md: KL coefficient β (none = 0.1) {> 0}
+    loss: PairLoss = "dpo"        # online_dpo / dno: train_dpo.py's pair loss
+    beta: Optional[float] = None  # pair loss β (train_dpo.py's default per loss); nash_md: KL coefficient β (none =
+                                  # 0.1) {> 0}
     label_smoothing: float = 0.0  # pair loss ε (dpo, robust) {0 <= x < 0.5}
     gamma: float = 0.5            # SimPO target margin γ {>= 0}
     alpha: Optional[float] = None # rdpo length coefficient (none = 0.01); cpo NLL weight (none = 1.0) {>= 0}
     lam: float = 0.1              # ORPO weight λ {>= 0}
     nll_coef: float = 0.0         # online_dpo / dno: add this × NLL(chosen) (RPO) {>= 0}
     pairs: Literal["best_worst", "all"] = "best_worst"  # online_dpo / dno: which pairs of each group
-    margin: float = 0.0           # keep a pair when its gap ≥ this (online_dpo: logit of P, = score gap; dno: win-rate gap) {>= 0}
+    margin: float = 0.0           # keep a pair when its gap ≥ this (online_dpo: logit of P, = score gap; dno: win-rate
+                                  # gap) {>= 0}
     ref_update_every: int = 0     # the reference becomes a copy of the policy after every N steps; 0 = never {>= 0}
     eta: float = 10.0             # SPPO η: the target log-ratio is η(P̂ − ½) {> 0}
     mixture_coef: float = 0.5     # Nash-MD β′: opponents sample from π_θ^(1−β′)·π_ref^β′ (per token) {0 <= x <= 1}
-    cringe_threshold: Optional[float] = None  # CRINGE: score < this = negative, ≥ = positive; none = the group's worst / best
+    cringe_threshold: Optional[float] = None  # CRINGE: score < this = negative, ≥ = positive; none = the group's worst
+                                              # / best
     cringe_topk: int = 5          # CRINGE: positive tokens are sampled from the model's top-k {>= 1}
     cringe_alpha: float = 1.0     # CRINGE: weight of the contrastive term beside the MLE term {>= 0}
     kl_warn: float = 2.0          # warn once if the KL to the initial ref jumps past this (nats); 0 = off {>= 0}
-    missing_eos_penalty: Optional[float] = None  # subtracted from the --judge score of a response with no stop token (TRL's); none = off {>= 0}
+    missing_eos_penalty: Optional[float] = None  # subtracted from the --judge score of a response with no stop token
+                                                 # (TRL's); none = off {>= 0}
     init: str = "out/sft"         # policy to start from (also the reference unless --ref)
     ref: str = ""                 # reference policy directory; empty = --init
     prompts: str = ""             # prompts JSONL {"prompt": ...}; empty = built-in task
@@ -112,7 +119,8 @@ class Options(FrozenModelOptions, RunOptions):
     eval_fraction: float = 0.05   # share of --prompts held out when no --eval_prompts {0 < x < 1}
     out_dir: str = ""             # output directory; empty = out/<method>
     batch_size: int = 8           # prompts per device per step {>= 1}
-    samples_per_prompt: int = 4   # k responses per prompt (nash_md: k policy samples, each against its own opponent) {>= 1}
+    samples_per_prompt: int = 4   # k responses per prompt (nash_md: k policy samples, each against its own opponent)
+                                  # {>= 1}
     max_new_tokens: int = 40      # response length limit {>= 1}
     temperature: float = 1.0      # sampling temperature; log-probs use logits / τ everywhere {> 0}
     max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = block_size − max_new_tokens {>= 0}
@@ -548,8 +556,9 @@ def needs_reference(opts):
 
 # how the run is placed and sharded does not change the math; lora.attach records the --lora_* fields, with the
 # base's checksum, when LoRA is on
-NOT_IDENTITY = ("prompts", "eval_prompts", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint",
-                "log_interval", "eval_interval", "eval_samples", "save_interval", "report_to", "dist_timeout", "stop_at",
+NOT_IDENTITY = ("prompts", "eval_prompts", "tokenizer", "eos_token", "pad_token", "out_dir", "device",
+                "grad_checkpoint", "log_interval", "eval_interval", "eval_samples", "save_interval", "report_to",
+                "dist_timeout", "stop_at",
                 "max_steps", "resume", "overwrite",
                 "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 

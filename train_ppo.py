@@ -79,13 +79,20 @@ GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compa
 WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened over the whole batch
 
 
+LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]   # --loss_agg
+
+
 @dataclass
 class Options(FrozenModelOptions, RunOptions):
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
-    reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge / --pair_judge), or module:function / file.py:function
-    judge: str = ""               # --reward selfplay: pointwise judge, preferences by Bradley-Terry (reward-model dir, gold, module:function, llm:MODEL_DIR)
-    pair_judge: str = ""          # --reward selfplay: pairwise judge module:function(prompts, a, b) -> P(a ≻ b) (used over --judge)
-    judge_template: str = ""      # --judge llm:MODEL_DIR: template file with {prompt} and {response}; empty = nano_rlhf/templates/judge_default.txt
+    reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge /
+                                  # --pair_judge), or module:function / file.py:function
+    judge: str = ""               # --reward selfplay: pointwise judge, preferences by Bradley-Terry (reward-model dir,
+                                  # gold, module:function, llm:MODEL_DIR)
+    pair_judge: str = ""          # --reward selfplay: pairwise judge module:function(prompts, a, b) -> P(a ≻ b) (used
+                                  # over --judge)
+    judge_template: str = ""      # --judge llm:MODEL_DIR: template file with {prompt} and {response}; empty =
+                                  # nano_rlhf/templates/judge_default.txt
     init: str = "out/sft"         # policy to start from (also the reference unless --ref)
     ref: str = ""                 # reference policy directory; empty = --init
     reward_model: str = "out/rm"  # reward model directory (with --reward model)
@@ -102,15 +109,20 @@ class Options(FrozenModelOptions, RunOptions):
     share_prompt_prefill: bool = True  # the k samples of a prompt share one prefill of it (same tokens at a seed)
     compact_rollout: bool = True  # ended samples leave the decode batch (same tokens at a seed)
     rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
-    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens {>= 0}
+    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens {>=
+                                  # 0}
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate)
     adaptive_kl: bool = False     # adapt β towards --kl_target (Ziegler et al. 2019)
     kl_target: float = 1.0        # target KL per sequence for the adaptive controller {> 0}
     kl_horizon: int = 10000       # horizon (in samples) of the adaptive controller {>= 1}
-    kl_in_loss: bool = False      # KL as β·(--kl_loss_estimator) per token in the loss instead of in the reward (GRPO style)
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"  # --kl_in_loss: k3 (GRPO's; its gradient is the FORWARD KL's), k2 (the reverse KL's true gradient), k1 (no gradient in expectation)
-    missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward selfplay: 0, the worst win rate); none = off
+    kl_in_loss: bool = False      # KL as β·(--kl_loss_estimator) per token in the loss instead of in the reward (GRPO
+                                  # style)
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"  # --kl_in_loss: k3 (GRPO's; its gradient is the FORWARD KL's),
+                                                         # k2 (the reverse KL's true gradient), k1 (no gradient in
+                                                         # expectation)
+    missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward
+                                                 # selfplay: 0, the worst win rate); none = off
     score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping {> 0}
     normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved
     gamma: float = 1.0            # GAE / reward-to-go discount {0 <= x <= 1}
@@ -120,16 +132,30 @@ class Options(FrozenModelOptions, RunOptions):
     micro_batch_size: int = 0     # sequences per forward/backward; 0 = the whole minibatch {>= 0}
     clip_eps: float = 0.2         # policy ratio clip ε {> 0}
     clip_high: Optional[float] = None  # upper clip ε_high (DAPO clip-higher); none = --clip_eps {> 0}
-    policy_loss: Literal["ppo", "dual_clip", "gspo", "cispo"] = "ppo"  # ppo: clipped token ratio; dual_clip: + a cap −c·A for A < 0; gspo: one length-normalised ratio per sequence (try --clip_eps 3e-4 --clip_high 4e-4); cispo: clipped, stop-gradient IS weight on every token
+    policy_loss: Literal["ppo", "dual_clip", "gspo", "cispo"] = "ppo"  # ppo: clipped token ratio; dual_clip: + a cap
+                                                                       # −c·A for A < 0; gspo: one length-normalised
+                                                                       # ratio per sequence (try --clip_eps 3e-4
+                                                                       # --clip_high 4e-4); cispo: clipped,
+                                                                       # stop-gradient IS weight on every token
     dual_clip: float = 3.0        # --policy_loss dual_clip: the cap c {> 1}
-    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "auto"  # how token losses become the minibatch loss; auto = token_mean (dr_grpo: seq_mean_token_sum_norm, gspo: seq_mean_token_mean)
-    dynamic_sampling: bool = False  # DAPO: groups whose k rewards are all equal (no signal) are dropped and more prompts sampled until the batch is full
-    max_sampling_rounds: int = 3  # --dynamic_sampling: at most this many rollouts a step, then zero-spread groups fill the batch (logged) {>= 1}
-    overlong: Literal["none", "mask", "penalty"] = "none"  # responses cut at --max_new_tokens: trained on as usual, masked out of the policy loss, or DAPO's soft length penalty (use with --missing_eos_penalty none)
-    overlong_buffer: int = 0      # --overlong penalty: L_cache, the last tokens before the limit over which the penalty falls to −1; 0 = max_new_tokens // 4 {>= 0}
-    rollout_correction: Literal["none", "tis", "mask"] = "none"  # sampler/trainer log-prob mismatch (--rollout_dtype bfloat16): truncated importance weights, or masking tokens past the cap
-    correction_level: Literal["token", "sequence"] = "token"  # --rollout_correction per token, or one ratio for the whole response
-    correction_cap: float = 2.0   # --rollout_correction: C, the weight cap (tis) or the ratio range [1/C, C] kept (mask) {> 1}
+    loss_agg: LossAgg = "auto"    # how token losses become the minibatch loss; auto = token_mean (dr_grpo:
+                                  # seq_mean_token_sum_norm, gspo: seq_mean_token_mean)
+    dynamic_sampling: bool = False  # DAPO: groups whose k rewards are all equal (no signal) are dropped and more
+                                    # prompts sampled until the batch is full
+    max_sampling_rounds: int = 3  # --dynamic_sampling: at most this many rollouts a step, then zero-spread groups fill
+                                  # the batch (logged) {>= 1}
+    overlong: Literal["none", "mask", "penalty"] = "none"  # responses cut at --max_new_tokens: trained on as usual,
+                                                           # masked out of the policy loss, or DAPO's soft length
+                                                           # penalty (use with --missing_eos_penalty none)
+    overlong_buffer: int = 0      # --overlong penalty: L_cache, the last tokens before the limit over which the penalty
+                                  # falls to −1; 0 = max_new_tokens // 4 {>= 0}
+    rollout_correction: Literal["none", "tis", "mask"] = "none"  # sampler/trainer log-prob mismatch (--rollout_dtype
+                                                                 # bfloat16): truncated importance weights, or masking
+                                                                 # tokens past the cap
+    correction_level: Literal["token", "sequence"] = "token"  # --rollout_correction per token, or one ratio for the
+                                                              # whole response
+    correction_cap: float = 2.0   # --rollout_correction: C, the weight cap (tis) or the ratio range [1/C, C] kept
+                                  # (mask) {> 1}
     value_clip: float = 0.2       # critic update clip ε_v; inf = no clipping {> 0}
     entropy_coef: float = 0.0     # entropy bonus coefficient c_H {>= 0}
     ptx_data: str = ""            # SFT JSONL for the pre-training mix (InstructGPT PPO-ptx); empty = off
@@ -137,7 +163,8 @@ class Options(FrozenModelOptions, RunOptions):
     ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX {>= 1}
     lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {>= 0}
     critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 {>= 0}
-    critic_warmup_steps: int = 5  # first N steps train only the critic (policy frozen), as OpenRLHF's freezing_actor_steps {>= 0}
+    critic_warmup_steps: int = 5  # first N steps train only the critic (policy frozen), as OpenRLHF's
+                                  # freezing_actor_steps {>= 0}
     warmup_steps: int = 0         # linear learning-rate warm-up steps (then constant) {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     adam_eps: float = 1e-5        # AdamW epsilon (1e-5 as in the PPO implementation details) {> 0}
@@ -148,7 +175,8 @@ class Options(FrozenModelOptions, RunOptions):
     eval_interval: int = 20       # evaluate on held-out prompts every N steps (and at the end); 0 = end only {>= 0}
     eval_samples: int = 128       # held-out prompts sampled per evaluation {>= 1}
     save_interval: int = 50       # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
-    lora_r: int = 0               # LoRA rank for the policy and the critic (its score head trains fully); the reference is then the policy with adapters off; 0 = off {>= 0}
+    lora_r: int = 0               # LoRA rank for the policy and the critic (its score head trains fully); the reference
+                                  # is then the policy with adapters off; 0 = off {>= 0}
 
 
 # ---- the rollout container and the models ---------------------------------------------------------
@@ -998,7 +1026,8 @@ def main(argv=None):
             ptx.batches.load_state_dict(meta["ptx_data"])
     dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
     run.show = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac",
-                "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]
+                "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward",
+                "eval/kl"]
     run.loss_key = ["train/policy_loss", "train/value_loss"]
 
     def evaluate(step):

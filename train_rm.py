@@ -63,8 +63,10 @@ class Options(CompileOption, RunOptions):
     batch_size: int = 32          # pairs per device per micro-step (2x sequences in the forward) {>= 1}
     grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
     max_steps: int = 0            # optimizer steps; 0 = derived from --epochs {>= 0}
-    epochs: float = 1.0           # passes over the pairs when --max_steps is 0 (reward models overfit: keep it at 1) {> 0}
-    lr: float = 1e-3              # peak learning rate, decayed linearly to 0; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 {> 0}
+    epochs: float = 1.0           # passes over the pairs when --max_steps is 0 (reward models overfit: keep it at 1) {>
+                                  # 0}
+    lr: float = 1e-3              # peak learning rate, decayed linearly to 0; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6
+                                  # {> 0}
     warmup_steps: int = 20        # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
@@ -74,8 +76,10 @@ class Options(CompileOption, RunOptions):
     center_coef: float = 0.0      # c in c·(r_w + r_l)²: keeps rewards centred on 0 (TRL; 0.01 in the paper) {>= 0}
     l2_coef: float = 0.0          # λ in λ/2·(r_w² + r_l²) (align-anything uses 0.001) {>= 0}
     seed: int = 0                 # seed for init, data order and dropout {>= 0}
-    max_length: int = 0           # training sequence length: prompts are left-truncated so each pair fits; 0 = min(block_size, 1024) {>= 0}
-    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init trunk (the score head fully); 0 = off {>= 0}
+    max_length: int = 0           # training sequence length: prompts are left-truncated so each pair fits; 0 =
+                                  # min(block_size, 1024) {>= 0}
+    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init trunk (the score head fully);
+                                  # 0 = off {>= 0}
 
 
 # ---- the loss and the scores -----------------------------------------------------------------------
@@ -321,7 +325,8 @@ def main(argv=None):
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     launch.resume(opts, run, {"rm": model}, {"rm": optimizer}, data={"data": batches},
                   global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
-    dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters{lora.describe(model)} | {len(train):,} train pairs "
+    dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters{lora.describe(model)} | "
+                f"{len(train):,} train pairs "
                 f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | max length {max_length} | global batch "
                 f"{batches.global_batch} "
                 f"pairs | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))

@@ -52,7 +52,8 @@ class Options(CompileOption, RunOptions):
     data: str = ""                # SFT JSONL ({"prompt","completion"}, {"text"} or {"messages"}); empty = built-in task
     eval_data: str = ""           # held-out SFT JSONL for the eval loss; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
-    init: str = ""                # model directory to start from (HF GPT-2, Llama, Qwen2 or Qwen3 layout); empty = from scratch
+    init: str = ""                # model directory to start from (HF GPT-2, Llama, Qwen2 or Qwen3 layout); empty = from
+                                  # scratch
     tokenizer: str = ""           # tokenizer.json; empty = the one in --init, or train one on the data
     out_dir: str = "out/sft"      # where the model, tokenizer, metrics and state go
     n_layer: int = 4              # layers (from scratch only) {>= 1}
@@ -73,9 +74,12 @@ class Options(CompileOption, RunOptions):
     beta2: float = 0.95           # AdamW beta2 {0 <= x < 1}
     grad_clip: float = 1.0        # clip the global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for init, data order and dropout {>= 0}
-    packing: bool = False         # concatenate several examples per row up to --max_length (each attends only to itself)
-    max_length: int = 0           # training sequence length: longer examples follow the over-long rule, packed rows fill up to it; 0 = min(block_size, 1024) {>= 0}
-    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model instead of every weight; 0 = off {>= 0}
+    packing: bool = False         # concatenate several examples per row up to --max_length (each attends only to
+                                  # itself)
+    max_length: int = 0           # training sequence length: longer examples follow the over-long rule, packed rows
+                                  # fill up to it; 0 = min(block_size, 1024) {>= 0}
+    lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model instead of every weight;
+                                  # 0 = off {>= 0}
 
 
 # ---- the loss --------------------------------------------------------------------------------------
@@ -141,7 +145,8 @@ def load_data(opts):
 
 def run_record(opts, data):
     """What defines an SFT run (compared on --resume), the inputs it only reads and its data files."""
-    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    shape = {} if opts.init else \
+        {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
     return dict(inputs={"init": opts.init, "tokenizer": opts.tokenizer},
                 identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
                               dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
@@ -258,7 +263,8 @@ def main(argv=None):
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     launch.resume(opts, run, {"policy": model}, {"policy": optimizer}, data={"data": batches},
                   global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
-    dist.print0(f"SFT | {model.num_params():,} parameters{lora.describe(model)} | {len(train):,} train examples ({train_stats}) | "
+    dist.print0(f"SFT | {model.num_params():,} parameters{lora.describe(model)} | {len(train):,} train examples "
+                f"({train_stats}) | "
                 f"{len(evals):,} eval ({eval_stats}) | max length {max_length} | global batch {batches.global_batch}"
                 f" = {opts.batch_size} "
                 f"x {opts.grad_accum} accum x {world.world_size} ranks | {max_steps} steps" +
@@ -282,7 +288,8 @@ def main(argv=None):
         metrics.update({"train/lr": lr, "train/epoch": batches.epoch + batches.pos / len(train)})
         if run.end_of_step(step, metrics, evaluate=evaluate, save=save):
             break
-    launch.finish(run, {"policy": model}, saved=f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
+    launch.finish(run, {"policy": model},
+                  saved=f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
                   f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 

@@ -96,7 +96,8 @@ class Options(FrozenModelOptions, RunOptions):
     undesirable_weight: float = 1.0   # kto: λ_U {> 0}
     precompute_ref: bool = False  # kto: compute the reference log-probs once before training, then drop the model
     alpha: Optional[float] = None # d2o: weight α of the negative's log-ratio; none = β {>= 0}
-    retain_coef: float = 0.0      # npo: weight of the NLL on label-true rows (retain data); 0 = they are an error {>= 0}
+    retain_coef: float = 0.0      # npo: weight of the NLL on label-true rows (retain data); 0 = they are an error {>=
+                                  # 0}
     retain_warn: float = 3.0      # npo: warn once if the retain NLL exceeds this × its first step's; 0 = off {>= 0}
     num_samples: int = 4          # d2o: K responses sampled from the reference per prompt {>= 1}
     max_new_tokens: int = 32      # d2o: longest sampled response {>= 1}

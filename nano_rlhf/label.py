@@ -44,6 +44,7 @@ from .common import builtin_file, check_output_file, check_vocab, fail, input_er
 from .config import parse_args
 from .data import collate_prompts, load_records, tokenize_prompts
 from .judge import LLM, load_judge, preference_matrix
+from .options import ChatTemplate
 from .sampling import SamplingOptions, cut_at_stop, generate
 
 
@@ -55,7 +56,8 @@ class Options:
     format: Literal["pairs", "listwise", "unpaired", "scored"] = "pairs"  # the data kind to write (Formats, above)
     judge: str = ""               # pointwise judge: reward-model dir, gold, module:function or llm:MODEL_DIR
     pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b); scores = win rates
-    judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default (1-10)
+    judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default
+                                  # (1-10)
     samples_per_prompt: int = 4   # k responses per prompt {>= 1}
     temperature: float = 1.0      # sampling temperature (pure sampling) {> 0}
     max_new_tokens: int = 40      # response length limit (as train_ppo.py: a built-in prompt fits beside it) {>= 1}
@@ -63,8 +65,9 @@ class Options:
     threshold: Optional[float] = None  # unpaired: label = score >= this; none = above the group's median
     max_prompts: int = 0          # label only the first N prompts; 0 = all {>= 0}
     seed: int = 0                 # sampling seed
-    chat_template: Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"] = "auto"  # how conversational prompts are rendered; auto = from the tokenizer
-    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer, else the template's default
+    chat_template: ChatTemplate = "auto"  # how conversational prompts are rendered; auto = from the tokenizer
+    date_string: str = ""         # Llama 3 "Today Date"; empty = the one saved with the tokenizer, else the template's
+                                  # default
     device: str = "auto"          # cpu, cuda, or auto
     overwrite: bool = False       # replace an existing --out
 

@@ -25,7 +25,8 @@ Choices where the paper leaves room (each tested against a float64 reference wri
 
 Usage:
     python -m nano_rlhf.merge --base out/base --models out/sft out/dpo --method ties --density 0.2 --out_dir out/paft
-    python -m nano_rlhf.merge --base out/base --models out/sft out/dpo --weights 0.5 0.5 --method task_arithmetic --out_dir out/avg
+    python -m nano_rlhf.merge --base out/base --models out/sft out/dpo --weights 0.5 0.5 --method task_arithmetic \
+        --out_dir out/avg
 
 The output is written with the base's class (policy or reward model) as an HF directory plus the base's
 tokenizer files (else the first model's) and merge_config.json (the options). Every input and option is checked,

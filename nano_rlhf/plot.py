@@ -18,7 +18,8 @@ CURVES = {  # run kind -> [(panel title, [metric keys])]
             ("entropy (per token)", ["train/entropy"])],
     "loss": [("loss", ["train/loss", "eval/loss"]),
              ("accuracy", ["train/accuracy", "eval/accuracy", "train/reward_accuracy", "eval/reward_accuracy"]),
-             ("implicit rewards (DPO family)", ["train/rewards_chosen", "train/rewards_rejected", "train/reward_margin"])],
+             ("implicit rewards (DPO family)",
+              ["train/rewards_chosen", "train/rewards_rejected", "train/reward_margin"])],
 }
 
 
