@@ -79,7 +79,7 @@ from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the
 from nano_rlhf.common import (autocast, builtin_file, check_vocab, fail, input_errors,
                               load_reference, lr_at, set_lr, split_off)
 from nano_rlhf.config import to_dict
-from nano_rlhf.data import (Batches, DataError, collate_prompts, load_records, load_scored, pad_right,
+from nano_rlhf.data import (Batches, DataError, collate_prompts, fit_prompt, load_records, load_scored, pad_right,
                             tokenize_scored, tokenize_unpaired, training_length)
 from nano_rlhf.model import GPT, ScoreModel, upcast
 from nano_rlhf.options import FrozenModelOptions, RunOptions
@@ -193,13 +193,17 @@ class Rows:
     resp: torch.Tensor    # (R, T) response mask
 
 
-def add_mismatched(examples, seed):
+def add_mismatched(examples, seed, max_len):
     """KTO's mismatched pairs: example i gets the completion of a fixed other example (a seeded
-    derangement: a random cycle through all examples), so x and y′ are unrelated."""
+    derangement: a random cycle through all examples), so x and y′ are unrelated. A long prompt with a long
+    y′ can exceed the training length although each example fits: the mismatched row's prompt is then
+    left-truncated like any over-long prompt ("mismatched_prompt"; y′ alone always fits, with room for one
+    prompt token, or its own example would have been dropped)."""
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
     for a, b in zip(order, order[1:] + order[:1]):
         examples[a]["mismatched"] = examples[b]["completion"]
+        examples[a]["mismatched_prompt"] = fit_prompt(examples[a]["prompt"], len(examples[b]["completion"]), max_len)
 
 
 def make_rows(pairs, pad_id, device):
@@ -237,7 +241,7 @@ def make_batch(examples, opts, pad_id, device, samples=None):
     if opts.method in ("kto", "npo"):
         batch.label = torch.tensor([e["label"] for e in examples], device=device)
     if opts.method == "kto":
-        batch.mismatched = make_rows([(e["prompt"], e["mismatched"]) for e in examples], pad_id, device)
+        batch.mismatched = make_rows([(e["mismatched_prompt"], e["mismatched"]) for e in examples], pad_id, device)
         batch.tokens += int(batch.mismatched.attn.sum())
         if REF_KEYS[0] in examples[0]:
             batch.ref_logps, batch.ref_mismatched = (torch.tensor([e[k] for e in examples], device=device)
@@ -541,8 +545,8 @@ def tokenize_examples(opts, files, records, eval_records, eval_source, tok, leng
         if not examples:
             raise ValueError(f"{source}: no example fits the training length {length} ({c})")
     if opts.method == "kto":
-        add_mismatched(train, opts.seed)
-        add_mismatched(evals, opts.seed)
+        add_mismatched(train, opts.seed, length)
+        add_mismatched(evals, opts.seed, length)
     return train, evals, counts
 
 
@@ -697,7 +701,8 @@ def main(argv=None):
                 opts, policy, ref, value, evals, tok.pad_id, world.device, samples)):
             break
     launch.finish(run, models, {"reference": ref}, saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
-    return SimpleNamespace(policy=policy, ref=ref, value=value, optimizers=optimizers, options=opts, samples=samples)
+    return SimpleNamespace(policy=policy, ref=ref, value=value, optimizers=optimizers, options=opts, samples=samples,
+                           train=train)
 
 
 if __name__ == "__main__":

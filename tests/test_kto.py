@@ -3,6 +3,7 @@ DDP's z₀, end to end, resume, bad input (one line, nothing written); and its o
 kto`: one line of notice, then the same run, to the bit. The loss and z₀ against float64 oracles:
 test_dpo_losses.py."""
 import json
+import math
 
 import pytest
 import torch
@@ -45,16 +46,42 @@ def one_line_error(capsys, fn, start):
 # ---- the mismatched pairs ---------------------------------------------------------------------------
 
 def test_mismatched_completions_are_a_seeded_derangement():
-    examples = [{"completion": [i]} for i in range(9)]
-    train_unpaired.add_mismatched(examples, seed=3)
+    examples = [{"prompt": [0], "completion": [i]} for i in range(9)]
+    train_unpaired.add_mismatched(examples, seed=3, max_len=64)
     got = [e["mismatched"][0] for e in examples]
     assert sorted(got) == list(range(9)) and all(g != i for i, g in enumerate(got))   # each used once, none own
-    again = [{"completion": [i]} for i in range(9)]
-    train_unpaired.add_mismatched(again, seed=3)
+    again = [{"prompt": [0], "completion": [i]} for i in range(9)]
+    train_unpaired.add_mismatched(again, seed=3, max_len=64)
     assert [e["mismatched"][0] for e in again] == got
-    other = [{"completion": [i]} for i in range(9)]
-    train_unpaired.add_mismatched(other, seed=4)
+    other = [{"prompt": [0], "completion": [i]} for i in range(9)]
+    train_unpaired.add_mismatched(other, seed=4, max_len=64)
     assert [e["mismatched"][0] for e in other] != got
+    assert all(e["mismatched_prompt"] == [0] for e in examples + again + other)   # rows that fit: unchanged
+
+
+def test_a_mismatched_row_longer_than_the_training_length_loses_prompt_tokens_on_the_left():
+    """Each example fits in 10 tokens, but a 7-token prompt with another example's 6-token completion would
+    not: the mismatched row keeps the prompt's last 4 tokens, the others are untouched."""
+    examples = [{"prompt": list(range(100, 107)), "completion": [1, 2, 3]},          # 7 + 3
+                {"prompt": [200, 201, 202, 203], "completion": [4, 5, 6, 7, 8, 9]}]   # 4 + 6
+    train_unpaired.add_mismatched(examples, seed=0, max_len=10)
+    long, short = examples
+    assert long["mismatched"] == [4, 5, 6, 7, 8, 9] and long["mismatched_prompt"] == [103, 104, 105, 106]
+    assert short["mismatched"] == [1, 2, 3] and short["mismatched_prompt"] == [200, 201, 202, 203]
+    assert all(len(e["mismatched_prompt"]) + len(e["mismatched"]) <= 10 for e in examples)
+
+
+def test_kto_trains_when_prompt_and_another_completion_overflow_the_block(tmp_path, sft_dir):
+    """End to end: rows that each fill most of the policy's block_size, so every mismatched row (prompt of one,
+    completion of another) is longer than the block and must be cut, not crash the forward."""
+    block = GPT.from_pretrained(sft_dir).cfg.block_size
+    rows = [{"prompt": "word " * (block // 2 + i % 3), "completion": " fine" * (block // 3 - i % 3),
+             "label": i % 2 == 0} for i in range(16)]
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
+    out = train_unpaired.main(["--method", "kto", "--data", str(data), "--init", sft_dir, "--out_dir",
+                               str(tmp_path / "o"), "--batch_size", "4", "--max_steps", "2", "--eval_fraction", "0.25"])
+    longest = max(len(e["mismatched_prompt"]) + len(e["mismatched"]) for e in out.train)
+    assert out.options.method == "kto" and longest <= block and math.isfinite(metrics(tmp_path / "o")[-1]["train/loss"])
 
 
 # ---- training -----------------------------------------------------------------------------------------
