@@ -10,6 +10,7 @@ import time
 import torch
 
 from . import dist
+from .builtin import BUILTIN_DIR, builtin_file  # noqa: F401  (re-exported: they lived here)
 from .data import DataError, split_off  # noqa: F401  (split_off re-exported: it lived here)
 from .model import GPT
 from .run import check_finite, fail  # noqa: F401  (re-exported: they lived here)
@@ -100,22 +101,6 @@ class Logger:
             eta = (time.time() - self.t0) / done * (self.max_steps - step)
             parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
         print(" | ".join(parts), flush=True)
-
-
-BUILTIN_DIR = os.environ.get("NANO_RLHF_DATA", "data")
-
-
-def builtin_file(name: str) -> str:
-    """Path of a built-in task file (data/sft.jsonl, ...), generating data/ with seed 0 on first use."""
-    from . import synthetic
-    # Only rank 0 looks and writes; then EVERY rank meets at the barrier. If each rank decided by itself
-    # whether to wait, a rank starting after rank 0 wrote task.json would skip a barrier the others are in,
-    # and every later collective would pair with the wrong call (a hang). Callers call this on all ranks.
-    # Two runs on one machine (or one filesystem) are serialised by a file lock in ensure_dataset.
-    if dist.world().is_main and not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # written last
-        synthetic.ensure_dataset(BUILTIN_DIR, seed=0, note=dist.print0)
-    dist.barrier()                                                   # a no-op in a single process
-    return os.path.join(BUILTIN_DIR, name)
 
 
 def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad_token: str = "",
