@@ -147,13 +147,12 @@ def test_resume_bit_exact(tmp_path, sft_dir, rm_dir):
     assert metrics(tmp_path / "a")[-1]["train/kl_coef"] == metrics(tmp_path / "b")[-1]["train/kl_coef"]
 
 
-def test_batch_sizes_must_divide(tmp_path, sft_dir, rm_dir):
-    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", "--batch_size", "3", "--num_minibatches", "2"),
-            check=False)
-    assert p.returncode != 0 and "does not split into --num_minibatches 2" in p.stderr
-    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", "--advantage", "grpo", "--samples_per_prompt", "1"),
-            check=False)
-    assert p.returncode != 0 and "needs --samples_per_prompt >= 2" in p.stderr
+def test_batch_sizes_must_divide(tmp_path, sft_dir, rm_dir, capfd):
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", "--batch_size", "3", "--num_minibatches", "2"))
+    assert code != 0 and "does not split into --num_minibatches 2" in err
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", "--advantage", "grpo", "--samples_per_prompt",
+                                          "1"))
+    assert code != 0 and "needs --samples_per_prompt >= 2" in err
 
 
 def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir):
