@@ -74,8 +74,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from nano_rlhf import dist, launch, lora, parallel
+from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, builtin_file, check_vocab, fail, input_errors, lr_at,
+from nano_rlhf.common import (autocast, check_vocab, fail, input_errors, lr_at,
                               load_reference, set_lr, split_off)
 from nano_rlhf.config import to_dict
 from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records,
@@ -493,8 +494,8 @@ def data_files(opts):
     """The train and eval JSONL files (the built-in task's when not given); eval None = split --eval_fraction off
     the train file."""
     split = not opts.eval_data and opts.data
-    return {"data": opts.data or builtin_file("preference.jsonl"),
-            "eval_data": None if split else opts.eval_data or builtin_file("preference_eval.jsonl")}
+    return {"data": opts.data or default_data("preference"),
+            "eval_data": None if split else opts.eval_data or default_data("preference", "eval")}
 
 
 def read_records(opts, path):

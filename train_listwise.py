@@ -38,8 +38,6 @@ Simplifications: no precomputed reference (LiPO runs its reference live); PRO's 
 given (no normalisation): rescale scores whose differences are far from 1, and LiPO needs ψ ≤ 1000 (2^ψ).
 """
 import contextlib
-import json
-import os
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -48,10 +46,11 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, launch, lora, parallel, synthetic
+from nano_rlhf import dist, launch, lora, parallel
+from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (BUILTIN_DIR, autocast, builtin_file, check_vocab, fail, input_errors,
-                              load_reference, lr_at, set_lr, split_off)
+from nano_rlhf.common import (autocast, check_vocab, fail, input_errors, load_reference, lr_at, set_lr,
+                              split_off)
 from nano_rlhf.config import to_dict
 from nano_rlhf.data import Batches, collate_listwise, load_records, tokenize_listwise
 from nano_rlhf.model import GPT
@@ -291,25 +290,11 @@ def check_options(opts):
     opts.out_dir = opts.out_dir or f"out/{opts.loss}"
 
 
-def builtin_listwise(name):
-    """A built-in listwise file. A data directory generated before the listwise files existed lacks them:
-    rank 0 writes them with the task's own seed (every other file stays as it is). Collective."""
-    path = builtin_file(name)
-    if dist.world().is_main and not os.path.isfile(path):
-        with open(os.path.join(BUILTIN_DIR, "task.json")) as f:
-            seed = json.load(f)["seed"]
-        dist.print0(f"writing the built-in listwise files into {BUILTIN_DIR}/ (seed {seed})")
-        synthetic.write_listwise(BUILTIN_DIR, seed)
-    dist.barrier()
-    return path
-
-
 def data_files(opts):
     """Train and eval JSONL (the built-in task's when not given); eval None = split --eval_fraction off --data."""
     if opts.data:
         return {"data": opts.data, "eval_data": opts.eval_data or None}
-    return {"data": builtin_listwise("listwise.jsonl"),
-            "eval_data": opts.eval_data or builtin_listwise("listwise_eval.jsonl")}
+    return {"data": default_data("listwise"), "eval_data": opts.eval_data or default_data("listwise", "eval")}
 
 
 def load_models(opts, tok):

@@ -65,8 +65,9 @@ import torch.nn.functional as F
 import train_dpo
 from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf import reward as reward_mod
+from nano_rlhf.builtin import default_path
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import BUILTIN_DIR, autocast, check_vocab, fail, input_errors, lr_at, set_lr
+from nano_rlhf.common import autocast, check_vocab, fail, input_errors, lr_at, set_lr
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score, summarize
 from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, preference_matrix, symmetric_preference
@@ -567,7 +568,7 @@ def run_record(opts, _):
     """What defines the run (compared on --resume), the inputs it only reads and its data files."""
     return dict(identity={k: v for k, v in vars(opts).items() if k not in NOT_IDENTITY},
                 inputs={"init": opts.init, "ref": opts.ref, "judge": judge_dir(opts.judge)},
-                data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
+                data_files={"prompts": opts.prompts or default_path("prompts"),
                             "eval_prompts": opts.eval_prompts})
 
 

@@ -51,7 +51,6 @@ forward uses position ids from the attention mask (left-padded prompts); log-pro
 groups of k samples live on one rank, so group statistics need no communication.
 """
 import contextlib
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -64,8 +63,9 @@ import torch.nn.functional as F
 from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf import judge as judge_mod
 from nano_rlhf import reward as reward_mod
+from nano_rlhf.builtin import default_data, default_path
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (BUILTIN_DIR, autocast, builtin_file, check_vocab, fail, input_errors,
+from nano_rlhf.common import (autocast, check_vocab, fail, input_errors,
                               lr_at, set_lr, split_off)
 from nano_rlhf.data import (Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft,
                             training_length)
@@ -899,8 +899,8 @@ def load_prompts(opts):
     """Training and evaluation prompt records. With --prompts and no --eval_prompts, --eval_fraction of the
     prompts is held out: evaluating a user's task on the built-in task's prompts would measure nothing."""
     if not opts.prompts:
-        return (load_records(builtin_file("prompts.jsonl"), "prompts"),
-                load_records(opts.eval_prompts or builtin_file("eval_prompts.jsonl"), "prompts"))
+        return (load_records(default_data("prompts"), "prompts"),
+                load_records(opts.eval_prompts or default_data("prompts", "eval"), "prompts"))
     records = load_records(opts.prompts, "prompts")
     if opts.eval_prompts:
         return records, load_records(opts.eval_prompts, "prompts")
@@ -1120,7 +1120,7 @@ def run_record(opts, _):
     return dict(identity=run_identity(opts), inputs={"init": opts.init, "ref": opts.ref,
                                                      "reward_model": reward_model_dir(opts),
                                                      "judge": judge_mod.model_dir(opts.judge)},
-                data_files={"prompts": opts.prompts or os.path.join(BUILTIN_DIR, "prompts.jsonl"),
+                data_files={"prompts": opts.prompts or default_path("prompts"),
                             "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
 
 

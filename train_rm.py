@@ -39,9 +39,11 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, launch, lora, parallel, synthetic
+from nano_rlhf import dist, launch, lora, parallel
+from nano_rlhf import reward as reward_mod
+from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, builtin_file, check_device, check_finite, check_vocab,
+from nano_rlhf.common import (autocast, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, lr_at, set_lr)
 from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs, training_length
 from nano_rlhf.model import GPTConfig, ScoreModel, upcast
@@ -227,10 +229,11 @@ def gold_agreement(texts, r_chosen, r_rejected, reward):
             "eval/gold_ranker_accuracy": s_correct / n}
 
 
-def builtin_gold_reward(prompts, completions):
-    """The built-in task's gold reward behind the reward(prompts, completions) -> list[float] interface;
-    defined only on the task's own prompts."""
-    return [synthetic.gold_reward(p, c) for p, c in zip(prompts, completions)]
+def gold_reference(evals):
+    """The reference reward for gold_agreement where the task has one (every eval prompt is a text prompt of
+    the built-in task: its gold reward, from the reward interface), else None: no gold figures logged."""
+    prompts = [p["texts"][0] for p in evals]
+    return reward_mod.builtin_gold(prompts) if all(isinstance(p, str) for p in prompts) else None
 
 
 # ---- data and model --------------------------------------------------------------------------------
@@ -239,8 +242,8 @@ def load_data(opts):
     """(train records, eval records, training file, eval file); the built-in task's files when --data is empty.
     Every line is validated here, before anything is written or built (one line and exit on bad input)."""
     with input_errors():
-        data_path = opts.data or builtin_file("preference.jsonl")
-        eval_path = opts.eval_data or ("" if opts.data else builtin_file("preference_eval.jsonl"))
+        data_path = opts.data or default_data("preference")
+        eval_path = opts.eval_data or ("" if opts.data else default_data("preference", "eval"))
         records, eval_records = load_train_eval("preference", data=data_path, eval_data=eval_path,
                                                 eval_fraction=opts.eval_fraction, seed=opts.seed)
     return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
@@ -316,9 +319,7 @@ def main(argv=None):
         train, train_stats = tokenize(records, tok, max_length, data_path)
         evals, eval_stats = tokenize(eval_records, tok, max_length, eval_path)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    # the gold-reward diagnostic only where it is defined: every eval prompt is one of the built-in task's
-    gold = builtin_gold_reward if all(isinstance(p["texts"][0], str) and synthetic.is_task_prompt(p["texts"][0])
-                                      for p in evals) else None
+    gold = gold_reference(evals)       # the gold-reward diagnostic only where the task defines one
     launch.place(opts, world, {"reward model": model})
     ddp, optimizer = launch.wrap(opts, model, opts.lr)
     launch.plan(opts, {"rm": model})

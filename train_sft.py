@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist, launch, lora, parallel
+from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, builtin_file, check_device, check_finite, check_vocab,
+from nano_rlhf.common import (autocast, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
 from nano_rlhf.data import (Batches, collate_packed, collate_sft, load_train_eval, pack_sft, tokenize_sft,
                             training_length)
@@ -136,8 +137,8 @@ def load_data(opts):
     """(train records, eval records, training file, eval file); the built-in task's files when --data is empty.
     Every line is validated here, before anything is written or built (one line and exit on bad input)."""
     with input_errors():
-        data_path = opts.data or builtin_file("sft.jsonl")
-        eval_path = opts.eval_data or ("" if opts.data else builtin_file("sft_eval.jsonl"))
+        data_path = opts.data or default_data("sft")
+        eval_path = opts.eval_data or ("" if opts.data else default_data("sft", "eval"))
         records, eval_records = load_train_eval("sft", data=data_path, eval_data=eval_path,
                                                 eval_fraction=opts.eval_fraction, seed=opts.seed)
     return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"

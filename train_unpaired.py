@@ -73,10 +73,11 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, launch, lora, parallel, synthetic
+from nano_rlhf import dist, launch, lora, parallel
+from nano_rlhf.builtin import default_data
 from nano_rlhf.checkpoint import atomic_write_text
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, builtin_file, check_vocab, fail, input_errors,
+from nano_rlhf.common import (autocast, check_vocab, fail, input_errors,
                               load_reference, lr_at, set_lr, split_off)
 from nano_rlhf.config import to_dict
 from nano_rlhf.data import (Batches, DataError, collate_prompts, fit_prompt, load_records, load_scored, pad_right,
@@ -481,18 +482,7 @@ def data_files(opts):
     is given; eval None = split --eval_fraction off the train file."""
     if opts.data:
         return {"data": opts.data, "eval_data": opts.eval_data or None}
-    name = "scored.jsonl" if opts.method == "dro" else "unpaired.jsonl"
-    path = builtin_file(name)
-    # a data/ directory written before scored.jsonl existed: rank 0 adds just that file (as write_dataset would
-    # have: as many rows as unpaired.jsonl, at the directory's seed); every rank meets at the barrier, whatever
-    # it saw (a rank deciding by itself could skip a barrier the others are in)
-    if dist.world().is_main and not os.path.isfile(path):
-        folder = os.path.dirname(path)
-        with open(os.path.join(folder, "task.json")) as f:
-            seed = json.load(f).get("seed", 0)
-        with open(os.path.join(folder, "unpaired.jsonl"), "rb") as f:
-            synthetic.write_scored(folder, seed=seed, n=sum(1 for _ in f))
-    dist.barrier()
+    path = default_data("scored" if opts.method == "dro" else "unpaired")   # (an old data/ gets scored.jsonl)
     return {"data": path, "eval_data": opts.eval_data or None}
 
 

@@ -103,22 +103,6 @@ class Logger:
         print(" | ".join(parts), flush=True)
 
 
-BUILTIN_DIR = os.environ.get("NANO_RLHF_DATA", "data")
-
-
-def builtin_file(name: str) -> str:
-    """Path of a built-in task file (data/sft.jsonl, ...), generating data/ with seed 0 on first use."""
-    from . import synthetic
-    # Only rank 0 looks and writes; then EVERY rank meets at the barrier. If each rank decided by itself
-    # whether to wait, a rank starting after rank 0 wrote task.json would skip a barrier the others are in,
-    # and every later collective would pair with the wrong call (a hang). Callers call this on all ranks.
-    # Two runs on one machine (or one filesystem) are serialised by a file lock in ensure_dataset.
-    if dist.world().is_main and not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):   # written last
-        synthetic.ensure_dataset(BUILTIN_DIR, seed=0, note=dist.print0)
-    dist.barrier()                                                   # a no-op in a single process
-    return os.path.join(BUILTIN_DIR, name)
-
-
 def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad_token: str = "",
                    chat_template: str = "auto", date_string: str = ""):
     """--tokenizer if given, else the tokenizer.json saved beside the model; --eos_token / --pad_token name

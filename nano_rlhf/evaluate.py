@@ -45,7 +45,8 @@ import torch
 
 from . import reward as reward_mod
 from .checkpoint import write_json
-from .common import builtin_file, check_output_file, check_vocab, fail, load_tokenizer
+from .builtin import default_data
+from .common import check_output_file, check_vocab, fail, load_tokenizer
 from .config import OneLineErrors, finite_float
 from .data import DataError, collate_prompts, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
@@ -296,7 +297,7 @@ def main(argv=None):
     times = read_times(a.times) if a.times else {}
     rows = []
     try:
-        prompts = load_records(a.prompts or builtin_file("eval_prompts.jsonl"), "prompts")
+        prompts = load_records(a.prompts or default_data("prompts", "eval"), "prompts")
         ref = GPT.from_pretrained(a.ref, dropout=0.0).eval() if a.ref else None
         rewards = {}
         gold = reward_mod.builtin_gold([r["prompt"] for r in prompts])     # None unless every prompt is the task's

@@ -40,7 +40,8 @@ import torch
 
 from . import dist, reward as reward_mod
 from .checkpoint import atomic_write_text
-from .common import builtin_file, check_output_file, check_vocab, fail, input_errors, load_tokenizer
+from .builtin import default_data
+from .common import check_output_file, check_vocab, fail, input_errors, load_tokenizer
 from .config import parse_args
 from .data import collate_prompts, load_records, tokenize_prompts
 from .judge import LLM, load_judge, preference_matrix
@@ -186,7 +187,7 @@ def main(argv=None):
                           "cpu" if o.device == "auto" else o.device)
     from .model import GPT
     with input_errors():
-        prompt_records = load_records(o.prompts or builtin_file("prompts.jsonl"), "prompts")
+        prompt_records = load_records(o.prompts or default_data("prompts"), "prompts")
         if o.max_prompts:
             prompt_records = prompt_records[:o.max_prompts]
         tok = load_tokenizer("", o.model, chat_template=o.chat_template, date_string=o.date_string)

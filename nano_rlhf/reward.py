@@ -18,7 +18,8 @@ it) is part of the PPO algorithm, so train_ppo.py does it (its --normalize_score
 statistics are available as `reward.mean`, `reward.std`. A reward model additionally offers `score_tokens(ids, attn)` for callers that already hold the
 token ids (the rollout), which skips a decode/re-encode round trip that need not give back the sampled ids.
 
-Nothing here is specific to an algorithm; nothing outside this module needs to name the built-in task.
+Nothing here is specific to an algorithm. The built-in task is named here (its gold reward) and in
+nano_rlhf/builtin.py (its data files), nowhere else outside nano_rlhf/synthetic.py.
 """
 import importlib
 import importlib.util
@@ -83,14 +84,16 @@ class RewardModel:
 
 
 def builtin_gold(prompts):
-    """The built-in task's programmatic (gold) reward if every prompt is the task's, else None: callers
-    show or log the gold figure only where it means something."""
+    """The gold reward of these prompts if the task has one (every prompt is the built-in task's): the reward
+    function `gold`, else None. Callers show or log a gold figure only where it means something."""
     if prompts and all(synthetic.is_task_prompt(p) for p in prompts):
-        return _gold
+        return gold
     return None
 
 
-def _gold(prompts, completions):
+def gold(prompts, completions):
+    """The built-in task's programmatic (gold) reward as an ordinary reward function, one float per completion;
+    a prompt that is not the task's raises ValueError."""
     bad = next((p for p in prompts if not synthetic.is_task_prompt(p)), None)
     if bad is not None:
         raise ValueError(f"--reward gold scores the built-in task's prompts only; not one of them: {bad!r}")
@@ -195,7 +198,7 @@ def load_reward(spec, *, tokenizer=None, device="cpu", prompts=None, batch_size=
             bad = next((p for p in prompts if not synthetic.is_task_prompt(p)), None)
             fail(f"{flag} gold scores the built-in task's prompts only; this prompt is not one: {str(bad)[:80]!r} "
                  f"(use a reward model or {flag} module:function)")
-        return _gold
+        return gold
     if is_function_spec(spec):
         return load_function(spec, flag)
     if tokenizer is None:

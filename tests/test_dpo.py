@@ -126,10 +126,15 @@ def test_bad_input_exits_with_file_line(tmp_path, sft_dir):
 @pytest.mark.parametrize("loss,flag,msg", [
     ("orpo", "--label_smoothing", "--label_smoothing applies only to --loss dpo or robust, not orpo"),
 ])
-def test_flags_a_loss_would_ignore_are_errors(tmp_path, sft_dir, loss, flag, msg):
-    p = run(["train_dpo.py"] + dpo_args(tmp_path, sft_dir, "o", loss, flag, "0.1"), check=False)
-    assert p.returncode != 0, p.stdout
-    assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith(f"error: {msg}"), p.stderr
+def test_flags_a_loss_would_ignore_are_errors(tmp_path, sft_dir, capfd, loss, flag, msg):
+    """main() in this process, its exit code and the stderr file descriptor (test_bad_input_exits_with_file_line
+    runs a whole process)."""
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(dpo_args(tmp_path, sft_dir, "o", loss, flag, "0.1"))
+    err = capfd.readouterr().err
+    assert isinstance(e.value.code, int) and e.value.code != 0, e.value.code
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {msg}"), err
     assert not (tmp_path / "o").exists()              # before any model or output directory
 
 

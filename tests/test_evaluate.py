@@ -51,12 +51,25 @@ def test_gold_column_only_when_every_prompt_is_the_builtin_task(tmp_path, sft_di
     (["--reward", "nocolon"], "--reward must be module:function"),
     (["--reward", "no_such_module_q:f"], "cannot import module"),
 ])
-def test_bad_flags_one_line_nothing_written(tmp_path, sft_dir, prompts, extra, message):
+def test_bad_flags_one_line_nothing_written(tmp_path, sft_dir, prompts, capfd, extra, message):
+    """main() in this process (its exit code and the stderr file descriptor): a start-up each would be ~2.5 s;
+    test_a_bad_flag_is_one_line_from_the_shell runs one whole process."""
     out = tmp_path / "s.jsonl"
-    p = run(["-m", "nano_rlhf.evaluate", "--model", sft_dir, "--prompts", prompts, "--out", str(out), *extra],
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), *extra])
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert isinstance(e.value.code, int) and e.value.code != 0, e.value.code
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not out.exists()
+
+
+def test_a_bad_flag_is_one_line_from_the_shell(tmp_path, sft_dir, prompts):
+    out = tmp_path / "s.jsonl"
+    p = run(["-m", "nano_rlhf.evaluate", "--model", sft_dir, "--prompts", prompts, "--out", str(out), "--top_p", "0"],
             check=False)
     lines = p.stderr.strip().splitlines()
-    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr
+    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and "--top_p" in lines[0], p.stderr
     assert not out.exists()
 
 

@@ -39,7 +39,17 @@ def _write(tmp_path, body):
     return str(f)
 
 
-def test_pairwise_function_is_used_and_checked(tmp_path):
+def one_line_exit(capfd, fn):
+    """(exit code, stderr) of fn(), which must exit: in this process, reading the stderr file descriptor (a
+    start-up each would be ~2.5 s; test_pairwise_only_judge_refuses_scores_in_one_line runs a whole process)."""
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+        fn()
+    assert isinstance(e.value.code, int)
+    return e.value.code, capfd.readouterr().err
+
+
+def test_pairwise_function_is_used_and_checked(tmp_path, capfd):
     path = _write(tmp_path, """
         def prefer(prompts, a, b):
             return [1.0 if len(x) > len(y) else 0.0 for x, y in zip(a, b)]
@@ -51,23 +61,21 @@ def test_pairwise_function_is_used_and_checked(tmp_path):
     judge = load_judge(pair_spec=f"{path}:prefer")
     assert judge.preference(["q", "q"], ["aa", "a"], ["a", "aa"]).tolist() == [1.0, 0.0]
     for name, msg in [("bad_range", "not a probability"), ("bad_len", "returned 1 probabilities for 2 pairs")]:
-        code = (f"from nano_rlhf.judge import load_judge; "
-                f"load_judge(pair_spec={path + ':' + name!r}).preference(['q','q'], ['a','b'], ['c','d'])")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        assert r.returncode != 0 and msg in r.stderr and "--pair_judge" in r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1
+        code, err = one_line_exit(capfd, lambda: load_judge(pair_spec=f"{path}:{name}").preference(
+            ["q", "q"], ["a", "b"], ["c", "d"]))
+        assert code != 0 and msg in err and "--pair_judge" in err
+        assert len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("args,msg", [
-    ("pair_spec='no_such_module_xyz:f'", "--pair_judge no_such_module_xyz:f: cannot import module"),
-    ("pair_spec='/nonexistent/dir'", "--pair_judge /nonexistent/dir: expected module:function"),
-    ("", "a judge is needed"),
-])
-def test_bad_judge_specifications_are_one_line(args, msg):
-    r = subprocess.run([sys.executable, "-c", f"from nano_rlhf.judge import load_judge; load_judge({args})"],
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and msg in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    ({"pair_spec": "no_such_module_xyz:f"}, "--pair_judge no_such_module_xyz:f: cannot import module"),
+    ({"pair_spec": "/nonexistent/dir"}, "--pair_judge /nonexistent/dir: expected module:function"),
+    ({}, "a judge is needed"),
+], ids=["pair_spec='no_such_module_xyz:f'", "pair_spec='/nonexistent/dir'", ""])
+def test_bad_judge_specifications_are_one_line(capfd, args, msg):
+    code, err = one_line_exit(capfd, lambda: load_judge(**args))
+    assert code != 0 and msg in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_pairwise_only_judge_refuses_scores_in_one_line(tmp_path):

@@ -455,14 +455,13 @@ def test_first_step_loss_equals_the_oracle_on_real_log_probs(tmp_path, task_dir,
 
 
 def test_an_old_data_directory_gets_its_listwise_files(tmp_path, monkeypatch):
-    from nano_rlhf import common
+    from nano_rlhf import builtin
     d = tmp_path / "d"
     synthetic.write_dataset(str(d), seed=3, **SMALL)
     want = (d / "listwise_eval.jsonl").read_bytes()
     for f in ("listwise.jsonl", "listwise_eval.jsonl"):
         (d / f).unlink()
-    monkeypatch.setattr(common, "BUILTIN_DIR", str(d))
-    monkeypatch.setattr(L, "BUILTIN_DIR", str(d))
+    monkeypatch.setattr(builtin, "BUILTIN_DIR", str(d))
     before = {f.name: f.read_bytes() for f in d.iterdir()}
     opts = types.SimpleNamespace(data="", eval_data="")
     assert L.data_files(opts) == {"data": str(d / "listwise.jsonl"), "eval_data": str(d / "listwise_eval.jsonl")}

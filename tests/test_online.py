@@ -409,11 +409,22 @@ def one_line_error(p, *needles):
     (["--missing_eos_penalty", "-1"], ["--missing_eos_penalty"]),
 ], ids=["judge-dir", "judge-module", "pair-not-function", "pair-missing", "pair-bad-values", "no-judge", "k1",
         "ignored-flag", "cringe-ref-update", "loss-flag", "eos-penalty-pairwise", "eos-penalty-negative"])
-def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, extra, needles):
+def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, capfd, extra, needles):
+    """main() in this process (a start-up each would be ~2.5 s): its exit code and everything written to the
+    stderr file descriptor; the same error from a whole process is test_a_bad_judge_is_one_line_from_the_shell."""
     (tmp_path / "pj.py").write_text("def bad(prompts, a, b):\n    return [1.5] * len(a)\n")
     extra = [x.replace("PJ", str(tmp_path / "pj.py")) for x in extra]
-    p = run(["train_online.py"] + online_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
-    one_line_error(p, *needles)
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+        T.main(online_args(tmp_path, sft_dir, rm_dir, "x", *extra))
+    assert isinstance(e.value.code, int)
+    one_line_error(types.SimpleNamespace(returncode=e.value.code, stderr=capfd.readouterr().err), *needles)
+    assert not (tmp_path / "x" / "model.safetensors").exists()
+
+
+def test_a_bad_judge_is_one_line_from_the_shell(tmp_path, sft_dir, rm_dir):
+    p = run(["train_online.py"] + online_args(tmp_path, sft_dir, rm_dir, "x", "--judge", "no/such/rm_dir"), check=False)
+    one_line_error(p, "--judge no/such/rm_dir", "not a directory")
     assert not (tmp_path / "x" / "model.safetensors").exists()
 
 

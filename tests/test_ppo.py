@@ -147,13 +147,12 @@ def test_resume_bit_exact(tmp_path, sft_dir, rm_dir):
     assert metrics(tmp_path / "a")[-1]["train/kl_coef"] == metrics(tmp_path / "b")[-1]["train/kl_coef"]
 
 
-def test_batch_sizes_must_divide(tmp_path, sft_dir, rm_dir):
-    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", "--batch_size", "3", "--num_minibatches", "2"),
-            check=False)
-    assert p.returncode != 0 and "does not split into --num_minibatches 2" in p.stderr
-    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", "--advantage", "grpo", "--samples_per_prompt", "1"),
-            check=False)
-    assert p.returncode != 0 and "needs --samples_per_prompt >= 2" in p.stderr
+def test_batch_sizes_must_divide(tmp_path, sft_dir, rm_dir, capfd):
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", "--batch_size", "3", "--num_minibatches", "2"))
+    assert code != 0 and "does not split into --num_minibatches 2" in err
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", "--advantage", "grpo", "--samples_per_prompt",
+                                          "1"))
+    assert code != 0 and "needs --samples_per_prompt >= 2" in err
 
 
 def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir):
@@ -186,10 +185,21 @@ def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir
     (["--adaptive_kl", "--kl_coef", "0"], "--adaptive_kl needs --kl_coef"),
     (["--num_minibatches", "0"], "--num_minibatches must be >= 1"),
 ])
-def test_bad_options_exit_before_training(tmp_path, sft_dir, rm_dir, extra, message):
-    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
-    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr
+def test_bad_options_exit_before_training(tmp_path, sft_dir, rm_dir, capfd, extra, message):
+    """main() in this process (its exit code and the stderr file descriptor): a start-up each would be ~2.5 s;
+    test_a_bad_flag_is_one_line_from_the_shell runs one whole process."""
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra))
+    assert code != 0 and message in err and "Traceback" not in err
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def main_exit(capfd, argv):
+    """(exit code, stderr) of train_ppo.main(argv), which must exit."""
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_ppo.main(argv)
+    assert isinstance(e.value.code, int)
+    return e.value.code, capfd.readouterr().err
 
 
 @pytest.mark.parametrize("extra", [
@@ -233,7 +243,16 @@ def test_option_paths_end_to_end(tmp_path, sft_dir, rm_dir, extra):
     pytest.param(["--device", "cuda"], "--device cuda",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
 ])
-def test_bad_flags_one_line_nothing_written(tmp_path, sft_dir, rm_dir, extra, option):
+def test_bad_flags_one_line_nothing_written(tmp_path, sft_dir, rm_dir, capfd, extra, option):
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra))
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and lines[0].startswith("error: ") and option in lines[0], err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("extra, option", [(["--kl_coef", "-0.5"], "--kl_coef"),
+                                           (["--num_minibatches", "0"], "--num_minibatches must be >= 1")])
+def test_a_bad_flag_is_one_line_from_the_shell(tmp_path, sft_dir, rm_dir, extra, option):
     p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
     lines = p.stderr.strip().splitlines()
     assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and option in lines[0], p.stderr

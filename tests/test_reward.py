@@ -41,6 +41,20 @@ def test_gold_only_on_the_builtin_task():
         gold([OTHER], [" fine."])
 
 
+def test_gold_through_the_reward_interface_is_the_tasks_gold_reward():
+    """The gold reward is an ordinary reward function: load_reward("gold") and builtin_gold give the same one,
+    and it scores every completion as synthetic.gold_reward does (varied prompts, products and styles)."""
+    import random
+    rng = random.Random(0)
+    prompts = [synthetic.train_prompt(rng) for _ in range(60)] + [synthetic.make_prompt("kettle", 26)]
+    completions = [synthetic.sample_response(rng, synthetic.parse_product(p), ("sft", "pair")[i % 2])
+                   for i, p in enumerate(prompts)]
+    gold = load_reward("gold", prompts=prompts)
+    assert gold is builtin_gold(prompts)
+    want = [synthetic.gold_reward(p, c) for p, c in zip(prompts, completions)]
+    assert gold(prompts, completions) == want and len(set(want)) > 5       # exact: the same function's floats
+
+
 def test_user_function_from_a_file_and_a_module(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text("def length(prompts, completions):\n"
                                             "    return [float(len(c)) for c in completions]\n")

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import train_ppo
-from conftest import run, write_jsonl
+from conftest import write_jsonl
 from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
 from nano_rlhf.model import GPT
-from test_ppo import metrics, ppo_args
+from test_ppo import main_exit, metrics, ppo_args
 
 REWARD = '''def score(prompts, completions):
     """Flat (no signal) on prompts that mention 'flat'; otherwise the completion's length, which differs
@@ -112,7 +112,8 @@ def test_micro_batches_do_not_change_the_update(tmp_path, sft_dir, rm_dir, agg):
     (["--dual_clip", "1"], "--dual_clip must be > 1"),
     (["--correction_cap", "0.5"], "--correction_cap must be > 1"),
 ])
-def test_refused_combinations_are_one_line(tmp_path, sft_dir, rm_dir, extra, message):
-    p = run(["train_ppo.py"] + ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra), check=False)
-    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+def test_refused_combinations_are_one_line(tmp_path, sft_dir, rm_dir, capfd, extra, message):
+    """main() in this process (test_ppo.test_a_bad_flag_is_one_line_from_the_shell runs a whole process)."""
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra))
+    assert code != 0 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "x").exists()

@@ -137,6 +137,8 @@ def test_end_to_end_and_transformers_parity(tmp_path, sft_dir):
     assert "eval accuracy" in p.stdout
     metrics = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert metrics[-1]["eval/accuracy"] >= 0.5 and "train/margin" in metrics[0]
+    # some eval prompts name no product of the built-in task ("the motor"): no gold figures
+    assert not any(k.startswith("eval/gold") for m in metrics for k in m)
     # the saved model loads in transformers and gives the same scores
     from nano_rlhf.tokenizer import Tokenizer
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -337,3 +339,26 @@ def test_gold_agreement_is_pearson_and_the_reference_rankers_accuracy():
     assert got["eval/gold_corr"] == pytest.approx(want_corr.item(), abs=1e-12)
     assert got["eval/gold_ranker_accuracy"] == pytest.approx(want_acc.item(), abs=1e-12)
     assert gold_agreement(texts, r_chosen, r_rejected, lambda p, c: [1.0] * len(c)) == {}   # constant reward: undefined
+
+
+def test_gold_figures_only_where_every_eval_prompt_is_the_builtin_tasks(tmp_path, sft_dir):
+    """train_rm asks the reward interface for the gold reward: on the built-in task's eval pairs it logs the
+    gold reward's own accuracy on their labels; one off-task or one conversational prompt and none is logged."""
+    import train_rm
+    from nano_rlhf import reward, synthetic
+    synthetic.write_dataset(str(tmp_path / "d"), seed=0, n_sft=20, n_pref=120, n_unpaired=20, n_prompts=4,
+                            n_eval_prompts=4, n_listwise=8)
+    rows = [json.loads(x) for x in open(tmp_path / "d" / "preference_eval.jsonl")]
+    ev = [{"texts": (r["prompt"], r["chosen"], r["rejected"])} for r in rows]
+    assert train_rm.gold_reference(ev) is reward.gold
+    assert train_rm.gold_reference(ev + [{"texts": ("write a short review of the motor.", " a", " b")}]) is None
+    chat = [{"role": "user", "content": rows[0]["prompt"]}]
+    assert train_rm.gold_reference(ev + [{"texts": (chat, " a", " b")}]) is None
+    train_rm.main(["--data", str(tmp_path / "d" / "preference.jsonl"), "--eval_data",
+                   str(tmp_path / "d" / "preference_eval.jsonl"), "--init", sft_dir, "--out_dir", str(tmp_path / "rm"),
+                   "--max_steps", "1", "--batch_size", "4", "--warmup_steps", "0"])
+    final = [json.loads(x) for x in open(tmp_path / "rm" / "metrics.jsonl")][-1]
+    g = [(synthetic.gold_reward(r["prompt"], r["chosen"]), synthetic.gold_reward(r["prompt"], r["rejected"]))
+         for r in rows]
+    want = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in g) / len(g)
+    assert final["eval/gold_ranker_accuracy"] == pytest.approx(want, abs=1e-12) and "eval/gold_corr" in final
