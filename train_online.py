@@ -677,7 +677,7 @@ def main(argv=None):
         # weights gathered once for the whole decoding, not once per token, as train_ppo.py's rollout
         opponents = None
         with parallel.gathered(policy, ref if opts.method == "nash_md" else None):
-            s = sample([(policy, 1.0)], batch, idx, tok, opts, step, world.device)
+            batch_samples = sample([(policy, 1.0)], batch, idx, tok, opts, step, world.device)
             if opts.method == "nash_md":
                 opponents = sample([(policy, 1 - opts.mixture_coef), (ref, opts.mixture_coef)], batch, idx, tok,
                                    opts, step, world.device, stream=1)
@@ -687,15 +687,16 @@ def main(argv=None):
         groups, scores, prob, accept_key = None, None, None, None
         if opts.method == "nash_md":
             penalty = opts.missing_eos_penalty
-            scores = judge_scores(judge, s, tok, penalty) if judge.pointwise else None
-            prob = symmetric_preference(judge, s.prompts, s.completions, opponents.completions) if judge.pairwise \
+            scores = judge_scores(judge, batch_samples, tok, penalty) if judge.pointwise else None
+            prob = symmetric_preference(judge, batch_samples.prompts, batch_samples.completions,
+                                        opponents.completions) if judge.pairwise \
                 else bradley_terry(scores, judge_scores(judge, opponents, tok, penalty))
         else:
-            groups, scores = group_preferences(judge, s, k, tok, opts.missing_eos_penalty)
+            groups, scores = group_preferences(judge, batch_samples, k, tok, opts.missing_eos_penalty)
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only
             accept_key = list(scores) if scores is not None else [copeland(pref_logits) for _, pref_logits in groups]
         # 3.-4. examples, loss, update
-        objective, stats = step_objective(opts, ddp, ref, s, groups, step, prob, accept_key, init_ref)
+        objective, stats = step_objective(opts, ddp, ref, batch_samples, groups, step, prob, accept_key, init_ref)
         grad_norm = 0.0
         if objective is not None:        # no pair / no labelled token on any rank: no update at all
             (objective * dist.ddp_scale()).backward()
@@ -705,7 +706,7 @@ def main(argv=None):
         if opts.ref_update_every and ref is not None and step % opts.ref_update_every == 0:
             # iterative DPO / DNO / SPPO: π_t ← π_θ (--lora_r: the base with the adapters merged in)
             ref.load_state_dict((lora.merged_copy(policy) if opts.lora_r else policy).state_dict())
-        metrics = step_metrics(s, scores, stats, gold)
+        metrics = step_metrics(batch_samples, scores, stats, gold)
         if "train/kl" in metrics and opts.kl_warn:      # the same value on every rank (all-reduced)
             watch_kl(kl_watch, metrics["train/kl"], opts.kl_warn, step)
         t_step = time.time() - t0

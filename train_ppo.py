@@ -1058,32 +1058,33 @@ def main(argv=None):
         set_lr(policy.opt, lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant"))
         gen_stats = {}
         if opts.dynamic_sampling:
-            r = with_logprobs(dynamic_sample(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models,
+            batch = with_logprobs(dynamic_sample(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models,
                                              tok, opts, gen, gen_stats), models, opts)
         else:
-            r = rollout([prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats)
+            batch = rollout([prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats)
         t_gen = time.time() - t0
         beta = kl_ctl.beta
-        targets = advantages(r, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,
+        targets = advantages(batch, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,
                              kl_in_loss=opts.kl_in_loss, k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
         if opts.advantage in WHITENED:         # whiten over the valid tokens of ALL ranks: two passes, two all-reduces
-            n, total = dist.all_reduce_sum(masked_sums(targets.adv, r.response_mask))
+            n, total = dist.all_reduce_sum(masked_sums(targets.adv, batch.response_mask))
             mean = total / n.clamp(min=1)
-            sq_dev = dist.all_reduce_sum(masked_sq_dev(targets.adv, r.response_mask, mean))
-            targets.adv = masked_whiten(targets.adv, r.response_mask, n, mean, sq_dev)
+            sq_dev = dist.all_reduce_sum(masked_sq_dev(targets.adv, batch.response_mask, mean))
+            targets.adv = masked_whiten(targets.adv, batch.response_mask, n, mean, sq_dev)
         warming_up = critic is not None and step <= opts.critic_warmup_steps
-        sums = update(r, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
+        sums = update(batch, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
                       gen=shuffle_gen, ptx=ptx)
-        metrics = step_metrics(r, targets, sums, beta)
+        metrics = step_metrics(batch, targets, sums, beta)
         if opts.adaptive_kl:
-            kl_ctl.update(metrics["train/kl"], dist.all_reduce_sum(float(r.scores.shape[0])))
+            kl_ctl.update(metrics["train/kl"], dist.all_reduce_sum(float(batch.scores.shape[0])))
         if critic is not None:                 # two passes over the returns and the residuals, one all-reduce each
-            residuals = targets.returns - r.values
-            ev_sums = dist.all_reduce_sum(torch.cat([masked_sums(targets.returns, r.response_mask),
-                                                     masked_sums(residuals, r.response_mask)]))
+            residuals = targets.returns - batch.values
+            ev_sums = dist.all_reduce_sum(torch.cat([masked_sums(targets.returns, batch.response_mask),
+                                                     masked_sums(residuals, batch.response_mask)]))
             n = ev_sums[0].clamp(min=1)
-            sq_devs = dist.all_reduce_sum(torch.stack([masked_sq_dev(targets.returns, r.response_mask, ev_sums[1] / n),
-                                                       masked_sq_dev(residuals, r.response_mask, ev_sums[3] / n)]))
+            sq_devs = dist.all_reduce_sum(torch.stack([
+                masked_sq_dev(targets.returns, batch.response_mask, ev_sums[1] / n),
+                masked_sq_dev(residuals, batch.response_mask, ev_sums[3] / n)]))
             metrics["train/explained_variance"] = explained_variance(*sq_devs)
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
         if opts.compile_rollout:               # compiling (first steps, each new batch bucket) timed apart
