@@ -69,7 +69,8 @@ from nano_rlhf.builtin import default_path
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import autocast, check_vocab, fail, input_errors, lr_at, set_lr
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
-from nano_rlhf.evaluate import sample_and_score, summarize
+from nano_rlhf.evaluate import sample_and_score
+from nano_rlhf.summary import summarize
 from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, preference_matrix, symmetric_preference
 from nano_rlhf.judge import model_dir as judge_dir
 from nano_rlhf.model import GPT

@@ -69,7 +69,8 @@ from nano_rlhf.common import (autocast, check_vocab, fail, input_errors,
                               lr_at, set_lr, split_off)
 from nano_rlhf.data import (Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft,
                             training_length)
-from nano_rlhf.evaluate import sample_and_score, summarize
+from nano_rlhf.evaluate import sample_and_score
+from nano_rlhf.summary import summarize
 from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
 from nano_rlhf.options import FrozenModelOptions, RunOptions

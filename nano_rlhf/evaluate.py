@@ -33,11 +33,8 @@ KL to the reference is the sequence-level estimate Σ_t [log π(y_t) − log π_
 response tokens (end-of-text included), averaged over samples: an unbiased estimate of KL(π ‖ π_ref).
 """
 import argparse
-import itertools
 import json
-import math
 import os
-import random
 import sys
 from dataclasses import replace
 
@@ -51,6 +48,7 @@ from .config import OneLineErrors, finite_float
 from .data import DataError, collate_prompts, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
 from .sampling import SamplingOptions, cut_at_stop, generate
+from .summary import format_summary, format_table, summarize
 from .tokenizer import CHAT_TEMPLATES
 
 
@@ -69,82 +67,6 @@ def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
     hidden = model(ids, attn, select=sel, return_hidden=True)
     lp = token_logprobs(hidden, model.output_weight(), ids[:, P:][valid], temperature)
     return torch.zeros(response_mask.shape, device=ids.device).masked_scatter(valid, lp)
-
-
-def pass_at_k(n, c, k):
-    """The unbiased pass@k estimate from n samples of which c are correct (Chen et al. 2021, eq. 1):
-    1 − C(n−c, k) / C(n, k), the chance that k of the n samples drawn without replacement hold a correct one.
-    Computed as their numerically stable product 1 − Π_{i=n−c+1}^{n} (1 − k/i): no huge binomials, exact
-    at 1.0 when every k-subset holds a correct sample (n − c < k)."""
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
-    if n - c < k:
-        return 1.0
-    prod = 1.0
-    for i in range(n - c + 1, n + 1):
-        prod *= 1.0 - k / i
-    return 1.0 - prod
-
-
-MAJ_SUBSETS = 4096       # maj@k averages over every k-subset up to this many, else over this many seeded ones
-
-
-def maj_at_k(answers, correct, k, max_subsets=MAJ_SUBSETS, seed=0):
-    """Majority-vote accuracy (maj@k, self-consistency: Wang et al. 2023) of one prompt from its n >= k samples:
-    the expected correctness of the most common answer among k samples drawn without replacement.
-
-    answers: the n extracted answers (None: the sample states none; it does not vote); correct: the n
-    verifier verdicts (truthy = correct). An answer is correct when the samples holding it are (their mean, so
-    a verifier that disagrees with itself on one answer gives partial credit). A tie at the top counts the mean
-    correctness of the tied answers (a uniformly random tie-break, in expectation); a subset with no answer
-    counts 0. Like pass@k it is averaged over k-subsets rather than read off the first k samples (a lower
-    variance estimate of the same expectation): exactly over all C(n, k) of them when there are at most
-    max_subsets, else over max_subsets drawn at random with `seed`."""
-    n = len(answers)
-    if len(correct) != n or not 1 <= k <= n:
-        raise ValueError(f"maj@k needs n >= k >= 1 samples and one verdict per answer (n={n}, k={k})")
-    verdicts = {}
-    for a, ok in zip(answers, correct):
-        if a is not None:
-            verdicts.setdefault(a, []).append(float(ok))
-    worth = {a: sum(v) / len(v) for a, v in verdicts.items()}
-
-    def vote(subset):
-        counts = {}
-        for i in subset:
-            if answers[i] is not None:
-                counts[answers[i]] = counts.get(answers[i], 0) + 1
-        if not counts:
-            return 0.0
-        top = max(counts.values())
-        tied = [a for a, c in counts.items() if c == top]
-        return sum(worth[a] for a in tied) / len(tied)
-
-    if math.comb(n, k) <= max_subsets:
-        subsets = itertools.combinations(range(n), k)
-        total = math.comb(n, k)
-    else:
-        rng = random.Random(seed)
-        subsets = (rng.sample(range(n), k) for _ in range(max_subsets))
-        total = max_subsets
-    return sum(vote(s) for s in subsets) / total
-
-
-def by_prompt(samples):
-    """Sample records grouped per prompt: consecutive runs that start at sample 0 (sample_and_score's order)."""
-    groups = []
-    for r in samples:
-        if r["sample"] == 0 or not groups:
-            groups.append([])
-        groups[-1].append(r)
-    return groups
-
-
-def mean_se(xs):
-    n = len(xs)
-    m = sum(xs) / n
-    var = sum((x - m) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
-    return m, math.sqrt(var / n)
 
 
 @torch.no_grad()
@@ -197,61 +119,6 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
                 rec["kl"] = float(kl[b])
             out.append(rec)
     return out
-
-
-def summarize(samples, baseline=None, pass_k=(), pass_threshold=1.0):
-    """Aggregate figures of a list of sample records (and win rate against baseline records). pass_k: the k of
-    pass@k (and of maj@k when the records hold an "answer") on the "reward" column, a sample passing when its
-    reward >= pass_threshold; per prompt, then mean and standard error over prompts."""
-    s = {"n": len(samples), "length": sum(r["length"] for r in samples) / len(samples),
-         "eos_rate": sum(r["eos"] for r in samples) / len(samples)}
-    for key in ("gold_reward", "reward", "rm_score", "kl"):
-        if samples and key in samples[0]:
-            s[key], s[key + "_se"] = mean_se([r[key] for r in samples])
-    groups = by_prompt(samples) if pass_k else []
-    if groups and min(len(g) for g in groups) > 1:
-        # prompts whose samples all pass or all fail: a group-relative advantage (GRPO, RLOO) is 0 on every one of
-        # them, so this is the share of such prompts that would teach nothing (DAPO's dynamic sampling drops them)
-        same = [len({r["reward"] >= pass_threshold for r in g}) == 1 for g in groups]
-        s["zero_spread"] = sum(same) / len(same)
-    for k in pass_k:
-        ok = [[r["reward"] >= pass_threshold for r in g] for g in groups]
-        s[f"pass@{k}"], s[f"pass@{k}_se"] = mean_se([pass_at_k(len(o), sum(o), k) for o in ok])
-        if "answer" in samples[0]:
-            s[f"maj@{k}"], s[f"maj@{k}_se"] = mean_se([maj_at_k([r["answer"] for r in g], o, k)
-                                                       for g, o in zip(groups, ok)])
-    judge = next((k for k in ("gold_reward", "reward") if k in s and baseline and k in baseline[0]), None)
-    if baseline is not None and judge is not None:
-        if len(baseline) != len(samples) or any(a["prompt"] != b["prompt"] for a, b in zip(samples, baseline)):
-            raise ValueError("--baseline samples must come from the same prompts file and --samples_per_prompt")
-        wins = [1.0 if a[judge] > b[judge] else 0.5 if a[judge] == b[judge] else 0.0 for a, b in zip(samples, baseline)]
-        s["win_rate"], s["win_rate_se"] = mean_se(wins)
-    return s
-
-
-def pass_keys(s):
-    """The pass@k and maj@k figures of a summary, in order (pass@1, pass@8, maj@1, maj@8)."""
-    keys = [key for key in s if key.startswith(("pass@", "maj@")) and not key.endswith("_se")]
-    return sorted(keys, key=lambda key: (key.startswith("maj@"), int(key.split("@")[1])))
-
-
-def format_summary(name, s):
-    cols = [name]
-    if "gold_reward" in s:
-        cols.append(f"gold {s['gold_reward']:+.3f} ± {s['gold_reward_se']:.3f}")
-    if "reward" in s:
-        cols.append(f"reward {s['reward']:+.3f} ± {s['reward_se']:.3f}")
-    if "win_rate" in s:
-        cols.append(f"win {100 * s['win_rate']:.1f}%")
-    cols += [f"{key} {s[key]:.3f} ± {s[key + '_se']:.3f}" for key in pass_keys(s)]
-    if "rm_score" in s:
-        cols.append(f"rm {s['rm_score']:+.3f}")
-    if "kl" in s:
-        cols.append(f"kl {s['kl']:.3f}")
-    if "zero_spread" in s:
-        cols.append(f"zero-spread {100 * s['zero_spread']:.1f}%")
-    cols += [f"len {s['length']:.1f}", f"eos {100 * s['eos_rate']:.1f}%"]
-    return " | ".join(cols)
 
 
 def main(argv=None):
@@ -429,30 +296,6 @@ def check_options(a):
     for flag, path in (("--summary", a.summary), ("--out", a.out)):
         if path:
             check_output_file(flag, path, inputs, [d for d in dirs if d])
-
-
-def format_table(rows):
-    """A markdown table: policy, gold reward ± s.e., win rate vs the baseline, RM score, KL, length, eos rate."""
-    cols = [("policy", lambda r: r["name"])]
-    if "gold_reward" in rows[0]:
-        cols.append(("gold reward", lambda r: f"{r['gold_reward']:+.3f} ± {r['gold_reward_se']:.3f}"))
-    if "reward" in rows[0]:
-        cols.append(("reward", lambda r: f"{r['reward']:+.3f} ± {r['reward_se']:.3f}"))
-    if "win_rate" in rows[0]:
-        cols.append(("win rate vs " + rows[0]["name"], lambda r: f"{100 * r['win_rate']:.1f}%"))
-    cols += [(key, lambda r, key=key: f"{r[key]:.3f} ± {r[key + '_se']:.3f}") for key in pass_keys(rows[0])]
-    if "rm_score" in rows[0]:
-        cols.append(("RM score", lambda r: f"{r['rm_score']:+.3f}"))
-    if "kl" in rows[0]:
-        cols.append(("KL to ref", lambda r: f"{r['kl']:.3f}"))
-    if "zero_spread" in rows[0]:
-        cols.append(("zero-spread prompts", lambda r: f"{100 * r['zero_spread']:.0f}%"))
-    cols += [("length", lambda r: f"{r['length']:.1f}"), ("eos rate", lambda r: f"{100 * r['eos_rate']:.0f}%")]
-    if any("train_seconds" in r for r in rows):
-        cols.append(("training time", lambda r: f"{r['train_seconds']:.0f} s" if "train_seconds" in r else "—"))
-    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

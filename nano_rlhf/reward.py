@@ -15,8 +15,9 @@ a wrong length or type stops the run with one line naming the function.
 Scores are RAW: a reward model's own output at the response's end-of-text (the chat template's end-of-turn
 for a conversation). Normalising a reward model's score with the mean/std train_rm.py recorded (and clipping
 it) is part of the PPO algorithm, so train_ppo.py does it (its --normalize_score / --score_clip); the recorded
-statistics are available as `reward.mean`, `reward.std`. A reward model additionally offers `score_tokens(ids, attn)` for callers that already hold the
-token ids (the rollout), which skips a decode/re-encode round trip that need not give back the sampled ids.
+statistics are available as `reward.mean`, `reward.std`. A reward model additionally offers
+`score_tokens(ids, attn)` for callers that already hold the token ids (the rollout), which skips a decode/re-encode
+round trip that need not give back the sampled ids.
 
 Nothing here is specific to an algorithm. The built-in task is named here (its gold reward) and in
 nano_rlhf/builtin.py (its data files), nowhere else outside nano_rlhf/synthetic.py.

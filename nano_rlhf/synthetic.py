@@ -38,17 +38,21 @@ import re
 import uuid
 
 PRODUCTS = {
-    "blender": ["motor", "jar", "blades"], "kettle": ["spout", "handle", "lid"], "toaster": ["slots", "lever", "timer"],
-    "phone": ["screen", "battery", "charger"], "laptop": ["webcam", "trackpad", "hinge"],
-    "headphones": ["earcups", "cable", "bass"], "backpack": ["straps", "zipper", "pockets"],
-    "lamp": ["bulb", "switch", "shade"], "chair": ["cushion", "armrest", "wheels"], "desk": ["drawer", "surface", "legs"],
-    "bicycle": ["brakes", "saddle", "gears"], "tent": ["poles", "floor", "rainfly"], "watch": ["strap", "dial", "clasp"],
-    "mixer": ["whisk", "bowl", "speeds"], "vacuum": ["suction", "filter", "hose"], "printer": ["tray", "ink", "scanner"],
-    "speaker": ["volume", "woofer", "remote"], "jacket": ["hood", "sleeves", "lining"], "shoes": ["soles", "laces", "heel"],
-    "mattress": ["foam", "springs", "cover"], "kayak": ["paddle", "seat", "hull"], "drill": ["chuck", "trigger", "bits"],
-    "oven": ["door", "racks", "dial"], "fridge": ["freezer", "shelves", "icemaker"], "monitor": ["panel", "stand", "ports"],
-    "keyboard": ["keys", "switches", "backlight"], "umbrella": ["canopy", "frame", "grip"], "stroller": ["canopy", "basket", "brakes"],
-    "guitar": ["strings", "neck", "tuners"], "camera": ["lens", "shutter", "viewfinder"],
+    "blender": ["motor", "jar", "blades"], "kettle": ["spout", "handle", "lid"],
+    "toaster": ["slots", "lever", "timer"], "phone": ["screen", "battery", "charger"],
+    "laptop": ["webcam", "trackpad", "hinge"], "headphones": ["earcups", "cable", "bass"],
+    "backpack": ["straps", "zipper", "pockets"], "lamp": ["bulb", "switch", "shade"],
+    "chair": ["cushion", "armrest", "wheels"], "desk": ["drawer", "surface", "legs"],
+    "bicycle": ["brakes", "saddle", "gears"], "tent": ["poles", "floor", "rainfly"],
+    "watch": ["strap", "dial", "clasp"], "mixer": ["whisk", "bowl", "speeds"], "vacuum": ["suction", "filter", "hose"],
+    "printer": ["tray", "ink", "scanner"], "speaker": ["volume", "woofer", "remote"],
+    "jacket": ["hood", "sleeves", "lining"], "shoes": ["soles", "laces", "heel"],
+    "mattress": ["foam", "springs", "cover"], "kayak": ["paddle", "seat", "hull"],
+    "drill": ["chuck", "trigger", "bits"], "oven": ["door", "racks", "dial"],
+    "fridge": ["freezer", "shelves", "icemaker"], "monitor": ["panel", "stand", "ports"],
+    "keyboard": ["keys", "switches", "backlight"], "umbrella": ["canopy", "frame", "grip"],
+    "stroller": ["canopy", "basket", "brakes"], "guitar": ["strings", "neck", "tuners"],
+    "camera": ["lens", "shutter", "viewfinder"],
 }
 # a few features are shared (dial, canopy, brakes...): they count as on-topic for every product that has them
 FEATURE_OWNERS = {}
@@ -293,10 +297,12 @@ def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, 
         pref.append({"prompt": p, "chosen": a if a_wins else b, "rejected": b if a_wins else a})
     gens = [(p, sample_response(rng, parse_product(p), "pair")) for p in (prompt() for _ in range(n_unpaired))]
     threshold = sorted(gold_reward(p, c) for p, c in gens)[len(gens) // 2]
-    unpaired = [{"prompt": p, "completion": c, "label": rng.random() < _sigmoid((gold_reward(p, c) - threshold) / BT_TEMPERATURE)}
+    unpaired = [{"prompt": p, "completion": c,
+                 "label": rng.random() < _sigmoid((gold_reward(p, c) - threshold) / BT_TEMPERATURE)}
                 for p, c in gens]
     prompts = [{"prompt": prompt()} for _ in range(n_prompts)]
-    evals = [{"prompt": make_prompt(products[i % len(products)], EVAL_PHRASINGS[(i // len(products)) % len(EVAL_PHRASINGS)])}
+    evals = [{"prompt": make_prompt(products[i % len(products)],
+                                    EVAL_PHRASINGS[(i // len(products)) % len(EVAL_PHRASINGS)])}
              for i in range(n_eval_prompts)]
 
     os.makedirs(out_dir, exist_ok=True)
@@ -309,7 +315,8 @@ def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, 
     write_listwise(out_dir, seed, n_listwise, eval_fraction)      # not in task.json: its bytes stay as they were
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     task = {"seed": seed, "counts": {k: len(v) for k, v in files.items()},
-            "bt_temperature": BT_TEMPERATURE, "label_noise": flipped / len(pref), "bt_accuracy_ceiling": ceiling / len(pref),
+            "bt_temperature": BT_TEMPERATURE, "label_noise": flipped / len(pref),
+            "bt_accuracy_ceiling": ceiling / len(pref),
             "sft_demo_gold_mean": mean([gold_reward(r["prompt"], r["completion"]) for r in sft]),
             "pair_gold_mean": mean([gold_reward(r["prompt"], r[k]) for r in pref for k in ("chosen", "rejected")]),
             "best_gold_mean": mean([gold_reward(r["prompt"], best_completion(r["prompt"])) for r in evals]),

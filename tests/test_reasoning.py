@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from conftest import run, write_jsonl
-from nano_rlhf import evaluate, reasoning
+from nano_rlhf import evaluate, reasoning, summary
 from nano_rlhf.reward import load_function
 
 P = "Compute 7 + 5 * 3 - 4.\nSolution:"        # = 18
@@ -167,33 +167,33 @@ def test_pass_at_k_equals_the_brute_force_enumeration():
     for n in range(1, 11):
         for c in range(n + 1):
             for k in range(1, n + 1):
-                assert evaluate.pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), rel=1e-12, abs=1e-12)
-    assert evaluate.pass_at_k(200, 3, 1) == pytest.approx(3 / 200, rel=1e-12)
+                assert summary.pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), rel=1e-12, abs=1e-12)
+    assert summary.pass_at_k(200, 3, 1) == pytest.approx(3 / 200, rel=1e-12)
     # large n: the product stays accurate where the binomials are astronomically large
-    assert evaluate.pass_at_k(1000, 1, 10) == pytest.approx(0.01, rel=1e-10)
-    assert evaluate.pass_at_k(1000, 0, 500) == 0.0 and evaluate.pass_at_k(1000, 501, 500) == 1.0
+    assert summary.pass_at_k(1000, 1, 10) == pytest.approx(0.01, rel=1e-10)
+    assert summary.pass_at_k(1000, 0, 500) == 0.0 and summary.pass_at_k(1000, 501, 500) == 1.0
     for bad in ((4, 5, 1), (4, 1, 5), (4, 1, 0), (4, -1, 1)):
         with pytest.raises(ValueError):
-            evaluate.pass_at_k(*bad)
+            summary.pass_at_k(*bad)
 
 
 def test_maj_at_k_on_hand_worked_cases():
     A, B = "18", "17"
-    assert evaluate.maj_at_k([A, A, B], [1, 1, 0], 1) == pytest.approx(2 / 3)
+    assert summary.maj_at_k([A, A, B], [1, 1, 0], 1) == pytest.approx(2 / 3)
     # k = 2: {A, A} -> A right; {A, B} twice -> a tie, half credit each
-    assert evaluate.maj_at_k([A, A, B], [1, 1, 0], 2) == pytest.approx((1 + 0.5 + 0.5) / 3)
-    assert evaluate.maj_at_k([A, A, B], [1, 1, 0], 3) == 1.0
-    assert evaluate.maj_at_k([B, B, A], [0, 0, 1], 3) == 0.0              # the right answer outvoted
+    assert summary.maj_at_k([A, A, B], [1, 1, 0], 2) == pytest.approx((1 + 0.5 + 0.5) / 3)
+    assert summary.maj_at_k([A, A, B], [1, 1, 0], 3) == 1.0
+    assert summary.maj_at_k([B, B, A], [0, 0, 1], 3) == 0.0              # the right answer outvoted
     # unanswered samples do not vote: one right answer beats two blanks
-    assert evaluate.maj_at_k([None, None, A], [0, 0, 1], 3) == 1.0
-    assert evaluate.maj_at_k([None, None], [0, 0], 2) == 0.0
+    assert summary.maj_at_k([None, None, A], [0, 0, 1], 3) == 1.0
+    assert summary.maj_at_k([None, None], [0, 0], 2) == 0.0
     # pass@k counts any right sample, maj@k only a majority: B, B, C, A with A right
     answers, ok = [B, B, "5", A], [0, 0, 0, 1]
-    assert evaluate.maj_at_k(answers, ok, 4) == 0.0 and evaluate.pass_at_k(4, 1, 4) == 1.0
+    assert summary.maj_at_k(answers, ok, 4) == 0.0 and summary.pass_at_k(4, 1, 4) == 1.0
     # maj@1 is pass@1 when the verifier agrees with the answers
-    assert evaluate.maj_at_k(answers, ok, 1) == pytest.approx(evaluate.pass_at_k(4, 1, 1))
+    assert summary.maj_at_k(answers, ok, 1) == pytest.approx(summary.pass_at_k(4, 1, 1))
     with pytest.raises(ValueError):
-        evaluate.maj_at_k([A, B], [1, 0], 3)
+        summary.maj_at_k([A, B], [1, 0], 3)
 
 
 def brute_maj(answers, ok, k):
@@ -216,12 +216,12 @@ def test_maj_at_k_against_brute_force_and_its_sampled_estimate():
         answers = [rng.choice(["1", "2", "3", None]) for _ in range(n)]
         ok = [a == "1" for a in answers]
         for k in range(1, n + 1):
-            assert evaluate.maj_at_k(answers, ok, k) == pytest.approx(brute_maj(answers, ok, k), abs=1e-12)
+            assert summary.maj_at_k(answers, ok, k) == pytest.approx(brute_maj(answers, ok, k), abs=1e-12)
     answers = [rng.choice("1123") for _ in range(20)]
     ok = [a == "1" for a in answers]
-    exact = evaluate.maj_at_k(answers, ok, 5, max_subsets=math.comb(20, 5))
-    sampled = evaluate.maj_at_k(answers, ok, 5, max_subsets=4000)     # 15504 subsets: sampled
-    assert abs(sampled - exact) < 0.03 and sampled == evaluate.maj_at_k(answers, ok, 5, max_subsets=4000)
+    exact = summary.maj_at_k(answers, ok, 5, max_subsets=math.comb(20, 5))
+    sampled = summary.maj_at_k(answers, ok, 5, max_subsets=4000)     # 15504 subsets: sampled
+    assert abs(sampled - exact) < 0.03 and sampled == summary.maj_at_k(answers, ok, 5, max_subsets=4000)
 
 
 # ---- evaluate --pass_k end to end ---------------------------------------------------------------
@@ -240,8 +240,8 @@ def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
     the samples written, and the reasoning verifier runs as the reward column."""
     (tmp_path / "toy.py").write_text(USER_TASK)
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Compute {i} + 2.\nSolution:"} for i in range(1, 7)])
-    out, summary = tmp_path / "s.jsonl", tmp_path / "summary.json"
-    rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--summary", str(summary),
+    out, summary_file = tmp_path / "s.jsonl", tmp_path / "summary.json"
+    rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--summary", str(summary_file),
                           "--max_new_tokens", "6", "--samples_per_prompt", "5", "--pass_k", "4,1",
                           "--reward", f"{tmp_path / 'toy.py'}:reward"])
     got = [json.loads(x) for x in open(out)]
@@ -254,14 +254,14 @@ def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
         mk = [brute_maj([s["answer"] for s in g], [s["reward"] for s in g], k) for g in per_prompt]
         assert rows[0][f"pass@{k}"] == pytest.approx(sum(pk) / 6)
         assert rows[0][f"maj@{k}"] == pytest.approx(sum(mk) / 6)
-        assert rows[0][f"pass@{k}_se"] == pytest.approx(evaluate.mean_se(pk)[1])
+        assert rows[0][f"pass@{k}_se"] == pytest.approx(summary.mean_se(pk)[1])
     assert rows[0]["pass@1"] == pytest.approx(rows[0]["reward"])
     # prompts whose samples all pass or all fail: no group-relative signal
     assert rows[0]["zero_spread"] == sum(len({s["reward"] for s in g}) == 1 for g in per_prompt) / 6
-    assert json.loads(summary.read_text())[0]["pass@4"] == rows[0]["pass@4"]
-    line = evaluate.format_summary("toy", rows[0])
+    assert json.loads(summary_file.read_text())[0]["pass@4"] == rows[0]["pass@4"]
+    line = summary.format_summary("toy", rows[0])
     assert line.index("pass@1") < line.index("pass@4") < line.index("maj@1") < line.index("maj@4") and " ± " in line
-    assert "| pass@1 | pass@4 | maj@1 | maj@4 |" in evaluate.format_table(rows)
+    assert "| pass@1 | pass@4 | maj@1 | maj@4 |" in summary.format_table(rows)
     # the built-in verifier: a random model answers nothing right, and the figures are there
     rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--max_new_tokens", "4",
                           "--samples_per_prompt", "2", "--pass_k", "2", "--reward", "nano_rlhf.reasoning:reward"])
