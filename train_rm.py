@@ -41,11 +41,10 @@ import torch.nn.functional as F
 
 from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf import reward as reward_mod
-from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (autocast, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, lr_at, set_lr)
-from nano_rlhf.data import Batches, collate_pairs, load_train_eval, tokenize_pairs, training_length
+from nano_rlhf.data import Batches, collate_pairs, tokenize_pairs, training_length
 from nano_rlhf.model import GPTConfig, ScoreModel, upcast
 from nano_rlhf.options import CompileOption, RunOptions
 
@@ -238,17 +237,6 @@ def gold_reference(evals):
 
 # ---- data and model --------------------------------------------------------------------------------
 
-def load_data(opts):
-    """(train records, eval records, training file, eval file); the built-in task's files when --data is empty.
-    Every line is validated here, before anything is written or built (one line and exit on bad input)."""
-    with input_errors():
-        data_path = opts.data or default_data("preference")
-        eval_path = opts.eval_data or ("" if opts.data else default_data("preference", "eval"))
-        records, eval_records = load_train_eval("preference", data=data_path, eval_data=eval_path,
-                                                eval_fraction=opts.eval_fraction, seed=opts.seed)
-    return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
-
-
 def run_record(opts, data):
     """What defines a reward-model run (compared on --resume), the inputs it only reads and its data files."""
     shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
@@ -306,9 +294,10 @@ def check_options(opts):
 
 
 def main(argv=None):
-    # data first (load_data): every line is validated before anything is written or built
+    # data first (launch.train_eval_records): every line is validated before anything is written or built
     opts, world, run, (records, eval_records, data_path, eval_path) = launch.start(
-        Options, argv, __doc__, check_options, "rm", run_record, load=load_data)
+        Options, argv, __doc__, check_options, "rm", run_record,
+        load=lambda opts: launch.train_eval_records(opts, "preference"))
     with input_errors():
         tok = launch.tokenizer(opts, run)
         model = build_model(opts, tok)

@@ -37,11 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist, launch, lora, parallel
-from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (autocast, check_device, check_finite, check_vocab,
                               derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
-from nano_rlhf.data import (Batches, collate_packed, collate_sft, load_train_eval, pack_sft, tokenize_sft,
+from nano_rlhf.data import (Batches, collate_packed, collate_sft, pack_sft, tokenize_sft,
                             training_length)
 from nano_rlhf.model import GPT, GPTConfig, token_logprobs
 from nano_rlhf.options import CompileOption, RunOptions
@@ -131,17 +130,6 @@ def train_tokenizer(records, opts):
                         date_string=opts.date_string or None).save(path)
     dist.barrier()
     return load_tokenizer(path, "", opts.eos_token, opts.pad_token, opts.chat_template, opts.date_string)
-
-
-def load_data(opts):
-    """(train records, eval records, training file, eval file); the built-in task's files when --data is empty.
-    Every line is validated here, before anything is written or built (one line and exit on bad input)."""
-    with input_errors():
-        data_path = opts.data or default_data("sft")
-        eval_path = opts.eval_data or ("" if opts.data else default_data("sft", "eval"))
-        records, eval_records = load_train_eval("sft", data=data_path, eval_data=eval_path,
-                                                eval_fraction=opts.eval_fraction, seed=opts.seed)
-    return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
 
 
 def run_record(opts, data):
@@ -240,9 +228,10 @@ def check_options(opts):
 
 
 def main(argv=None):
-    # data first (load_data): every line is validated before anything is written or built
+    # data first (launch.train_eval_records): every line is validated before anything is written or built
     opts, world, run, (records, eval_records, data_path, eval_path) = launch.start(
-        Options, argv, __doc__, check_options, "sft", run_record, load=load_data)
+        Options, argv, __doc__, check_options, "sft", run_record,
+        load=lambda opts: launch.train_eval_records(opts, "sft"))
     with input_errors():
         tok = launch.tokenizer(opts, run, train=lambda: train_tokenizer(records, opts))
         run.identity.update(packing=opts.packing)     # packed rows are other tokens: a --resume must pack too

@@ -27,8 +27,10 @@ import torch
 from . import dist, lora, parallel
 from . import run as run_mod
 from .checkpoint import save_state
-from .common import adamw, load_tokenizer
+from .builtin import default_data
+from .common import adamw, input_errors, load_tokenizer
 from .config import parse_args, save_config
+from .jsonl import load_train_eval
 
 
 def start(Options, argv, doc, check, script, record, load=None):
@@ -45,6 +47,19 @@ def start(Options, argv, doc, check, script, record, load=None):
     data = load(opts) if load is not None else None
     run = run_mod.start(opts, script=script, **record(opts, data))
     return opts, world, run, data
+
+
+def train_eval_records(opts, kind):
+    """(train records, eval records, training file, eval file description) of a data kind ("sft",
+    "preference"): --data and --eval_data, else the built-in task's files; with --data and no --eval_data,
+    --eval_fraction of it is split off (seeded). Every line is validated here, before anything is written or
+    built: a bad line is one line and exit 1. A `load` for start() (train_sft.py, train_rm.py)."""
+    with input_errors():
+        data_path = opts.data or default_data(kind)
+        eval_path = opts.eval_data or ("" if opts.data else default_data(kind, "eval"))
+        records, eval_records = load_train_eval(kind, data=data_path, eval_data=eval_path,
+                                                eval_fraction=opts.eval_fraction, seed=opts.seed)
+    return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
 
 
 def tokenizer(opts, run, train=None):

@@ -239,3 +239,32 @@ def weights_close(a, b):
     n = sum(v.numel() for v in a.values())
     mean = sum((a[k] - b[k]).abs().sum().item() for k in a) / n
     return mean < 1e-6
+
+
+# ---- shared by several test files ---------------------------------------------------------------------
+
+SMALL = dict(n_sft=50, n_pref=40, n_unpaired=20, n_prompts=10, n_eval_prompts=8, n_listwise=60)
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """The built-in task's files at small sizes, written once per test module."""
+    from nano_rlhf import synthetic
+    d = tmp_path_factory.mktemp("task")
+    synthetic.write_dataset(str(d), seed=0, **SMALL)
+    return d
+
+
+def metrics(path):
+    """A run's metrics.jsonl, one dict per logged step."""
+    return [json.loads(x) for x in open(path / "metrics.jsonl")]
+
+
+def one_line_error(capsys, fn, start):
+    """fn() exits non-zero with exactly one stderr line starting with 'error: {start}'; returns that line."""
+    with pytest.raises(SystemExit) as e:
+        fn()
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {start}"), err
+    return err

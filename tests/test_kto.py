@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import train_dpo
 import train_unpaired
-from conftest import run, unpaired_rows, write_jsonl
+from conftest import metrics, one_line_error, run, unpaired_rows, write_jsonl
 from nano_rlhf.model import GPT
 
 
@@ -29,18 +29,6 @@ def old_command(args):
     """The same flags as train_dpo.py took them before KTO moved: --loss kto, not --method kto."""
     i = args.index("--method")
     return args[:i] + ["--loss", "kto"] + args[i + 2:]
-
-
-def metrics(path):
-    return [json.loads(x) for x in open(path / "metrics.jsonl")]
-
-
-def one_line_error(capsys, fn, start):
-    with pytest.raises(SystemExit) as e:
-        fn()
-    assert e.value.code not in (0, None)
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"error: {start}"), err
 
 
 # ---- the mismatched pairs ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import train_ppo
 import train_rm
 import train_sft
 import train_unpaired
-from nano_rlhf import dist, launch, synthetic
+from nano_rlhf import dist, launch
 from nano_rlhf import run as run_mod
 from nano_rlhf.data import Batches
 from nano_rlhf.options import RunOptions
@@ -158,15 +158,6 @@ def test_resume_off_writes_the_config_and_restores_nothing(tok, tmp_path):
 
 
 # ---- every script through it ------------------------------------------------------------------------
-
-SMALL = dict(n_sft=50, n_pref=40, n_unpaired=20, n_prompts=10, n_eval_prompts=8, n_listwise=60)
-
-
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("task")
-    synthetic.write_dataset(str(d), seed=0, **SMALL)
-    return d
 
 
 def script_args(name, tmp_path, sft_dir, rm_dir, task_dir):

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import train_dpo
 import train_listwise as L
-from conftest import pref_rows, run, weights_close, write_jsonl
+from conftest import SMALL, metrics, pref_rows, run, weights_close, write_jsonl
 from nano_rlhf import synthetic
 from nano_rlhf.data import DataError, collate_listwise, listwise_to_pairs, load_records, tokenize_listwise
 from nano_rlhf.model import GPT
@@ -377,7 +377,6 @@ def test_flags_the_loss_would_ignore_are_errors(tmp_path, sft_dir, capsys):
 
 # ---- the built-in task, end to end ---------------------------------------------------------------
 
-SMALL = dict(n_sft=50, n_pref=40, n_unpaired=20, n_prompts=10, n_eval_prompts=8, n_listwise=60)
 
 
 def test_synthetic_listwise_files_are_valid_ranked_and_leave_other_files_alone(tmp_path):
@@ -396,17 +395,6 @@ def test_synthetic_listwise_files_are_valid_ranked_and_leave_other_files_alone(t
              for r in rows for ca, a in zip(r["completions"], r["scores"]) for cb, b in zip(r["completions"], r["scores"])
              if synthetic.gold_reward(r["prompt"], ca) != synthetic.gold_reward(r["prompt"], cb)]
     assert 0.6 < sum(agree) / len(agree) < 0.97
-
-
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("task")
-    synthetic.write_dataset(str(d), seed=0, **SMALL)
-    return d
-
-
-def metrics(path):
-    return [json.loads(x) for x in open(path / "metrics.jsonl")]
 
 
 def lw_args(data_dir, sft_dir, out, loss, *extra, steps=3):

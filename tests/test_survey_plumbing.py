@@ -19,18 +19,9 @@ from test_unpaired import args as unpaired_args
 import train_listwise
 import train_online
 import train_unpaired
-from nano_rlhf import dist, synthetic
+from nano_rlhf import dist
 from nano_rlhf.lora import BaseView, lora_modules, merged_copy
 from nano_rlhf.model import GPT, ScoreModel
-
-SMALL = dict(n_sft=50, n_pref=40, n_unpaired=20, n_prompts=10, n_eval_prompts=8, n_listwise=60)
-
-
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("task")
-    synthetic.write_dataset(str(d), seed=0, **SMALL)
-    return d
 
 
 def assert_lora_run(out, out_dir, sft_dir, optimizer):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_unpaired as tu
-from conftest import run, tiny_model, unpaired_rows, weights_close, write_jsonl
+from conftest import metrics, one_line_error, run, tiny_model, unpaired_rows, weights_close, write_jsonl
 from nano_rlhf import builtin, synthetic
 from nano_rlhf.data import DataError, load_scored, tokenize_unpaired
 from nano_rlhf.model import ScoreModel
@@ -179,19 +179,6 @@ def args(tmp_path, sft_dir, out, method, *extra, data=None, steps=3):
     return ["--method", method, "--data", str(d / f"{data}.jsonl"), *ev, "--init", sft_dir,
             "--out_dir", str(tmp_path / out), "--max_steps", str(steps), "--batch_size", "4", "--log_interval", "1",
             "--eval_interval", "0", "--lr", "1e-3", "--warmup_steps", "0", *extra]
-
-
-def metrics(path):
-    return [json.loads(x) for x in open(path / "metrics.jsonl")]
-
-
-def one_line_error(capsys, fn, start):
-    with pytest.raises(SystemExit) as e:
-        fn()
-    assert e.value.code not in (0, None)
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"error: {start}"), err
-    return err
 
 
 def test_npo_refuses_desirable_rows_unless_retained(tmp_path, sft_dir, capsys):
