@@ -25,7 +25,9 @@ includes it) and w = --nll_coef (+ α for cpo, + 1 for orpo). The math and its c
 docs/algorithms.md, sections "DPO family" and "Common mechanics".
 
 KTO learns from unpaired data, so it lives with NPO, D2O and DRO: `python train_unpaired.py --method kto`. The old
-`python train_dpo.py --loss kto ...` still works: it says so in one line and runs that, with the same flags.
+`python train_dpo.py --loss kto ...` still works: it says so in one line and runs that, with the same flags
+(except PAFT's --l1_coef, which train_unpaired.py does not have: a one-line error). A KTO run saved by this
+script before the move does not resume there (another script's run); every other saved run resumes.
 
 Run:
     python train_dpo.py                                   # DPO on the built-in task, from out/sft -> out/dpo
@@ -552,6 +554,10 @@ NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out
                 "precompute_ref", "grad_checkpoint", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
                 "max_length")
 
+# KTO's weights were options of this script (at these values for every pairwise loss) until KTO moved to
+# train_unpaired.py; still recorded, so that a run saved before the move resumes
+RETIRED = {"desirable_weight": 1.0, "undesirable_weight": 1.0}
+
 
 # ---- KTO's old command ----------------------------------------------------------------------------
 
@@ -559,13 +565,18 @@ KTO_MOVED = "note: --loss kto moved to train_unpaired.py --method kto; running t
 
 
 def kto_argv(argv):
-    """The flags for train_unpaired.py --method kto when argv asks for `--loss kto` (in any spelling argparse
-    takes: --loss=kto, an abbreviation), else None. The other flags pass unchanged, in order."""
+    """The flags for train_unpaired.py --method kto when argv asks for `--loss kto` (in any spelling this
+    script's parser takes: --loss=kto, an abbreviation no other option shares), else None. The other flags pass
+    unchanged, in order."""
     pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     pre.add_argument("--loss")
     try:
         known, rest = pre.parse_known_args(argv)
     except argparse.ArgumentError:          # e.g. --loss without a value: parse_args says so
+        return None
+    names = [f"--{f.name}" for f in dataclasses.fields(Options)]
+    spelled = [a.split("=")[0] for a in argv if a.startswith("--") and "--loss".startswith(a.split("=")[0])]
+    if any(sum(n.startswith(s) for n in names) > 1 for s in spelled):   # ambiguous (--lo): parse_args says so
         return None
     return rest + ["--method", "kto"] if known.loss == "kto" else None
 
@@ -591,8 +602,8 @@ def run_kto(argv):
 
 def run_record(opts, files):
     """What defines the run (compared on --resume), the inputs it only reads and its data files."""
-    return dict(identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
-                inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
+    identity = {k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY}
+    return dict(identity={**identity, **RETIRED}, inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
 
 
 # ---- training -----------------------------------------------------------------------------------

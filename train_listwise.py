@@ -2,7 +2,7 @@
 Imports sequence_logps (the log-prob gather) from train_dpo.py.
 
 Data: JSONL rows {"prompt", "completions": [y_1 … y_K], "scores": [ψ_1 … ψ_K]}, higher ψ = better, ties allowed,
-K may differ per row (nano_rlhf/data.py). Notation: S(y) = Σ_t log π(y_t | x, y_<t) over the response
+K may differ per row (nano_rlhf/jsonl.py). Notation: S(y) = Σ_t log π(y_t | x, y_<t) over the response
 (end-of-text included), p(y) = S(y)/|y| its length-normalised form, u(y) = S_θ(y) − S_ref(y).
 
   --loss rrhf   Σ_{ψ_i < ψ_j} max(0, p_i − p_j)   + w·NLL(y_best)             Yuan et al. 2023, eqs. 1–4

@@ -79,8 +79,8 @@ from nano_rlhf.sampling import SamplingOptions, cut_at_stop
 from train_ppo import load_prompts, response_logprobs
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
-# the pairwise losses of train_dpo.py (its --loss table minus kto, which takes unpaired data): the loss itself is
-# train_dpo.pair_loss, imported, never re-implemented here
+# the pairwise losses of train_dpo.py (its --loss table minus tdpo, whose token KL needs the reference's hidden
+# states at every position): the loss is train_dpo.pair_loss, imported, never re-implemented here
 PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
 
 

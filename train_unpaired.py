@@ -83,14 +83,15 @@ from nano_rlhf.config import to_dict
 from nano_rlhf.data import (Batches, DataError, collate_prompts, fit_prompt, load_records, load_scored, pad_right,
                             tokenize_scored, tokenize_unpaired, training_length)
 from nano_rlhf.model import GPT, ScoreModel, upcast
-from nano_rlhf.options import FrozenModelOptions, RunOptions
+from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
+from nano_rlhf.sampling import cut_at_stop
 from train_dpo import sequence_logps
 
 SAMPLES_FILE = "d2o_samples.jsonl"
 
 
 @dataclass
-class Options(FrozenModelOptions, RunOptions):
+class Options(CompileOption, FrozenModelOptions, RunOptions):
     method: Literal["kto", "npo", "d2o", "dro"] = "npo"   # which loss
     beta: float = 0.1             # kto, npo, d2o: β {> 0}
     desirable_weight: float = 1.0     # kto: λ_D {> 0}
@@ -405,13 +406,11 @@ def draw_samples(opts, ref, prompts, tok, device):
                 raise ValueError(f"--method d2o: a prompt of {ids.shape[1]} tokens leaves no room to sample a "
                                  f"response in the model's block_size {block}")
             seq = ref.generate(ids.to(device), attn.to(device), n_new, opts.temperature, eos_token_id=tok.stop_ids,
-                               pad_token_id=tok.pad_id, generator=gen)[:, ids.shape[1]:].tolist()
+                               pad_token_id=tok.pad_id, generator=gen)[:, ids.shape[1]:]
+            lengths = cut_at_stop(seq, tok.stop_ids, tok.pad_id)[2].tolist()     # up to the stop token, kept
+            rows = seq.tolist()
             for j, p in enumerate(chunk):
-                responses = []
-                for row in seq[j * K:(j + 1) * K]:
-                    end = next((t for t, x in enumerate(row) if x in tok.stop_ids), len(row) - 1)
-                    responses.append(row[:end + 1])
-                out[p] = responses
+                out[p] = [rows[r][:lengths[r]] for r in range(j * K, (j + 1) * K)]
     return dist.broadcast_object(out)
 
 
@@ -451,6 +450,8 @@ def check_options(opts):
     """Rules between options; a flag the method would silently ignore is an error."""
     if opts.frozen != "shard" and not opts.fsdp:
         fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
+    if opts.fsdp and opts.compile:
+        fail("--compile with --fsdp is not supported; drop one of them", 2)
     msg = lora.check_options(opts)
     if msg:
         fail(msg, 2)
@@ -586,12 +587,15 @@ def d2o_samples(opts, ref, examples, tok, block_size):
 # kto's max_length: its resolved value enters the identity once the model is read, when it is not the block_size
 NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint",
                 "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
-                "precompute_ref", "max_length")
+                "precompute_ref", "max_length", "compile")
+KTO_ONLY = ("desirable_weight", "undesirable_weight")   # not recorded for npo/d2o/dro: runs saved before KTO moved
+                                                         # here have no such keys, and they do not change those runs
 
 
 def run_record(opts, files):
     """What defines the run (compared on --resume), the inputs it only reads and its data files."""
-    return dict(identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
+    skip = NOT_IDENTITY + (() if opts.method == "kto" else KTO_ONLY)
+    return dict(identity={k: v for k, v in to_dict(opts).items() if k not in skip},
                 inputs={"init": opts.init, "ref": opts.ref}, data_files={k: v for k, v in files.items() if v})
 
 

@@ -1,11 +1,9 @@
-"""Plumbing the four scripts share and that is not algorithm: input errors, optimizer groups, the LR
-schedule, the metrics log and progress line, precision contexts."""
+"""Plumbing the scripts share and that is not algorithm: input errors, optimizer groups, the LR schedule,
+tokenizer loading, precision contexts. (A run's log and progress line: nano_rlhf/reporting.py.)"""
 import contextlib
-import json
 import math
 import os
 import sys
-import time
 
 import torch
 
@@ -62,45 +60,6 @@ def autocast(device, dtype: str):
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
-
-
-class Logger:
-    """Appends one JSON object per logged step to out_dir/metrics.jsonl and prints a progress line;
-    rank 0 only (other ranks get a logger that does nothing, so the loop never branches on rank)."""
-
-    def __init__(self, out_dir, max_steps, resume=False, start_step=0):
-        self.on = dist.world().is_main
-        self.path = os.path.join(out_dir, "metrics.jsonl")
-        self.max_steps, self.t0, self.step0 = max_steps, time.time(), start_step
-        if self.on:
-            os.makedirs(out_dir, exist_ok=True)
-            if not resume and os.path.exists(self.path):
-                os.remove(self.path)
-
-    def log(self, step, metrics: dict, show=("loss",)):
-        if not self.on:
-            return
-        rec = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    def progress(self, step, metrics: dict, keys, tokens_per_s=None):
-        """`step 120/1000 | loss 1.234 | ... | 12,345 tok/s | eta 1m05s`."""
-        if not self.on:
-            return
-        parts = [f"step {step}/{self.max_steps}"]
-        for k in keys:
-            if k in metrics:
-                v = metrics[k]
-                name = k.replace("train/", "").replace("/", "_")
-                parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
-        if tokens_per_s is not None:
-            parts.append(f"{tokens_per_s:,.0f} tok/s")
-        done = step - self.step0
-        if done > 0:
-            eta = (time.time() - self.t0) / done * (self.max_steps - step)
-            parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
-        print(" | ".join(parts), flush=True)
 
 
 def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad_token: str = "",

@@ -114,7 +114,7 @@ def pack_sft(examples, max_len):
 def collate_packed(rows, pad_id):
     """Packed rows -> input_ids, attention_mask, loss_mask, position_ids, segment_ids, all (B, T),
     right-padded. Positions restart at 0 in each example; segment ids number the examples of a row 0, 1, ...
-    and are -1 on padding (the model's doc_ids, see model.document_attention)."""
+    and are -1 on padding (the model's doc_ids, see layers.document_attention)."""
     ids, attn, loss = collate_sft([(r[0], r[1]) for r in rows], pad_id)
     pos = pad_right([[p for n in r[2] for p in range(n)] for r in rows], 0, ids.shape[1])
     seg = pad_right([[k for k, n in enumerate(r[2]) for _ in range(n)] for r in rows], -1, ids.shape[1])

@@ -17,7 +17,7 @@ One rule picks the pad, for every layout real checkpoints ship:
 So the pad is inside the vocabulary whenever the vocabulary allows it, and that id is what an exported
 config.json and generation_config.json say (transformers' reward models read the score at the last token
 that is not pad_token_id, so it must be a token no scored row holds). The model never reads a pad id of its
-own (nano_rlhf.model.in_vocabulary), so the model and the tokenizer cannot disagree about it.
+own (nano_rlhf.layers.in_vocabulary), so the model and the tokenizer cannot disagree about it.
 A tokenizer trained here has `<|endoftext|>` = 0 and `<|pad|>` = 1. A HF tokenizer directory's
 tokenizer_config.json names bos / eos / pad (and `add_bos_token`).
 

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 import train_dpo
 import train_unpaired
 from conftest import metrics, one_line_error, run, unpaired_rows, write_jsonl
+from nano_rlhf.config import parse_args
 from nano_rlhf.model import GPT
 
 
@@ -200,6 +201,7 @@ def test_eval_fraction_taking_every_row_says_so(tmp_path, sft_dir, capsys):
     (["--loss", "kto", "--data", "x"], ["--data", "x", "--method", "kto"]),
     (["--lr", "-1e-4", "--loss=kto", "--beta", "0.2"], ["--lr", "-1e-4", "--beta", "0.2", "--method", "kto"]),
     (["--los", "kto"], ["--method", "kto"]),                        # an abbreviation argparse takes
+    (["--lo", "kto"], None), (["--l", "kto"], None),                # ambiguous (--lr, --lam, --lora_*): parse_args
     (["--loss", "dpo", "--data", "x"], None), ([], None), (["--loss"], None), (["--data", "kto"], None),
 ])
 def test_old_kto_command_is_recognised_and_translated(argv, want):
@@ -237,10 +239,30 @@ def test_old_command_as_a_process(tmp_path, sft_dir):
 @pytest.mark.parametrize("flags,msg", [
     (["--nll_coef", "0.1"], "--nll_coef is not an option of train_unpaired.py --method kto"),
     (["--listwise_pairs", "all"], "--listwise_pairs is not an option of train_unpaired.py --method kto"),
-    (["--compile"], "--compile is not an option of train_unpaired.py --method kto"),
+    (["--l1_coef", "1e-4"], "--l1_coef is not an option of train_unpaired.py --method kto"),   # PAFT: pairwise
     (["--batch_size", "1"], "--method kto needs --batch_size >= 2"),
     (["--desirable_weight", "0"], "--desirable_weight"),
 ])
 def test_old_command_bad_flag_is_one_line_error(tmp_path, sft_dir, capsys, flags, msg):
     one_line_error(capsys, lambda: train_dpo.main(old_command(kto_args(tmp_path, sft_dir, "o", *flags))), msg)
     assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_runs_saved_before_kto_moved_keep_their_identity():
+    """--resume compares the saved run identity key by key: train_dpo.py still records KTO's two weights at the
+    values every pairwise run had, and train_unpaired.py records them only for kto (its other methods never had
+    them), so runs saved before the move resume."""
+    dpo = train_dpo.run_record(parse_args(train_dpo.Options, ["--loss", "ipo"]), {})["identity"]
+    assert dpo["desirable_weight"] == dpo["undesirable_weight"] == 1.0 and dpo["loss"] == "ipo"
+    for method, has in (("npo", False), ("dro", False), ("kto", True)):
+        opts = parse_args(train_unpaired.Options, ["--method", method])
+        ident = train_unpaired.run_record(opts, {})["identity"]
+        assert ("desirable_weight" in ident) == has and ("undesirable_weight" in ident) == has, method
+        assert "compile" not in ident and ident["method"] == method
+
+
+def test_compile_is_accepted_and_refused_with_fsdp(capsys):
+    opts = parse_args(train_unpaired.Options, ["--method", "kto", "--compile"])
+    assert opts.compile
+    one_line_error(capsys, lambda: train_unpaired.check_options(parse_args(
+        train_unpaired.Options, ["--method", "kto", "--compile", "--fsdp"])), "--compile with --fsdp")

@@ -18,7 +18,9 @@ SURVEY = ("train_listwise", "train_unpaired", "train_online")
 # KTO moved from train_dpo.py (whose --loss kto still runs it, tested in test_kto.py) to train_unpaired.py
 # --method kto, with the flags of its own: train_dpo lost them, train_unpaired gained them (kto-only there)
 KTO_FLAGS = {"--desirable_weight": [1.0, None], "--undesirable_weight": [1.0, None]}
-KTO_GAINED = dict(KTO_FLAGS, **{"--precompute_ref": [False, None], "--max_length": [0, None]})
+# (and --compile, which train_dpo.py --loss kto took: train_unpaired's methods run full-sequence forwards only)
+KTO_GAINED = dict(KTO_FLAGS, **{"--precompute_ref": [False, None], "--max_length": [0, None],
+                                "--compile": [False, None]})
 
 
 def after_kto_moved(script, want):
