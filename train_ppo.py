@@ -1060,7 +1060,7 @@ def main(argv=None):
         gen_stats = {}
         if opts.dynamic_sampling:
             batch = with_logprobs(dynamic_sample(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models,
-                                             tok, opts, gen, gen_stats), models, opts)
+                                                 tok, opts, gen, gen_stats), models, opts)
         else:
             batch = rollout([prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats)
         t_gen = time.time() - t0

@@ -254,11 +254,9 @@ def main(argv=None):
     launch.resume(opts, run, {"policy": model}, {"policy": optimizer}, data={"data": batches},
                   global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"SFT | {model.num_params():,} parameters{lora.describe(model)} | {len(train):,} train examples "
-                f"({train_stats}) | "
-                f"{len(evals):,} eval ({eval_stats}) | max length {max_length} | global batch {batches.global_batch}"
-                f" = {opts.batch_size} "
-                f"x {opts.grad_accum} accum x {world.world_size} ranks | {max_steps} steps" +
-                (f" | resuming at step {run.step}" if run.step else ""))
+                f"({train_stats}) | {len(evals):,} eval ({eval_stats}) | max length {max_length} | global batch "
+                f"{batches.global_batch} = {opts.batch_size} x {opts.grad_accum} accum x {world.world_size} ranks | "
+                f"{max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
     run.show = ["train/loss", "eval/loss", "train/lr", "train/grad_norm"]
 
     def evaluate():
@@ -282,6 +280,7 @@ def main(argv=None):
                   saved=f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
                   f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
+
 
 if __name__ == "__main__":
     main()
