@@ -40,6 +40,7 @@ from dataclasses import replace
 
 import torch
 
+from . import dist
 from . import reward as reward_mod
 from .checkpoint import write_json
 from .builtin import default_data
@@ -86,7 +87,9 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
                          f"{model.cfg.block_size}")
     items, _ = tokenize_prompts(prompts, tok, max_prompt)
     work = [(i, j) for i in range(len(items)) for j in range(samples_per_prompt)]
-    gen = torch.Generator().manual_seed(seed)
+    # the prompts, the generator and the samples live where the model does (a CPU generator cannot draw on CUDA)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     rewards = rewards or {}
     # log-probs at the sampling temperature; greedy decoding has none, so the KL is that of the plain softmax
     temperature = sampling.temperature or 1.0
@@ -94,6 +97,7 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
     for s in range(0, len(work), batch_size):
         chunk = work[s:s + batch_size]
         ids, attn = collate_prompts([items[i]["prompt"] for i, _ in chunk], tok.pad_id)
+        ids, attn = ids.to(device), attn.to(device)
         seq = generate(model, ids, attn, sampling, gen)
         # end-of-text or the template's end-of-turn ends a response; its mask covers it, the padding after it not
         resp, response_mask, length, has_eos = cut_at_stop(seq[:, ids.shape[1]:], sampling.stop_ids,
@@ -155,6 +159,7 @@ def main(argv=None):
                    "(compile time is paid once per batch bucket)")
     p.add_argument("--sample_dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the "
                    "sampling copy of each model (log-probs for the KL column stay float32)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (a GPU when there is one)")
     p.add_argument("--chat_template", default="auto", choices=CHAT_TEMPLATES, help="how conversational prompts are "
                    "rendered; auto = recognised from the tokenizer's own template")
     p.add_argument("--date_string", default="", help='Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one '
@@ -162,10 +167,11 @@ def main(argv=None):
     a = p.parse_args(argv)
     check_options(a)
     times = read_times(a.times) if a.times else {}
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     rows = []
     try:
         prompts = load_records(a.prompts or default_data("prompts", "eval"), "prompts")
-        ref = GPT.from_pretrained(a.ref, dropout=0.0).eval() if a.ref else None
+        ref = GPT.from_pretrained(a.ref, dropout=0.0).to(device).eval() if a.ref else None
         rewards = {}
         gold = reward_mod.builtin_gold([r["prompt"] for r in prompts])     # None unless every prompt is the task's
         if gold is not None:
@@ -185,12 +191,13 @@ def main(argv=None):
             baseline = [json.loads(line) for line in open(a.baseline)]
         for d in models:
             tok = load_tokenizer("", d, chat_template=a.chat_template, date_string=a.date_string)
-            model = GPT.from_pretrained(d, dropout=0.0).eval()
+            model = GPT.from_pretrained(d, dropout=0.0).to(device).eval()
             check_vocab(tok, model.cfg, d)
             if ref is not None:
                 check_vocab(tok, ref.cfg, a.ref)                   # the reference scores this policy's ids
             if a.reward_model:                                     # likewise the reward model
-                rewards["rm_score"] = reward_mod.load_reward(a.reward_model, tokenizer=tok, batch_size=a.batch_size)
+                rewards["rm_score"] = reward_mod.load_reward(a.reward_model, tokenizer=tok, batch_size=a.batch_size,
+                                                             device=device)
             same = ref is not None and os.path.realpath(d) == os.path.realpath(a.ref)
             samples = sample_and_score(model, tok, prompts, sampling, samples_per_prompt=a.samples_per_prompt,
                                        seed=a.seed, batch_size=a.batch_size, ref=model if same else ref,
@@ -271,6 +278,8 @@ EVAL_SAMPLES = "eval_samples.jsonl"     # the default output in each model direc
 
 def check_options(a):
     """Every bad flag is one line before anything is loaded or written."""
+    if dist.device_problem(a.device):
+        fail(dist.device_problem(a.device))
     if a.out and len(a.model) > 1:
         fail(f"--out takes one model; with several, each writes MODEL/{EVAL_SAMPLES}")
     if not a.temperature >= 0:

@@ -46,6 +46,7 @@ def test_gold_column_only_when_every_prompt_is_the_builtin_task(tmp_path, sft_di
     (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
     (["--max_new_tokens", "-5"], "--max_new_tokens must be >= 1"),
     (["--samples_per_prompt", "0"], "--samples_per_prompt must be >= 1"),
+    (["--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto"),
     (["--top_k", "-1"], "--top_k must be >= 1"),
     (["--batch_size", "0"], "--batch_size must be >= 1"),
     (["--reward", "nocolon"], "--reward must be module:function"),
