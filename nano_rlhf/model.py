@@ -298,7 +298,10 @@ class GPT(_Pretrained):
 
 
 def _chunk_logprobs(h, weight, targets, temperature, with_entropy):
-    logp = (upcast(F.linear(h, weight)) / temperature).log_softmax(-1)
+    logits = upcast(F.linear(h, weight))
+    # x / 1.0 == x exactly: skipping it changes no bit and saves a pass over the (N, V) logits (~5% of a GPT-2 SFT
+    # step on an H100, docs/benchmarks.md)
+    logp = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)
     lp = logp.gather(-1, targets[:, None]).squeeze(-1)
     return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp,)
 

@@ -33,6 +33,32 @@ def pytest_configure(config):
     if not os.path.isfile(os.path.join(ROOT, "data", "task.json")):      # task.json is written last
         synthetic.write_dataset(os.path.join(ROOT, "data"), seed=0)
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu (tests/test_gpu.py) run only when the -m expression names them (`pytest -m gpu`, what
+    bench/gpu.py runs): pytest.ini's `-m 'not gpu'` is replaced by any other -m (`-m 'not slow'`, CI's
+    `-m numeric`), and they must then be deselected, never collected and skipped."""
+    if "gpu" in (config.getoption("markexpr") or ""):
+        return
+    keep = [it for it in items if it.get_closest_marker("gpu") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it.get_closest_marker("gpu") is not None])
+        items[:] = keep
+
+
+def pytest_runtest_logreport(report):
+    """With NANO_RLHF_GPU_OUT set (bench/gpu.py's correctness part), each test's outcome is appended to
+    outcomes.jsonl as it ends, so a run stopped at the GPU lease's limit still says what passed."""
+    out = os.environ.get("NANO_RLHF_GPU_OUT")
+    if not out or (report.when != "call" and report.passed):
+        return
+    row = {"name": report.nodeid.split("::", 1)[-1], "when": report.when, "outcome": report.outcome,
+           "seconds": round(report.duration, 2)}
+    if report.failed:
+        row["detail"] = str(report.longrepr)[-2500:]
+    with open(os.path.join(out, "outcomes.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 WORDS = ("the motor is great and the screen is bad i love this blender phone battery review write a short "
          "of it was fine nice terrible quiet loud").split()
 
