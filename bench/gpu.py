@@ -22,8 +22,7 @@ Parts, in order:
                tokens: seconds a step and the share of rollout and update (the second step; the first warms up)
                                                                                          -> grpo.json
   rollout      64 prompts x 8 samples x 256 new tokens (no stop token: every row runs to the end) at SmolLM2-135M
-               shape in bf16: the rollout engine (prefix shared, eager and compiled with CUDA graphs; compile time
-               apart) against HF `generate` with its default cache and with cache_implementation="static"
+               shape in bf16: the rollout engine (prefix shared, eager and compiled; compile time apart) against HF `generate` with its default cache and with cache_implementation="static"
                                                                                          -> rollout.json
 Timing: torch.cuda.synchronize() around each timed call (only here: the scripts never synchronise for timing),
 median of the timed repeats after warm-up calls.
@@ -412,7 +411,7 @@ def part_rollout(a, device, save):
     want = [x for x in a.sides.split(",") if x] or ["eager", "compiled", "hf", "hf_static"]
     sides = [("nano_rlhf eager, bf16 sampling copy", {})] if "eager" in want else []
     if not a.no_compile and "compiled" in want:
-        sides.append(("nano_rlhf compiled (CUDA graphs on a GPU), bf16 sampling copy", {"compile": True}))
+        sides.append(("nano_rlhf compiled (mode reduce-overhead), bf16 sampling copy", {"compile": True}))
     for name, kw in sides:
         stats = {}
         row = {"side": name}

@@ -317,7 +317,12 @@ def _compile(device):
     else:
         # why the limit: one graph per bucket size and cache length; the default (8) would fall back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        mode = "reduce-overhead" if device.type == "cuda" else None     # CUDA graphs on GPU
+        # reduce-overhead asks for CUDA graphs on a GPU. Their capture limit bites here: inductor's cudagraph
+        # trees skip a graph whose inputs are mutated in place unless they are parameters or buffers, and the
+        # KV cache is a plain input that forward_cached writes (index_copy_). On an H100 (torch 2.11) the step
+        # was compiled and fused but not graphed ("skipping cudagraphs due to mutated inputs"): 2.6x the eager
+        # decode all the same (docs/benchmarks.md). Holding the cache as a module buffer would let it be graphed.
+        mode = "reduce-overhead" if device.type == "cuda" else None
         fn = torch.compile(_decode_step, dynamic=False, mode=mode)
     return fn
 
