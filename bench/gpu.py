@@ -22,7 +22,8 @@ Parts, in order:
                tokens: seconds a step and the share of rollout and update (the second step; the first warms up)
                                                                                          -> grpo.json
   rollout      64 prompts x 8 samples x 256 new tokens (no stop token: every row runs to the end) at SmolLM2-135M
-               shape in bf16: the rollout engine (prefix shared, eager and compiled; compile time apart) against HF `generate` with its default cache and with cache_implementation="static"
+               shape in bf16: the rollout engine (prefix shared, eager and compiled; compile time apart) against
+               HF `generate` with its default cache and with cache_implementation="static"
                                                                                          -> rollout.json
 Timing: torch.cuda.synchronize() around each timed call (only here: the scripts never synchronise for timing),
 median of the timed repeats after warm-up calls.
