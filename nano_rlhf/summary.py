@@ -93,6 +93,10 @@ def summarize(samples, baseline=None, pass_k=(), pass_threshold=1.0):
     for key in ("gold_reward", "reward", "rm_score", "kl"):
         if samples and key in samples[0]:
             s[key], s[key + "_se"] = mean_se([r[key] for r in samples])
+    if samples and "answer" in samples[0]:
+        # the share of samples that state an answer at all: beside pass@1, it tells a format-only gain (more
+        # answers that parse) from a better one (more answers that are right)
+        s["answered"] = sum(r["answer"] is not None for r in samples) / len(samples)
     groups = by_prompt(samples) if pass_k else []
     if groups and min(len(g) for g in groups) > 1:
         # prompts whose samples all pass or all fail: a group-relative advantage (GRPO, RLOO) is 0 on every one of
@@ -129,6 +133,8 @@ def format_summary(name, s):
     if "win_rate" in s:
         cols.append(f"win {100 * s['win_rate']:.1f}%")
     cols += [f"{key} {s[key]:.3f} ± {s[key + '_se']:.3f}" for key in pass_keys(s)]
+    if "answered" in s:
+        cols.append(f"answered {100 * s['answered']:.1f}%")
     if "rm_score" in s:
         cols.append(f"rm {s['rm_score']:+.3f}")
     if "kl" in s:
@@ -149,6 +155,8 @@ def format_table(rows):
     if "win_rate" in rows[0]:
         cols.append(("win rate vs " + rows[0]["name"], lambda r: f"{100 * r['win_rate']:.1f}%"))
     cols += [(key, lambda r, key=key: f"{r[key]:.3f} ± {r[key + '_se']:.3f}") for key in pass_keys(rows[0])]
+    if "answered" in rows[0]:
+        cols.append(("answers that parse", lambda r: f"{100 * r['answered']:.0f}%"))
     if "rm_score" in rows[0]:
         cols.append(("RM score", lambda r: f"{r['rm_score']:+.3f}"))
     if "kl" in rows[0]:

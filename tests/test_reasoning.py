@@ -261,7 +261,8 @@ def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
     assert json.loads(summary_file.read_text())[0]["pass@4"] == rows[0]["pass@4"]
     line = summary.format_summary("toy", rows[0])
     assert line.index("pass@1") < line.index("pass@4") < line.index("maj@1") < line.index("maj@4") and " ± " in line
-    assert "| pass@1 | pass@4 | maj@1 | maj@4 |" in summary.format_table(rows)
+    assert "| pass@1 | pass@4 | maj@1 | maj@4 | answers that parse |" in summary.format_table(rows)
+    assert rows[0]["answered"] == sum(s["answer"] is not None for s in got) / 30 and "answered " in line
     # the built-in verifier: a random model answers nothing right, and the figures are there
     rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--max_new_tokens", "4",
                           "--samples_per_prompt", "2", "--pass_k", "2", "--reward", "nano_rlhf.reasoning:reward"])
