@@ -80,7 +80,6 @@ from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (autocast, check_vocab, fail, input_errors, lr_at,
                               load_reference, set_lr, split_off)
-from nano_rlhf.config import to_dict
 from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records,
                             tokenize_pairs, training_length)
 from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs, upcast
@@ -547,17 +546,6 @@ def load_examples(opts, files, tok, max_length):
 
 
 # options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs;
-# the --lora_* options are recorded by lora.attach (with the base's checksum) only when LoRA is on;
-# max_length: its resolved value enters the identity once the model is read, and only when it is not the
-# block_size that earlier runs always used, so their states still resume
-NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
-                "precompute_ref", "grad_checkpoint", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
-                "max_length")
-
-# KTO's weights were options of this script (at these values for every pairwise loss) until KTO moved to
-# train_unpaired.py; still recorded, so that a run saved before the move resumes
-RETIRED = {"desirable_weight": 1.0, "undesirable_weight": 1.0}
-
 
 # ---- KTO's old command ----------------------------------------------------------------------------
 
@@ -601,9 +589,8 @@ def run_kto(argv):
 
 
 def run_record(opts, files):
-    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
-    identity = {k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY}
-    return dict(identity={**identity, **RETIRED}, inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
+    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
+    return dict(inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -616,8 +603,7 @@ def main(argv=None):
     with input_errors():
         tok = launch.tokenizer(opts, run)
         policy, ref, max_length = load_models(opts, tok)
-        if max_length != policy.cfg.block_size:
-            run.identity.update(max_length=max_length)
+        run.identity.update(max_length=max_length)      # --max_length resolved: what the data is cut to
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
         if ref is None and opts.loss not in REFERENCE_FREE:             # LoRA, reference = --init: the policy
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy

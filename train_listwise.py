@@ -51,7 +51,6 @@ from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (autocast, check_vocab, fail, input_errors, load_reference, lr_at, set_lr,
                               split_off)
-from nano_rlhf.config import to_dict
 from nano_rlhf.data import Batches, collate_listwise, load_records, tokenize_listwise
 from nano_rlhf.model import GPT
 from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
@@ -338,17 +337,9 @@ def load_examples(opts, files, tok, block_size):
     return train, evals, counts
 
 
-# options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs
-# (sharding does not change the math; lora.attach records the --lora_* fields, with the base's checksum, when on)
-NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "compile",
-                "grad_checkpoint", "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout",
-                "lora_targets")
-
-
 def run_record(opts, files):
-    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
-    return dict(identity={k: v for k, v in to_dict(opts).items() if k not in NOT_IDENTITY},
-                inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
+    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
+    return dict(inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
 
 
 # ---- training -----------------------------------------------------------------------------------

@@ -556,19 +556,12 @@ def needs_reference(opts):
     return opts.method != "cringe" and not (opts.method in PAIRWISE and opts.loss in train_dpo.REFERENCE_FREE)
 
 
-# how the run is placed and sharded does not change the math; lora.attach records the --lora_* fields, with the
-# base's checksum, when LoRA is on
-NOT_IDENTITY = ("prompts", "eval_prompts", "tokenizer", "eos_token", "pad_token", "out_dir", "device",
-                "grad_checkpoint", "log_interval", "eval_interval", "eval_samples", "save_interval", "report_to",
-                "dist_timeout", "stop_at",
-                "max_steps", "resume", "overwrite",
-                "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
-
-
 def run_record(opts, _):
-    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
-    return dict(identity={k: v for k, v in vars(opts).items() if k not in NOT_IDENTITY},
-                inputs={"init": opts.init, "ref": opts.ref, "judge": judge_dir(opts.judge)},
+    """The inputs the run only reads (the judge's model or code file too) and its data files (its options are
+    its identity: nano_rlhf/run.py)."""
+    return dict(inputs={"init": opts.init, "ref": opts.ref,
+                        "judge": judge_dir(opts.judge) or reward_mod.code_file(opts.judge),
+                        "pair_judge": reward_mod.code_file(opts.pair_judge)},
                 data_files={"prompts": opts.prompts or default_path("prompts"),
                             "eval_prompts": opts.eval_prompts})
 

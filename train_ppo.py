@@ -1105,23 +1105,13 @@ def reward_model_dir(opts):
     return opts.reward_model if used else ""
 
 
-def run_identity(opts):
-    """What defines a PPO run (compared on --resume): the estimator, the reward, the models, the batch shape."""
-    keys = ("advantage", "reward", "init", "ref", "critic_init", "samples_per_prompt", "max_new_tokens", "temperature",
-            "kl_estimator", "kl_in_loss", "adaptive_kl", "ppo_epochs", "num_minibatches", "seed")
-    identity = {k: getattr(opts, k) for k in keys}
-    if opts.reward == "model":
-        identity["reward_model"] = opts.reward_model
-    if opts.reward == "selfplay":
-        identity.update(judge=opts.judge, pair_judge=opts.pair_judge, judge_template=opts.judge_template)
-    return identity
-
-
 def run_record(opts, _):
-    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
-    return dict(identity=run_identity(opts), inputs={"init": opts.init, "ref": opts.ref,
-                                                     "reward_model": reward_model_dir(opts),
-                                                     "judge": judge_mod.model_dir(opts.judge)},
+    """The inputs the run only reads (reward and judge code files too: an edited reward is another run) and its
+    data files; its options are its identity (nano_rlhf/run.py)."""
+    return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": reward_model_dir(opts),
+                        "reward": reward_mod.code_file(opts.reward),
+                        "judge": judge_mod.model_dir(opts.judge) or reward_mod.code_file(opts.judge),
+                        "pair_judge": reward_mod.code_file(opts.pair_judge)},
                 data_files={"prompts": opts.prompts or default_path("prompts"),
                             "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
 

@@ -238,12 +238,9 @@ def gold_reference(evals):
 # ---- data and model --------------------------------------------------------------------------------
 
 def run_record(opts, data):
-    """What defines a reward-model run (compared on --resume), the inputs it only reads and its data files."""
-    shape = {} if opts.init else {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    """The inputs a reward-model run only reads and its data files (its options are its identity:
+    nano_rlhf/run.py)."""
     return dict(inputs={"init": opts.init, "tokenizer": opts.tokenizer},
-                identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
-                              use_margin=opts.use_margin, center_coef=opts.center_coef, l2_coef=opts.l2_coef,
-                              dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
                 data_files={"data": data[2], "eval_data": opts.eval_data})
 
 
@@ -303,8 +300,7 @@ def main(argv=None):
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init, trainable=("score",)))   # --lora_r; head trains
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
-        if max_length != model.cfg.block_size:   # what the data is cut to (absent = block_size, as before)
-            run.identity.update(max_length=max_length)
+        run.identity.update(max_length=max_length)   # --max_length resolved: what the data is cut to
         train, train_stats = tokenize(records, tok, max_length, data_path)
         evals, eval_stats = tokenize(eval_records, tok, max_length, eval_path)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)

@@ -133,12 +133,8 @@ def train_tokenizer(records, opts):
 
 
 def run_record(opts, data):
-    """What defines an SFT run (compared on --resume), the inputs it only reads and its data files."""
-    shape = {} if opts.init else \
-        {k: getattr(opts, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    """The inputs an SFT run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
     return dict(inputs={"init": opts.init, "tokenizer": opts.tokenizer},
-                identity=dict(shape, init=opts.init, tokenizer=opts.tokenizer, lr=opts.lr, seed=opts.seed,
-                              dropout=opts.dropout, weight_decay=opts.weight_decay, epochs=opts.epochs),
                 data_files={"data": data[2], "eval_data": opts.eval_data})
 
 
@@ -234,12 +230,10 @@ def main(argv=None):
         load=lambda opts: launch.train_eval_records(opts, "sft"))
     with input_errors():
         tok = launch.tokenizer(opts, run, train=lambda: train_tokenizer(records, opts))
-        run.identity.update(packing=opts.packing)     # packed rows are other tokens: a --resume must pack too
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init))   # --lora_r: adapters, the base frozen
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
-        if max_length != model.cfg.block_size:   # what the data is cut to (absent = block_size, as before)
-            run.identity.update(max_length=max_length)
+        run.identity.update(max_length=max_length)   # --max_length resolved: what the data is cut to
         train, train_stats = tokenize(records, tok, max_length, data_path)
         evals, eval_stats = tokenize(eval_records, tok, max_length, eval_path)
         if opts.packing:

@@ -79,7 +79,6 @@ from nano_rlhf.checkpoint import atomic_write_text
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (autocast, check_vocab, fail, input_errors,
                               load_reference, lr_at, set_lr, split_off)
-from nano_rlhf.config import to_dict
 from nano_rlhf.data import (Batches, DataError, collate_prompts, fit_prompt, load_records, load_scored, pad_right,
                             tokenize_scored, tokenize_unpaired, training_length)
 from nano_rlhf.model import GPT, ScoreModel, upcast
@@ -582,21 +581,9 @@ def d2o_samples(opts, ref, examples, tok, block_size):
     return samples
 
 
-# how the run is placed and sharded does not change the math; lora.attach records the --lora_* fields, with the
-# base's checksum, when LoRA is on
-# kto's max_length: its resolved value enters the identity once the model is read, when it is not the block_size
-NOT_IDENTITY = ("data", "eval_data", "tokenizer", "eos_token", "pad_token", "out_dir", "device", "grad_checkpoint",
-                "fsdp", "frozen", "offload_frozen", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
-                "precompute_ref", "max_length", "compile")
-KTO_ONLY = ("desirable_weight", "undesirable_weight")   # not recorded for npo/d2o/dro: runs saved before KTO moved
-                                                         # here have no such keys, and they do not change those runs
-
-
 def run_record(opts, files):
-    """What defines the run (compared on --resume), the inputs it only reads and its data files."""
-    skip = NOT_IDENTITY + (() if opts.method == "kto" else KTO_ONLY)
-    return dict(identity={k: v for k, v in to_dict(opts).items() if k not in skip},
-                inputs={"init": opts.init, "ref": opts.ref}, data_files={k: v for k, v in files.items() if v})
+    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
+    return dict(inputs={"init": opts.init, "ref": opts.ref}, data_files={k: v for k, v in files.items() if v})
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -608,8 +595,7 @@ def main(argv=None):
         records = read_train_eval(opts, files)
         tok = launch.tokenizer(opts, run)
         policy, ref, value, length = load_models(opts, tok)
-        if length != policy.cfg.block_size:
-            run.identity.update(max_length=length)
+        run.identity.update(max_length=length)          # --max_length resolved (kto): what the data is cut to
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
         if value is not None:      # DRO's value model as PPO's critic: adapters on its trunk, its head trained fully
             run.identity.update(lora.attach(value, opts, opts.init, trainable=("score",), prefix="value_lora",

@@ -18,6 +18,23 @@ A help line longer than one line continues on the comment-only lines right below
 from dataclasses import dataclass
 from typing import Literal
 
+# What a --resume may change. Every other option of every script is the run's identity (nano_rlhf/run.py compares
+# them all with the saved state/run.json), so an option added later is part of it unless it is named here.
+CHANGEABLE = frozenset({
+    # the run's course, not its math: how long, how often, where, what it reports
+    "max_steps", "stop_at", "log_interval", "eval_interval", "save_interval", "report_to", "resume", "overwrite",
+    "out_dir", "device", "dist_timeout",
+    # batch_size x grad_accum x ranks is compared instead (the global batch: one process follows N ranks)
+    "batch_size", "grad_accum",
+    # the same math computed another way: speed and memory (sharding, compiling, recomputing, splitting)
+    "compile", "compile_rollout", "grad_checkpoint", "fsdp", "frozen", "offload_frozen", "micro_batch_size",
+    "precompute_ref", "share_prompt_prefill", "compact_rollout",
+    # data files: compared by their sha256 (state/run.json's data_sha256), not by their path
+    "data", "eval_data", "prompts", "eval_prompts", "ptx_data",
+    # what the periodic evaluation and the warnings look at; training never reads them
+    "eval_samples", "kl_warn", "retain_warn",
+})
+
 ChatTemplate = Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"]   # tokenizer.CHAT_TEMPLATES
 
 @dataclass

@@ -155,6 +155,22 @@ def is_function_spec(spec):
     return ":" in spec and not os.path.isdir(spec) and len(spec.rsplit(":", 1)[0]) > 1
 
 
+def code_file(spec):
+    """The source file of a user function `module:function` or `path/to/file.py:function`, else "" (a reward-model
+    directory, gold, llm:DIR, an empty spec). A run hashes it with its model inputs, so a --resume notices a
+    reward or judge edited since the stop. Found without running the module (importlib's find_spec)."""
+    if not spec or ":" not in spec or spec.startswith("llm:") or os.path.exists(spec):
+        return ""
+    where = spec.rsplit(":", 1)[0]
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        return where if os.path.isfile(where) else ""
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        return ""
+    return found.origin if found is not None and found.origin and os.path.isfile(found.origin) else ""
+
+
 def load_function(spec, flag="--reward"):
     """Import a user's reward function at start-up; one-line errors (naming flag) for a missing module, file
     or function and for a non-callable."""

@@ -23,7 +23,8 @@ then (a bad --data found after start-up, a crash while loading) puts them back, 
 never produced anything. An input file of the run directly in out_dir under one of those names (--tokenizer
 out_dir/tokenizer.json) is refused. A lock (out_dir/.lock, flock) keeps a second run out. A run that ends in an
 error before its first save removes what it created (out_dir itself if it created it). --resume compares the
-saved identity (state/run.json) with this run's: every field but CHANGEABLE must match, the global batch
+saved identity (state/run.json) with this run's: every option but options.CHANGEABLE must match (an option
+added later is compared unless it is declared changeable there), the global batch and what the script resolved
 included, the data files' sha256, and the sha256 of every input (checkpoint.input_sha256: a reference, reward
 model or judge replaced at the same path would otherwise be taken, and the run go on against another model).
 """
@@ -39,11 +40,9 @@ import time
 from . import checkpoint, dist
 from .checkpoint import RUN_FILES, OutDirLock, atomic_write_text, find_state, input_sha256, sha256_file
 from .config import to_dict
+from .options import CHANGEABLE     # the options a --resume may change; all others are the run's identity
 from .reporting import Reporting    # metrics.jsonl, samples.jsonl, the progress line, --report_to
 
-# Options that may differ between a run and its --resume (the global batch is checked instead of its factors).
-CHANGEABLE = {"max_steps", "stop_at", "log_interval", "eval_interval", "save_interval", "report_to", "device",
-              "dist_timeout", "overwrite", "resume", "world_size", "batch_size", "grad_accum"}
 _current = None          # the live Run of this process (fail aborts it)
 
 
@@ -94,7 +93,9 @@ def _collective_check(fn, every_rank=False):
 class Run(Reporting):
     def __init__(self, opts, script, identity, inputs, data_files, max_steps):
         self.opts, self.out_dir, self.max_steps = opts, opts.out_dir, max_steps
-        self.identity = {"script": script, **identity}
+        # every option but CHANGEABLE, then what the script adds (values resolved later: the training length...)
+        self.identity = {"script": script, **{k: v for k, v in to_dict(opts).items() if k not in CHANGEABLE},
+                         **identity}
         self.inputs = {k: v for k, v in (inputs or {}).items() if v}
         self.data_files = {k: v for k, v in (data_files or {}).items() if v}
         self.step, self.meta = 0, {}
@@ -343,8 +344,9 @@ class Run(Reporting):
 
 def start(opts, script, identity=None, inputs=None, data_files=None, max_steps=None) -> Run:
     """Check --out_dir, take its lock, open --report_to; before any model is loaded. Collective.
-    identity: what defines the run (compared on --resume; "script" and "global_batch" are added, the latter
-    as batch_size x grad_accum x world_size unless given). inputs: {option name: directory or file} the run
+    identity: what the script adds to the run's identity (compared on --resume) beyond its options, all of
+    which but options.CHANGEABLE are in it already; "script" and "global_batch" (batch_size x grad_accum x
+    world_size unless given) are added. inputs: {option name: directory or file} the run
     reads and never writes to; each one's sha256 is recorded and checked by --resume (pass only what is read).
     data_files: {name: path} whose sha256 is recorded at the first save; a path known only later (the
     built-in task, generated on first use) may be set in run.data_files before that. max_steps defaults to

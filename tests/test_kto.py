@@ -248,19 +248,6 @@ def test_old_command_bad_flag_is_one_line_error(tmp_path, sft_dir, capsys, flags
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
-def test_runs_saved_before_kto_moved_keep_their_identity():
-    """--resume compares the saved run identity key by key: train_dpo.py still records KTO's two weights at the
-    values every pairwise run had, and train_unpaired.py records them only for kto (its other methods never had
-    them), so runs saved before the move resume."""
-    dpo = train_dpo.run_record(parse_args(train_dpo.Options, ["--loss", "ipo"]), {})["identity"]
-    assert dpo["desirable_weight"] == dpo["undesirable_weight"] == 1.0 and dpo["loss"] == "ipo"
-    for method, has in (("npo", False), ("dro", False), ("kto", True)):
-        opts = parse_args(train_unpaired.Options, ["--method", method])
-        ident = train_unpaired.run_record(opts, {})["identity"]
-        assert ("desirable_weight" in ident) == has and ("undesirable_weight" in ident) == has, method
-        assert "compile" not in ident and ident["method"] == method
-
-
 def test_compile_is_accepted_and_refused_with_fsdp(capsys):
     opts = parse_args(train_unpaired.Options, ["--method", "kto", "--compile"])
     assert opts.compile

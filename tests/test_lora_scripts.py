@@ -303,7 +303,7 @@ def test_lora_resume_without_lora_is_refused(tmp_path, sft_dir, capsys):
     with pytest.raises(SystemExit):
         train_sft.main(sft_args(tmp_path, sft_dir, "o", "--resume"))
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "lora_r 4 != None" in err
+    assert len(err.splitlines()) == 1 and "lora_r 4 != 0" in err
 
 
 # ---- bad flags: one line, nothing written ----------------------------------------------------------

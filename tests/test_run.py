@@ -2,6 +2,7 @@
 report_to. A toy script (a linear model, the same life cycle as the four scripts) runs in-process where it can,
 in a subprocess where process boundaries matter (the lock, exits, torchrun)."""
 import importlib.util
+import dataclasses
 import json
 import os
 import subprocess
@@ -132,7 +133,10 @@ def test_end_of_step_logs_evaluates_saves_and_records_identity(toy, tmp_path, ca
     samples = [json.loads(ln) for ln in open("out/toy/samples.jsonl")]
     assert samples == [{"step": 2, "prompt": "p|q", "completion": "c", "score": 1.0}]
     rec = json.load(open("out/toy/state/run.json"))
-    assert rec["identity"] == {"script": "toy", "lr": 0.1, "global_batch": 2}
+    from nano_rlhf.options import CHANGEABLE
+    options = {f.name for f in dataclasses.fields(toy.Options)}
+    assert set(rec["identity"]) == {"script", "global_batch"} | (options - CHANGEABLE)   # every option but those
+    assert rec["identity"]["lr"] == 0.1 and rec["identity"]["global_batch"] == 2 and "out_dir" not in rec["identity"]
     assert rec["data_sha256"]["data"] == __import__("hashlib").sha256(data.read_bytes()).hexdigest()
     assert rec["step"] == 6 and rec["world_size"] == 1
     assert not os.path.exists("out/toy/.lock")                          # released by finish()
@@ -408,3 +412,47 @@ def test_start_checks_run_on_rank_0_and_every_rank_stops(toy, tmp_path):
     assert p.returncode != 0 and time.time() - t0 < 120
     assert p.stderr.count("error: --out_dir model is, or is inside, the input --init model") == 2
     assert "started" not in p.stdout
+
+
+# ---- one identity rule for every script -------------------------------------------------------------------
+
+def test_an_option_added_to_a_script_is_refused_when_changed_on_resume(tmp_path, sft_dir, monkeypatch, capfd):
+    """Every option is the run's identity unless nano_rlhf/options.py declares it changeable: an option a script
+    gains later (here a dummy on train_sft.py's Options) is compared by --resume without anyone listing it."""
+    import train_sft
+    from conftest import write_jsonl
+
+    @dataclasses.dataclass
+    class WithDummy(train_sft.Options):
+        dummy: int = 0                # a new option of the script
+    monkeypatch.setattr(train_sft, "Options", WithDummy)
+    data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "write a review.", "completion": " great phone."}] * 16)
+    args = ["--init", sft_dir, "--data", data, "--out_dir", str(tmp_path / "o"), "--max_steps", "2", "--batch_size",
+            "4", "--eval_interval", "0", "--warmup_steps", "0"]
+    train_sft.main(args + ["--stop_at", "1"])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_sft.main(args + ["--resume", "--dummy", "1"])
+    err = capfd.readouterr().err
+    assert e.value.code != 0 and err.count("\n") == 1 and "dummy 0 != 1" in err, err
+    train_sft.main(args + ["--resume", "--log_interval", "5"])       # a changeable option may differ
+
+
+def test_an_edited_reward_file_is_refused_on_resume(tmp_path, sft_dir, capfd):
+    """A --reward file.py:function is hashed like a model input: edited between stop and resume, the run is
+    another run."""
+    import train_ppo
+    from conftest import prompt_rows, write_jsonl
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def score(prompts, completions):\n    return [float(len(c)) for c in completions]\n")
+    prompts = write_jsonl(tmp_path / "p.jsonl", prompt_rows(16))
+    args = ["--advantage", "grpo", "--reward", f"{reward}:score", "--init", sft_dir, "--prompts", prompts,
+            "--eval_prompts", prompts, "--out_dir", str(tmp_path / "o"), "--max_steps", "2", "--batch_size", "2",
+            "--samples_per_prompt", "2", "--max_new_tokens", "4", "--eval_interval", "0"]
+    train_ppo.main(args + ["--stop_at", "1"])
+    reward.write_text("def score(prompts, completions):\n    return [-float(len(c)) for c in completions]\n")
+    capfd.readouterr()
+    with pytest.raises(SystemExit):
+        train_ppo.main(args + ["--resume"])
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and f"--reward {reward}" in err and "changed" in err, err
