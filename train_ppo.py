@@ -13,14 +13,16 @@ One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
                at the stop token; a response without one gets --missing_eos_penalty instead
                selfplay:     s_i = 1/(k−1) Σ_{j≠i} P(y_i ≻ y_j), the win rate in its group  (Swamy et al. 2024)
   3. rewards   gae / reinforce_pp: r_t = −β·KL_t on every response token, + s on the end-of-text token
-               rloo / grpo / dr_grpo: R_i = s_i − β·Σ_t k1_t (or KL in the loss: --kl_in_loss, k3)
+               rloo / grpo / dr_grpo: the group statistic below of the scores s, plus the KL penalty
+               p_i = −β·Σ_t k1_t centred in its group (never divided by the scores' spread); or KL in the loss
+               (--kl_in_loss, k3)
                KL_t = k1 = log π_old − log π_ref (default), k2 = ½d² or k3 = e^−d − 1 + d; β fixed or adaptive
                (what each gives as a loss, --kl_in_loss --kl_loss_estimator: see kl_estimate)
   4. advantage gae:          δ_t = r_t + γV_{t+1} − V_t,  A_t = δ_t + γλA_{t+1}    (Schulman et al. 2016, eq. 16)
                              whitened over the valid tokens of all ranks; returns G_t = A_t + V_t
-               rloo:         A_i = R_i − mean_{j≠i} R_j                            (Ahmadian et al. 2024, eq. 6)
-               grpo:         A_i = (R_i − mean_G) / (std_G + 1e-4)                 (Shao et al. 2024, eq. 3)
-               dr_grpo:      A_i = R_i − mean_G, loss / (sequences × max_new_tokens)  (Liu et al. 2025)
+               rloo:         A_i = (s_i + p_i) − mean_{j≠i} (s_j + p_j)            (Ahmadian et al. 2024, eq. 6)
+               grpo:         A_i = (s_i − mean_G s) / (std_G s + 1e-4) + p_i − mean_G p   (Shao et al. 2024, eq. 3)
+               dr_grpo:      A_i = (s_i + p_i) − mean_G (s + p), loss / (sequences × max_new_tokens)  (Liu et al. 2025)
                reinforce_pp: A_t = whiten(Σ_{s≥t} γ^{s−t} r_s) over the whole batch   (Hu 2025)
   5. update    --ppo_epochs over shuffled minibatches (micro-batches accumulate):
                ρ_t = π_θ/π_old,  L_π = max(−A_t ρ_t, −A_t clip(ρ_t, 1−ε, 1+ε_high))  (Schulman et al. 2017, eq. 7)
@@ -385,7 +387,7 @@ class Advantages:
 
 
 def sequence_kl(r: Rollout):
-    """(B,) Σ_t k1_t, the sequence-level KL estimate (logged; the group estimators' penalty); 0 with β = 0."""
+    """(B,) Σ_t k1_t, the sequence-level KL estimate (logged); 0 without a reference."""
     if r.ref_logprobs is None:
         return torch.zeros_like(r.scores)
     return (kl_estimate(r.logprobs, r.ref_logprobs, "k1") * r.response_mask).sum(1)
@@ -404,9 +406,15 @@ def advantages(r: Rollout, *, estimator, beta, kl_estimator="k1", kl_in_loss=Fal
             adv, returns = gae(rewards, r.values, mask, gamma, lam)
             return Advantages(adv, returns, kl_penalty)
         return Advantages(reward_to_go(rewards, mask, gamma), None, kl_penalty)
+    # the KL penalty stays out of GRPO's spread: the scores get the estimator's statistic, the sequence's KL
+    # penalty only its baseline (the group mean, or RLOO's leave-one-out), never a division by the SCORE spread.
+    # Divided, a group whose scores are all equal (no signal: half the groups of a verifiable task) trains on its
+    # KL noise blown up to unit size. Not centred, the penalty's mean (> 0) pushes every sampled response down
+    # and the policy drifts (measured on the built-in task: KL 38 against 4 in 40 steps)
     kl_penalty = torch.zeros_like(r.scores) if kl_in_loss else -beta * sequence_kl(r)
-    seq_adv = {"rloo": rloo_advantages, "grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}[estimator](
-        r.scores + kl_penalty, k)
+    stat = {"rloo": rloo_advantages, "grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}[estimator]
+    baseline = rloo_advantages if estimator == "rloo" else dr_grpo_advantages    # centring alone, no scaling
+    seq_adv = stat(r.scores, k) + baseline(kl_penalty, k)
     return Advantages(seq_adv[:, None] * mask, None, kl_penalty)
 
 
@@ -457,18 +465,28 @@ def cispo_loss(logp, old_logp, adv, clip_low=0.2, clip_high=0.2):
 
 def aggregate_loss(per_token, mask, how, n_tokens, n_seqs, max_len, scale=1.0):
     """This micro-batch's share of the minibatch loss, so that the shares summed over micro-batches and ranks
-    are the loss of the whole minibatch. n_tokens, n_seqs: the minibatch's loss tokens and sequences that
-    have at least one, over all micro-batches and ranks (all-reduced beforehand); max_len: --max_new_tokens;
-    scale: dist.ddp_scale() (DDP averages gradients over ranks; this undoes it).
+    are the loss of the whole minibatch. n_tokens, n_seqs: the minibatch's loss tokens and sequences (all of
+    them, those with no loss token too: TRL's and verl's N), over all micro-batches and ranks (all-reduced
+    beforehand); max_len: --max_new_tokens; scale: dist.ddp_scale() (DDP averages gradients over ranks; this
+    undoes it).
       token_mean               Σ_i Σ_t l_it / Σ_i |y_i|            every token weighs the same (DAPO, eq. 8)
       seq_mean_token_mean      1/N Σ_i (1/|y_i|) Σ_t l_it          every sequence weighs the same (GRPO, eq. 3)
       seq_mean_token_sum_norm  1/N Σ_i Σ_t l_it / L_max            a constant normaliser (Dr. GRPO, eq. 4)
-    Rows with no loss token (all masked) add nothing."""
+    Rows with no loss token (all masked: --overlong mask, --rollout_correction mask) add nothing to the sum but
+    count in N for the two sequence means, so masking one response does not raise the others' weight."""
     if how == "seq_mean_token_mean":
         per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
         return per_seq.sum() * (scale / max(n_seqs, 1))
     norm = n_tokens if how == "token_mean" else n_seqs * max_len
     return (per_token * mask).sum() * (scale / max(norm, 1))
+
+
+def minibatch_counts(response_mask, policy_mask):
+    """This rank's share of a minibatch's normalisers, float64 [response tokens (the critic's), policy-loss tokens
+    (truncated or mismatched responses may be masked out of the policy loss), sequences]: every sequence counts,
+    a wholly masked one too, as TRL and verl count N for the sequence-mean aggregations. Summed over ranks."""
+    return torch.tensor([float(response_mask.sum()), float(policy_mask.sum()), float(policy_mask.shape[0])],
+                        dtype=torch.float64)
 
 
 def loss_aggregation(opts):
@@ -759,13 +777,9 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
         order = torch.randperm(B, generator=gen, device="cpu").to(r.query_response.device)
         for start in range(0, B, mb_size):
             idx = order[start:start + mb_size]
-            # the minibatch's global normalisers, over all ranks: response tokens (the critic's), and the policy
-            # loss's tokens and sequences (truncated or mismatched ones may be masked out of it)
-            mb_policy_mask = policy_mask[idx]
-            n_tok, n_pol_tok, n_pol_seq = dist.all_reduce_sum(torch.tensor(
-                [r.response_mask[idx].sum().item(), mb_policy_mask.sum().item(),
-                 float((mb_policy_mask.sum(1) > 0).sum())],
-                dtype=torch.float64)).tolist()
+            # the minibatch's global normalisers, over all ranks (aggregate_loss)
+            n_tok, n_pol_tok, n_pol_seq = dist.all_reduce_sum(
+                minibatch_counts(r.response_mask[idx], policy_mask[idx])).tolist()
             if policy is not None and ptx is not None:
                 ptx_backward(policy, ptx, opts)
             micro = list(range(0, len(idx), opts.micro_batch_size))
@@ -967,10 +981,14 @@ def tokenize_inputs(opts, tok, block, prompt_records, ptx_records):
     return prompts, prompt_stats, ptx
 
 
-def step_metrics(r: Rollout, targets: Advantages, sums, beta):
-    """Named per-step figures, averaged over all ranks: sequence means, token means and update means."""
+def step_metrics(r: Rollout, targets: Advantages, sums, beta, k=1):
+    """Named per-step figures, averaged over all ranks: sequence means, token means and update means. k > 1
+    (a group estimator's samples per prompt) adds zero_spread, the share of groups whose k scores are all equal
+    (they teach a group estimator nothing)."""
     seq = {"score": r.scores, "rm_score_raw": r.raw_scores, "kl": sequence_kl(r),
            "non_score_reward": targets.kl_penalty, "response_length": r.response_mask.sum(1), "eos_rate": r.has_eos}
+    if k > 1:
+        seq["zero_spread"] = (~group_spread(r.scores, k)).repeat_interleave(k).to(r.scores.dtype)
     if r.gold is not None:
         seq["gold_reward"] = r.gold
     names = ["sequences", *seq, *sums]
@@ -1075,7 +1093,7 @@ def main(argv=None):
         warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(batch, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
                       gen=shuffle_gen, ptx=ptx)
-        metrics = step_metrics(batch, targets, sums, beta)
+        metrics = step_metrics(batch, targets, sums, beta, opts.samples_per_prompt if opts.advantage in GROUP else 1)
         if opts.adaptive_kl:
             kl_ctl.update(metrics["train/kl"], dist.all_reduce_sum(float(batch.scores.shape[0])))
         if critic is not None:                 # two passes over the returns and the residuals, one all-reduce each

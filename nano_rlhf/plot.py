@@ -12,10 +12,11 @@ import os
 import sys
 
 CURVES = {  # run kind -> [(panel title, [metric keys])]
-    "ppo": [("reward-model score (raw)", ["train/rm_score_raw", "eval/rm_score"]),
+    "ppo": [("reward (raw: reward model or function)", ["train/rm_score_raw", "eval/rm_score", "eval/reward"]),
             ("gold reward", ["train/gold_reward", "eval/gold_reward"]),
             ("KL to reference (per sequence)", ["train/kl", "eval/kl"]),
-            ("entropy (per token)", ["train/entropy"])],
+            ("entropy (per token)", ["train/entropy"]),
+            ("groups without reward spread (share)", ["train/zero_spread"])],
     "loss": [("loss", ["train/loss", "eval/loss"]),
              ("accuracy", ["train/accuracy", "eval/accuracy", "train/reward_accuracy", "eval/reward_accuracy"]),
              ("implicit rewards (DPO family)",

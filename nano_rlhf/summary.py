@@ -169,3 +169,70 @@ def format_table(rows):
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in rows]
     return "\n".join(lines)
+
+
+# ---- the same policies over several training seeds ----------------------------------------------------------
+
+def across_seeds(per_seed, baseline, key="pass@1"):
+    """One row per policy from several seeds' evaluations. per_seed: a list (one per seed) of evaluate summaries
+    ({"name", key, key + "_se", ...} rows, the --summary JSON); baseline: the name of the row every other is
+    compared with (the SFT policy). Returns rows {"name", "seeds", "mean", "values", "se_prompts", "sd_seeds",
+    "gain", "learns"}:
+      mean        the mean of key over seeds
+      se_prompts  the mean over seeds of each seed's standard error over prompts (what another set of held-out
+                  prompts would move a seed's figure by)
+      sd_seeds    the standard deviation of key over seeds (Bessel; 0 with one seed)
+      learns      the gain over the baseline exceeds twice the larger of se_prompts and sd_seeds / √seeds, and
+                  every seed is above the baseline's mean: the one definition the RLVR table uses"""
+    names = [r["name"] for r in per_seed[0]]
+    rows = []
+    base = [next(r[key] for r in seed if r["name"] == baseline) for seed in per_seed]
+    base_mean = sum(base) / len(base)
+    for name in names:
+        vals = [next(r for r in seed if r["name"] == name) for seed in per_seed if any(r["name"] == name for r in seed)]
+        x = [r[key] for r in vals]
+        n = len(x)
+        mean = sum(x) / n
+        sd = math.sqrt(sum((v - mean) ** 2 for v in x) / (n - 1)) if n > 1 else 0.0
+        se = sum(r[key + "_se"] for r in vals) / n
+        gain = mean - base_mean
+        learns = name != baseline and gain > 2 * max(se, sd / math.sqrt(n)) and min(x) > base_mean
+        rows.append({"name": name, "seeds": n, "mean": mean, "values": x, "se_prompts": se, "sd_seeds": sd,
+                     "gain": gain, "learns": learns, **{k: sum(r[k] for r in vals) / n for k in vals[0]
+                                                        if k in ("kl", "answered", "length", "pass@8")}})
+    return rows
+
+
+def format_seed_table(rows, key="pass@1"):
+    """The markdown table of across_seeds: mean ± s.e. over prompts, the spread over seeds, the gain, the verdict."""
+    lines = [f"| policy | {key} (mean over seeds ± s.e. over prompts) | s.d. over seeds | seeds | gain | learns | "
+             "pass@8 | answers that parse | KL to SFT |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        extra = [f"{r['pass@8']:.3f}" if "pass@8" in r else "—",
+                 f"{100 * r['answered']:.0f}%" if "answered" in r else "—", f"{r['kl']:.2f}" if "kl" in r else "—"]
+        lines.append(f"| {r['name']} | {r['mean']:.3f} ± {r['se_prompts']:.3f} | {r['sd_seeds']:.3f} | {r['seeds']} | "
+                     f"{r['gain']:+.3f} | {'yes' if r['learns'] else 'no'} | " + " | ".join(extra) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """python -m nano_rlhf.summary --baseline sft SEED0.json SEED1.json ...: the --summary files of evaluate runs
+    of the same policies at several training seeds, as one table with the "learns" verdict (across_seeds)."""
+    import argparse
+    import json
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("summaries", nargs="+", help="evaluate --summary JSON files, one per training seed")
+    p.add_argument("--baseline", default="sft", help="the row every other policy is compared with")
+    p.add_argument("--key", default="pass@1", help="the figure compared (a key of the summaries)")
+    p.add_argument("--out", default="", help="also write the rows as JSON here")
+    a = p.parse_args(argv)
+    rows = across_seeds([json.load(open(f)) for f in a.summaries], a.baseline, a.key)
+    print(format_seed_table(rows, a.key))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

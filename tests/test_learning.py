@@ -62,11 +62,11 @@ def grpo_gain(tmp_path, tok, seed, steps=12):
 @pytest.mark.slow
 def test_grpo_raises_the_held_out_verifiable_reward(tmp_path, tok):
     """GRPO, 12 steps x 64 samples, on a reward code checks; held-out reward 0.156 before. Measured gains, seeds
-    0-5: +0.55 +0.31 +0.53 +0.50 +0.53 +0.64 (AVX-512), +0.55 +0.31 +0.53 +0.48 +0.58 +0.64
-    (ATEN_CPU_CAPABILITY=default); with grpo_advantages' sign flipped −0.156 in every seed (the reward falls to
-    0). Threshold 0.15: half the smallest gain."""
+    0-5: +0.83 +0.80 +0.84 +0.83 +0.80 +0.81 (AVX-512), +0.83 +0.80 +0.84 +0.83 +0.77 +0.80
+    (ATEN_CPU_CAPABILITY=default); with grpo_advantages' sign flipped −0.156 in every seed measured (the reward
+    falls to 0). Threshold 0.35: under half the smallest gain."""
     before, after = grpo_gain(tmp_path, tok, seed=0)
-    assert after - before > 0.15, (before, after)
+    assert after - before > 0.35, (before, after)
 
 
 def test_the_verifier_reads_words():

@@ -66,18 +66,25 @@ def test_plot_without_matplotlib_is_a_note_not_a_crash(tmp_path):
 
 @pytest.mark.slow      # SFT and seven RL variants on the reasoning task, a few steps each
 def test_reasoning_script_tiny_end_to_end(tmp_path):
-    """scripts/reasoning.sh (TINY=1): every variant trains and loads, and the table has a pass@k per policy."""
-    env = dict(os.environ, TINY="1", OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"), PYTHON=sys.executable,
-               OMP_NUM_THREADS="2")
+    """scripts/reasoning.sh (TINY=1, one seed): every variant trains and loads, each seed's evaluation has a pass@k
+    per policy, and the table over seeds has a row and a verdict per policy."""
+    env = dict(os.environ, TINY="1", SEEDS="0", OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"),
+               PYTHON=sys.executable)
     p = subprocess.run(["bash", "scripts/reasoning.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     from nano_rlhf.model import GPT
-    policies = ["sft", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "ppo"]
-    for name in policies:
-        GPT.from_pretrained(str(tmp_path / "out" / name))
+    variants = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "ppo"]
+    GPT.from_pretrained(str(tmp_path / "out" / "sft"))
+    for name in variants:
+        GPT.from_pretrained(str(tmp_path / "out" / "seed0" / name))
+    per_seed = json.loads((tmp_path / "out" / "seed0" / "results.json").read_text())
+    assert [r["name"] for r in per_seed] == ["sft"] + variants and all(0 <= r["pass@4"] <= 1 for r in per_seed)
     table = [ln for ln in p.stdout.splitlines() if ln.startswith("| ")]
-    assert table[0].startswith("| policy | reward | pass@1 | pass@4")
-    assert [ln.split(" | ")[0][2:] for ln in table[1:]] == policies
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["name"] for r in results] == policies and all(0 <= r["pass@4"] <= 1 for r in results)
+    assert table[-len(variants) - 2].startswith("| policy | pass@1 (mean over seeds")
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["name"] for r in rows] == ["sft"] + variants and all(r["seeds"] == 1 and "learns" in r for r in rows)
+    # stages resume: a second run reuses every model
+    p = subprocess.run(["bash", "scripts/reasoning.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0 and p.stdout.count("reusing ") == 1 + len(variants), p.stdout[-2000:]

@@ -270,6 +270,46 @@ def test_critic_free(groups, k):
     close(train_ppo.dr_grpo_advantages(Rw, k), dr)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo"])
+def test_group_advantage_keeps_the_kl_penalty_outside_the_group(estimator):
+    """With the KL in the reward, the scores get the estimator's statistic and the sequence's KL penalty
+    p_i = −β·Σ_t k1_t only its baseline (GRPO and Dr. GRPO: minus the group's mean; RLOO: minus the mean of the
+    others), never a division by the scores' spread: a group whose scores are all equal (rows 0-2) trains on its
+    centred KL penalty alone, unscaled. Oracle: Python loops from the formulas, float64."""
+    g = torch.Generator().manual_seed(5)
+    k, R, beta = 3, 4, 0.05
+    lens = [4, 2, 3, 1, 4, 3]
+    mask = torch.tensor([[1.0 if t < L else 0.0 for t in range(R)] for L in lens], dtype=D)
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0], dtype=D)
+    logp, ref = rand((6, R), g, 0.5), rand((6, R), g, 0.5)
+    r = train_ppo.Rollout(query_response=torch.zeros(6, R + 2, dtype=torch.long), attention_mask=None,
+                          response_mask=mask, logprobs=logp, ref_logprobs=ref, values=None, scores=scores,
+                          raw_scores=scores, gold=None, has_eos=torch.ones(6, dtype=D), completions=[""] * 6)
+    got = train_ppo.advantages(r, estimator=estimator, beta=beta, k=k)
+    pen = [-beta * sum((logp[i, t] - ref[i, t]).item() for t in range(lens[i])) for i in range(6)]
+    want = []
+    for j in range(0, 6, k):
+        grp, pg = scores[j:j + k].tolist(), pen[j:j + k]
+        mean = sum(grp) / k
+        std = math.sqrt(sum((u - mean) ** 2 for u in grp) / (k - 1))
+        for i in range(j, j + k):
+            s, p = grp[i - j], pg[i - j]
+            a = {"grpo": (0.0 if len(set(grp)) == 1 else (s - mean) / (std + 1e-4)) + p - sum(pg) / k,
+                 "rloo": (s + p) - (sum(grp) + sum(pg) - s - p) / (k - 1),
+                 "dr_grpo": (s + p) - (sum(grp) + sum(pg)) / k}[estimator]
+            want.append([a if t < lens[i] else 0.0 for t in range(R)])
+    close(got.adv, want)
+    close(got.kl_penalty, pen)
+    if estimator == "grpo":     # the zero-spread group: its KL penalty minus the group's mean, nothing else
+        centred = torch.tensor(pen[:3], dtype=D) - sum(pen[:3]) / 3
+        close(got.adv[:3, 0], centred)
+    # with the KL in the loss, the advantage is the scores' statistic alone
+    in_loss = train_ppo.advantages(r, estimator=estimator, beta=beta, k=k, kl_in_loss=True)
+    stat = {"grpo": train_ppo.grpo_advantages, "rloo": train_ppo.rloo_advantages,
+            "dr_grpo": train_ppo.dr_grpo_advantages}[estimator](scores, k)
+    assert torch.equal(in_loss.adv, stat[:, None] * mask)
+
+
 def test_grpo_exact_zero_awkward_values():
     Rw = torch.tensor([0.1, 0.1, 0.1, 1 / 3, 1 / 3, 1 / 3, 0.7, 0.7, 0.7], dtype=D)
     assert (train_ppo.grpo_advantages(Rw, 3) == 0).all()

@@ -298,3 +298,22 @@ def test_an_answer_hook_of_the_wrong_type_is_one_line(tmp_path, sft_dir, capsys)
                        "--max_new_tokens", "2", "--pass_k", "1", "--reward", f"{tmp_path / 'toy.py'}:reward"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code != 0 and len(lines) == 1 and "answer must return a string or None, got int" in lines[0]
+
+
+def test_across_seeds_learns_by_the_one_definition():
+    """A variant learns when its mean gain over the baseline exceeds twice the larger of the mean s.e. over prompts
+    and the s.d. over seeds / √seeds, and every seed is above the baseline."""
+    def seed(sft, a, b):
+        return [{"name": "sft", "pass@1": sft, "pass@1_se": 0.02}, {"name": "a", "pass@1": a, "pass@1_se": 0.02},
+                {"name": "b", "pass@1": b, "pass@1_se": 0.01}]
+    rows = {r["name"]: r for r in summary.across_seeds([seed(0.5, 0.60, 0.56), seed(0.5, 0.62, 0.70),
+                                                         seed(0.5, 0.64, 0.49)], "sft")}
+    a, b = rows["a"], rows["b"]
+    assert a["mean"] == pytest.approx(0.62) and a["sd_seeds"] == pytest.approx(0.02) and a["se_prompts"] == 0.02
+    assert a["gain"] == pytest.approx(0.12) and a["learns"]                # 0.12 > 2 x max(0.02, 0.0115)
+    assert b["mean"] == pytest.approx(0.5833333) and not b["learns"]       # one seed below the baseline
+    assert not rows["sft"]["learns"] and rows["sft"]["gain"] == 0
+    noisy = summary.across_seeds([seed(0.5, 0.53, 0.6), seed(0.5, 0.53, 0.6)], "sft")
+    assert not noisy[1]["learns"] and noisy[2]["learns"]                   # 0.03 < 2 x 0.02; 0.1 > 2 x 0.01
+    table = summary.format_seed_table(list(rows.values()))
+    assert "| a | 0.620 ± 0.020 | 0.020 | 3 | +0.120 | yes |" in table

@@ -279,19 +279,23 @@ def o_aggregate(pt, lens, how, n_tokens, n_seqs, max_len):
 def test_aggregate_loss_shares(how, scale):
     """8 rows of variable lengths (one empty): one call on all 8 ≡ 2 calls of 4 ≡ 4 of 2 ≡ 8 of 1 (the empty
     row alone, too), each share against the oracle, the sum of the shares = the whole minibatch's loss, values
-    AND gradients; the global n_tokens / n_seqs (rows with ≥ 1 token) are passed to every call; `scale`
-    multiplies both. Fails on a per-call normaliser, on counting the empty row, on 0/0 for it, or on R as L_max."""
+    AND gradients; the global n_tokens / n_seqs (every row, the empty one included: TRL's and verl's N) are
+    passed to every call; `scale` multiplies both. Fails on a per-call normaliser, on 0/0 for the empty row, or
+    on R as L_max."""
     torch.manual_seed(7)
     B, R = len(AGG_LENS), AGG_R
     mask = lens_mask(AGG_LENS, R)
     pt0 = torch.where(mask.bool(), torch.randn(B, R, dtype=D), torch.full((B, R), 50.0, dtype=D))
-    n_tokens, n_seqs = float(sum(AGG_LENS)), float(sum(L > 0 for L in AGG_LENS))
+    n_tokens, n_seqs = float(sum(AGG_LENS)), float(len(AGG_LENS))
+    counts = train_ppo.minibatch_counts(mask, mask)            # what update() all-reduces
+    assert counts.tolist() == [n_tokens, n_tokens, n_seqs]
     whole, whole_g = o_aggregate(pt0.tolist(), AGG_LENS, how, n_tokens, n_seqs, AGG_MAX_LEN)
-    # the whole-minibatch loss straight from the paper formulas
-    valid = [[pt0[b, t].item() for t in range(L)] for b, L in enumerate(AGG_LENS) if L > 0]
-    paper = {"token_mean": sum(map(sum, valid)) / sum(map(len, valid)),
-             "seq_mean_token_mean": sum(sum(v) / len(v) for v in valid) / len(valid),
-             "seq_mean_token_sum_norm": sum(sum(v) / AGG_MAX_LEN for v in valid) / len(valid)}[how]
+    # the whole-minibatch loss as TRL's GRPOTrainer writes it (loss_type "dapo", "grpo", "dr_grpo"): the row
+    # means with lengths clamped to >= 1, averaged over ALL B rows; verl's seq-mean modes likewise over B
+    rows = [[pt0[b, t].item() for t in range(L)] for b, L in enumerate(AGG_LENS)]
+    paper = {"token_mean": sum(map(sum, rows)) / sum(map(len, rows)),
+             "seq_mean_token_mean": sum(sum(v) / max(len(v), 1) for v in rows) / len(rows),
+             "seq_mean_token_sum_norm": sum(sum(v) for v in rows) / (len(rows) * AGG_MAX_LEN)}[how]
     assert whole == pytest.approx(paper, rel=1e-12)
     for size in [8, 4, 2, 1]:
         pt = pt0.clone().requires_grad_()
