@@ -220,6 +220,8 @@ def main(argv=None):
     of the same policies at several training seeds, as one table with the "learns" verdict (across_seeds)."""
     import argparse
     import json
+
+    from .files import write_json
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("summaries", nargs="+", help="evaluate --summary JSON files, one per training seed")
     p.add_argument("--baseline", default="sft", help="the row every other policy is compared with")
@@ -229,8 +231,7 @@ def main(argv=None):
     rows = across_seeds([json.load(open(f)) for f in a.summaries], a.baseline, a.key)
     print(format_seed_table(rows, a.key))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(a.out, rows)
     return rows
 
 
