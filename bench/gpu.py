@@ -472,9 +472,9 @@ def part_rollout(a, device, save):
                 r["vs_hf_default"] = round(base["s_per_call"] / r["s_per_call"], 2)
             if static:
                 r["vs_hf_static"] = round(static["s_per_call"] / r["s_per_call"], 2)
-    add_done = {"prompts": prompts, "samples_per_prompt": k, "prompt_len": P, "new_tokens": new, "rows": rows}
-    save(add_done)
-    return add_done
+    result = {"prompts": prompts, "samples_per_prompt": k, "prompt_len": P, "new_tokens": new, "rows": rows}
+    save(result)
+    return result
 
 
 # ---- the driver ---------------------------------------------------------------------------------------------

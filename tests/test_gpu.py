@@ -196,7 +196,8 @@ def test_greedy_generation_equals_transformers(tmp_path, name, dtype):
         assert torch.equal(got[i, P:P + k], want[i, P:P + k]), (i, k, got[i, P:], want[i, P:])
         compared += k
     record(f"greedy_vs_hf/{name}/{dtype}", tokens_compared=compared, tokens=int(want[:, P:].numel()))
-    assert compared >= want[:, P:].numel() // (4 if dtype == "bfloat16" else 1) or dtype == "bfloat16"
+    if dtype == "float32":      # float32 margins clear the bound everywhere (as on the CPU): every token compared
+        assert compared == want[:, P:].numel()
 
 
 # ---- the scripts on the device ------------------------------------------------------------------------
