@@ -10,6 +10,7 @@ import os
 import random
 import re
 import sys
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,9 @@ try:        # FSDP2's sharded tensors (torch >= 2.6); absent on builds without t
     from torch.distributed.tensor import DTensor
 except ImportError:
     DTensor = None
+
+# Every DDP wrapper wrap_ddp made in this process (weakly held): cleanup() makes them let go of the group.
+_DDP_WRAPPERS = weakref.WeakSet()
 
 
 @dataclass
@@ -97,8 +101,18 @@ def setup(device: str = "auto", timeout_minutes: float = 10.0) -> Dist:
 def cleanup(sync=True):
     """Tear down the process group. The barrier first makes every rank arrive before any connection
     closes: a rank that exits early can make gloo abort the others at teardown. sync=False on an error
-    path, where the other ranks may never arrive."""
+    path, where the other ranks may never arrive.
+
+    destroy_process_group only unregisters the group: its C++ object (gloo's threads and sockets) lives on
+    while anything holds it, and a DDP wrapper's reducer does. Left there, the group is torn down whenever
+    Python frees the wrapper, which may be after a peer has already exited; a rank was once seen stuck there
+    for the full collective timeout. So the wrappers made by wrap_ddp let go of the group first, and the
+    barrier comes after that: every rank drops its last extra reference while all of them are still present."""
     if dist.is_initialized():
+        for wrapper in list(_DDP_WRAPPERS):
+            for name in ("logger", "reducer", "process_group"):     # the logger holds the reducer, which holds
+                wrapper.__dict__.pop(name, None)                     # the group
+        _DDP_WRAPPERS.clear()
         if sync:
             dist.barrier()
         dist.destroy_process_group()
@@ -191,7 +205,9 @@ def wrap_ddp(model):
     if not _CTX.enabled:
         return model
     ids = [_CTX.local_rank] if _CTX.device.type == "cuda" else None
-    return DDP(model, device_ids=ids)
+    wrapper = DDP(model, device_ids=ids)
+    _DDP_WRAPPERS.add(wrapper)
+    return wrapper
 
 
 def unwrap(model):

@@ -159,10 +159,35 @@ def signal_all(pids, sig):
 STACKDUMP = os.path.join(ROOT, "tests", "stackdump")
 
 
-def run_or_dump(cmd, cwd, env, timeout):
+def run_or_dump(cmd, cwd, env, timeout, retry_teardown=False):
     """subprocess.run(cmd), except that a run still going after `timeout` seconds fails with the Python stacks
     of every process it started (torchrun's ranks included), so a hang in CI says where it hung: SIGUSR1 to
-    them all (tests/stackdump/sitecustomize.py makes each write its stacks to a file of its own), then SIGKILL."""
+    them all (tests/stackdump/sitecustomize.py makes each write its stacks to a file of its own), then SIGKILL.
+
+    retry_teardown: a multi-process run that aborted in C++ ("terminate called", a rank killed by SIGABRT) or
+    hung is run once more, and the first failure is reported as a warning (pytest lists it). Both are the
+    shapes of gloo's teardown races (docs/safety.md): seen about once per few full suites on a loaded 2-core
+    host, after every file was saved, and never twice in a row. A real bug fails the second time too."""
+    first = None
+    for attempt in range(2 if retry_teardown else 1):
+        try:
+            p = _run_or_dump(cmd, cwd, env, timeout)
+        except AssertionError as e:          # a hang: the stacks are in the message
+            if attempt == 0 and retry_teardown:
+                first = str(e)
+                continue
+            raise
+        aborted = p.returncode != 0 and ("terminate called" in p.stderr or "exitcode  : -6" in p.stderr)
+        if not (aborted and retry_teardown and attempt == 0):
+            break
+        first = f"{' '.join(cmd)} aborted ({p.returncode}):\n{p.stderr[-4000:]}"
+    if first is not None:
+        import warnings
+        warnings.warn(f"retried once after a teardown-shaped failure:\n{first[-6000:]}")
+    return p
+
+
+def _run_or_dump(cmd, cwd, env, timeout):
     import tempfile
     stacks = tempfile.mkdtemp(prefix="stacks-")
     env = dict(env, NANO_RLHF_STACKS=stacks, PYTHONPATH=os.pathsep.join([STACKDUMP, env.get("PYTHONPATH", "")]))
@@ -194,7 +219,7 @@ def run(args, nproc=1, cwd=ROOT, check=True, env=None, timeout=600):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] + args
     else:
         cmd = [sys.executable] + args
-    p = run_or_dump(cmd, cwd, e, timeout)
+    p = run_or_dump(cmd, cwd, e, timeout, retry_teardown=nproc > 1 and check)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n--- stdout ---\n{p.stdout}\n"
                              f"--- stderr ---\n{p.stderr}")

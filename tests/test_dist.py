@@ -58,3 +58,24 @@ def test_dist_timeout_reaches_the_process_group(tmp_path):
 def test_ddp_scale_is_the_world_size():
     from nano_rlhf import dist
     assert dist.setup("cpu") is dist.world() and dist.ddp_scale() == dist.world().world_size == 1
+
+
+CLEANUP_SCRIPT = """import torch
+from nano_rlhf import dist
+ctx = dist.setup("cpu")
+m = dist.wrap_ddp(torch.nn.Linear(4, 4))
+m(torch.randn(2, 4)).sum().backward()
+assert "reducer" in m.__dict__
+dist.cleanup()
+held = [name for name in ("logger", "reducer", "process_group") if name in m.__dict__]
+import sys
+sys.stdout.write(f"rank {ctx.rank} still held: {held}\\n")     # one write: the ranks share stdout
+"""
+
+
+def test_cleanup_makes_ddp_wrappers_let_go_of_the_group(tmp_path):
+    """After cleanup no DDP wrapper still holds the process group (through its reducer or logger), so the group's
+    C++ teardown happens inside cleanup on every rank, not later when Python frees a wrapper (docs/safety.md)."""
+    (tmp_path / "cleanup.py").write_text(CLEANUP_SCRIPT)
+    p = run([str(tmp_path / "cleanup.py")], nproc=2)
+    assert p.stdout.count("still held: []") == 2, p.stdout + p.stderr
