@@ -165,11 +165,16 @@ def run_or_dump(cmd, cwd, env, timeout, retry_teardown=False):
     them all (tests/stackdump/sitecustomize.py makes each write its stacks to a file of its own), then SIGKILL.
 
     retry_teardown: a multi-process run that aborted in C++ ("terminate called", a rank killed by SIGABRT) or
-    hung is run once more, and the first failure is reported as a warning (pytest lists it). Both are the
+    hung is run once more, from its --out_dir as it was before the first attempt (a finished run's directory would
+    otherwise refuse the rerun), and the first failure is reported as a warning (pytest lists it). Both are the
     shapes of gloo's teardown races (docs/safety.md): seen about once per few full suites on a loaded 2-core
     host, after every file was saved, and never twice in a row. A real bug fails the second time too."""
     first = None
+    out_dir = os.path.join(cwd, cmd[cmd.index("--out_dir") + 1]) if "--out_dir" in cmd[:-1] else None
+    saved = _set_aside(out_dir) if retry_teardown and out_dir else None
     for attempt in range(2 if retry_teardown else 1):
+        if attempt == 1 and out_dir:          # the rerun starts from what the first attempt found, not what it wrote
+            _put_back(out_dir, saved)
         try:
             p = _run_or_dump(cmd, cwd, env, timeout)
         except AssertionError as e:          # a hang: the stacks are in the message
@@ -185,6 +190,24 @@ def run_or_dump(cmd, cwd, env, timeout, retry_teardown=False):
         import warnings
         warnings.warn(f"retried once after a teardown-shaped failure:\n{first[-6000:]}")
     return p
+
+
+def _set_aside(out_dir):
+    """A copy of out_dir as it is before a run (None when it does not exist), for a rerun to start from."""
+    import shutil
+    import tempfile
+    if not os.path.isdir(out_dir):
+        return None
+    copy = os.path.join(tempfile.mkdtemp(prefix="out-before-"), "out")
+    shutil.copytree(out_dir, copy, symlinks=True)
+    return copy
+
+
+def _put_back(out_dir, copy):
+    import shutil
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if copy is not None:
+        shutil.copytree(copy, out_dir, symlinks=True)
 
 
 def _run_or_dump(cmd, cwd, env, timeout):

@@ -1,6 +1,12 @@
 """The start-up weight check: ranks that hold different weights stop with a clear error, not a silent
 average of gradients of two different models."""
-from conftest import run
+import os
+import shutil
+import sys
+
+import pytest
+
+from conftest import run, run_or_dump
 
 SCRIPT = """import torch
 from nano_rlhf import dist
@@ -79,3 +85,32 @@ def test_cleanup_makes_ddp_wrappers_let_go_of_the_group(tmp_path):
     (tmp_path / "cleanup.py").write_text(CLEANUP_SCRIPT)
     p = run([str(tmp_path / "cleanup.py")], nproc=2)
     assert p.stdout.count("still held: []") == 2, p.stdout + p.stderr
+
+
+ABORTS_ONCE = """import os, sys
+out, tries = sys.argv[2], sys.argv[3]
+n = int(open(tries).read()) + 1 if os.path.exists(tries) else 1
+open(tries, "w").write(str(n))
+if os.path.exists(os.path.join(out, "saved")):
+    sys.exit("error: --out_dir already holds a run")       # what a script says to a rerun into its own output
+os.makedirs(out, exist_ok=True)
+open(os.path.join(out, "saved"), "w").write("x")
+if n == 1:
+    sys.stderr.write("terminate called without an active exception\\n")
+    sys.exit(134)
+"""
+
+
+def test_a_teardown_abort_is_rerun_once_from_the_output_directory_as_it_was(tmp_path):
+    """tests/conftest.py's rerun of a multi-process run that aborted in C++: the rerun finds --out_dir as the first
+    attempt found it (here: absent), and the first failure is a warning, not hidden."""
+    (tmp_path / "aborts.py").write_text(ABORTS_ONCE)
+    cmd = [sys.executable, str(tmp_path / "aborts.py"), "--out_dir", str(tmp_path / "out"), str(tmp_path / "tries")]
+    with pytest.warns(UserWarning, match="retried once after a teardown-shaped failure"):
+        p = run_or_dump(cmd, str(tmp_path), dict(os.environ), 60, retry_teardown=True)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "tries").read_text() == "2" and (tmp_path / "out" / "saved").exists()
+    (tmp_path / "tries").unlink()
+    shutil.rmtree(tmp_path / "out")
+    p = run_or_dump(cmd, str(tmp_path), dict(os.environ), 60)          # no rerun unless asked
+    assert p.returncode == 134 and (tmp_path / "tries").read_text() == "1"
