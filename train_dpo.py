@@ -219,9 +219,12 @@ def robust_loss(h, beta, label_smoothing):
         / (1 - 2 * label_smoothing)
 
 
-def ipo_loss(u_w, u_l, len_w, len_l, beta):
+def ipo_loss(u_w, u_l, len_w, len_l, beta, label_smoothing=0.0):
+    """Azar et al. 2023, eq. 17: (h̃ − τ⁻¹(I − ½))² with the label I = 1 − ε (ε = label_smoothing; 0 offline, so
+    the target is 1/(2τ); train_online.py's soft labels pass ε = 1 − P(y_w ≻ y_l), the paper's population
+    loss with the preference P in place of a sampled label)."""
     h = u_w / len_w.clamp(min=1) - u_l / len_l.clamp(min=1)          # length-averaged (TRL PR #1265)
-    return (h - 1 / (2 * beta)) ** 2
+    return (h - (1 - 2 * label_smoothing) / (2 * beta)) ** 2
 
 
 def hinge_loss(h, beta):
@@ -284,7 +287,7 @@ def pair_loss(opts, pi_w, pi_l, ref_w, ref_l, len_w, len_l):
     h = u_w - u_l
     loss = {"dpo": lambda: dpo_loss(h, beta, opts.label_smoothing),
             "robust": lambda: robust_loss(h, beta, opts.label_smoothing),
-            "ipo": lambda: ipo_loss(u_w, u_l, len_w, len_l, beta),
+            "ipo": lambda: ipo_loss(u_w, u_l, len_w, len_l, beta, opts.label_smoothing),
             "hinge": lambda: hinge_loss(h, beta),
             "rdpo": lambda: rdpo_loss(h, len_w, len_l, beta, opts.alpha)}[opts.loss]()
     return loss, beta * u_w, beta * u_l

@@ -15,9 +15,11 @@ One step (docs/algorithms.md, "Online and self-play methods"):
               P_ij = P(y_i ≻ y_j), its logit D_ij (= r_i − r_j for a pointwise judge) and the win rates
               W_i = mean_{j≠i} P_ij
   3. examples and 4. update, per --method (S(y) = Σ_t log π(y_t | x, y_<t), u = S_θ − S_ref):
-  online_dpo  pairs (best vs worst by Copeland wins = #{j: D_ij > 0} + ½#{j ≠ i: D_ij = 0}, or all pairs),
-              each ordered by the sign of D_ij, kept when |D_ij| ≥ --margin (ties never), then ANY pairwise
-              --loss of train_dpo.py                                         Guo et al. 2024 (OAIF)
+  online_dpo  every pair of the group (--pairs best_worst: best vs worst by Copeland wins = #{j: D_ij > 0} +
+              ½#{j ≠ i: D_ij = 0}), each ordered by the sign of D_ij, kept when |D_ij| ≥ --margin (ties never),
+              then ANY pairwise --loss of train_dpo.py, with soft labels for dpo and ipo: the pair's label is
+              the judge's P_ij = σ(D_ij), not 1 (the dpo loss −P log σ(βh) − (1−P) log σ(−βh), ipo's target
+              (P − ½)/τ; --labels hard: P = 1)                                Guo et al. 2024 (OAIF)
   dno         the same, but best/worst by win rate W and the --margin on the win-rate gap W_i − W_j
               (with --ref_update_every N: iterative DPO)    Rosset et al. 2024 (DNO-Prct); Xiong et al. 2024
   sppo        (u(y) − η(P̂(y ≻ π_t) − ½))², P̂(y_i ≻ π_t) = W_i from the k samples; π_t = the reference
@@ -43,6 +45,13 @@ Run:
     torchrun --nproc_per_node 2 train_online.py --fsdp          # sampling on gathered weights, as train_ppo.py
     python train_online.py --lora_r 16                          # adapters; the reference: the policy with them off
 
+Why soft labels and every pair by default: with a hard label, a score gap of 0.01 is as certain as a gap of 5, so
+the sigmoid loss keeps widening the margin toward whatever the judge prefers, its blind spots included (measured:
+with a reward-model judge, hard best-vs-worst pairs ended below the SFT model; docs/results.md, "Online DPO that
+does not hack its judge"). With P = σ(r_w − r_l) as the label the dpo loss's optimum is π ∝ π_ref·exp(r/β), the
+KL-regularised optimum PPO aims at, whichever pairs are sampled; every pair of a group uses all k(k−1)/2
+comparisons at no extra forward pass, and leans less on the two extremes, where a reward model is least reliable.
+
 Choices: every log-prob (and CRINGE's logits) uses logits/τ, as train_ppo.py; one optimizer step per rollout
 (on-policy); each rank samples and judges its own prompts' groups, so group statistics need no communication;
 sampling draws its uniform numbers from a generator per (step, prompt, sample), so the samples do not depend
@@ -51,6 +60,7 @@ The judge and its preferences are nano_rlhf/judge.py's (load_judge, preference_m
 same code as train_ppo.py's SPO and the labelling tool: a pairwise judge is asked about every ordered pair i ≠ j of
 a group (Nash-MD: the sample and its opponent in both orders), in one call per step.
 """
+import copy
 import os
 import sys
 import time
@@ -76,12 +86,14 @@ from nano_rlhf.judge import model_dir as judge_dir
 from nano_rlhf.model import GPT
 from nano_rlhf.options import FrozenModelOptions, RunOptions
 from nano_rlhf.sampling import SamplingOptions, cut_at_stop
+from nano_rlhf.watch import Watch, response_counts, score_moments
 from train_ppo import load_prompts, response_logprobs
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
 # the pairwise losses of train_dpo.py (its --loss table minus tdpo, whose token KL needs the reference's hidden
 # states at every position): the loss is train_dpo.pair_loss, imported, never re-implemented here
 PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
+SOFT_LOSSES = ("dpo", "ipo")      # the pair losses with a soft-label form (--labels soft)
 
 
 PairLoss = Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo"]   # train_dpo.py's pair losses
@@ -94,6 +106,10 @@ class Options(FrozenModelOptions, RunOptions):
     pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b), asked both ways
     judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default
     loss: PairLoss = "dpo"        # online_dpo / dno: train_dpo.py's pair loss
+    labels: Literal["auto", "soft", "hard"] = "auto"  # online_dpo / dno: soft = a pair's label is the judge's own
+                                  # P(y_w ≻ y_l) (dpo: label smoothing 1 − P; ipo: target (P − ½)/τ), so a tiny score
+                                  # gap is a weak label; hard = the order is certain (TRL's); auto = soft for dpo and
+                                  # ipo, hard for the losses without a soft form
     beta: Optional[float] = None  # pair loss β (train_dpo.py's default per loss); nash_md: KL coefficient β (none =
                                   # 0.1) {> 0}
     label_smoothing: float = 0.0  # pair loss ε (dpo, robust) {0 <= x < 0.5}
@@ -101,7 +117,8 @@ class Options(FrozenModelOptions, RunOptions):
     alpha: Optional[float] = None # rdpo length coefficient (none = 0.01); cpo NLL weight (none = 1.0) {>= 0}
     lam: float = 0.1              # ORPO weight λ {>= 0}
     nll_coef: float = 0.0         # online_dpo / dno: add this × NLL(chosen) (RPO) {>= 0}
-    pairs: Literal["best_worst", "all"] = "best_worst"  # online_dpo / dno: which pairs of each group
+    pairs: Literal["all", "best_worst"] = "all"  # online_dpo / dno: which pairs of each group (every pair, or the
+                                                 # best against the worst)
     margin: float = 0.0           # keep a pair when its gap ≥ this (online_dpo: logit of P, = score gap; dno: win-rate
                                   # gap) {>= 0}
     ref_update_every: int = 0     # the reference becomes a copy of the policy after every N steps; 0 = never {>= 0}
@@ -112,6 +129,8 @@ class Options(FrozenModelOptions, RunOptions):
     cringe_topk: int = 5          # CRINGE: positive tokens are sampled from the model's top-k {>= 1}
     cringe_alpha: float = 1.0     # CRINGE: weight of the contrastive term beside the MLE term {>= 0}
     kl_warn: float = 2.0          # warn once if the KL to the initial ref jumps past this (nats); 0 = off {>= 0}
+    score_warn: float = 3.0       # warn once if the mean judge score leaves the first step's mean ± this × its sd
+                                  # (nano_rlhf/watch.py; collapsed responses are always warned about); 0 = off {>= 0}
     missing_eos_penalty: Optional[float] = None  # subtracted from the --judge score of a response with no stop token
                                                  # (TRL's); none = off {>= 0}
     init: str = "out/sft"         # policy to start from (also the reference unless --ref)
@@ -388,7 +407,7 @@ def kl_sum(S, S_ref, ref, init_ref, samples, opts):
     return float((S.detach() - S_0).sum())
 
 
-def pairwise_terms(opts, policy, ref, samples, pairs, init_ref=None):
+def pairwise_terms(opts, policy, ref, samples, pairs, init_ref=None, probs=None):
     """online_dpo / dno: Σ of train_dpo.pair_loss over this rank's pairs (with graph), Σ NLL(chosen) (with graph)
     and sums for the log (with init_ref: the KL to it over all samples, kl_sum)."""
     _, S = seq_logps(policy, samples, opts)
@@ -397,8 +416,12 @@ def pairwise_terms(opts, policy, ref, samples, pairs, init_ref=None):
     rejected = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=S.device)
     lengths = samples.response_mask.sum(1)
     ref_chosen, ref_rejected = (None, None) if S_ref is None else (S_ref[chosen], S_ref[rejected])
-    loss, reward_chosen, reward_rejected = train_dpo.pair_loss(opts, S[chosen], S[rejected], ref_chosen, ref_rejected,
-                                                               lengths[chosen], lengths[rejected])
+    loss_opts = opts
+    if probs is not None:          # --labels soft: each pair's own label smoothing, 1 − P(y_w ≻ y_l)
+        loss_opts = copy.copy(opts)
+        loss_opts.label_smoothing = 1 - torch.tensor(probs, dtype=S.dtype, device=S.device)
+    loss, reward_chosen, reward_rejected = train_dpo.pair_loss(loss_opts, S[chosen], S[rejected], ref_chosen,
+                                                               ref_rejected, lengths[chosen], lengths[rejected])
     sums = {"loss": loss.sum(), "rewards_chosen": reward_chosen.sum(), "rewards_rejected": reward_rejected.sum(),
             "reward_accuracy": (reward_chosen > reward_rejected).float().sum(),
             "reward_margin": (reward_chosen - reward_rejected).sum()}
@@ -411,19 +434,22 @@ def pairwise_terms(opts, policy, ref, samples, pairs, init_ref=None):
 def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_key=None, init_ref=None):
     """This rank's share of the step's objective (with graph, divided by the global counts; None when no rank has
     anything to learn from) and the log's figures as {name: (this rank's sum, global denominator)}. The counts
-    are all-reduced first, so every rank divides by the same numbers. With init_ref, every method that computes
-    sequence log-probs (all but CRINGE) also logs kl, the mean sequence KL of its samples to init_ref."""
+    are all-reduced first, so every rank divides by the same numbers. With init_ref, every method also logs kl,
+    the mean sequence KL of its samples to init_ref (CRINGE, which needs no sequence log-probs, at the cost of one
+    forward of the policy and one of init_ref without gradients)."""
     k, device = opts.samples_per_prompt, samples.ids.device
     n = dist.all_reduce_sum(float(samples.ids.shape[0]))
     if opts.method in PAIRWISE:
-        pairs = []
+        pairs, probs = [], []
         for g, (pref, pref_logits) in enumerate(groups):
             if opts.method == "online_dpo":
                 gap, key = pref_logits, copeland(pref_logits)
             else:
                 win_rate = win_rates(pref)
                 gap, key = win_rate[:, None] - win_rate[None, :], win_rate
-            pairs += [(g * k + i, g * k + j) for i, j in select_pairs(gap, key, opts.pairs, opts.margin)]
+            chosen_rejected = select_pairs(gap, key, opts.pairs, opts.margin)
+            pairs += [(g * k + i, g * k + j) for i, j in chosen_rejected]
+            probs += [float(torch.sigmoid(pref_logits[i, j])) for i, j in chosen_rejected]
         chosen_tokens = sum(float(samples.response_mask[i].sum()) for i, _ in pairs)
         n_pairs, n_chosen = dist.all_reduce_sum(torch.tensor([len(pairs), chosen_tokens], dtype=torch.float64)).tolist()
         if n_pairs == 0:                 # nothing to learn from; the KL of the samples is still news
@@ -432,7 +458,8 @@ def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_k
             with torch.no_grad():
                 S = seq_logps(policy, samples, opts)[1]
             return None, {"pairs": (0.0, 1), "kl": (kl_sum(S, None, None, init_ref, samples, opts), n)}
-        loss_sum, nll_sum, sums = pairwise_terms(opts, policy, ref, samples, pairs, init_ref)
+        loss_sum, nll_sum, sums = pairwise_terms(opts, policy, ref, samples, pairs, init_ref,
+                                                 probs if opts.labels == "soft" else None)
         kl = {"kl": (sums.pop("kl"), n)} if "kl" in sums else {}
         objective = loss_sum / n_pairs                                  # mean over the step's pairs (all ranks) ...
         nll_w = train_dpo.nll_weight(opts)
@@ -464,8 +491,12 @@ def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_k
     is_neg = (labels == -1)[:, None].expand_as(valid)[valid]
     n_pos, n_neg = dist.all_reduce_sum(torch.tensor([float(is_pos.sum()), float(is_neg.sum())],
                                                     dtype=torch.float64)).tolist()
+    kl_log = {}
+    if init_ref is not None:       # the KL the warning watches: S_θ − S_0 of the samples, one extra forward each
+        with torch.no_grad():
+            kl_log = {"kl": (kl_sum(seq_logps(policy, samples, opts)[1], None, None, init_ref, samples, opts), n)}
     if n_pos + n_neg == 0:
-        return None, {"positive_tokens": (0.0, 1), "negative_tokens": (0.0, 1)}
+        return None, {"positive_tokens": (0.0, 1), "negative_tokens": (0.0, 1), **kl_log}
     prompt_len = samples.ids.shape[1] - samples.response_mask.shape[1]
     sel = torch.zeros_like(samples.ids, dtype=torch.bool)
     sel[:, prompt_len - 1:-1] = valid                          # the positions predicting response tokens
@@ -482,7 +513,7 @@ def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_k
     objective = nll_sum / max(n_pos, 1) + opts.cringe_alpha * cr_sum / max(n_neg, 1)
     return objective, {"loss": (float(objective.detach()), 1), "positive_tokens": (float(is_pos.sum()), 1),
                        "negative_tokens": (float(is_neg.sum()), 1), "nll": (float(nll_sum.detach()), max(n_pos, 1)),
-                       "cringe_loss": (float(cr_sum.detach()), max(n_neg, 1))}
+                       "cringe_loss": (float(cr_sum.detach()), max(n_neg, 1)), **kl_log}
 
 
 # ---- set-up ------------------------------------------------------------------------------------
@@ -525,7 +556,8 @@ def check_options(opts):
              "(whose preferences it would not change)")
     # a flag the method would ignore is an error, not a silent no-op
     pairwise = method in PAIRWISE
-    ignored = {"loss": pairwise or opts.loss == "dpo", "pairs": pairwise or opts.pairs == "best_worst",
+    ignored = {"loss": pairwise or opts.loss == "dpo", "labels": pairwise or opts.labels == "auto",
+               "pairs": pairwise or opts.pairs == "all",
                "margin": pairwise or opts.margin == 0, "nll_coef": pairwise or opts.nll_coef == 0,
                "label_smoothing": pairwise or opts.label_smoothing == 0, "eta": method == "sppo" or opts.eta == 10.0,
                "mixture_coef": method == "nash_md" or opts.mixture_coef == 0.5,
@@ -538,6 +570,13 @@ def check_options(opts):
     if bad:
         fail(f"--{bad} has no effect with --method {method}")
     if pairwise:
+        if opts.labels == "soft" and opts.loss not in SOFT_LOSSES:
+            fail(f"--labels soft: --loss {opts.loss} has no soft-label form (only {' and '.join(SOFT_LOSSES)})")
+        if opts.labels == "auto":
+            opts.labels = "soft" if opts.loss in SOFT_LOSSES and not opts.label_smoothing else "hard"
+        if opts.labels == "soft" and opts.label_smoothing:
+            fail("--labels soft sets each pair's label smoothing from the judge: pass --labels hard with "
+                 "--label_smoothing")
         if opts.label_smoothing and opts.loss not in ("dpo", "robust"):
             fail(f"--label_smoothing applies only to --loss dpo or robust, not {opts.loss}")
         for flag, default, losses in (("gamma", 0.5, ("simpo",)), ("alpha", None, ("rdpo", "cpo")),
@@ -604,7 +643,10 @@ def startup_line(opts, n_prompts, prompt_stats, step):
     return (f"{opts.method.upper()} | judge {opts.judge or '-'}"
             f"{' + pairwise ' + opts.pair_judge if opts.pair_judge else ''}"
             f" | {n_prompts:,} prompts ({prompt_stats}) | {opts.batch_size} prompts x {opts.samples_per_prompt} "
-            f"samples x {dist.world().world_size} ranks per step | reference update every "
+            f"samples x {dist.world().world_size} ranks per step"
+            + (f" | --loss {opts.loss}, {opts.labels} labels, {opts.pairs.replace('_', '/')} pairs"
+               if opts.method in PAIRWISE else "")
+            + " | reference update every "
             f"{opts.ref_update_every or 'never'} | {opts.max_steps} steps"
             + (f" | resuming at step {step}" if step else ""))
 
@@ -627,7 +669,8 @@ def main(argv=None):
     ddp, optimizer = launch.wrap(opts, policy, opts.lr)
     launch.plan(opts, {"policy": policy, "ref": init_ref})
     models = {"policy": policy, **({"ref": ref} if opts.ref_update_every and ref is not None else {})}
-    launch.resume(opts, run, models, {"policy": optimizer}, data={"data": prompt_batches})
+    watch = Watch(opts.score_warn)
+    launch.resume(opts, run, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})
     k = opts.samples_per_prompt
     dist.print0(startup_line(opts, len(prompts), prompt_stats, run.step))
     run.show = ["train/loss", "train/pairs", "train/score", "train/gold_reward", "train/response_length",
@@ -655,7 +698,7 @@ def main(argv=None):
         return metrics
 
     def save(step):
-        launch.save(opts, step, models, {"policy": optimizer}, data={"data": prompt_batches})
+        launch.save(opts, step, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})
         save_model_dir(opts.out_dir, policy, tok)
 
     if run.step == 0 and opts.eval_interval:
@@ -703,6 +746,7 @@ def main(argv=None):
         metrics = step_metrics(batch_samples, scores, stats, gold)
         if "train/kl" in metrics and opts.kl_warn:      # the same value on every rank (all-reduced)
             watch_kl(kl_watch, metrics["train/kl"], opts.kl_warn, step)
+        watch_samples(watch, step, batch_samples, scores, k)
         t_step = time.time() - t0
         metrics.update({"train/lr": lr, "train/grad_norm": grad_norm, "train/step_time": t_step,
                         "train/generate_time": t_gen, "time/rollout_frac": t_gen / max(t_step, 1e-9)})
@@ -724,6 +768,16 @@ def watch_kl(watch, kl, floor, step):
               "quality, and see docs/algorithms.md, 'Online and self-play methods'",
               file=sys.stderr, flush=True)
     watch.history.append(kl)
+
+
+def watch_samples(watch, step, samples: Samples, scores, k):
+    """Collapse and judge-score warnings (nano_rlhf/watch.py) from this step's samples on all ranks; rank 0 prints."""
+    lengths = samples.response_mask.sum(1) - samples.has_eos                 # the stop token not counted
+    counts = response_counts(lengths.tolist(), samples.completions, k)
+    moments = score_moments(scores.flatten().tolist()) if scores is not None else [0.0, 0.0, 0.0]
+    total = dist.all_reduce_sum(torch.tensor(counts + moments, dtype=torch.float64)).tolist()
+    for line in watch.check(step, total[:4], k, total[4:] if scores is not None else None):
+        dist.print0(line, file=sys.stderr)
 
 
 def step_metrics(samples: Samples, scores, stats, gold):

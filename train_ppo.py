@@ -53,6 +53,7 @@ forward uses position ids from the attention mask (left-padded prompts); log-pro
 groups of k samples live on one rank, so group statistics need no communication.
 """
 import contextlib
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -77,6 +78,7 @@ from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
 from nano_rlhf.options import FrozenModelOptions, RunOptions
 from nano_rlhf.sampling import SamplingOptions, cut_at_stop, generate, sampling_copy
+from nano_rlhf.watch import Watch, response_counts, score_moments
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
 WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened over the whole batch
@@ -127,6 +129,8 @@ class Options(FrozenModelOptions, RunOptions):
     missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward
                                                  # selfplay: 0, the worst win rate); none = off
     score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping {> 0}
+    score_warn: float = 3.0       # warn once if the mean raw score leaves the first step's mean ± this × its sd
+                                  # (nano_rlhf/watch.py; collapsed responses are always warned about); 0 = off {>= 0}
     normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved
     gamma: float = 1.0            # GAE / reward-to-go discount {0 <= x <= 1}
     lam: float = 0.95             # GAE λ {0 <= x <= 1}
@@ -1038,7 +1042,8 @@ def main(argv=None):
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
     launch.plan(opts, {"policy": models.policy, "critic": models.critic, "ref": models.ref,
                        "reward": getattr(models.reward, "model", None)})
-    meta = launch.resume(opts, run, **state, data={"data": prompt_batches})
+    watch = Watch(opts.score_warn)
+    meta = launch.resume(opts, run, **state, data={"data": prompt_batches, "watch": watch})
     if meta:
         kl_ctl.beta = meta["kl_coef"]
         if ptx is not None and "ptx_data" in meta:
@@ -1066,7 +1071,8 @@ def main(argv=None):
         return metrics
 
     def save(step):
-        launch.save(opts, step, **state, data={"data": prompt_batches, **({"ptx_data": ptx.batches} if ptx else {})},
+        launch.save(opts, step, **state, data={"data": prompt_batches, "watch": watch,
+                                               **({"ptx_data": ptx.batches} if ptx else {})},
                     kl_coef=kl_ctl.beta)
         save_model_dir(opts.out_dir, models.policy, tok)
 
@@ -1105,6 +1111,7 @@ def main(argv=None):
                 masked_sq_dev(targets.returns, batch.response_mask, ev_sums[1] / n),
                 masked_sq_dev(residuals, batch.response_mask, ev_sums[3] / n)]))
             metrics["train/explained_variance"] = explained_variance(*sq_devs)
+        watch_samples(watch, step, batch, opts.samples_per_prompt)
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
         if opts.compile_rollout:               # compiling (first steps, each new batch bucket) timed apart
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]
@@ -1114,6 +1121,15 @@ def main(argv=None):
                   saved=f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
                            optimizers=state["optimizers"], options=opts)
+
+
+def watch_samples(watch, step, r: Rollout, k):
+    """Collapse and score warnings (nano_rlhf/watch.py) from this step's rollout on all ranks, on the reward as the
+    reward function returned it (before normalising, clipping or the missing-eos penalty); rank 0 prints."""
+    counts = response_counts((r.response_mask.sum(1) - r.has_eos).tolist(), r.completions, k)
+    total = dist.all_reduce_sum(torch.tensor(counts + score_moments(r.raw_scores.tolist()), dtype=torch.float64))
+    for line in watch.check(step, total[:4].tolist(), k, total[4:].tolist()):
+        dist.print0(line, file=sys.stderr)
 
 
 def reward_model_dir(opts):

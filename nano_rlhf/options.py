@@ -32,7 +32,7 @@ CHANGEABLE = frozenset({
     # data files: compared by their sha256 (state/run.json's data_sha256), not by their path
     "data", "eval_data", "prompts", "eval_prompts", "ptx_data",
     # what the periodic evaluation and the warnings look at; training never reads them
-    "eval_samples", "kl_warn", "retain_warn",
+    "eval_samples", "kl_warn", "score_warn", "retain_warn",
 })
 
 ChatTemplate = Literal["auto", "chatml", "smollm2", "qwen2.5", "qwen3", "llama3", "plain"]   # tokenizer.CHAT_TEMPLATES

@@ -162,3 +162,34 @@ def test_ppo_raises_the_held_out_gold_reward(tmp_path, builtin):
     (ATEN_CPU_CAPABILITY=default); with GAE's advantages negated: −2.39 −0.62 −2.18. Threshold 0.6."""
     before, after = ppo_gain(tmp_path, 0, *builtin)
     assert after - before > 0.6, (before, after)
+
+
+def online_dpo_gain(tmp_path, seed, task, sft, *extra):
+    """Online DPO judged by a reward model trained 60 steps, 150 steps x 8 prompts x 4 samples at lr 5e-4 (a
+    high rate, so that the judge's blind spots are found within seconds), from the small SFT policy."""
+    import train_online
+    import train_rm
+    rm = tmp_path / "rm"
+    if not (rm / "model.safetensors").exists():
+        train_rm.main(["--data", str(task / "preference.jsonl"), "--eval_data", str(task / "preference_eval.jsonl"),
+                       "--init", str(sft), "--out_dir", str(rm), "--max_steps", "60", "--batch_size", "16",
+                       "--eval_interval", "0", "--save_interval", "0", "--log_interval", "60", "--seed", "0",
+                       "--device", "cpu"])
+    out = tmp_path / f"online_{seed}"
+    train_online.main(["--init", str(sft), "--judge", str(rm), "--prompts", str(task / "prompts.jsonl"),
+                       "--eval_prompts", str(task / "eval_prompts.jsonl"), "--out_dir", str(out), "--max_steps", "150",
+                       "--batch_size", "8", "--max_new_tokens", "32", "--lr", "5e-4", "--eval_interval", "0",
+                       "--eval_samples", "8", "--save_interval", "0", "--log_interval", "150", "--seed", str(seed),
+                       "--device", "cpu", *extra])
+    return gold_of(sft, task), gold_of(out, task)
+
+
+@pytest.mark.slow
+def test_online_dpo_with_a_reward_model_judge_does_not_hack_it(tmp_path, builtin):
+    """Online DPO at its defaults (soft labels, every pair) against a weak reward model (60 steps): the held-out
+    gold reward must rise on the two seeds where the old default (hard labels, best vs worst) lost most of its gain
+    to the reward model's blind spots. Measured gains from gold −0.86, seeds 0-5, AVX-512: defaults +1.76 +1.68
+    +1.87 +1.95 +1.81 +1.81; old default +2.01 +0.25 +0.39 +1.90 +1.89 +0.19 (its collapse warning fired on seeds
+    0 and 2: more than half the samples repeated another of their prompt). Threshold 1.0 on seeds 1 and 5."""
+    gains = [after - before for before, after in (online_dpo_gain(tmp_path, s, *builtin) for s in (1, 5))]
+    assert min(gains) > 1.0, gains

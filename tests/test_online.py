@@ -99,6 +99,54 @@ def test_best_worst_pairs_ties_and_margin_on_fixed_scores():
     assert sorted(pairs([0.0, 1.0, 1.0, 3.0], "all", margin=1.5)) == [(3, 0), (3, 1), (3, 2)]
 
 
+def soft_label_oracle(loss, S_w, S_l, R_w, R_l, n_w, n_l, P, beta):
+    """Soft-label pair losses in float64, from the papers' formulas: DPO's Bradley–Terry likelihood with the
+    preference P as the label (Rafailov et al. 2023, eq. 7, expected over the label), IPO's regression of the
+    length-averaged log-ratio gap onto τ⁻¹(P − ½) (Azar et al. 2023, eq. 17 with P for the sampled label)."""
+    if loss == "dpo":
+        h = (S_w - R_w) - (S_l - R_l)
+        return -P * math.log(1 / (1 + math.exp(-beta * h))) - (1 - P) * math.log(1 / (1 + math.exp(beta * h)))
+    h = (S_w - R_w) / n_w - (S_l - R_l) / n_l
+    return (h - (P - 0.5) / beta) ** 2
+
+
+@pytest.mark.parametrize("loss, beta", [("dpo", 0.1), ("ipo", 0.5)])
+def test_soft_labels_equal_the_oracle_with_the_judges_probability(monkeypatch, loss, beta):
+    """step_objective with a reward-model-like pointwise judge: every pair of each group, its label P = σ(r_w − r_l),
+    the loss the float64 oracle's mean over pairs; --labels hard is the same with P = 1."""
+    from nano_rlhf import dist
+    dist.setup("cpu")
+    scores = [[0.3, -1.2, 2.0], [0.5, 0.5, 0.1]]                 # group 2: one tie (no pair between 0 and 1)
+    S = {"policy": torch.tensor([-4.0, -6.5, -3.0, -5.0, -2.5, -7.0], dtype=torch.float64, requires_grad=True),
+         "ref": torch.tensor([-4.5, -6.0, -3.5, -5.5, -3.0, -6.0], dtype=torch.float64)}
+    lengths = [3, 5, 2, 4, 2, 6]
+    mask = torch.zeros(6, 6, dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    samples = types.SimpleNamespace(response_mask=mask)
+    monkeypatch.setattr(T, "seq_logps", lambda model, smp, opts: (None, S[model]))
+    groups = [(None, T.preference_logits(None, torch.tensor(g, dtype=torch.float64))) for g in scores]
+    for labels in ("soft", "hard"):
+        opts = types.SimpleNamespace(method="online_dpo", samples_per_prompt=3, pairs="all", margin=0.0, loss=loss,
+                                     labels=labels, beta=beta, label_smoothing=0.0, nll_coef=0.0, alpha=0.01, lam=0.1,
+                                     gamma=0.5)
+        samples.ids = torch.zeros(6, 1)
+        objective, log = T.step_objective(opts, "policy", "ref", samples, groups, 1)
+        expected = []
+        for g, sc in enumerate(scores):
+            for i in range(3):
+                for j in range(3):
+                    if sc[i] > sc[j]:
+                        P = 1 / (1 + math.exp(-(sc[i] - sc[j]))) if labels == "soft" else 1.0
+                        w, lo = 3 * g + i, 3 * g + j
+                        pol = S["policy"].detach()
+                        expected.append(soft_label_oracle(loss, float(pol[w]), float(pol[lo]),
+                                                          float(S["ref"][w]), float(S["ref"][lo]), lengths[w],
+                                                          lengths[lo], P, beta))
+        assert log["pairs"][0] == len(expected) == 5
+        assert float(objective.detach()) == pytest.approx(sum(expected) / len(expected), rel=1e-12)
+
+
 def table_judge(upper):
     """A consistent pairwise judge over the completions "0" … "k−1": P(i ≻ j) = upper[(i, j)] for i < j (row-major
     order of `upper`), 1 − that for i > j, whatever order it is asked in."""
@@ -270,12 +318,9 @@ def test_every_method_end_to_end_on_the_builtin_task(tmp_path, eos_sft_dir, task
     assert 0 < last["time/rollout_frac"] < 1
     # a step whose groups are all ties has nothing to learn from (no update, no loss); the seeded run has some
     assert any("train/loss" in x and math.isfinite(x["train/loss"]) for x in m)
-    # the per-step KL to the initial reference: 0 before the first update (policy = reference, whichever model
-    # the training reference is), then the policy has moved; CRINGE computes no sequence log-probs, so no KL
-    if method == "cringe":
-        assert "train/kl" not in last
-    else:
-        assert m[0]["train/kl"] == 0 and math.isfinite(last["train/kl"]) and last["train/kl"] != 0
+    # the per-step KL to the initial reference, every method (the warnings watch it): 0 before the first update
+    # (policy = reference, whichever model the training reference is), then the policy has moved
+    assert m[0]["train/kl"] == 0 and math.isfinite(last["train/kl"]) and last["train/kl"] != 0
     moved = GPT.from_pretrained(str(tmp_path / "run")).state_dict()
     start = GPT.from_pretrained(eos_sft_dir).state_dict()
     assert any(not torch.equal(moved[k], v) for k, v in start.items())
@@ -407,8 +452,12 @@ def one_line_error(p, *needles):
     (["--method", "online_dpo", "--loss", "dpo", "--gamma", "1"], ["--gamma applies only to --loss simpo, not dpo"]),
     (["--pair_judge", "PJ:bad", "--missing_eos_penalty", "1"], ["--missing_eos_penalty", "no --pair_judge"]),
     (["--missing_eos_penalty", "-1"], ["--missing_eos_penalty"]),
+    (["--labels", "soft", "--loss", "simpo"], ["--labels soft: --loss simpo has no soft-label form"]),
+    (["--labels", "soft", "--label_smoothing", "0.1"], ["--labels soft", "--labels hard with --label_smoothing"]),
+    (["--method", "sppo", "--labels", "hard"], ["--labels has no effect with --method sppo"]),
 ], ids=["judge-dir", "judge-module", "pair-not-function", "pair-missing", "pair-bad-values", "no-judge", "k1",
-        "ignored-flag", "cringe-ref-update", "loss-flag", "eos-penalty-pairwise", "eos-penalty-negative"])
+        "ignored-flag", "cringe-ref-update", "loss-flag", "eos-penalty-pairwise", "eos-penalty-negative",
+        "soft-simpo", "soft-smoothing", "labels-sppo"])
 def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, capfd, extra, needles):
     """main() in this process (a start-up each would be ~2.5 s): its exit code and everything written to the
     stderr file descriptor; the same error from a whole process is test_a_bad_judge_is_one_line_from_the_shell."""

@@ -88,3 +88,24 @@ def test_reasoning_script_tiny_end_to_end(tmp_path):
     p = subprocess.run(["bash", "scripts/reasoning.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0 and p.stdout.count("reusing ") == 1 + len(variants), p.stdout[-2000:]
+
+
+@pytest.mark.slow      # two tasks: SFT, a reward model, offline DPO and four online variants, a few steps each
+def test_online_script_tiny_end_to_end(tmp_path):
+    """scripts/online.sh (TINY=1, one seed, both tasks): every variant trains and loads, each task's evaluation
+    scores every policy with that task's gold reward, the table over seeds has a row per policy, and the built-in
+    task's curves are drawn."""
+    variants = ["offline_dpo", "online_dpo", "dno", "dno_iterative", "online_dpo_hard", "dno_hard"]
+    env = dict(os.environ, TINY="1", SEEDS="0", OUT=str(tmp_path / "out"), PYTHON=sys.executable, JOBS="1")
+    env.pop("TRL_PYTHON", None)
+    p = subprocess.run(["bash", "scripts/online.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    from nano_rlhf.model import GPT
+    for task in ("builtin", "recipes"):
+        for name in variants:
+            GPT.from_pretrained(str(tmp_path / "out" / task / "seed0" / name))
+        per_seed = json.loads((tmp_path / "out" / task / "seed0" / "results.json").read_text())
+        assert [r["name"] for r in per_seed] == ["sft"] + variants and all("reward" in r for r in per_seed)
+        rows = json.loads((tmp_path / "out" / task / "results.json").read_text())
+        assert [r["name"] for r in rows] == ["sft"] + variants
+    assert (tmp_path / "out" / "online_curves.png").exists()

@@ -1,0 +1,115 @@
+"""Watching a run that trains on its own samples (train_online.py, train_ppo.py) for the failures that raise no
+error: the responses collapse, or the judge's score runs far beyond anything it gave the starting policy.
+
+Both are the shape of reward hacking (Gao et al. 2023): a judge is trusted only near the responses it was built
+on, and a policy optimised against it finds where it is wrong — often very short or empty answers, or one
+answer repeated, that a reward model scores highly because it never saw them. The run's own figures show it
+(train/response_length, train/score) but nobody reads every curve, so each warning is printed once, naming the
+step, on stderr. The functions here are pure; the scripts sum the counts over ranks and print.
+
+The thresholds, stated (docs/algorithms.md, "Online and self-play methods"):
+  collapse  the step's responses are on average shorter than COLLAPSE_MIN_LENGTH tokens (the stop token not
+            counted), or more than COLLAPSE_SHARE of them are empty, or more than COLLAPSE_SHARE of them repeat
+            another response of their own group (several samples of one prompt; not checked with one sample a
+            prompt)
+  score     the step's mean judge score leaves mean₀ ± n·sd₀, mean₀ and sd₀ the mean and per-response standard
+            deviation of the scores of the run's first step (the starting policy's samples), n = --score_warn.
+            A step's mean over B responses has a spread of about sd₀/√B, so an honest step sits well inside;
+            a reward in [0, 1] with sd₀ near ½ cannot leave at n = 3, and is not meant to (nothing to hack).
+"""
+import math
+from typing import Optional
+
+COLLAPSE_MIN_LENGTH = 2.0
+COLLAPSE_SHARE = 0.5
+
+
+def response_counts(lengths, completions, group_size=1):
+    """[responses, Σ length, empty, duplicates] of one rank's responses, to be summed over ranks. lengths: tokens
+    before the stop token per response; completions: their texts, groups of group_size consecutive responses
+    (one prompt's samples); empty = nothing but white space; a duplicate = a response whose text (stripped)
+    another response earlier in its group already has."""
+    lengths = [float(x) for x in lengths]
+    texts = [c.strip() for c in completions]
+    empty = sum(1 for t in texts if not t)
+    duplicates = 0
+    if group_size > 1:
+        for g in range(0, len(texts), group_size):
+            group = texts[g:g + group_size]
+            duplicates += len(group) - len(set(group))
+    return [float(len(texts)), sum(lengths), float(empty), float(duplicates)]
+
+
+def collapse(counts, group_size=1) -> Optional[str]:
+    """What collapsed, in words (None when nothing did), from response_counts summed over ranks."""
+    n, total_length, empty, duplicates = counts
+    if n <= 0:
+        return None
+    if total_length / n < COLLAPSE_MIN_LENGTH:
+        return f"the responses average {total_length / n:.2f} tokens (under {COLLAPSE_MIN_LENGTH:g})"
+    if empty / n > COLLAPSE_SHARE:
+        return f"{empty / n:.0%} of the responses are empty"
+    if group_size > 1 and duplicates / n > COLLAPSE_SHARE:
+        return f"{duplicates / n:.0%} of the responses repeat another sample of their prompt"
+    return None
+
+
+def score_moments(scores):
+    """[n, Σ s, Σ s²] of one rank's judge scores, to be summed over ranks."""
+    s = [float(x) for x in scores]
+    return [float(len(s)), sum(s), sum(x * x for x in s)]
+
+
+def mean_sd(moments):
+    """(mean, population sd) from score_moments summed over ranks."""
+    n, total, squares = moments
+    mean = total / max(n, 1.0)
+    return mean, math.sqrt(max(squares / max(n, 1.0) - mean * mean, 0.0))
+
+
+def score_escape(mean, reference, n_sd) -> Optional[str]:
+    """Has the step's mean judge score left reference = (mean₀, sd₀) ± n_sd·sd₀? The reason in words, else None.
+    A reference without spread (every first-step score equal) never triggers: no scale to measure against."""
+    mean0, sd0 = reference
+    if not n_sd or sd0 <= 0 or abs(mean - mean0) <= n_sd * sd0:
+        return None
+    return (f"the mean judge score is {mean:+.3g}, {abs(mean - mean0) / sd0:.1f} standard deviations from the "
+            f"starting policy's {mean0:+.3g} (sd {sd0:.3g})")
+
+
+class Watch:
+    """One run's watch: the first step's score reference and which warnings were already given. Saved with the
+    checkpoint (state_dict, JSON), so a resumed run compares against the same reference and warns once in all."""
+
+    def __init__(self, n_sd):
+        self.n_sd = n_sd
+        self.reference = None          # (mean₀, sd₀) of the first step's scores
+        self.warned = []               # kinds already warned about
+
+    def check(self, step, counts, group_size, moments=None):
+        """The warnings this step newly raises (a list of lines, each naming the step); counts: response_counts,
+        moments: score_moments, both summed over ranks (moments None: no judge score this step)."""
+        out = []
+        what = collapse(counts, group_size)
+        if what and "collapse" not in self.warned:
+            self.warned.append("collapse")
+            out.append(f"warning: step {step}: the responses collapsed: {what}. The policy may be exploiting a "
+                       "blind spot of the judge (short or repeated answers it never saw); read the samples")
+        if moments is not None and moments[0] > 0:
+            mean, sd = mean_sd(moments)
+            if self.reference is None:
+                self.reference = (mean, sd)
+            else:
+                what = score_escape(mean, self.reference, self.n_sd)
+                if what and "score" not in self.warned:
+                    self.warned.append("score")
+                    out.append(f"warning: step {step}: {what}: a judge is trusted only near what it was built on; "
+                               "compare train/score with an independent measure of quality")
+        return out
+
+    def state_dict(self):
+        return {"reference": None if self.reference is None else list(self.reference), "warned": list(self.warned)}
+
+    def load_state_dict(self, state):
+        self.reference = None if state["reference"] is None else tuple(state["reference"])
+        self.warned = list(state["warned"])

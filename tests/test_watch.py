@@ -1,0 +1,85 @@
+"""nano_rlhf/watch.py: the collapse and judge-score warnings of the scripts that train on their own samples."""
+import math
+
+import pytest
+
+from nano_rlhf.watch import (COLLAPSE_MIN_LENGTH, COLLAPSE_SHARE, Watch, collapse, mean_sd, response_counts,
+                             score_escape, score_moments)
+
+
+def test_response_counts_counts_empty_and_duplicates_within_groups_only():
+    texts = [" a b", "  ", " a b", " c",      # group 1: one empty, one repeat of " a b"
+             " c", " d", " e", " f"]          # group 2: " c" is in group 1 only: not a duplicate here
+    assert response_counts([2, 0, 2, 1, 1, 1, 1, 1], texts, group_size=4) == [8.0, 9.0, 1.0, 1.0]
+    assert response_counts([2, 2], [" x", " x"], group_size=1)[3] == 0.0     # one sample a prompt: no groups
+
+
+def test_collapse_names_each_rule_at_its_threshold():
+    assert collapse([10, 10 * COLLAPSE_MIN_LENGTH, 0, 0]) is None                    # exactly 2 tokens: fine
+    assert "average 1.90 tokens" in collapse([10, 19, 0, 0])
+    assert collapse([10, 50, 5, 0]) is None and "60% of the responses are empty" in collapse([10, 50, 6, 0])
+    assert collapse([10, 50, 0, 6], group_size=1) is None                         # groups not checked
+    assert collapse([10, 50, 0, 10 * COLLAPSE_SHARE], group_size=4) is None
+    assert "repeat another sample" in collapse([10, 50, 0, 6], group_size=4)
+    assert collapse([0, 0, 0, 0]) is None
+
+
+def test_score_escape_is_n_standard_deviations_from_the_first_step():
+    mean, sd = mean_sd(score_moments([1.0, 3.0]))                 # mean 2, population sd 1
+    assert (mean, sd) == (2.0, 1.0)
+    assert score_escape(5.0, (mean, sd), 3.0) is None             # exactly 3 sd: not yet
+    assert "3.1 standard deviations" in score_escape(5.1, (mean, sd), 3.0)
+    assert "3.1 standard deviations" in score_escape(-1.1, (mean, sd), 3.0)   # either direction
+    assert score_escape(100.0, (mean, sd), 0.0) is None           # off
+    assert score_escape(100.0, (mean, 0.0), 3.0) is None          # no spread at the start: no scale
+
+
+def test_watch_warns_once_per_kind_naming_the_step_and_survives_a_resume():
+    w = Watch(3.0)
+    ok = [8, 40, 0, 0]
+    assert w.check(1, ok, 4, score_moments([0.0, 2.0] * 4)) == []          # the reference: mean 1, sd 1
+    assert w.check(2, ok, 4, score_moments([1.5] * 8)) == []
+    lines = w.check(3, [8, 8, 6, 0], 4, score_moments([9.0] * 8))
+    assert len(lines) == 2 and all(ln.startswith("warning: step 3: ") for ln in lines)
+    assert "collapsed" in lines[0] and "8.0 standard deviations" in lines[1]
+    assert w.check(4, [8, 8, 6, 0], 4, score_moments([9.0] * 8)) == []      # once
+    resumed = Watch(3.0)
+    resumed.load_state_dict(w.state_dict())
+    assert resumed.reference == (1.0, 1.0) and resumed.check(5, [8, 0, 8, 0], 4, score_moments([9.0])) == []
+    fresh = Watch(3.0)
+    fresh.load_state_dict(Watch(3.0).state_dict())
+    assert fresh.check(1, ok, 4, None) == [] and fresh.reference is None     # no judge score: no reference yet
+    assert math.isclose(mean_sd([4.0, 4.0, 4.0])[1], 0.0)
+
+
+def script_args(script, tmp_path, sft_dir, rm_dir, out, *extra):
+    if script == "train_online":
+        from test_online import online_args
+        return online_args(tmp_path, sft_dir, rm_dir, out, *extra, steps=3)
+    from test_ppo import ppo_args
+    return ppo_args(tmp_path, sft_dir, rm_dir, out, "--advantage", "grpo", *extra, steps=3)
+
+
+@pytest.mark.parametrize("script", ["train_online", "train_ppo"])
+def test_both_scripts_warn_once_per_run_with_real_counts_and_across_a_resume(script, tmp_path, sft_dir, rm_dir,
+                                                                           monkeypatch, capsys):
+    """The wiring, with the rules forced to fire: each warning once, naming its step, on stderr; the counts are the
+    step's samples (batch x k); the score reference is the first step's; a resumed run does not warn again."""
+    import importlib
+
+    from nano_rlhf import watch
+    main = importlib.import_module(script).main
+    seen = []
+    monkeypatch.setattr(watch, "collapse", lambda counts, k: seen.append((list(counts), k)) or "forced")
+    monkeypatch.setattr(watch, "score_escape", lambda mean, ref, n: "forced score")
+    main(script_args(script, tmp_path, sft_dir, rm_dir, "w"))
+    err = capsys.readouterr().err
+    assert err.count("warning: step 1: the responses collapsed: forced") == 1
+    assert err.count("warning: step 2: forced score") == 1 and err.count("warning:") == 2
+    k = 3 if script == "train_online" else 4
+    assert [c[0] for c, _ in seen] == [4.0 * k] * 3 and {g for _, g in seen} == {k}
+    assert all(0 < c[1] <= 4 * k * 12 for c, _ in seen)                  # Σ length: at most max_new_tokens each
+    main(script_args(script, tmp_path, sft_dir, rm_dir, "r", "--stop_at", "2"))
+    assert capsys.readouterr().err.count("warning:") == 2
+    main(script_args(script, tmp_path, sft_dir, rm_dir, "r", "--resume"))
+    assert "warning:" not in capsys.readouterr().err
