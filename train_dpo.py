@@ -151,7 +151,7 @@ def _scored_logps(model, input_ids, attention_mask, response_mask):
 def token_logps(model, input_ids, attention_mask, response_mask):
     """log π(y_t | x, y_<t) of every response token, (B, T−1): column t scores token t+1; 0 elsewhere."""
     logp, scored = _scored_logps(model, input_ids, attention_mask, response_mask)
-    return torch.zeros(scored.shape, device=logp.device).masked_scatter(scored, logp)
+    return torch.zeros(scored.shape, device=logp.device, dtype=logp.dtype).masked_scatter(scored, logp)
 
 
 def row_sums(values, scored):

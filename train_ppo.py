@@ -265,7 +265,7 @@ def response_logprobs(model, ids, attn, response_mask, temperature, with_entropy
     res = token_logprobs(hidden, dist.unwrap(model).output_weight(), ids[:, P:][valid], temperature,
                          with_entropy=with_entropy)               # log π(y_t) [, H = −Σ p log p]
     parts = res if with_entropy else (res,)
-    out = [torch.zeros(response_mask.shape, device=ids.device).masked_scatter(valid, x) for x in parts]
+    out = [torch.zeros(response_mask.shape, device=ids.device, dtype=x.dtype).masked_scatter(valid, x) for x in parts]
     return tuple(out) if with_entropy else out[0]
 
 

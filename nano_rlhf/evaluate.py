@@ -54,8 +54,8 @@ from .tokenizer import CHAT_TEMPLATES
 
 
 def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
-    """log π(y_t | ...) at temperature τ for each response token, (B, R) float32, 0 where response_mask is 0:
-    train_ppo.py's contract (its copy adds the entropy). ids = [left-padded prompt (P) | response (R)]; the
+    """log π(y_t | ...) at temperature τ for each response token, (B, R) float32 (float64 for a float64 model), 0
+    where response_mask is 0: train_ppo.py's contract (its copy adds the entropy). ids = [left-padded prompt (P) | response (R)]; the
     hidden state at position P−1+t predicts response token t, and only those positions go through the output
     layer, in chunks (token_logprobs), so a real vocabulary's logits stay bounded."""
     B, T = ids.shape
@@ -67,7 +67,7 @@ def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
     # an FSDP root gathers — and the output weight is read after it
     hidden = model(ids, attn, select=sel, return_hidden=True)
     lp = token_logprobs(hidden, model.output_weight(), ids[:, P:][valid], temperature)
-    return torch.zeros(response_mask.shape, device=ids.device).masked_scatter(valid, lp)
+    return torch.zeros(response_mask.shape, device=ids.device, dtype=lp.dtype).masked_scatter(valid, lp)
 
 
 @torch.no_grad()
