@@ -55,9 +55,9 @@ from .tokenizer import CHAT_TEMPLATES
 
 def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
     """log π(y_t | ...) at temperature τ for each response token, (B, R) float32 (float64 for a float64 model), 0
-    where response_mask is 0: train_ppo.py's contract (its copy adds the entropy). ids = [left-padded prompt (P) | response (R)]; the
-    hidden state at position P−1+t predicts response token t, and only those positions go through the output
-    layer, in chunks (token_logprobs), so a real vocabulary's logits stay bounded."""
+    where response_mask is 0: train_ppo.py's contract (its copy adds the entropy). ids = [left-padded prompt (P) |
+    response (R)]; the hidden state at position P−1+t predicts response token t, and only those positions go through
+    the output layer, in chunks (token_logprobs), so a real vocabulary's logits stay bounded."""
     B, T = ids.shape
     P = T - response_mask.shape[1]
     valid = response_mask.bool()
