@@ -47,13 +47,16 @@ class _CheckedPairwise:
         self.fn, self.name = fn, spec
 
     def __call__(self, prompts, a, b):
-        out = self.fn(list(prompts), list(a), list(b))
+        try:
+            out = self.fn(list(prompts), list(a), list(b))
+        except Exception as e:      # the user's code: their error and where, in one line, not our stack
+            fail(reward_mod.raised("--pair_judge", self.name, e))
         if torch.is_tensor(out):
             out = out.detach().flatten().tolist() if out.dim() <= 1 else None
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                          for x in out):
             fail(f"--pair_judge {self.name}: must return a list of probabilities (one per pair), got "
-                 f"{type(out).__name__}")
+                 f"{reward_mod.kind_of(out)}")
         if len(out) != len(a):
             fail(f"--pair_judge {self.name}: returned {len(out)} probabilities for {len(a)} pairs")
         bad = next((x for x in out if not (finite_number(x) and 0.0 <= x <= 1.0)), None)

@@ -112,12 +112,12 @@ class _Checked:
         try:
             out = self.fn(list(prompts), list(completions))
         except Exception as e:      # the user's code: their error and where, in a few lines, not our stack
-            fail(f"{self.flag} {self.name} raised {type(e).__name__}: {_first_line(e)}{_user_frames(e)}")
+            fail(raised(self.flag, self.name, e))
         if torch.is_tensor(out):
             out = out.detach().flatten().tolist() if out.dim() <= 1 else None
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                          for x in out):
-            fail(f"{self.flag} {self.name}: must return a list of floats (one per completion), got {_kind(out)}")
+            fail(f"{self.flag} {self.name}: must return a list of floats (one per completion), got {kind_of(out)}")
         if len(out) != len(completions):
             fail(f"{self.flag} {self.name}: returned {len(out)} scores for {len(completions)} completions")
         try:
@@ -129,6 +129,11 @@ class _Checked:
             bad = next(x for x in scores if not math.isfinite(x))
             fail(f"{self.flag} {self.name}: returned a non-finite score ({bad})")
         return scores
+
+
+def raised(flag, spec, e):
+    """One line for an exception a user's function raised: the flag and spec, the error, and where in their code."""
+    return f"{flag} {spec} raised {type(e).__name__}: {_first_line(e)}{_user_frames(e)}"
 
 
 def _first_line(e):
@@ -143,7 +148,8 @@ def _user_frames(e, n=3):
         if frames else ""
 
 
-def _kind(x):
+def kind_of(x):
+    """What a user's function returned, in words: the type, or for a list the first element that is no number."""
     if isinstance(x, (list, tuple)):
         bad = next((v for v in x if not isinstance(v, (int, float)) or isinstance(v, bool)), None)
         return f"a {type(x).__name__} holding {type(bad).__name__} {bad!r}"

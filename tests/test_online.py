@@ -452,16 +452,20 @@ def one_line_error(p, *needles):
     (["--method", "online_dpo", "--loss", "dpo", "--gamma", "1"], ["--gamma applies only to --loss simpo, not dpo"]),
     (["--pair_judge", "PJ:bad", "--missing_eos_penalty", "1"], ["--missing_eos_penalty", "no --pair_judge"]),
     (["--missing_eos_penalty", "-1"], ["--missing_eos_penalty"]),
+    (["--pair_judge", "PJ:boom", "--judge", ""], ["--pair_judge", "raised ZeroDivisionError", "pj.py:5 in boom"]),
+    (["--pair_judge", "PJ:words", "--judge", ""], ["--pair_judge", "a list holding str 'yes'"]),
     (["--labels", "soft", "--loss", "simpo"], ["--labels soft: --loss simpo has no soft-label form"]),
     (["--labels", "soft", "--label_smoothing", "0.1"], ["--labels soft", "--labels hard with --label_smoothing"]),
     (["--method", "sppo", "--labels", "hard"], ["--labels has no effect with --method sppo"]),
 ], ids=["judge-dir", "judge-module", "pair-not-function", "pair-missing", "pair-bad-values", "no-judge", "k1",
         "ignored-flag", "cringe-ref-update", "loss-flag", "eos-penalty-pairwise", "eos-penalty-negative",
-        "soft-simpo", "soft-smoothing", "labels-sppo"])
+        "pair-raises", "pair-strings", "soft-simpo", "soft-smoothing", "labels-sppo"])
 def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, capfd, extra, needles):
     """main() in this process (a start-up each would be ~2.5 s): its exit code and everything written to the
     stderr file descriptor; the same error from a whole process is test_a_bad_judge_is_one_line_from_the_shell."""
-    (tmp_path / "pj.py").write_text("def bad(prompts, a, b):\n    return [1.5] * len(a)\n")
+    (tmp_path / "pj.py").write_text("def bad(prompts, a, b):\n    return [1.5] * len(a)\n\n"
+                                    "def boom(prompts, a, b):\n    return 1 / 0\n\n"
+                                    "def words(prompts, a, b):\n    return ['yes'] * len(a)\n")
     extra = [x.replace("PJ", str(tmp_path / "pj.py")) for x in extra]
     capfd.readouterr()
     with pytest.raises(SystemExit) as e:
