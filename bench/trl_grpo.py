@@ -32,10 +32,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # trl_common
 
 
 def main(argv=None):
@@ -61,25 +61,13 @@ def main(argv=None):
     os.environ.setdefault("TQDM_DISABLE", "1")
     import transformers
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nano_rlhf.common import load_tokenizer
     from nano_rlhf.reward import load_function
+    from trl_common import model_and_tokenizer, train_and_save
     transformers.logging.set_verbosity_error()
 
-    ours = load_tokenizer("", a.init)                       # the special tokens nano_rlhf reads from the directory
-    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(a.init, "tokenizer.json"))
-    eos = tok.convert_ids_to_tokens(ours.eos_id)
-    tok.eos_token = eos
-    # a pad id outside the vocabulary (GPT-2's rule) cannot be a transformers token: pad with eos, masked out
-    tok.pad_token = tok.convert_ids_to_tokens(ours.pad_id) if ours.pad_id is not None and \
-        ours.pad_id < len(tok) else eos
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(a.init)
-    model.generation_config.eos_token_id = ours.eos_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-
+    ours, tok, model = model_and_tokenizer(a.init)
     rows = [json.loads(line) for line in open(a.prompts)]
     # TRL draws batch_size distinct prompts per generation; enough epochs of the file for every rollout
     need = a.max_steps * a.batch_size
@@ -102,28 +90,10 @@ def main(argv=None):
         bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none", logging_steps=1,
         save_strategy="no", seed=a.seed, dataloader_num_workers=0)
 
-    log = []
-
-    class Log(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs:
-                log.append(dict(logs, step=state.global_step, wall=time.time() - t0))
-
-    trainer = GRPOTrainer(model, reward_funcs=reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
-                          callbacks=[Log()])
-    t0 = time.time()
-    trainer.train()
-    seconds = time.time() - t0
-    os.makedirs(a.out_dir, exist_ok=True)
-    trainer.model.save_pretrained(a.out_dir)
-    ours.save(os.path.join(a.out_dir, "tokenizer.json"))
-    with open(os.path.join(a.out_dir, "trl_log.jsonl"), "w") as f:
-        for row in log:
-            f.write(json.dumps(row) + "\n")
-    with open(os.path.join(a.out_dir, "trl_summary.json"), "w") as f:
-        json.dump({"train_seconds": round(seconds, 1), "settings": vars(a),
-                   "grpo_config": {k: str(v) for k, v in args.to_dict().items()}}, f, indent=1)
+    seconds = train_and_save(
+        lambda callbacks: GRPOTrainer(model, reward_funcs=reward, args=args, processing_class=tok,
+                                      train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=callbacks),
+        ours, a.out_dir, vars(a), "grpo_config", args)
     print(f"TRL GRPO: {a.max_steps} rollouts in {seconds:.0f} s -> {a.out_dir}")
 
 

@@ -119,17 +119,23 @@ def dpo_gain(tmp_path, seed, task=None, sft=None):
     return gold_of(sft, task), gold_of(out, task)
 
 
-def ppo_gain(tmp_path, seed, task=None, sft=None):
-    import train_ppo
+def small_rm(tmp_path, task, sft):
+    """A reward model trained 60 steps on the task's pairs from the SFT policy (once per tmp_path)."""
     import train_rm
-    if task is None:
-        task, sft = builtin_sft(tmp_path)
     rm = tmp_path / "rm"
     if not (rm / "model.safetensors").exists():
         train_rm.main(["--data", str(task / "preference.jsonl"), "--eval_data", str(task / "preference_eval.jsonl"),
                        "--init", str(sft), "--out_dir", str(rm), "--max_steps", "60", "--batch_size", "16",
                        "--eval_interval", "0", "--save_interval", "0", "--log_interval", "60", "--seed", "0",
                        "--device", "cpu"])
+    return rm
+
+
+def ppo_gain(tmp_path, seed, task=None, sft=None):
+    import train_ppo
+    if task is None:
+        task, sft = builtin_sft(tmp_path)
+    rm = small_rm(tmp_path, task, sft)
     out = tmp_path / f"ppo_{seed}"
     train_ppo.main(["--init", str(sft), "--reward_model", str(rm), "--prompts", str(task / "prompts.jsonl"),
                     "--eval_prompts", str(task / "eval_prompts.jsonl"), "--out_dir", str(out), "--max_steps", "15",
@@ -168,13 +174,7 @@ def online_dpo_gain(tmp_path, seed, task, sft, *extra):
     """Online DPO judged by a reward model trained 60 steps, 150 steps x 8 prompts x 4 samples at lr 5e-4 (a
     high rate, so that the judge's blind spots are found within seconds), from the small SFT policy."""
     import train_online
-    import train_rm
-    rm = tmp_path / "rm"
-    if not (rm / "model.safetensors").exists():
-        train_rm.main(["--data", str(task / "preference.jsonl"), "--eval_data", str(task / "preference_eval.jsonl"),
-                       "--init", str(sft), "--out_dir", str(rm), "--max_steps", "60", "--batch_size", "16",
-                       "--eval_interval", "0", "--save_interval", "0", "--log_interval", "60", "--seed", "0",
-                       "--device", "cpu"])
+    rm = small_rm(tmp_path, task, sft)
     out = tmp_path / f"online_{seed}"
     train_online.main(["--init", str(sft), "--judge", str(rm), "--prompts", str(task / "prompts.jsonl"),
                        "--eval_prompts", str(task / "eval_prompts.jsonl"), "--out_dir", str(out), "--max_steps", "150",
