@@ -105,9 +105,9 @@ def cleanup(sync=True):
 
     destroy_process_group only unregisters the group: its C++ object (gloo's threads and sockets) lives on
     while anything holds it, and a DDP wrapper's reducer does. Left there, the group is torn down whenever
-    Python frees the wrapper, which may be after a peer has already exited; a rank was once seen stuck there
-    for the full collective timeout. So the wrappers made by wrap_ddp let go of the group first, and the
-    barrier comes after that: every rank drops its last extra reference while all of them are still present."""
+    Python frees the wrapper, possibly after a peer has exited, where a rank can wait out the whole collective
+    timeout (docs/safety.md). So the wrappers made by wrap_ddp let go of the group first, and the barrier comes
+    after that: every rank drops its last extra reference while all of them are still present."""
     if dist.is_initialized():
         for wrapper in list(_DDP_WRAPPERS):
             for name in ("logger", "reducer", "process_group"):     # the logger holds the reducer, which holds
