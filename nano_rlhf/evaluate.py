@@ -48,6 +48,7 @@ from .common import check_output_file, check_vocab, fail, load_tokenizer
 from .config import OneLineErrors, finite_float
 from .data import DataError, collate_prompts, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
+from .reporting import Progress
 from .sampling import SamplingOptions, cut_at_stop, generate
 from .summary import format_summary, format_table, summarize
 from .tokenizer import CHAT_TEMPLATES
@@ -72,12 +73,13 @@ def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
 
 @torch.no_grad()
 def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_tokens=48), *, samples_per_prompt=1,
-                     seed=0, batch_size=64, ref=None, rewards=None):
+                     seed=0, batch_size=64, ref=None, rewards=None, progress=None):
     """Generate for every prompt (records with "prompt") and score; returns one dict per sample.
     sampling: nano_rlhf.sampling.SamplingOptions (its stop_ids and pad_id default to the tokenizer's; each
     response is cut after its first stop token). seed: one generator for the whole call. rewards: {column
     name: reward(prompts, completions)} (nano_rlhf.reward); a reward model scores the very token ids sampled.
-    ref: the reference for the KL column (the model itself: KL 0 without a forward)."""
+    ref: the reference for the KL column (the model itself: KL 0 without a forward). progress: a
+    reporting.Progress told of each batch (the command line's; the training loops' evaluations print nothing)."""
     model.eval()
     sampling = replace(sampling, stop_ids=tok.stop_ids if sampling.stop_ids is None else sampling.stop_ids,
                        pad_id=tok.pad_id if sampling.pad_id is None else sampling.pad_id)
@@ -115,6 +117,8 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
         chunk_prompts = [prompts[i]["prompt"] for i, _ in chunk]
         scores = {name: (fn.score_tokens(seq, full_attn).tolist() if isinstance(fn, reward_mod.RewardModel)
                          else fn(chunk_prompts, texts)) for name, fn in rewards.items()}
+        if progress is not None:
+            progress.update(len(chunk))
         for b, (i, j) in enumerate(chunk):
             rec = {"prompt": prompts[i]["prompt"], "completion": texts[b], "sample": j,
                    "length": int(length[b]), "eos": bool(has_eos[b])}
@@ -199,9 +203,11 @@ def main(argv=None):
                 rewards["rm_score"] = reward_mod.load_reward(a.reward_model, tokenizer=tok, batch_size=a.batch_size,
                                                              device=device)
             same = ref is not None and os.path.realpath(d) == os.path.realpath(a.ref)
+            progress = Progress(len(prompts) * a.samples_per_prompt, f"sampling {d}")
             samples = sample_and_score(model, tok, prompts, sampling, samples_per_prompt=a.samples_per_prompt,
                                        seed=a.seed, batch_size=a.batch_size, ref=model if same else ref,
-                                       rewards=rewards)
+                                       rewards=rewards, progress=progress)
+            progress.done()
             if answer is not None:
                 for r in samples:
                     r["answer"] = answer(r["completion"])

@@ -46,6 +46,7 @@ from .config import parse_args
 from .data import collate_prompts, load_records, tokenize_prompts
 from .judge import LLM, load_judge, preference_matrix
 from .options import ChatTemplate
+from .reporting import Progress
 from .sampling import SamplingOptions, cut_at_stop, generate
 
 
@@ -100,7 +101,7 @@ def check_options(o):
 
 
 @torch.no_grad()
-def sample(model, tok, items, k, o, device, rm=None):
+def sample(model, tok, items, k, o, device, rm=None, progress=None):
     """k completions per tokenized prompt, prompt-major (the samples of prompt i are rows i·k … i·k + k − 1),
     each cut after its first stop token. Returns (texts, finished flags, scores): with a reward model `rm`,
     its raw scores of the very ids sampled (no decode/re-encode round trip, which need not give the sampled ids
@@ -125,6 +126,8 @@ def sample(model, tok, items, k, o, device, rm=None):
             scores.append(rm.score_tokens(closed[:, -block:], attn[:, -block:]).double().cpu())
         finished += ended.tolist()
         texts += [tok.decode(row) for row in resp.tolist()]
+        if progress is not None:
+            progress.update(len(resp))
     return texts, finished, torch.cat(scores) if rm is not None else None
 
 
@@ -203,7 +206,9 @@ def main(argv=None):
         items, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
     k = o.samples_per_prompt
     rm = judge.pointwise if judge.pairwise is None and isinstance(judge.pointwise, reward_mod.RewardModel) else None
-    texts, finished, rm_scores = sample(model, tok, items, k, o, device, rm)
+    progress = Progress(len(items) * k, f"sampling {o.model}")
+    texts, finished, rm_scores = sample(model, tok, items, k, o, device, rm, progress)
+    progress.done()
     t_sample = time.time() - t0
     scores = group_scores(judge, [p for p in prompts for _ in range(k)], texts, k, rm_scores)
     counts = {"empty": 0, "too few": 0, "ties": 0, "at median": 0}

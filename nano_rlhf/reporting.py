@@ -84,3 +84,42 @@ class Reporting:
         if self.wandb is not None:
             self.wandb.log({"samples": self.wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])},
                            step=step)
+
+
+class Progress:
+    """A tool's progress on stderr (evaluate, label): `sampling out/ppo | 120/512 samples | 8.3/s | eta 0m47s`.
+    In a terminal one line updated in place at most every `every` seconds; in a log (stderr not a terminal) a plain
+    line every `log_every` seconds; the last one always at done(). Why: a command that samples for minutes and
+    prints nothing cannot be told from a hang."""
+
+    def __init__(self, total, what, unit="samples", stream=None, every=1.0, log_every=10.0, clock=time.time):
+        import sys
+        self.total, self.what, self.unit, self.clock = total, what, unit, clock
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = every if self.tty else log_every
+        self.n, self.t0 = 0, clock()
+        self.shown = self.t0
+
+    def line(self):
+        elapsed = max(self.clock() - self.t0, 1e-9)
+        rate = self.n / elapsed
+        eta = (self.total - self.n) / rate if rate > 0 else 0.0
+        return (f"{self.what} | {self.n:,}/{self.total:,} {self.unit} | {rate:.3g}/s | "
+                f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+
+    def update(self, n):
+        self.n += n
+        if self.clock() - self.shown >= self.every:
+            self._show()
+
+    def done(self):
+        self._show()
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _show(self):
+        self.shown = self.clock()
+        self.stream.write(("\r" + self.line() + "\033[K") if self.tty else self.line() + "\n")
+        self.stream.flush()

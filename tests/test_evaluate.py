@@ -138,3 +138,47 @@ def test_response_logprobs_is_train_ppos_contract(tok):
     assert got.shape == (4, 5) and torch.equal(got, want)
     assert (got[response_mask == 0] == 0).all()
     assert torch.allclose(got.double(), full * response_mask, atol=1e-5)
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_progress_lines_in_a_log_and_in_a_terminal():
+    """nano_rlhf.reporting.Progress: in a log, a plain line every log_every seconds and the last at done(); in a
+    terminal, one line rewritten in place; the rate and ETA from the clock."""
+    import io
+
+    from nano_rlhf.reporting import Progress
+    clock, log = _Clock(), io.StringIO()
+    p = Progress(100, "sampling m", stream=log, log_every=10.0, clock=clock)
+    clock.t += 5
+    p.update(10)                                   # 5 s: not yet
+    clock.t += 5
+    p.update(10)                                   # 10 s: 20 in 10 s, 2/s, 80 left: 40 s
+    p.done()
+    assert log.getvalue().splitlines() == ["sampling m | 20/100 samples | 2/s | eta 0m40s"] * 2
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    tty = Tty()
+    p = Progress(4, "x", stream=tty, every=0.0, clock=clock)
+    clock.t += 1
+    p.update(2)
+    clock.t += 1
+    p.update(2)
+    p.done()
+    assert tty.getvalue() == ("\rx | 2/4 samples | 2/s | eta 0m01s\033[K\rx | 4/4 samples | 2/s | eta 0m00s\033[K"
+                              "\rx | 4/4 samples | 2/s | eta 0m00s\033[K\n")
+
+
+def test_evaluate_shows_sampling_progress_on_stderr(tmp_path, sft_dir, prompts, capsys):
+    from nano_rlhf import evaluate
+    evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(tmp_path / "s.jsonl")])
+    captured = capsys.readouterr()
+    assert f"sampling {sft_dir} |" in captured.err and "eta " in captured.err and "sampling" not in captured.out

@@ -248,3 +248,11 @@ def test_label_with_a_reward_model_judge(setup, sft_dir, rm_dir, tok):
                 want.append(rm(torch.tensor([row]))[1].item())
     got = [s for r in read(setup / "lw.jsonl") for s in r["scores"]]
     assert len(got) == 24 and got == pytest.approx(want, abs=1e-5)
+
+
+def test_sampling_shows_progress_on_stderr(setup, sft_dir, capsys):
+    """A long labelling run is never silent: its sampling prints `sampling MODEL | n/N samples | rate | eta` on
+    stderr (the last line at least), stdout keeps only the summary."""
+    label.main(label_args(setup, sft_dir, "p.jsonl"))
+    err = capsys.readouterr().err
+    assert f"sampling {sft_dir} |" in err and " samples | " in err and "eta " in err, err
