@@ -19,6 +19,8 @@ from conftest import tiny_model
 from nano_rlhf import evaluate
 from nano_rlhf.model import token_logprobs
 
+pytestmark = pytest.mark.numeric
+
 
 def batch(tok):
     torch.manual_seed(0)

@@ -110,6 +110,7 @@ def soft_label_oracle(loss, S_w, S_l, R_w, R_l, n_w, n_l, P, beta):
     return (h - (P - 0.5) / beta) ** 2
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("loss, beta", [("dpo", 0.1), ("ipo", 0.5)])
 def test_soft_labels_equal_the_oracle_with_the_judges_probability(monkeypatch, loss, beta):
     """step_objective with a reward-model-like pointwise judge: every pair of each group, its label P = σ(r_w − r_l),
