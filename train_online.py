@@ -86,7 +86,7 @@ from nano_rlhf.judge import model_dir as judge_dir
 from nano_rlhf.model import GPT
 from nano_rlhf.options import FrozenModelOptions, RunOptions
 from nano_rlhf.sampling import SamplingOptions, cut_at_stop
-from nano_rlhf.watch import Watch, response_counts, score_moments
+from nano_rlhf.watch import Watch, flat_groups, response_counts, score_moments
 from train_ppo import load_prompts, response_logprobs
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
@@ -771,12 +771,14 @@ def watch_kl(watch, kl, floor, step):
 
 
 def watch_samples(watch, step, samples: Samples, scores, k):
-    """Collapse and judge-score warnings (nano_rlhf/watch.py) from this step's samples on all ranks; rank 0 prints."""
+    """Collapse, no-signal and judge-score warnings (nano_rlhf/watch.py) from this step's samples on all ranks; rank 0
+    prints."""
     lengths = samples.response_mask.sum(1) - samples.has_eos                 # the stop token not counted
     counts = response_counts(lengths.tolist(), samples.completions, k)
-    moments = score_moments(scores.flatten().tolist()) if scores is not None else [0.0, 0.0, 0.0]
-    total = dist.all_reduce_sum(torch.tensor(counts + moments, dtype=torch.float64)).tolist()
-    for line in watch.check(step, total[:4], k, total[4:] if scores is not None else None):
+    flat = scores.flatten().tolist() if scores is not None else []
+    total = dist.all_reduce_sum(torch.tensor(counts + score_moments(flat) + flat_groups(flat, k),
+                                             dtype=torch.float64)).tolist()
+    for line in watch.check(step, total[:4], k, total[4:7] if scores is not None else None, total[7:]):
         dist.print0(line, file=sys.stderr)
 
 

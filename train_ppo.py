@@ -78,7 +78,7 @@ from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
 from nano_rlhf.options import FrozenModelOptions, RunOptions
 from nano_rlhf.sampling import SamplingOptions, cut_at_stop, generate, sampling_copy
-from nano_rlhf.watch import Watch, response_counts, score_moments
+from nano_rlhf.watch import Watch, flat_groups, response_counts, score_moments
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
 WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened over the whole batch
@@ -1124,11 +1124,14 @@ def main(argv=None):
 
 
 def watch_samples(watch, step, r: Rollout, k):
-    """Collapse and score warnings (nano_rlhf/watch.py) from this step's rollout on all ranks, on the reward as the
-    reward function returned it (before normalising, clipping or the missing-eos penalty); rank 0 prints."""
+    """Collapse, no-signal and score warnings (nano_rlhf/watch.py) from this step's rollout on all ranks, on the
+    reward as the reward function returned it (before normalising, clipping or the missing-eos penalty); rank 0
+    prints."""
     counts = response_counts((r.response_mask.sum(1) - r.has_eos).tolist(), r.completions, k)
-    total = dist.all_reduce_sum(torch.tensor(counts + score_moments(r.raw_scores.tolist()), dtype=torch.float64))
-    for line in watch.check(step, total[:4].tolist(), k, total[4:].tolist()):
+    scores = r.raw_scores.tolist()
+    total = dist.all_reduce_sum(torch.tensor(counts + score_moments(scores) + flat_groups(scores, k),
+                                             dtype=torch.float64)).tolist()
+    for line in watch.check(step, total[:4], k, total[4:7], total[7:]):
         dist.print0(line, file=sys.stderr)
 
 

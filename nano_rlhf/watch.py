@@ -12,6 +12,10 @@ The thresholds, stated (docs/algorithms.md, "Online and self-play methods"):
             counted), or more than COLLAPSE_SHARE of them are empty, or more than COLLAPSE_SHARE of them repeat
             another response of their own group (several samples of one prompt; not checked with one sample a
             prompt)
+  no signal every one of the run's first FLAT_STEPS steps has no reward spread to learn from: with several samples
+            a prompt, every group's samples score the same (GRPO's, RLOO's, Dr. GRPO's advantages are all 0; a pair
+            method finds no pair); with one, every score of the step is the same. E.g. a verifier that never
+            passes on these prompts: the policy gradient is 0 and the run would only drift with the KL term
   score     the step's mean judge score leaves mean₀ ± n·sd₀, mean₀ and sd₀ the mean and per-response standard
             deviation of the scores of the run's first step (the starting policy's samples), n = --score_warn.
             A step's mean over B responses has a spread of about sd₀/√B, so an honest step sits well inside;
@@ -22,6 +26,7 @@ from typing import Optional
 
 COLLAPSE_MIN_LENGTH = 2.0
 COLLAPSE_SHARE = 0.5
+FLAT_STEPS = 5
 
 
 def response_counts(lengths, completions, group_size=1):
@@ -60,6 +65,25 @@ def score_moments(scores):
     return [float(len(s)), sum(s), sum(x * x for x in s)]
 
 
+def flat_groups(scores, group_size):
+    """[groups, groups whose scores are all equal] of one rank's scores (consecutive groups of group_size), to be
+    summed over ranks; with group_size 1 nothing is counted (the step's spread is read from score_moments)."""
+    if group_size <= 1:
+        return [0.0, 0.0]
+    s = [float(x) for x in scores]
+    groups = [s[g:g + group_size] for g in range(0, len(s), group_size)]
+    return [float(len(groups)), float(sum(1 for g in groups if max(g) == min(g)))]
+
+
+def no_signal(moments, flat, group_size):
+    """Does the step give nothing to learn from? flat: flat_groups summed over ranks; moments: score_moments summed
+    (group_size 1: no spread when the population variance is 0 up to float64 rounding of the sums)."""
+    if group_size > 1:
+        return flat[0] > 0 and flat[1] == flat[0]
+    mean, sd = mean_sd(moments)
+    return moments[0] > 1 and sd <= 1e-9 * max(1.0, abs(mean))
+
+
 def mean_sd(moments):
     """(mean, population sd) from score_moments summed over ranks."""
     n, total, squares = moments
@@ -85,11 +109,21 @@ class Watch:
         self.n_sd = n_sd
         self.reference = None          # (mean₀, sd₀) of the first step's scores
         self.warned = []               # kinds already warned about
+        self.flat = 0                  # the run's first steps without reward spread, while they last
 
-    def check(self, step, counts, group_size, moments=None):
+    def check(self, step, counts, group_size, moments=None, flat=None):
         """The warnings this step newly raises (a list of lines, each naming the step); counts: response_counts,
-        moments: score_moments, both summed over ranks (moments None: no judge score this step)."""
+        moments: score_moments, flat: flat_groups, all summed over ranks (moments None: no judge score this step;
+        flat None: not checked)."""
         out = []
+        if flat is not None and moments is not None and self.flat == step - 1 and step <= FLAT_STEPS:
+            self.flat += no_signal(moments, flat, group_size)
+            if self.flat == FLAT_STEPS and "no signal" not in self.warned:
+                self.warned.append("no signal")
+                what = "every group's samples scored the same" if group_size > 1 else "every sample scored the same"
+                out.append(f"warning: step {step}: nothing to learn from: in each of the first {FLAT_STEPS} steps "
+                           f"{what}, so the reward gives no gradient; check that the reward can tell these prompts' "
+                           "answers apart (a verifier on prompts it cannot parse scores everything 0)")
         what = collapse(counts, group_size)
         if what and "collapse" not in self.warned:
             self.warned.append("collapse")
@@ -108,8 +142,10 @@ class Watch:
         return out
 
     def state_dict(self):
-        return {"reference": None if self.reference is None else list(self.reference), "warned": list(self.warned)}
+        return {"reference": None if self.reference is None else list(self.reference), "warned": list(self.warned),
+                "flat": self.flat}
 
     def load_state_dict(self, state):
         self.reference = None if state["reference"] is None else tuple(state["reference"])
         self.warned = list(state["warned"])
+        self.flat = int(state["flat"])

@@ -83,3 +83,41 @@ def test_both_scripts_warn_once_per_run_with_real_counts_and_across_a_resume(scr
     assert capsys.readouterr().err.count("warning:") == 2
     main(script_args(script, tmp_path, sft_dir, rm_dir, "r", "--resume"))
     assert "warning:" not in capsys.readouterr().err
+
+
+def test_no_signal_counts_flat_groups_and_flat_steps():
+    from nano_rlhf.watch import FLAT_STEPS, flat_groups, no_signal
+    assert flat_groups([0, 0, 1, 0, 2, 2], 2) == [3.0, 2.0] and flat_groups([1, 2], 1) == [0.0, 0.0]
+    assert no_signal(score_moments([0, 0, 1, 1]), [2.0, 2.0], 2)                # every group flat
+    assert not no_signal(score_moments([0, 0, 1, 0]), [2.0, 1.0], 2)
+    assert no_signal(score_moments([0.5] * 8), [0.0, 0.0], 1)                   # one sample a prompt: all equal
+    assert not no_signal(score_moments([0.5] * 7 + [0.6]), [0.0, 0.0], 1)
+    w, flat = Watch(3.0), [4.0, 4.0]
+    lines = [w.check(s, [8, 40, 0, 0], 2, score_moments([0.0] * 8), flat) for s in range(1, FLAT_STEPS + 3)]
+    assert [len(x) for x in lines] == [0] * (FLAT_STEPS - 1) + [1, 0, 0]          # once, at step FLAT_STEPS
+    assert lines[FLAT_STEPS - 1][0].startswith(f"warning: step {FLAT_STEPS}: nothing to learn from")
+    w = Watch(3.0)                                       # one step with spread among the first: never
+    w.check(1, [8, 40, 0, 0], 2, score_moments([0.0] * 8), flat)
+    w.check(2, [8, 40, 0, 0], 2, score_moments([0.0, 1.0] * 4), [4.0, 0.0])
+    assert all(w.check(s, [8, 40, 0, 0], 2, score_moments([0.0] * 8), flat) == [] for s in range(3, 9))
+    resumed = Watch(3.0)                                 # a resume keeps the count
+    w = Watch(3.0)
+    for s in range(1, FLAT_STEPS - 1):
+        w.check(s, [8, 40, 0, 0], 2, score_moments([0.0] * 8), flat)
+    resumed.load_state_dict(w.state_dict())
+    assert resumed.check(FLAT_STEPS - 1, [8, 40, 0, 0], 2, score_moments([0.0] * 8), flat) == []
+    assert len(resumed.check(FLAT_STEPS, [8, 40, 0, 0], 2, score_moments([0.0] * 8), flat)) == 1
+
+
+def test_grpo_on_a_reward_that_never_passes_warns_that_it_cannot_learn(tmp_path, sft_dir, rm_dir, capsys):
+    """train_ppo end to end: a verifier that scores every answer 0 gives every group zero spread; the warning names
+    step 5 once, on stderr."""
+    from test_ppo import ppo_args
+
+    import train_ppo
+    (tmp_path / "never.py").write_text("def reward(prompts, completions):\n    return [0.0] * len(completions)\n")
+    train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "z", "--advantage", "grpo", "--reward",
+                            f"{tmp_path / 'never.py'}:reward", "--missing_eos_penalty", "none", steps=6))
+    err = capsys.readouterr().err
+    assert err.count("warning: step 5: nothing to learn from: in each of the first 5 steps every group's samples "
+                     "scored the same") == 1, err
