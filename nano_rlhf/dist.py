@@ -4,6 +4,7 @@ sharding, and the start-up check that every rank holds the same weights.
 Run as usual (`python train_x.py`) for one process, or `torchrun --nproc_per_node N train_x.py` for N.
 Backend: NCCL on CUDA, gloo on CPU (so DDP also runs, and is tested, on a laptop).
 """
+import atexit
 import datetime
 import hashlib
 import os
@@ -25,6 +26,9 @@ except ImportError:
 
 # Every DDP wrapper wrap_ddp made in this process (weakly held): cleanup() makes them let go of the group.
 _DDP_WRAPPERS = weakref.WeakSet()
+# Set by cleanup(sync=True): this multi-process run ended cleanly, so its process may skip the interpreter's
+# finalization (_leave_without_finalizing).
+_ENDED = False
 
 
 @dataclass
@@ -94,6 +98,7 @@ def setup(device: str = "auto", timeout_minutes: float = 10.0) -> Dist:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
+        atexit.register(_leave_without_finalizing)
     _CTX = Dist(rank, local, world, torch.device(device))
     return _CTX
 
@@ -107,7 +112,11 @@ def cleanup(sync=True):
     while anything holds it, and a DDP wrapper's reducer does. Left there, the group is torn down whenever
     Python frees the wrapper, possibly after a peer has exited, where a rank can wait out the whole collective
     timeout (docs/safety.md). So the wrappers made by wrap_ddp let go of the group first, and the barrier comes
-    after that: every rank drops its last extra reference while all of them are still present."""
+    after that: every rank drops its last extra reference while all of them are still present.
+
+    Groups held elsewhere (FSDP2's parameter groups) outlive this call, and with them gloo's worker threads;
+    a clean end therefore leaves the process without the interpreter's finalization (_leave_without_finalizing)."""
+    global _ENDED
     if dist.is_initialized():
         for wrapper in list(_DDP_WRAPPERS):
             for name in ("logger", "reducer", "process_group"):     # the logger holds the reducer, which holds
@@ -116,6 +125,30 @@ def cleanup(sync=True):
         if sync:
             dist.barrier()
         dist.destroy_process_group()
+        _ENDED = sync
+
+
+def end_process(code: int):
+    """Flush stdout and stderr and end this process with `code` at once, without the interpreter's finalization
+    (why: _leave_without_finalizing). For multi-process runs only: nothing after this call runs."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _leave_without_finalizing():
+    """atexit hook of a multi-process run (registered by setup). A gloo group's worker threads live as long as
+    the group, and a group FSDP2 holds lives until the interpreter frees everything. A worker that finishes a
+    collective a moment after the main thread's wait returned still drops the work's tensors; under CPU load
+    that can fall after the interpreter began finalizing, when the tensor's Python object can no longer take
+    the GIL: the thread is unwound through a noexcept destructor and the process aborts ("terminate called
+    without an active exception", exit -6) after it saved everything (seen in CI; gdb: ~AsyncBarrierWork ->
+    ~AsyncAllgatherWork -> decref_pyobject -> PyThread_exit_thread). Once cleanup(sync=True) has run, every
+    file is written and closed and every rank has passed the last barrier, so nothing is left for
+    finalization to do: leave with 0, or with 1 after an uncaught exception (its traceback is already
+    printed). Before a clean end (an error), this does nothing and the interpreter exits as usual."""
+    if _ENDED:
+        end_process(1 if hasattr(sys, "last_value") or hasattr(sys, "last_exc") else 0)
 
 
 def world() -> Dist:

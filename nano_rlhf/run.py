@@ -51,7 +51,10 @@ def fail(msg: str, code: int = 1):
     print(f"error: {msg}", file=sys.stderr, flush=True)
     if _current is not None:       # the live Run (if any) releases its lock and undoes a run that saved nothing
         _current.abort()
+    several = dist.world().world_size > 1
     dist.cleanup(sync=False)
+    if several:                    # the interpreter's finalization can abort a rank (dist._leave_without_finalizing)
+        dist.end_process(code)
     sys.exit(code)
 
 

@@ -87,6 +87,40 @@ def test_cleanup_makes_ddp_wrappers_let_go_of_the_group(tmp_path):
     assert p.stdout.count("still held: []") == 2, p.stdout + p.stderr
 
 
+END_SCRIPT = """import sys
+import torch
+from nano_rlhf import dist
+from nano_rlhf.run import fail
+ctx = dist.setup("cpu")
+out = [torch.zeros(2) for _ in range(2)]
+torch.distributed.all_gather(out, torch.ones(2))     # a collective whose tensors a gloo worker drops late
+if sys.argv[1] == "fail":
+    fail("this input is wrong", code=3)
+dist.cleanup()
+print(f"rank {ctx.rank} after cleanup")       # buffered (stdout is a pipe): the hard exit must flush it
+if sys.argv[1] == "raise":
+    raise RuntimeError("after the end")
+"""
+
+
+@pytest.mark.parametrize("how,code", [("clean", 0), ("raise", 1), ("fail", 3)])
+def test_a_multi_process_run_ends_with_its_own_exit_code_and_output(tmp_path, how, code):
+    """A multi-process run leaves without the interpreter's finalization (dist._leave_without_finalizing: a gloo
+    worker can abort it there): still with every printed line, with 0 after a clean end, 1 after an uncaught
+    exception, and fail()'s code and one line after an error."""
+    (tmp_path / "end.py").write_text(END_SCRIPT)
+    p = run([str(tmp_path / "end.py"), how], nproc=2, check=False)
+    assert p.returncode == (0 if code == 0 else 1), p.stdout + p.stderr       # torchrun: 1 when a rank failed
+    if how == "fail":
+        assert "error: this input is wrong" in p.stderr and "exitcode  : 3" in p.stderr
+    else:
+        assert sorted(ln for ln in p.stdout.splitlines() if "after cleanup" in ln) == \
+            ["rank 0 after cleanup", "rank 1 after cleanup"]
+    if how == "raise":
+        assert "RuntimeError: after the end" in p.stderr and "exitcode  : 1" in p.stderr
+    assert "terminate called" not in p.stderr
+
+
 ABORTS_ONCE = """import os, sys
 out, tries = sys.argv[2], sys.argv[3]
 n = int(open(tries).read()) + 1 if os.path.exists(tries) else 1
