@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, check_vocab, fail, input_errors, load_reference, lr_at, set_lr,
+from nano_rlhf.common import (autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at, set_lr,
                               split_off)
 from nano_rlhf.data import Batches, collate_listwise, load_records, tokenize_listwise
 from nano_rlhf.model import GPT
@@ -359,7 +359,7 @@ def main(argv=None):
     ref = launch.frozen(opts, ref)
     ddp, optimizer = launch.wrap(opts, policy, opts.lr)
     launch.plan(opts, {"policy": policy, "ref": ref})
-    max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
+    max_steps = run.max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     launch.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches},
                   global_batch=batches.global_batch, max_steps=max_steps)
     n_rows = sum(len(e["completions"]) for e in train)

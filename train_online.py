@@ -77,7 +77,7 @@ from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf import reward as reward_mod
 from nano_rlhf.builtin import default_path
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import autocast, check_vocab, fail, input_errors, lr_at, set_lr
+from nano_rlhf.common import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score
 from nano_rlhf.summary import summarize
@@ -673,6 +673,7 @@ def main(argv=None):
     launch.resume(opts, run, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})
     k = opts.samples_per_prompt
     dist.print0(startup_line(opts, len(prompts), prompt_stats, run.step))
+    warn_short_warmup(opts.max_steps, opts.warmup_steps)
     run.show = ["train/loss", "train/pairs", "train/score", "train/gold_reward", "train/response_length",
                 "time/rollout_frac", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]
     run.loss_key = ("train/loss", "train/grad_norm")

@@ -69,7 +69,7 @@ from nano_rlhf import reward as reward_mod
 from nano_rlhf.builtin import default_data, default_path
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
 from nano_rlhf.common import (autocast, check_vocab, fail, input_errors,
-                              lr_at, set_lr, split_off)
+                              lr_at, set_lr, split_off, warn_short_warmup)
 from nano_rlhf.data import (Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft,
                             training_length)
 from nano_rlhf.evaluate import sample_and_score
@@ -1049,6 +1049,7 @@ def main(argv=None):
         if ptx is not None and "ptx_data" in meta:
             ptx.batches.load_state_dict(meta["ptx_data"])
     dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
+    warn_short_warmup(opts.max_steps, opts.warmup_steps)
     run.show = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac",
                 "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward",
                 "eval/kl"]

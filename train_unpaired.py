@@ -77,7 +77,7 @@ from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf.builtin import default_data
 from nano_rlhf.checkpoint import atomic_write_text
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, check_vocab, fail, input_errors,
+from nano_rlhf.common import (autocast, check_vocab, derive_max_steps, fail, input_errors,
                               load_reference, lr_at, set_lr, split_off)
 from nano_rlhf.data import (Batches, DataError, collate_prompts, fit_prompt, load_records, load_scored, pad_right,
                             tokenize_scored, tokenize_unpaired, training_length)
@@ -616,7 +616,7 @@ def main(argv=None):
     for name, m in models.items():
         ddp[name], optimizers[name] = launch.wrap(opts, m, peak[name])
     launch.plan(opts, {**models, "ref": ref})
-    max_steps = run.max_steps = opts.max_steps or max(1, int(opts.epochs * batches.steps_per_epoch))
+    max_steps = run.max_steps = derive_max_steps(opts, batches.steps_per_epoch)
     launch.resume(opts, run, models, optimizers, data={"data": batches}, global_batch=batches.global_batch,
                   max_steps=max_steps)
     dist.print0(f"{opts.method.upper()}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | "

@@ -136,9 +136,13 @@ def derive_max_steps(opts, steps_per_epoch):
     its warm-up (a small data set at --epochs 1: the learning rate would never reach --lr; a reward model on a
     one-word preference was measured to stay at 0.67-0.80 held-out accuracy after 9 such steps)."""
     max_steps = opts.max_steps or max(1, int(opts.epochs * steps_per_epoch))
-    if max_steps < opts.warmup_steps and dist.world().is_main:
-        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {opts.warmup_steps}, so "
-              f"the learning rate never reaches --lr; raise --epochs or --max_steps, or lower --warmup_steps",
-              file=sys.stderr, flush=True)
+    warn_short_warmup(max_steps, opts.warmup_steps, "raise --epochs or --max_steps")
     return max_steps
+
+
+def warn_short_warmup(max_steps, warmup_steps, fix="raise --max_steps"):
+    """One warning (rank 0) when the run ends before its warm-up does: the learning rate never reaches --lr."""
+    if max_steps < warmup_steps and dist.world().is_main:
+        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {warmup_steps}, so "
+              f"the learning rate never reaches --lr; {fix}, or lower --warmup_steps", file=sys.stderr, flush=True)
 

@@ -121,3 +121,22 @@ def test_grpo_on_a_reward_that_never_passes_warns_that_it_cannot_learn(tmp_path,
     err = capsys.readouterr().err
     assert err.count("warning: step 5: nothing to learn from: in each of the first 5 steps every group's samples "
                      "scored the same") == 1, err
+
+
+@pytest.mark.parametrize("script", ["train_dpo", "train_unpaired", "train_online", "train_ppo"])
+def test_a_run_shorter_than_its_warm_up_says_so(script, tmp_path, sft_dir, rm_dir, capsys):
+    """--warmup_steps 5 on a 3-step run: the learning rate never reaches --lr, and every trainer says so once at
+    start-up (SFT and RM: tests/test_rm.py)."""
+    import importlib
+    if script == "train_dpo":
+        from test_dpo import dpo_args
+        args = dpo_args(tmp_path, sft_dir, "w", "dpo", "--warmup_steps", "5")
+    elif script == "train_unpaired":
+        from test_kto import kto_args
+        args = kto_args(tmp_path, sft_dir, "w", "--warmup_steps", "5")
+    else:
+        args = script_args(script, tmp_path, sft_dir, rm_dir, "w", "--warmup_steps", "5")
+    importlib.import_module(script).main(args + ["--stop_at", "1"])
+    err = capsys.readouterr().err
+    assert err.count("warning: this run is 3 optimizer steps, fewer than --warmup_steps 5, so the learning rate "
+                     "never reaches --lr") == 1, err
