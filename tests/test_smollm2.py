@@ -216,10 +216,18 @@ def test_ifeval_script_tiny_from_smollm2(smol, tmp_path):
                PYTHON=sys.executable, OMP_NUM_THREADS="2")
     p = subprocess.run(["bash", "scripts/ifeval.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["name"] for r in results] == [os.path.basename(smol), "dpo", "grpo"]
-    assert all(0 <= r["reward"] <= 1 for r in results) and results[0]["kl"] == 0.0
-    assert {r["name"] for r in results if "train_seconds" in r} == {"dpo", "grpo"}
+    out = tmp_path / "out"
+    for mode in ("greedy", "sampled"):
+        report = json.loads((out / f"report_{mode}.json").read_text())
+        files = [str(out / mode / f"{name}.jsonl") for name in ("start", "dpo", "grpo")]
+        assert list(report) == files + ["equal_length"]
+        assert all(0 <= report[f]["all"]["strict"] <= 1 and report[f]["all"]["n"] == 12 for f in files)
+        assert report[files[0]]["held_out_kinds"]["n"] == 4
+    assert json.loads((out / "sampled" / "start.summary.json").read_text())[0]["kl"] == 0.0
+    assert [line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()] == ["dpo", "grpo"]
+    table = subprocess.run([sys.executable, "bench/ifeval_table.py", str(out)], cwd=root, capture_output=True,
+                           text=True, timeout=60)
+    assert table.returncode == 0 and "| grpo |" in table.stdout, table.stderr
     for name in ("dpo", "grpo"):
         model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / name))
         assert model.config.vocab_size == 49152

@@ -1,0 +1,96 @@
+"""The tables of scripts/ifeval.sh, from one or more of its output directories (one per seed):
+
+    python bench/ifeval_table.py out/ifeval out/ifeval_s1 [--json docs/ifeval/results.json]
+
+Headline (greedy unless said): prompt-level strict accuracy on all held-out prompts, on those with training kinds
+only and on those with a held-out kind; loose; strict at equal answer length (nano_rlhf.ifeval.equal_length: the
+models' answers cut into length bins at the pooled quartiles, each model's accuracy weighted by the pooled bin
+shares); instruction-level strict; mean answer length in tokens; the share of answers that never ended (cut at
+the token limit) and that loop (nano_rlhf.ifeval.repetitive); strict accuracy sampled at the training temperature,
+with the KL to the start of those samples; the training time. With several directories each figure is the mean
+over seeds with the spread (min..max) beside it; with one, the standard error over prompts. Then per constraint
+kind, the share met (greedy), held-out kinds marked.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nano_rlhf.ifeval import HELD_OUT  # noqa: E402
+
+NAMES = ("start", "dpo", "grpo")
+
+
+def _load(d):
+    greedy = json.load(open(os.path.join(d, "report_greedy.json")))
+    sampled = json.load(open(os.path.join(d, "report_sampled.json")))
+    times = dict(line.split("\t") for line in open(os.path.join(d, "times.tsv")).read().splitlines() if line)
+    rows = {}
+    for name in NAMES:
+        g = greedy[os.path.join(d, "greedy", f"{name}.jsonl")]
+        s = sampled[os.path.join(d, "sampled", f"{name}.jsonl")]
+        summ = json.load(open(os.path.join(d, "sampled", f"{name}.summary.json")))[0]
+        rows[name] = {"strict": g["all"]["strict"], "strict_se": g["all"]["strict_se"],
+                      "seen": g["seen_kinds"]["strict"], "seen_se": g["seen_kinds"]["strict_se"],
+                      "held": g["held_out_kinds"]["strict"], "held_se": g["held_out_kinds"]["strict_se"],
+                      "loose": g["all"]["loose"],
+                      "equal_length": greedy["equal_length"]["strict"][os.path.join(d, "greedy", f"{name}.jsonl")],
+                      "instruction": g["all"]["instruction_strict"], "length": g["mean_length"],
+                      "never_ended": g.get("never_ended", float("nan")), "repetitive": g["repetitive"],
+                      "sampled": s["all"]["strict"], "kl": summ.get("kl", float("nan")),
+                      "minutes": float(times[name]) / 60 if name in times else float("nan"),
+                      "per_kind": {k: v["met"] for k, v in g["per_kind"].items()}}
+    return rows
+
+
+def _cell(values, se=None, pct=False, digits=3):
+    f = (lambda x: f"{100 * x:.0f}%") if pct else (lambda x: f"{x:.{digits}f}")
+    m = statistics.fmean(values)
+    if len(values) > 1:
+        return f"{f(m)} ({f(min(values))}..{f(max(values))})"
+    return f"{f(m)} ± {f(se)}" if se is not None else f(m)
+
+
+def tables(dirs):
+    runs = [_load(d) for d in dirs]
+    one = len(runs) == 1
+    head = ["model", "strict, all", "training kinds", "held-out kinds", "loose", "strict at equal length",
+            "instruction-level", "length (tokens)", "never ended", "repetitive", "sampled strict", "KL (nats)",
+            "train (min)"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in NAMES:
+        v = lambda k: [r[name][k] for r in runs]                    # noqa: E731
+        se = lambda k: runs[0][name][k + "_se"] if one else None   # noqa: E731
+        cells = [name, _cell(v("strict"), se("strict")), _cell(v("seen"), se("seen")), _cell(v("held"), se("held")),
+                 _cell(v("loose")), _cell(v("equal_length")), _cell(v("instruction")), _cell(v("length"), digits=0),
+                 _cell(v("never_ended"), pct=True), _cell(v("repetitive"), pct=True), _cell(v("sampled")),
+                 _cell(v("kl"), digits=1), "" if name == "start" else _cell(v("minutes"), digits=0)]
+        out.append("| " + " | ".join(cells) + " |")
+    kinds = sorted({k for r in runs for n in NAMES for k in r[n]["per_kind"]}, key=lambda k: (k in HELD_OUT, k))
+    out += ["", "| kind (greedy, share met) | " + " | ".join(NAMES) + " |", "|---|" + "---|" * len(NAMES)]
+    for k in kinds:
+        cells = [_cell([r[n]["per_kind"].get(k, float("nan")) for r in runs], digits=2) for n in NAMES]
+        out.append(f"| {k}{' (held out)' if k in HELD_OUT else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(out), runs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dirs", nargs="+", help="scripts/ifeval.sh output directories (one per seed)")
+    p.add_argument("--json", default="", help="also write the figures of every directory to this file")
+    a = p.parse_args(argv)
+    for d in a.dirs:
+        if not os.path.isfile(os.path.join(d, "report_greedy.json")):
+            p.exit(2, f"error: {d}: no report_greedy.json (not a finished scripts/ifeval.sh output)\n")
+    text, runs = tables(a.dirs)
+    print(text)
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(dict(zip(a.dirs, runs)), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
