@@ -70,6 +70,14 @@ def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad
     Llama 3's "Today Date" (empty: the one saved with the tokenizer, else the template's default)."""
     from .tokenizer import Tokenizer
     path = tokenizer_path or os.path.join(model_dir, "tokenizer.json")
+    if not tokenizer_path and not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"{model_dir}: " + ("a file, not a model directory (an HF directory with config.json"
+                                                    " and the weights)" if os.path.exists(model_dir) else
+                                                    "no such model directory"))
+    if not tokenizer_path and os.path.isfile(os.path.join(model_dir, "adapter_config.json")) \
+            and not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir}: a LoRA adapter directory, not a model: a run's merged model is the "
+                                f"directory above its adapter/; or pass the base model with --lora_r")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: missing; pass --tokenizer (the tokenizer.json the model was trained with)")
     return Tokenizer.from_file(path, eos_token or None, pad_token or None, chat_template, date_string or None)

@@ -288,6 +288,27 @@ def test_tokenizer_larger_than_init_vocab_is_one_line(tmp_path, tok, capsys):
     assert code != 0 and err[-1].startswith(f"error: {small}: the tokenizer has {tok.vocab_size} tokens but the model's")
 
 
+@pytest.mark.parametrize("what", ["missing", "file", "adapter", "no tokenizer"])
+def test_an_init_that_is_not_a_model_says_what_it_is(tmp_path, tok, capsys, what):
+    """--init of a missing path, a file, a LoRA adapter directory: one line saying what the path is (not "its
+    tokenizer.json is missing"); a model directory without a tokenizer.json: pass --tokenizer."""
+    from train_sft import main
+    init = tmp_path / "init"
+    if what == "file":
+        init.write_text("{}")
+    elif what == "adapter":
+        init.mkdir()
+        (init / "adapter_config.json").write_text("{}")
+    elif what == "no tokenizer":
+        tiny_model(tok).save_pretrained(str(init))
+    code, err = run_main(main, sft_args(tmp_path, "o")[1:] + ["--init", str(init)], capsys)
+    expected = {"missing": f"error: {init}: no such model directory",
+                "file": f"error: {init}: a file, not a model directory",
+                "adapter": f"error: {init}: a LoRA adapter directory, not a model",
+                "no tokenizer": f"error: {init / 'tokenizer.json'}: missing; pass --tokenizer"}[what]
+    assert code != 0 and len(err) == 1 and err[0].startswith(expected), err
+
+
 def test_out_dir_inside_init_is_refused(tmp_path, tok, capsys):
     from train_sft import main
     init = tmp_path / "init"
