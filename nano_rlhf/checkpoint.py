@@ -189,6 +189,10 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
     if d is None:
         raise FileNotFoundError(f"{out_dir}: no saved state to resume from (expected {out_dir}/state/meta.json)")
     meta = _read_json(os.path.join(d, "meta.json"))
+    step = meta.get("step") if isinstance(meta, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:     # a hand-edited or foreign meta.json
+        raise StateError(f"{os.path.join(d, 'meta.json')}: \"step\" is {step!r}, not a count of steps done (an "
+                         f"integer >= 0)")
     for name, m in models.items():
         path = os.path.join(d, f"model_{name}.safetensors")
         if parallel.is_sharded(m) or not os.path.isfile(path):      # sharded now, or saved sharded

@@ -66,6 +66,21 @@ def test_damaged_file_is_one_line_naming_it(tmp_path, name, damage, words):
     assert msg.startswith(path + ": ") and words in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("step", ["two", -5, 1.5, True, None])
+def test_a_meta_step_that_is_not_a_count_is_one_line(tmp_path, step):
+    """A hand-edited meta.json ("step": "two", -5, ...) is a StateError naming the file, not a ValueError stack or
+    a run "resuming at step -5"."""
+    out, _, _ = _setup(tmp_path)
+    meta_path = os.path.join(out, "state", "meta.json")
+    meta = json.load(open(meta_path))
+    meta["step"] = step
+    checkpoint.write_json(meta_path, meta)
+    m2, opt2 = _fresh()
+    with pytest.raises(StateError) as e:
+        load_state(out, {"m": m2}, {"m": opt2})
+    assert str(e.value).startswith(f'{meta_path}: "step" is {step!r}, not a count') and "\n" not in str(e.value)
+
+
 def test_model_of_another_shape_is_a_state_error(tmp_path):
     out, _, _ = _setup(tmp_path)
     other = torch.nn.Linear(5, 2)
