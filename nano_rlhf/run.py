@@ -102,6 +102,7 @@ class Run(Reporting):
         self.inputs = {k: v for k, v in (inputs or {}).items() if v}
         self.data_files = {k: v for k, v in (data_files or {}).items() if v}
         self.step, self.meta = 0, {}
+        self.done_step, self.saved_step = 0, None   # the last step finished and the last one saved (Ctrl-C says)
         self.input_sha = {}                         # {input name: sha256}, taken at start (rank 0) before loading
         self.show = ["train/loss", "eval/loss"]     # keys of the progress line, in order
         self.loss_key = "train/loss"                # a non-finite value of it stops the run
@@ -253,7 +254,7 @@ class Run(Reporting):
             except (checkpoint.StateError, FileNotFoundError) as e:
                 return f"--resume: {e}"
         _collective_check(load, every_rank=True)
-        self.step = self.step0 = int(self.meta["step"])
+        self.step = self.step0 = self.done_step = self.saved_step = int(self.meta["step"])
         if self.main:          # drop what was logged after the checkpoint: those steps are about to be redone
             for name in ("metrics.jsonl", "samples.jsonl"):
                 path = os.path.join(self.out_dir, name)
@@ -271,6 +272,7 @@ class Run(Reporting):
         """Eval, log, save as due at `step` (the number of optimizer steps done); True when the loop must stop.
         evaluate() -> dict of eval metrics (called on every rank); save(step) writes the checkpoint (every rank)."""
         o = self.opts
+        self.done_step = step
         for key in [self.loss_key] if isinstance(self.loss_key, str) else self.loss_key:
             if key in metrics:
                 check_finite(float(metrics[key]), step, self.out_dir, key.split("/")[-1].replace("_", " "))
@@ -283,7 +285,7 @@ class Run(Reporting):
         stop_at = getattr(o, "stop_at", 0)
         if save is not None and (self._due(getattr(o, "save_interval", 0), step) or step == stop_at):
             save(step)
-            self.saved = True
+            self.saved, self.saved_step = True, step
             self._drop_set_aside()
         if step == stop_at and step < self.max_steps:
             dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
@@ -378,4 +380,17 @@ def _at_exit():
         _current.abort()
 
 
+def _interrupted(kind, value, tb, _previous=sys.excepthook):
+    """Ctrl-C during a run: one line saying where it stopped and what is saved, not a KeyboardInterrupt stack
+    (the interpreter still exits as interrupted, 130; the atexit hook then releases the run's lock)."""
+    run = _current
+    if not (issubclass(kind, KeyboardInterrupt) and run is not None):
+        return _previous(kind, value, tb)
+    if run.main:
+        saved = (f"the last checkpoint is step {run.saved_step}: continue with --resume" if run.saved_step
+                 else "nothing was saved")
+        print(f"interrupted at step {run.done_step + 1}; {saved}", file=sys.stderr, flush=True)
+
+
 atexit.register(_at_exit)
+sys.excepthook = _interrupted

@@ -343,3 +343,31 @@ def test_resume_refuses_a_reward_model_replaced_at_the_same_path(tmp_path, sft_d
     assert e.value.code == 1 and len(err) == 1, err
     assert err[0].startswith(f"error: --resume: the input --reward_model {rm} changed since {out} was saved "), err
     assert {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")} == before
+
+
+INTERRUPT = """n = [0]
+def reward(prompts, completions):
+    n[0] += 1
+    if n[0] == 3:
+        raise KeyboardInterrupt          # what Ctrl-C does while the reward runs
+    return [float(len(c) % 3) for c in completions]
+"""
+
+
+def test_ctrl_c_is_one_line_saying_where_it_stopped_and_what_is_saved(tmp_path, sft_dir, rm_dir):
+    """Ctrl-C in step 3 of a run that saves every step: no KeyboardInterrupt stack, one line naming the step and the
+    last checkpoint, the interpreter's interrupted exit (130, or -2 seen from the parent), and the run resumable."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "kb.py").write_text(INTERRUPT)
+    args = ppo_args(tmp_path, sft_dir, rm_dir, "c", "--advantage", "grpo", "--reward", f"{tmp_path / 'kb.py'}:reward",
+                    "--save_interval", "1", steps=5)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "train_ppo.py", *args], cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode in (130, -2), p.stderr
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == ("interrupted at step 3; the last checkpoint is step 2: continue "
+                                                 "with --resume")
+    assert json.load(open(tmp_path / "c" / "state" / "meta.json"))["step"] == 2
