@@ -51,6 +51,8 @@ class _CheckedPairwise:
             out = self.fn(list(prompts), list(a), list(b))
         except Exception as e:      # the user's code: their error and where, in one line, not our stack
             fail(reward_mod.raised("--pair_judge", self.name, e))
+        except SystemExit as e:
+            fail(reward_mod.exited("--pair_judge", self.name, e))
         if torch.is_tensor(out):
             out = out.detach().flatten().tolist() if out.dim() <= 1 else None
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -113,6 +113,8 @@ class _Checked:
             out = self.fn(list(prompts), list(completions))
         except Exception as e:      # the user's code: their error and where, in a few lines, not our stack
             fail(raised(self.flag, self.name, e))
+        except SystemExit as e:     # sys.exit(0) in a reward would end the run "successfully" with nothing saved
+            fail(exited(self.flag, self.name, e))
         if torch.is_tensor(out):
             out = out.detach().flatten().tolist() if out.dim() <= 1 else None
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -129,6 +131,11 @@ class _Checked:
             bad = next(x for x in scores if not math.isfinite(x))
             fail(f"{self.flag} {self.name}: returned a non-finite score ({bad})")
         return scores
+
+
+def exited(flag, spec, e):
+    """One line for a user's function that called sys.exit (or raised SystemExit)."""
+    return f"{flag} {spec} called sys.exit({e.code!r}){_user_frames(e)}: a function must return, not end the process"
 
 
 def raised(flag, spec, e):
@@ -183,10 +190,11 @@ def load_function(spec, flag="--reward"):
     where, name = spec.rsplit(":", 1)
     if not where or not name:
         fail(f"{flag} {spec}: expected module:function or path/to/file.py:function")
+    is_file = where.endswith(".py") or os.sep in where or "/" in where
+    if is_file and not os.path.isfile(where):
+        fail(f"{flag} {spec}: no such file {where}")
     try:
-        if where.endswith(".py") or os.sep in where or "/" in where:
-            if not os.path.isfile(where):
-                fail(f"{flag} {spec}: no such file {where}")
+        if is_file:
             module_name = "_nano_rlhf_reward_" + os.path.splitext(os.path.basename(where))[0]
             loader = importlib.util.spec_from_file_location(module_name, where)
             module = importlib.util.module_from_spec(loader)
@@ -202,6 +210,8 @@ def load_function(spec, flag="--reward"):
         fail(f"{flag} {spec}: {where} does not parse: {e.msg} (line {e.lineno})")
     except Exception as e:          # the module's own code raised while it was imported
         fail(f"{flag} {spec}: importing {where} raised {type(e).__name__}: {_first_line(e)}{_user_frames(e)}")
+    except SystemExit as e:
+        fail(f"{flag} {spec}: importing {where} called sys.exit({e.code!r}){_user_frames(e)}")
     fn = getattr(module, name, None)
     if fn is None:
         fail(f"{flag} {spec}: {where} has no {name!r}")

@@ -70,6 +70,8 @@ def ok(prompts, completions): return torch.ones(len(completions))
 def short(prompts, completions): return [1.0]
 def text(prompts, completions): return ["good"] * len(completions)
 def nan(prompts, completions): return [float("nan")] * len(completions)
+def quits(prompts, completions): import sys; sys.exit(0)
+def quits3(prompts, completions): raise SystemExit(3)
 NOT_CALLABLE = 3
 """
 
@@ -88,6 +90,8 @@ print(f(["p1", "p2"], ["a", "b"]))
     ("FILE:short", "returned 1 scores for 2 completions"),
     ("FILE:text", "must return a list of floats"),
     ("FILE:nan", "non-finite score"),
+    ("FILE:quits", "called sys.exit(0) (at user.py:"),       # exit 0 would end the run as a success, unsaved
+    ("FILE:quits3", "called sys.exit(3)"),
 ])
 def test_user_function_errors_are_one_line(tmp_path, spec, message):
     (tmp_path / "user.py").write_text(USER)
