@@ -101,6 +101,12 @@ def gold(prompts, completions):
     return [synthetic.gold_reward(p, c) for p, c in zip(prompts, completions)]
 
 
+# The largest score a user's function may return. Scores go into float32 tensors (advantages, the PPO reward) and
+# are squared and summed over a batch (standard deviations, summaries): (1e15)^2 summed over a million samples is
+# 1e36, under float32's 3.4e38, so no statistic of a step can overflow; no real reward comes near it.
+MAX_SCORE = 1e15
+
+
 class _Checked:
     """A user's function with its answers checked at every call (a wrong length or type stops the run)."""
 
@@ -130,6 +136,9 @@ class _Checked:
         if not all(math.isfinite(x) for x in scores):
             bad = next(x for x in scores if not math.isfinite(x))
             fail(f"{self.flag} {self.name}: returned a non-finite score ({bad})")
+        if not all(abs(x) <= MAX_SCORE for x in scores):
+            bad = next(x for x in scores if abs(x) > MAX_SCORE)
+            fail(f"{self.flag} {self.name}: returned {bad:g}, beyond the ±{MAX_SCORE:g} a score may be")
         return scores
 
 

@@ -70,6 +70,7 @@ def ok(prompts, completions): return torch.ones(len(completions))
 def short(prompts, completions): return [1.0]
 def text(prompts, completions): return ["good"] * len(completions)
 def nan(prompts, completions): return [float("nan")] * len(completions)
+def huge(prompts, completions): return [1e300] * len(completions)
 def quits(prompts, completions): import sys; sys.exit(0)
 def quits3(prompts, completions): raise SystemExit(3)
 NOT_CALLABLE = 3
@@ -90,6 +91,7 @@ print(f(["p1", "p2"], ["a", "b"]))
     ("FILE:short", "returned 1 scores for 2 completions"),
     ("FILE:text", "must return a list of floats"),
     ("FILE:nan", "non-finite score"),
+    ("FILE:huge", "returned 1e+300, beyond the ±1e+15 a score may be"),     # finite, but its square is not
     ("FILE:quits", "called sys.exit(0) (at user.py:"),       # exit 0 would end the run as a success, unsaved
     ("FILE:quits3", "called sys.exit(3)"),
 ])
