@@ -296,7 +296,7 @@ def main(argv=None):
         Options, argv, __doc__, check_options, "rm", run_record,
         load=lambda opts: launch.train_eval_records(opts, "preference"))
     with input_errors():
-        tok = launch.tokenizer(opts, run)
+        tok = launch.tokenizer(opts, run, policy=False)
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init, trainable=("score",)))   # --lora_r; head trains
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")

@@ -1,6 +1,7 @@
 """Plumbing the scripts share and that is not algorithm: input errors, optimizer groups, the LR schedule,
 tokenizer loading, precision contexts. (A run's log and progress line: nano_rlhf/reporting.py.)"""
 import contextlib
+import json
 import math
 import os
 import sys
@@ -63,11 +64,12 @@ def autocast(device, dtype: str):
 
 
 def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad_token: str = "",
-                   chat_template: str = "auto", date_string: str = ""):
+                   chat_template: str = "auto", date_string: str = "", policy: bool = True):
     """--tokenizer if given, else the tokenizer.json saved beside the model; --eos_token / --pad_token name
     the special tokens when neither a tokenizer_config.json nor the usual names give them; --chat_template
     names the template variant (auto: recognised from the tokenizer's own template text), --date_string fixes
-    Llama 3's "Today Date" (empty: the one saved with the tokenizer, else the template's default)."""
+    Llama 3's "Today Date" (empty: the one saved with the tokenizer, else the template's default). policy: the
+    model directory must hold a language model, not a reward model (whose trunk would load and be sampled)."""
     from .tokenizer import Tokenizer
     path = tokenizer_path or os.path.join(model_dir, "tokenizer.json")
     if not tokenizer_path and not os.path.isdir(model_dir):
@@ -78,9 +80,23 @@ def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad
             and not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir}: a LoRA adapter directory, not a model: a run's merged model is the "
                                 f"directory above its adapter/; or pass the base model with --lora_r")
+    if policy and model_dir and score_architecture(model_dir):
+        raise ValueError(f"{model_dir}: a reward model ({score_architecture(model_dir)}), not a language model; "
+                         f"a policy starts from a *ForCausalLM directory")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: missing; pass --tokenizer (the tokenizer.json the model was trained with)")
     return Tokenizer.from_file(path, eos_token or None, pad_token or None, chat_template, date_string or None)
+
+
+def score_architecture(model_dir: str) -> str:
+    """The *ForSequenceClassification architecture a model directory's config.json names ('' for anything else,
+    an unreadable config included: reading the model reports that)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return next((a for a in archs if isinstance(a, str) and a.endswith("ForSequenceClassification")), "")
 
 
 def check_vocab(tok, cfg, where: str):

@@ -371,3 +371,20 @@ def test_ctrl_c_is_one_line_saying_where_it_stopped_and_what_is_saved(tmp_path, 
     assert p.stderr.strip().splitlines()[-1] == ("interrupted at step 3; the last checkpoint is step 2: continue "
                                                  "with --resume")
     assert json.load(open(tmp_path / "c" / "state" / "meta.json"))["step"] == 2
+
+
+@pytest.mark.parametrize("tool", ["train_ppo", "train_sft", "evaluate", "label"])
+def test_a_reward_model_as_the_policy_is_one_line(tool, tmp_path, sft_dir, rm_dir, capsys):
+    """A reward-model directory where a policy goes (--init, --model) used to be sampled and trained as a language
+    model from its trunk: refused in one line naming the architecture. train_rm.py may start from one."""
+    import importlib
+    args = {"train_ppo": lambda: ppo_args(tmp_path, sft_dir, rm_dir, "p", "--init", rm_dir),
+            "train_sft": lambda: ["--init", rm_dir, "--out_dir", str(tmp_path / "s")],
+            "evaluate": lambda: ["--model", rm_dir, "--out", str(tmp_path / "e.jsonl")],
+            "label": lambda: ["--model", rm_dir, "--judge", "gold", "--out", str(tmp_path / "l.jsonl")]}[tool]()
+    main = importlib.import_module(tool if tool.startswith("train") else f"nano_rlhf.{tool}").main
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code != 0 and len(err) == 1 and err[0].startswith(f"error: {rm_dir}: a reward model ("), err
+    assert "ForSequenceClassification), not a language model" in err[0]
