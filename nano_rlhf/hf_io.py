@@ -170,7 +170,9 @@ def read_hf_dir(model_dir, head=None, allow_missing=(), **overrides):
     block_key = re.compile(r"^(?:transformer\.h|model\.layers)\.(\d+)\.")
     layers = {int(m.group(1)) for m in map(block_key.match, stored) if m}
     if len(layers) != cfg.n_layer or (layers and max(layers) != cfg.n_layer - 1):
-        raise ValueError(f"{cpath}: the config says {cfg.n_layer} layers but {wpath} holds {len(layers)}")
+        held = f"{len(layers)}" if len(layers) != cfg.n_layer else f"layers numbered {sorted(layers)}"
+        raise ValueError(f"{cpath}: the config says {cfg.n_layer} layers (0..{cfg.n_layer - 1}) but {wpath} "
+                         f"holds {held}")
     drop = {"lm": ("score.weight",), "score": ("lm_head.weight",), None: ("score.weight", "lm_head.weight")}[head]
     lm_head = stored.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None   # tied: the embedding is it
     zero_biases = ({k: stored.pop(k) for k in [k for k in stored if k.endswith(".bias")]}

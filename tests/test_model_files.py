@@ -99,8 +99,8 @@ def test_n_head_not_dividing_n_embd(tmp_path):
 
 
 @pytest.mark.parametrize("family, key, value, match", [
-    ("gpt2", "n_layer", 100000, r"says 100000 layers but .*model\.safetensors holds 2"),
-    ("qwen2", "num_hidden_layers", 100000, r"says 100000 layers but .*model\.safetensors holds 2"),
+    ("gpt2", "n_layer", 100000, r"says 100000 layers \(0\.\.99999\) but .*model\.safetensors holds 2$"),
+    ("qwen2", "num_hidden_layers", 100000, r"says 100000 layers \(0\.\.99999\) but .*model\.safetensors holds 2$"),
     ("gpt2", "n_embd", 1_000_000_000, r"transformer\.wte\.weight has shape \[96, 32\] but .* implies \[96, 1000000000\]"),
     ("qwen2", "hidden_size", 1_000_000_000, r"model\.embed_tokens\.weight has shape \[96, 32\] .* implies \[96, 1000000000\]"),
     ("gpt2", "vocab_size", 50_000_000, r"wte\.weight has shape \[96, 32\] .* implies \[50000000, 32\]"),
@@ -119,6 +119,16 @@ def test_absurd_sizes_fail_before_any_model_is_built(tmp_path, monkeypatch, fami
     fails(model_dir, match)
     fails(model_dir, match, cls=ScoreModel, new_head=True)
     assert time.time() - t < 2.0
+
+
+def test_layers_numbered_off_the_config_say_which(tmp_path):
+    """2 layers in the config and 2 in the file, numbered 0 and 5: the message names the numbers (it used to say
+    "the config says 2 layers but ... holds 2")."""
+    from safetensors.torch import load_file, save_file
+    GPT(GPTConfig(vocab_size=96, n_layer=2, n_head=2, n_embd=32)).save_pretrained(tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    save_file({k.replace("h.1.", "h.5."): v for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    fails(tmp_path, r"says 2 layers \(0\.\.1\) but .*model\.safetensors holds layers numbered \[0, 5\]")
 
 
 def test_shape_mismatch_names_the_key_and_both_shapes(tmp_path):
