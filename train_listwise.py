@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from nano_rlhf import dist, launch, lora, parallel
 from nano_rlhf.builtin import default_data
 from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at, set_lr,
-                              split_off)
+from nano_rlhf.common import (autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at,
+                              set_lr, split_off)
 from nano_rlhf.data import Batches, collate_listwise, load_records, tokenize_listwise
 from nano_rlhf.model import GPT
 from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
