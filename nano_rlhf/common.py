@@ -64,11 +64,11 @@ def autocast(device, dtype: str):
 
 
 def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad_token: str = "",
-                   chat_template: str = "auto", date_string: str = "", policy: bool = True):
+                   chat_template: str = "auto", date_string: str = "", policy: bool = False):
     """--tokenizer if given, else the tokenizer.json saved beside the model; --eos_token / --pad_token name
     the special tokens when neither a tokenizer_config.json nor the usual names give them; --chat_template
     names the template variant (auto: recognised from the tokenizer's own template text), --date_string fixes
-    Llama 3's "Today Date" (empty: the one saved with the tokenizer, else the template's default). policy: the
+    Llama 3's "Today Date" (empty: the one saved with the tokenizer, else the template's default). policy=True: the
     model directory must hold a language model, not a reward model (whose trunk would load and be sampled)."""
     from .tokenizer import Tokenizer
     path = tokenizer_path or os.path.join(model_dir, "tokenizer.json")

@@ -194,7 +194,7 @@ def main(argv=None):
         elif a.baseline:
             baseline = [json.loads(line) for line in open(a.baseline)]
         for d in models:
-            tok = load_tokenizer("", d, chat_template=a.chat_template, date_string=a.date_string)
+            tok = load_tokenizer("", d, chat_template=a.chat_template, date_string=a.date_string, policy=True)
             model = GPT.from_pretrained(d, dropout=0.0).to(device).eval()
             check_vocab(tok, model.cfg, d)
             if ref is not None:

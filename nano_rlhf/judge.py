@@ -235,7 +235,7 @@ class LLMJudge:
             fail(f"{flag}: no such model directory {model_dir!r}")
         template = read_template(template_path or DEFAULT_TEMPLATE)
         try:
-            tok = load_tokenizer("", model_dir)
+            tok = load_tokenizer("", model_dir, policy=True)
             model = GPT.from_pretrained(model_dir, dropout=0.0).to(device)
         except (ValueError, FileNotFoundError, OSError) as e:
             fail(f"{flag}: {e}")

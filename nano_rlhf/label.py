@@ -193,7 +193,8 @@ def main(argv=None):
         prompt_records = load_records(o.prompts or default_data("prompts"), "prompts")
         if o.max_prompts:
             prompt_records = prompt_records[:o.max_prompts]
-        tok = load_tokenizer("", o.model, chat_template=o.chat_template, date_string=o.date_string)
+        tok = load_tokenizer("", o.model, chat_template=o.chat_template, date_string=o.date_string,
+                             policy=True)
         model = GPT.from_pretrained(o.model, dropout=0.0).to(device).eval()
         check_vocab(tok, model.cfg, o.model)
         max_prompt = model.cfg.block_size - o.max_new_tokens - 1     # one position for a reward model's end token

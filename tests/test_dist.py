@@ -97,7 +97,8 @@ torch.distributed.all_gather(out, torch.ones(2))     # a collective whose tensor
 if sys.argv[1] == "fail":
     fail("this input is wrong", code=3)
 dist.cleanup()
-print(f"rank {ctx.rank} after cleanup")       # buffered (stdout is a pipe): the hard exit must flush it
+sys.stdout.write(f"rank {ctx.rank} after cleanup\\n")   # one write (the ranks share stdout), buffered: the hard
+                                                      # exit must flush it
 if sys.argv[1] == "raise":
     raise RuntimeError("after the end")
 """
