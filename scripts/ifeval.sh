@@ -74,8 +74,8 @@ fi
 # forward would be the only cost of the KL; KL to the start is measured at evaluation instead. An answer cut at the
 # token limit is scored as it is (--missing_eos_penalty none): with the default penalty of 1 the reward was mostly
 # "end the answer" (eos rate 0.64 -> 1.0 and length 142 -> 34 tokens in 7 steps while the share of constraints met
-# did not rise), the brevity this recipe must not be about. Micro-batches of 2 sequences: the process's memory
-# grew by about 0.23 GB a step per sequence of the micro-batch (24 GB, the whole 2-core machine, at step 10 with 8)
+# did not rise), the brevity this recipe must not be about. Micro-batches of 2: the process grew by ~1-2 GB a step
+# (OOM-killed at 24 GB at step 10 with micro-batches of 8; 17 GB at step 16 with 2); cause not yet found
 want grpo && timed grpo $PY train_ppo.py --init "$MODEL" --prompts "$DATA/train.jsonl" --reward nano_rlhf.ifeval:reward \
   --advantage grpo --samples_per_prompt 8 --temperature $T --lr ${GRPO_LR:-2e-5} --kl_coef 0 --ppo_epochs 1 \
   --num_minibatches 1 --micro_batch_size 2 --missing_eos_penalty none --seed $SEED --dtype $DTYPE \
