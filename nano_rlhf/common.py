@@ -80,9 +80,10 @@ def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad
             and not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir}: a LoRA adapter directory, not a model: a run's merged model is the "
                                 f"directory above its adapter/; or pass the base model with --lora_r")
-    if policy and model_dir and score_architecture(model_dir):
-        raise ValueError(f"{model_dir}: a reward model ({score_architecture(model_dir)}), not a language model; "
-                         f"a policy starts from a *ForCausalLM directory")
+    score = score_architecture(model_dir) if policy and model_dir else ""
+    if score:
+        raise ValueError(f"{model_dir}: a reward model ({score}), not a language model; a policy starts from a "
+                         f"*ForCausalLM directory")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: missing; pass --tokenizer (the tokenizer.json the model was trained with)")
     return Tokenizer.from_file(path, eos_token or None, pad_token or None, chat_template, date_string or None)

@@ -241,7 +241,7 @@ def _regex(template):
 _PATTERNS = [(k, i, _regex(p)) for k in KINDS for i, p in enumerate(k.phrasings)]
 
 
-def render(kind, args, phrasing=0):
+def sentence(kind, args, phrasing=0):
     """The sentence that states a constraint (parse reads it back)."""
     return BY_NAME[kind].phrasings[phrasing].format(**args)
 
@@ -359,7 +359,7 @@ def make_prompt(rng, family, topic, kinds, phrasings):
     """One prompt row: the request, then one sentence per constraint (a phrasing drawn from `phrasings(kind)`)."""
     parts = [family.format(topic)]
     for k in kinds:
-        parts.append(render(k, BY_NAME[k].sample(rng), rng.choice(phrasings(k))))
+        parts.append(sentence(k, BY_NAME[k].sample(rng), rng.choice(phrasings(k))))
     return {"prompt": [{"role": "user", "content": " ".join(parts)}]}
 
 

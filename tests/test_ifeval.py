@@ -97,18 +97,18 @@ def test_every_phrasing_reads_back_alone_and_in_company():
     for kind in ifeval.KINDS:
         for i in range(len(kind.phrasings)):
             args = kind.sample(rng)
-            text = "Describe tea. " + ifeval.render(kind.name, args, i)
+            text = "Describe tea. " + ifeval.sentence(kind.name, args, i)
             assert ifeval.parse(text) == [(kind.name, {**args, "request": "Describe tea."})]
     for _ in range(300):          # any compatible set, any phrasings, in any order: all read back
         kinds = ifeval._draw_kinds(rng, [k.name for k in ifeval.KINDS])
         sent = [(k, ifeval.BY_NAME[k].sample(rng), rng.randrange(len(ifeval.BY_NAME[k].phrasings))) for k in kinds]
-        text = "Write a poem about snow. " + " ".join(ifeval.render(k, a, i) for k, a, i in sent)
+        text = "Write a poem about snow. " + " ".join(ifeval.sentence(k, a, i) for k, a, i in sent)
         assert [(k, {x: v for x, v in a.items() if x != "request"}) for k, a in ifeval.parse(text)] == \
             [(k, a) for k, a, _ in sent]
 
 
 def test_reward_is_the_share_met_strict_all_and_loose_forgives_a_preamble():
-    text = "Tell me about tea. " + ifeval.render("lowercase", {}) + " " + ifeval.render("include", {"word": "silver"})
+    text = "Tell me about tea. " + ifeval.sentence("lowercase", {}) + " " + ifeval.sentence("include", {"word": "silver"})
     conv = [{"role": "system", "content": 'Include the word "window" in your response.'},
             {"role": "user", "content": text}]
     assert [k for k, _ in ifeval.parse(conv)] == ["lowercase", "include"]      # the last user message only
@@ -118,7 +118,7 @@ def test_reward_is_the_share_met_strict_all_and_loose_forgives_a_preamble():
     assert ifeval.reward(["no constraint here", None], ["x", "y"]) == [0.0, 0.0]
     preamble = "Sure! Here it is:\na silver kettle."
     assert ifeval.strict([conv], [preamble]) == [0.0] and ifeval.loose([conv], [preamble]) == [1.0]
-    stars = [{"role": "user", "content": "Describe tea. " + ifeval.render("end_with", {"phrase": "The end."})}]
+    stars = [{"role": "user", "content": "Describe tea. " + ifeval.sentence("end_with", {"phrase": "The end."})}]
     starred = ["Tea. **The end.**"]
     assert ifeval.strict([stars], starred) == [0.0] and ifeval.loose([stars], starred) == [1.0]
 
@@ -144,15 +144,15 @@ def test_files_hold_out_kinds_phrasings_families_and_topics_and_are_seeded(tmp_p
     assert sum(any(k in ifeval.HELD_OUT for k in ks) for ks in kinds(evals)) == 50
     assert set(ifeval.HELD_OUT) <= {k for ks in kinds(evals) for k in ks}
     assert all(1 <= len(ks) <= 3 and ifeval._compatible(ks) for ks in kinds(train) + kinds(evals))
-    last = [ifeval.render(k.name, k.sample(random.Random(0)), len(k.phrasings) - 1).split("{")[0][:25]
+    last = [ifeval.sentence(k.name, k.sample(random.Random(0)), len(k.phrasings) - 1).split("{")[0][:25]
             for k in ifeval.KINDS if not k.held_out]
     assert not any(s in p for s in last for p in train)                         # the last phrasing: eval only
     assert any(s in p for s in last for p in evals)
 
 
 def test_report_and_equal_length(tmp_path):
-    p = [{"role": "user", "content": "Describe snow. " + ifeval.render("max_words", {"n": 3})}]
-    q = [{"role": "user", "content": "Describe snow. " + ifeval.render("start_with", {"word": "Well"})}]
+    p = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("max_words", {"n": 3})}]
+    q = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("start_with", {"word": "Well"})}]
     def write(name, rows):                                                     # noqa: E306
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(tmp_path / name)
@@ -180,7 +180,7 @@ def test_repetitive_marks_a_loop_not_a_long_answer():
 
 def test_checker_is_an_ordinary_reward_function():
     fn = load_function("nano_rlhf.ifeval:reward")
-    p = [{"role": "user", "content": "Describe snow briefly. " + ifeval.render("max_words", {"n": 3})}]
+    p = [{"role": "user", "content": "Describe snow briefly. " + ifeval.sentence("max_words", {"n": 3})}]
     assert fn([p, p], ["cold white flakes", "it is cold and white"]) == [1.0, 0.0]
 
 
