@@ -24,10 +24,7 @@ is the token-mean cross-entropy over all chosen-response tokens of the step (the
 includes it) and w = --nll_coef (+ α for cpo, + 1 for orpo). The math and its choices in detail:
 docs/algorithms.md, sections "DPO family" and "Common mechanics".
 
-KTO learns from unpaired data, so it lives with NPO, D2O and DRO: `python train_unpaired.py --method kto`. The old
-`python train_dpo.py --loss kto ...` still works: it says so in one line and runs that, with the same flags
-(except PAFT's --l1_coef, which train_unpaired.py does not have: a one-line error). A KTO run saved by this
-script before the move does not resume there (another script's run); every other saved run resumes.
+KTO learns from unpaired data, so it lives with NPO, D2O and DRO: `python train_unpaired.py --method kto`.
 
 Run:
     python train_dpo.py                                   # DPO on the built-in task, from out/sft -> out/dpo
@@ -60,12 +57,8 @@ output directory holds the merged model and out_dir/adapter the adapters alone i
 Simplifications: the reference is a frozen copy of the initial policy (or precomputed log-probs); no
 reference-model syncing (TR-DPO).
 """
-import argparse
 import contextlib
-import dataclasses
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -75,15 +68,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nano_rlhf import dist, launch, lora, parallel
-from nano_rlhf.builtin import default_data
-from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, check_vocab, derive_max_steps, fail, input_errors, lr_at,
-                              load_reference, set_lr, split_off)
-from nano_rlhf.data import (Batches, collate_pairs, is_listwise_file, listwise_to_pairs, load_records,
-                            tokenize_pairs, training_length)
+from nano_rlhf import dist, lora, parallel
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir
+from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions
+from nano_rlhf.data import (Batches, collate_pairs, default_data, is_listwise_file, listwise_to_pairs, load_records,
+                            split_off, tokenize_pairs, training_length)
 from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs, upcast
-from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
+from nano_rlhf.run import autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at, set_lr
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
 # β defaults: 0.1, except SimPO (its reward is a per-token mean, so it needs a larger scale, as in the paper)
@@ -399,7 +391,7 @@ def precompute_reference(opts, ref, examples, pad_id, device):
     """Reference log-probs stored in each example (keyed by the example, not by batch position, so
     shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares them."""
     values = torch.zeros(len(examples), 2, dtype=torch.float64)         # S_ref of each example's two rows
-    mine = dist.shard(list(range(len(examples))))
+    mine = dist.rank_share(list(range(len(examples))))
     for i in range(0, len(mine), opts.batch_size):
         idx = mine[i:i + opts.batch_size]
         batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
@@ -416,7 +408,7 @@ def evaluate(opts, policy, ref, examples, pad_id, device):
     """Means over the whole eval set, on all ranks (ranks may hold different numbers of batches, so no
     collective inside the loop)."""
     policy.eval()
-    mine = dist.shard(examples)
+    mine = dist.rank_share(examples)
     sums = zero_sums(opts)
     for i in range(0, len(mine), opts.batch_size):
         batch = make_batch(mine[i:i + opts.batch_size], opts, pad_id, device)
@@ -472,7 +464,7 @@ def check_options(opts):
         fail("--l1_coef with --fsdp is not supported yet (θ_init would have to be sharded like the policy)", 2)
     if opts.l1_coef and opts.lora_r:  # the penalty would fall on A and B, not on PAFT's merged delta B·A
         fail("--l1_coef with --lora_r is not supported: PAFT's L1 is on the full weights' delta", 2)
-    msg = lora.check_options(opts)
+    msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
     opts.beta = DEFAULT_BETA.get(loss, 0.1) if opts.beta is None else opts.beta
@@ -550,47 +542,6 @@ def load_examples(opts, files, tok, max_length):
 
 # options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs;
 
-# ---- KTO's old command ----------------------------------------------------------------------------
-
-KTO_MOVED = "note: --loss kto moved to train_unpaired.py --method kto; running that"
-
-
-def kto_argv(argv):
-    """The flags for train_unpaired.py --method kto when argv asks for `--loss kto` (in any spelling this
-    script's parser takes: --loss=kto, an abbreviation no other option shares), else None. The other flags pass
-    unchanged, in order."""
-    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    pre.add_argument("--loss")
-    try:
-        known, rest = pre.parse_known_args(argv)
-    except argparse.ArgumentError:          # e.g. --loss without a value: parse_args says so
-        return None
-    names = [f"--{f.name}" for f in dataclasses.fields(Options)]
-    spelled = [a.split("=")[0] for a in argv if a.startswith("--") and "--loss".startswith(a.split("=")[0])]
-    if any(sum(n.startswith(s) for n in names) > 1 for s in spelled):   # ambiguous (--lo): parse_args says so
-        return None
-    return rest + ["--method", "kto"] if known.loss == "kto" else None
-
-
-def run_kto(argv):
-    """`train_dpo.py --loss kto ...`: one line of notice (rank 0), then train_unpaired.main on the same flags
-    (imported here, not at the top: train_unpaired.py imports sequence_logps from this file). A flag of this
-    script's pairwise losses that train_unpaired.py does not have is a one-line error, as before."""
-    if os.environ.get("RANK", "0") == "0":
-        print(KTO_MOVED, flush=True)
-    import train_unpaired
-    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
-    theirs = {f.name for f in dataclasses.fields(train_unpaired.Options)}
-    for f in dataclasses.fields(Options):
-        if f.name not in theirs:
-            pre.add_argument(f"--{f.name}", nargs="?", const=True)
-    given = pre.parse_known_args(argv)[0]
-    for name, value in vars(given).items():
-        if value is not None:
-            fail(f"--{name} is not an option of train_unpaired.py --method kto, where --loss kto moved")
-    return train_unpaired.main(argv)
-
-
 def run_record(opts, files):
     """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
     return dict(inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
@@ -599,12 +550,9 @@ def run_record(opts, files):
 # ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
-    moved = kto_argv(sys.argv[1:] if argv is None else argv)
-    if moved is not None:
-        return run_kto(moved)
-    opts, world, run, files = launch.start(Options, argv, __doc__, check_options, "dpo", run_record, load=data_files)
+    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "dpo", run_record, load=data_files)
     with input_errors():
-        tok = launch.tokenizer(opts, run)
+        tok = run_mod.tokenizer(opts, run)
         policy, ref, max_length = load_models(opts, tok)
         run.identity.update(max_length=max_length)      # --max_length resolved: what the data is cut to
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
@@ -612,7 +560,7 @@ def main(argv=None):
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = load_examples(opts, files, tok, max_length)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    launch.place(opts, world, {"policy": policy}, {"reference model": ref})
+    run_mod.place(opts, world, {"policy": policy}, {"reference model": ref})
     # PAFT: θ_init is the --init weights, held once (also on --resume, which restores θ but not θ_init)
     init_params = [p.detach().clone() for p in policy.parameters()] if opts.l1_coef else None
     reference = "none" if ref is None else "precomputed" if opts.precompute_ref else "live"
@@ -624,11 +572,11 @@ def main(argv=None):
         ref = None                                          # frees the reference model's memory
         dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in "
                     f"{time.time() - t0:.1f}s")
-    ref = launch.frozen(opts, ref)
-    ddp, optimizer = launch.wrap(opts, policy, opts.lr)
-    launch.plan(opts, {"policy": policy, "ref": ref})
+    ref = run_mod.frozen(opts, ref)
+    ddp, optimizer = run_mod.prepare(opts, policy, opts.lr)
+    run_mod.plan(opts, {"policy": policy, "ref": ref})
     max_steps = run.max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    launch.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches},
+    run_mod.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches},
                   global_batch=batches.global_batch, max_steps=max_steps)
     dist.print0(f"{opts.loss.upper()} | beta {opts.beta}{lora.describe(policy)} | {len(train):,} train examples "
                 f"({counts}) | {len(evals):,} eval | max length {max_length} | global batch {batches.global_batch} | "
@@ -639,7 +587,7 @@ def main(argv=None):
     run.loss_key = ("train/loss", "train/grad_norm")      # a NaN/inf in either stops the run (checkpoint intact)
 
     def save(step):
-        launch.save(opts, step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
+        run_mod.save(opts, step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
 
     nll_w = nll_weight(opts)
@@ -673,7 +621,7 @@ def main(argv=None):
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
                                                                              world.device), save=save):
             break
-    launch.finish(run, {"policy": policy}, {"reference": ref},
+    run_mod.finish(run, {"policy": policy}, {"reference": ref},
                   saved=f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)
 

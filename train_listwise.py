@@ -2,7 +2,7 @@
 Imports sequence_logps (the log-prob gather) from train_dpo.py.
 
 Data: JSONL rows {"prompt", "completions": [y_1 … y_K], "scores": [ψ_1 … ψ_K]}, higher ψ = better, ties allowed,
-K may differ per row (nano_rlhf/jsonl.py). Notation: S(y) = Σ_t log π(y_t | x, y_<t) over the response
+K may differ per row (nano_rlhf/data.py). Notation: S(y) = Σ_t log π(y_t | x, y_<t) over the response
 (end-of-text included), p(y) = S(y)/|y| its length-normalised form, u(y) = S_θ(y) − S_ref(y).
 
   --loss rrhf   Σ_{ψ_i < ψ_j} max(0, p_i − p_j)   + w·NLL(y_best)             Yuan et al. 2023, eqs. 1–4
@@ -46,15 +46,14 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, launch, lora, parallel
-from nano_rlhf.builtin import default_data
-from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at,
-                              set_lr, split_off)
-from nano_rlhf.data import Batches, collate_listwise, load_records, tokenize_listwise
-from nano_rlhf.model import GPT
-from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
-from train_dpo import sequence_logps
+from nano_rlhf import dist, lora, parallel
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir
+from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions
+from nano_rlhf.data import Batches, collate_listwise, default_data, load_records, split_off, tokenize_listwise
+from nano_rlhf.model import GPT, token_logprobs
+from nano_rlhf.run import autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at, set_lr
+
 
 MAX_LIPO_SCORE = 30.0     # gains 2^ψ above ~2^30 overflow float32 gradient norms (Δ is cast to float32)
 
@@ -161,6 +160,39 @@ def list_loss(opts, pi, length, ref_lp, group, scores, n_groups):
     return loss, p, score, mask
 
 
+# ---- the log-prob gather, as train_dpo.py has it (tests/test_layout.py keeps the copies identical) ----------
+
+def _scored_logps(model, input_ids, attention_mask, response_mask):
+    """log π(y_t | x, y_<t) of the scored tokens (N,), row by row in order, and where they are: the (B, T−1)
+    mask `scored`, column t for token t+1.
+
+    Shift: the hidden state at position t predicts token t+1, so token t+1 is scored iff response_mask[t+1] = 1;
+    the first response token is predicted from the last prompt position. Prompt and padding are never scored.
+    Only the needed positions' hidden states are kept (select=...), and token_logprobs makes their logits in
+    chunks (a real vocabulary's (N, V) logits would be the largest tensor of the step); log-softmax in float32.
+    The hidden states come through forward(return_hidden=True), not hidden_states(): under DDP only the
+    wrapped model's forward is hooked for the gradient all-reduce.
+    """
+    scored = response_mask[:, 1:].bool()                             # (B, T-1): is token t+1 scored?
+    hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)  # (N, C)
+    targets = input_ids[:, 1:][scored]                               # (N,), N = scored.sum()
+    return token_logprobs(hidden, dist.unwrap(model).output_weight(), targets), scored
+
+
+def row_sums(values, scored):
+    """(N,) values at the scored positions of a (B, T−1) mask -> (B,) per-row sums.
+    index_add, not a (B, T−1) .sum(1): it adds each row's tokens one by one, in order, as these scripts always
+    have, so results stay bit-identical to earlier runs (a pairwise sum differs in the last bits)."""
+    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
+    return torch.zeros(len(scored), device=values.device, dtype=values.dtype).index_add(0, rows, values)
+
+
+def sequence_logps(model, input_ids, attention_mask, response_mask):
+    """S = Σ_t log π(y_t | x, y_<t) per row (B,), and the response lengths |y| (B,)."""
+    logp, scored = _scored_logps(model, input_ids, attention_mask, response_mask)
+    return row_sums(logp, scored), scored.sum(1).float()
+
+
 # ---- batches ------------------------------------------------------------------------------------
 
 @dataclass
@@ -250,7 +282,7 @@ def means(totals):
 def evaluate(opts, policy, ref, examples, pad_id, device):
     """Means over the whole eval set, on all ranks (an empty shard adds zeros)."""
     policy.eval()
-    mine = dist.shard(examples)
+    mine = dist.rank_share(examples)
     sums = zero_sums()
     for i in range(0, len(mine), opts.batch_size):
         batch = make_batch(mine[i:i + opts.batch_size], pad_id, device)
@@ -277,7 +309,7 @@ def check_options(opts):
         fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
     if opts.offload_frozen and opts.loss != "lipo":
         fail(f"--offload_frozen: this run holds no reference model (--loss {opts.loss} uses none)", 2)
-    msg = lora.check_options(opts)
+    msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
     if opts.loss != "lipo":
@@ -345,22 +377,22 @@ def run_record(opts, files):
 # ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
-    opts, world, run, files = launch.start(Options, argv, __doc__, check_options, "listwise", run_record,
+    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "listwise", run_record,
                                            load=data_files)
     with input_errors():
-        tok = launch.tokenizer(opts, run)
+        tok = run_mod.tokenizer(opts, run)
         policy, ref = load_models(opts, tok)
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
         if ref is None and opts.loss == "lipo":                         # LoRA, reference = --init: the policy
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    launch.place(opts, world, {"policy": policy}, {"reference model": ref})
-    ref = launch.frozen(opts, ref)
-    ddp, optimizer = launch.wrap(opts, policy, opts.lr)
-    launch.plan(opts, {"policy": policy, "ref": ref})
+    run_mod.place(opts, world, {"policy": policy}, {"reference model": ref})
+    ref = run_mod.frozen(opts, ref)
+    ddp, optimizer = run_mod.prepare(opts, policy, opts.lr)
+    run_mod.plan(opts, {"policy": policy, "ref": ref})
     max_steps = run.max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    launch.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches},
+    run_mod.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches},
                   global_batch=batches.global_batch, max_steps=max_steps)
     n_rows = sum(len(e["completions"]) for e in train)
     dist.print0(f"{opts.loss.upper()}{lora.describe(policy)} | "
@@ -373,7 +405,7 @@ def main(argv=None):
     run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        launch.save(opts, step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
+        run_mod.save(opts, step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
 
     for step in range(run.step + 1, max_steps + 1):
@@ -402,7 +434,7 @@ def main(argv=None):
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
                                                                              world.device), save=save):
             break
-    launch.finish(run, {"policy": policy}, {"reference": ref},
+    run_mod.finish(run, {"policy": policy}, {"reference": ref},
                   saved=f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)
 

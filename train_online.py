@@ -1,9 +1,9 @@
 """Online and self-play preference optimisation: sample from the current policy, let a judge compare the samples,
 learn from the comparison, repeat. One loop, five methods, one flag apart.
 
-Borrowed from the other scripts, not re-written: train_dpo.py's pairwise losses (pair_loss, nll_weight and its
-DEFAULT_BETA / REFERENCE_FREE tables) and train_ppo.py's log-prob gather and prompt loading (response_logprobs,
-load_prompts).
+Copied from the other scripts, so this file stands alone (tests/test_layout.py keeps each copy identical to its
+original): train_dpo.py's pairwise losses (pair_loss, nll_weight and its DEFAULT_BETA / REFERENCE_FREE tables) and
+train_ppo.py's log-prob gather (response_logprobs).
 
 One step (docs/algorithms.md, "Online and self-play methods"):
   1. sample   k responses per prompt from π_θ at temperature τ, cut after the first stop token (as train_ppo.py);
@@ -56,11 +56,12 @@ Choices: every log-prob (and CRINGE's logits) uses logits/τ, as train_ppo.py; o
 (on-policy); each rank samples and judges its own prompts' groups, so group statistics need no communication;
 sampling draws its uniform numbers from a generator per (step, prompt, sample), so the samples do not depend
 on how prompts are split across ranks (N ranks ≡ one process) and a resumed run samples what it would have.
-The judge and its preferences are nano_rlhf/judge.py's (load_judge, preference_matrix, symmetric_preference), the
+The judge and its preferences are nano_rlhf/reward.py's (load_judge, preference_matrix, symmetric_preference), the
 same code as train_ppo.py's SPO and the labelling tool: a pairwise judge is asked about every ordered pair i ≠ j of
 a group (Nash-MD: the sample and its opponent in both orders), in one call per step.
 """
 import copy
+import math
 import os
 import sys
 import time
@@ -72,26 +73,24 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-import train_dpo
-from nano_rlhf import dist, launch, lora, parallel
+from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
-from nano_rlhf.builtin import default_path
-from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
-from nano_rlhf.data import Batches, collate_prompts, pad_right, tokenize_prompts
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir
+from nano_rlhf.cli import FrozenModelOptions, RunOptions
+from nano_rlhf.data import Batches, collate_prompts, default_path, load_prompts, pad_right, tokenize_prompts
 from nano_rlhf.evaluate import sample_and_score
-from nano_rlhf.summary import summarize
-from nano_rlhf.judge import LLM, bradley_terry, check_specs, load_judge, preference_matrix, symmetric_preference
-from nano_rlhf.judge import model_dir as judge_dir
-from nano_rlhf.model import GPT
-from nano_rlhf.options import FrozenModelOptions, RunOptions
+from nano_rlhf.model import GPT, token_logprobs
+from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model_dir as judge_dir, preference_matrix,
+                              symmetric_preference)
+from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import SamplingOptions, cut_at_stop
-from nano_rlhf.watch import Watch, flat_groups, response_counts, score_moments
-from train_ppo import load_prompts, response_logprobs
+from nano_rlhf.summary import summarize
+from nano_rlhf.watch import Watch, check_step
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
 # the pairwise losses of train_dpo.py (its --loss table minus tdpo, whose token KL needs the reference's hidden
-# states at every position): the loss is train_dpo.pair_loss, imported, never re-implemented here
+# states at every position): pair_loss below, train_dpo.py's to the character
 PAIR_LOSSES = ("dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo")
 SOFT_LOSSES = ("dpo", "ipo")      # the pair losses with a soft-label form (--labels soft)
 
@@ -157,6 +156,112 @@ class Options(FrozenModelOptions, RunOptions):
     eval_interval: int = 20       # evaluate on held-out prompts every N steps (and at the end); 0 = end only {>= 0}
     eval_samples: int = 128       # held-out prompts sampled per evaluation {>= 1}
     save_interval: int = 50       # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
+
+
+# ---- the pairwise losses and the log-prob gather, as train_dpo.py and train_ppo.py have them (tests/test_layout.py
+# keeps the copies identical) -----------------------------------------------------------------------------------
+
+REFERENCE_FREE = ("simpo", "cpo", "orpo")
+# β defaults: 0.1, except SimPO (its reward is a per-token mean, so it needs a larger scale, as in the paper)
+# and IPO (τ sets the target margin 1/(2τ) of the per-token log-ratio: 0.1 would ask for 5 nats per token)
+DEFAULT_BETA = {"simpo": 2.0, "ipo": 0.5}
+
+
+def dpo_loss(h, beta, label_smoothing=0.0):
+    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+
+
+def robust_loss(h, beta, label_smoothing):
+    return (-(1 - label_smoothing) * F.logsigmoid(beta * h) + label_smoothing * F.logsigmoid(-beta * h)) \
+        / (1 - 2 * label_smoothing)
+
+
+def ipo_loss(u_w, u_l, len_w, len_l, beta, label_smoothing=0.0):
+    """Azar et al. 2023, eq. 17: (h̃ − τ⁻¹(I − ½))² with the label I = 1 − ε (ε = label_smoothing; 0 offline, so
+    the target is 1/(2τ); train_online.py's soft labels pass ε = 1 − P(y_w ≻ y_l), the paper's population
+    loss with the preference P in place of a sampled label)."""
+    h = u_w / len_w.clamp(min=1) - u_l / len_l.clamp(min=1)          # length-averaged (TRL PR #1265)
+    return (h - (1 - 2 * label_smoothing) / (2 * beta)) ** 2
+
+
+def hinge_loss(h, beta):
+    return F.relu(1 - beta * h)
+
+
+def rdpo_loss(h, len_w, len_l, beta, alpha):
+    return -F.logsigmoid(beta * h + alpha * (len_w - len_l))
+
+
+def simpo_loss(s_w, s_l, len_w, len_l, beta, gamma):
+    return -F.logsigmoid(beta * (s_w / len_w.clamp(min=1) - s_l / len_l.clamp(min=1)) - gamma)
+
+
+def cpo_loss(s_w, s_l, beta):
+    return -F.logsigmoid(beta * (s_w - s_l))
+
+
+def log_odds(s, length):
+    """log(p / (1 − p)) with log p = Ā = S/|y| ≤ 0, computed stably: log(1 − e^a) is log(−expm1(a)) near
+    0 and log1p(−e^a) far below it (Mächler 2012); a is kept just below 0 so p = 1 cannot give inf.
+    Each branch gets an input clamped to its own safe domain ("double where"): torch.where's backward
+    multiplies the unselected branch's gradient by 0, and 0·inf = NaN — e.g. log1p(−e^a) at a = −1e-10,
+    where e^a rounds to 1 in float32. The selected branch sees a unchanged, so the value is exact."""
+    a = (s / length.clamp(min=1)).clamp(max=-1e-12)
+    near = a > -math.log(2)
+    log1mexp = torch.where(near, torch.log(-torch.expm1(a.clamp(min=-math.log(2)))),
+                           torch.log1p(-torch.exp(a.clamp(max=-math.log(2)))))
+    return a - log1mexp
+
+
+def orpo_loss(s_w, s_l, len_w, len_l, lam):
+    """The odds-ratio term only; ORPO's NLL(y_w) is added at the batch level like every NLL term."""
+    return -lam * F.logsigmoid(log_odds(s_w, len_w) - log_odds(s_l, len_l))
+
+
+def pair_loss(opts, pi_w, pi_l, ref_w, ref_l, len_w, len_l):
+    """The --loss table: per-pair loss and the 'rewards' logged for chosen and rejected (module docstring)."""
+    beta = opts.beta
+    if opts.loss in REFERENCE_FREE:
+        if opts.loss == "simpo":
+            return simpo_loss(pi_w, pi_l, len_w, len_l, beta, opts.gamma), beta * pi_w / len_w, beta * pi_l / len_l
+        if opts.loss == "cpo":
+            return cpo_loss(pi_w, pi_l, beta), beta * pi_w, beta * pi_l
+        return orpo_loss(pi_w, pi_l, len_w, len_l, opts.lam), log_odds(pi_w, len_w), log_odds(pi_l, len_l)
+    u_w, u_l = pi_w - ref_w, pi_l - ref_l
+    h = u_w - u_l
+    loss = {"dpo": lambda: dpo_loss(h, beta, opts.label_smoothing),
+            "robust": lambda: robust_loss(h, beta, opts.label_smoothing),
+            "ipo": lambda: ipo_loss(u_w, u_l, len_w, len_l, beta, opts.label_smoothing),
+            "hinge": lambda: hinge_loss(h, beta),
+            "rdpo": lambda: rdpo_loss(h, len_w, len_l, beta, opts.alpha)}[opts.loss]()
+    return loss, beta * u_w, beta * u_l
+
+
+def nll_weight(opts):
+    """Total weight w of NLL(y_w) in the loss: RPO's --nll_coef, plus CPO's α or ORPO's 1."""
+    return opts.nll_coef + (opts.alpha if opts.loss == "cpo" else 0.0) + (1.0 if opts.loss == "orpo" else 0.0)
+
+
+def response_logprobs(model, ids, attn, response_mask, temperature, with_entropy=False):
+    """log π(y_t | ...) at temperature τ for each response token, (B, R), 0 on padding; optionally the
+    entropy of π(· | ...) at those positions too.
+
+    ids = [left-padded prompt (P) | response (R)]; the hidden state at position P−1+t predicts response token t.
+    Only those positions go through the output layer, in chunks (token_logprobs: a real vocabulary's logits
+    are the largest tensors of a step), in float32 for the log-softmax. model may be DDP-wrapped: its forward
+    (return_hidden=True) is what DDP hooks, the output weight is read from the bare module.
+    """
+    B, T = ids.shape
+    P = T - response_mask.shape[1]
+    valid = response_mask.bool()
+    sel = torch.zeros_like(ids, dtype=torch.bool)
+    sel[:, P - 1:T - 1] = valid                                  # the predicting positions
+    hidden = model(ids, attn, select=sel, return_hidden=True)    # (N, C)
+    res = token_logprobs(hidden, dist.unwrap(model).output_weight(), ids[:, P:][valid], temperature,
+                         with_entropy=with_entropy)               # log π(y_t) [, H = −Σ p log p]
+    parts = res if with_entropy else (res,)
+    out = [torch.zeros(response_mask.shape, device=ids.device, dtype=x.dtype).masked_scatter(valid, x) for x in parts]
+    return tuple(out) if with_entropy else out[0]
 
 
 # ---- the losses: pure functions, float64-testable ----------------------------------------------
@@ -376,7 +481,7 @@ def _raw_scores(judge, samples: Samples, tok):
 
 def group_preferences(judge, samples: Samples, k, tok, penalty=None):
     """Per group of k: (pref, pref_logits), and the judge's pointwise scores (G, k) (None for a pairwise-only
-    judge). pref (k, k), P_ij = P(y_i ≻ y_j), is nano_rlhf.judge.preference_matrix: Bradley–Terry on the scores
+    judge). pref (k, k), P_ij = P(y_i ≻ y_j), is nano_rlhf.reward.preference_matrix: Bradley–Terry on the scores
     (those of judge_scores: the sampled ids, the missing-end-of-text penalty), or, when given, the pairwise judge
     asked about every ordered pair and made antisymmetric (the rule SPO and the labelling tool use);
     pref_logits = preference_logits (D)."""
@@ -420,7 +525,7 @@ def pairwise_terms(opts, policy, ref, samples, pairs, init_ref=None, probs=None)
     if probs is not None:          # --labels soft: each pair's own label smoothing, 1 − P(y_w ≻ y_l)
         loss_opts = copy.copy(opts)
         loss_opts.label_smoothing = 1 - torch.tensor(probs, dtype=S.dtype, device=S.device)
-    loss, reward_chosen, reward_rejected = train_dpo.pair_loss(loss_opts, S[chosen], S[rejected], ref_chosen,
+    loss, reward_chosen, reward_rejected = pair_loss(loss_opts, S[chosen], S[rejected], ref_chosen,
                                                                ref_rejected, lengths[chosen], lengths[rejected])
     sums = {"loss": loss.sum(), "rewards_chosen": reward_chosen.sum(), "rewards_rejected": reward_rejected.sum(),
             "reward_accuracy": (reward_chosen > reward_rejected).float().sum(),
@@ -462,7 +567,7 @@ def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_k
                                                  probs if opts.labels == "soft" else None)
         kl = {"kl": (sums.pop("kl"), n)} if "kl" in sums else {}
         objective = loss_sum / n_pairs                                  # mean over the step's pairs (all ranks) ...
-        nll_w = train_dpo.nll_weight(opts)
+        nll_w = nll_weight(opts)
         if nll_w:                                                       # ... + w · token-mean NLL(y_w), as train_dpo
             objective = objective + nll_w * nll_sum / max(n_chosen, 1)
         log = {name: (float(v.detach()), n_pairs) for name, v in sums.items()}
@@ -523,7 +628,7 @@ def check_options(opts):
     method = opts.method
     if opts.frozen != "shard" and not opts.fsdp:
         fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
-    msg = lora.check_options(opts)
+    msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
     if opts.fsdp and opts.ref_update_every:   # the reference would be a sharded copy rewritten every N steps
@@ -535,7 +640,7 @@ def check_options(opts):
              "use the policy with its adapters off as the reference", 2)
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
-    # the judge flags as train_ppo.py's SPO reads them (nano_rlhf/judge.py), refused before out_dir is touched
+    # the judge flags as train_ppo.py's SPO reads them (nano_rlhf/reward.py), refused before out_dir is touched
     check_specs(opts.judge or None, opts.pair_judge or None, opts.judge_template)
     llm = opts.judge.startswith(LLM)
     if opts.judge and not llm and opts.judge != reward_mod.GOLD and not reward_mod.is_function_spec(opts.judge) \
@@ -583,7 +688,7 @@ def check_options(opts):
                                       ("lam", 0.1, ("orpo",))):
             if getattr(opts, flag) != default and opts.loss not in losses:
                 fail(f"--{flag} applies only to --loss {' or '.join(losses)}, not {opts.loss}")
-        opts.beta = train_dpo.DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
+        opts.beta = DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
         opts.alpha = (1.0 if opts.loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
     elif method == "nash_md":
         opts.beta = 0.1 if opts.beta is None else opts.beta
@@ -592,7 +697,7 @@ def check_options(opts):
 
 def needs_reference(opts):
     """A training reference: every method but CRINGE and a reference-free pair loss (simpo, cpo, orpo)."""
-    return opts.method != "cringe" and not (opts.method in PAIRWISE and opts.loss in train_dpo.REFERENCE_FREE)
+    return opts.method != "cringe" and not (opts.method in PAIRWISE and opts.loss in REFERENCE_FREE)
 
 
 def run_record(opts, _):
@@ -652,10 +757,10 @@ def startup_line(opts, n_prompts, prompt_stats, step):
 
 
 def main(argv=None):
-    opts, world, run, _ = launch.start(Options, argv, __doc__, check_options, "online", run_record)
+    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "online", run_record)
     with input_errors():
-        prompt_records, eval_records = load_prompts(opts)
-        tok = launch.tokenizer(opts, run)
+        prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
+        tok = run_mod.tokenizer(opts, run)
         policy, init_ref, copy = load_models(opts, tok, run)
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
@@ -663,14 +768,14 @@ def main(argv=None):
         prompts, prompt_stats = tokenize_inputs(opts, tok, policy.cfg.block_size, prompt_records)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     gold = reward_mod.builtin_gold(texts)
-    launch.place(opts, world, {"policy": policy}, {"reference": init_ref, "reference copy": copy})
-    init_ref = launch.frozen(opts, init_ref)
+    run_mod.place(opts, world, {"policy": policy}, {"reference": init_ref, "reference copy": copy})
+    init_ref = run_mod.frozen(opts, init_ref)
     ref = copy if copy is not None else init_ref if needs_reference(opts) else None
-    ddp, optimizer = launch.wrap(opts, policy, opts.lr)
-    launch.plan(opts, {"policy": policy, "ref": init_ref})
+    ddp, optimizer = run_mod.prepare(opts, policy, opts.lr)
+    run_mod.plan(opts, {"policy": policy, "ref": init_ref})
     models = {"policy": policy, **({"ref": ref} if opts.ref_update_every and ref is not None else {})}
     watch = Watch(opts.score_warn)
-    launch.resume(opts, run, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})
+    run_mod.resume(opts, run, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})
     k = opts.samples_per_prompt
     dist.print0(startup_line(opts, len(prompts), prompt_stats, run.step))
     warn_short_warmup(opts.max_steps, opts.warmup_steps)
@@ -699,7 +804,7 @@ def main(argv=None):
         return metrics
 
     def save(step):
-        launch.save(opts, step, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})
+        run_mod.save(opts, step, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})
         save_model_dir(opts.out_dir, policy, tok)
 
     if run.step == 0 and opts.eval_interval:
@@ -747,13 +852,14 @@ def main(argv=None):
         metrics = step_metrics(batch_samples, scores, stats, gold)
         if "train/kl" in metrics and opts.kl_warn:      # the same value on every rank (all-reduced)
             watch_kl(kl_watch, metrics["train/kl"], opts.kl_warn, step)
-        watch_samples(watch, step, batch_samples, scores, k)
+        check_step(watch, step, (batch_samples.response_mask.sum(1) - batch_samples.has_eos).tolist(),
+                   batch_samples.completions, scores.flatten().tolist() if scores is not None else None, k)
         t_step = time.time() - t0
         metrics.update({"train/lr": lr, "train/grad_norm": grad_norm, "train/step_time": t_step,
                         "train/generate_time": t_gen, "time/rollout_frac": t_gen / max(t_step, 1e-9)})
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
-    launch.finish(run, {"policy": policy}, {"reference": init_ref},
+    run_mod.finish(run, {"policy": policy}, {"reference": init_ref},
                   saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, init_ref=init_ref, judge=judge, optimizer=optimizer, options=opts)
 
@@ -769,18 +875,6 @@ def watch_kl(watch, kl, floor, step):
               "quality, and see docs/algorithms.md, 'Online and self-play methods'",
               file=sys.stderr, flush=True)
     watch.history.append(kl)
-
-
-def watch_samples(watch, step, samples: Samples, scores, k):
-    """Collapse, no-signal and judge-score warnings (nano_rlhf/watch.py) from this step's samples on all ranks; rank 0
-    prints."""
-    lengths = samples.response_mask.sum(1) - samples.has_eos                 # the stop token not counted
-    counts = response_counts(lengths.tolist(), samples.completions, k)
-    flat = scores.flatten().tolist() if scores is not None else []
-    total = dist.all_reduce_sum(torch.tensor(counts + score_moments(flat) + flat_groups(flat, k),
-                                             dtype=torch.float64)).tolist()
-    for line in watch.check(step, total[:4], k, total[4:7] if scores is not None else None, total[7:]):
-        dist.print0(line, file=sys.stderr)
 
 
 def step_metrics(samples: Samples, scores, stats, gold):

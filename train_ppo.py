@@ -4,7 +4,7 @@ Models: policy π_θ (trained), critic V (trained; --advantage gae only), refere
 SFT policy) and a reward R(prompt, completion) (frozen): a reward-model directory, the built-in task's
 programmatic reward (--reward gold), your own Python function (--reward module:function), or self-play
 (--reward selfplay, SPO): each sample's win rate against the other k − 1 samples of its prompt under a
-judge's preference (--judge and/or --pair_judge, nano_rlhf/judge.py), with no reward model fitted to it.
+judge's preference (--judge and/or --pair_judge, nano_rlhf/reward.py), with no reward model fitted to it.
 
 One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
   1. rollout   k samples per prompt at temperature τ (pure sampling), cut after the first stop token
@@ -53,32 +53,31 @@ forward uses position ids from the attention mask (left-padded prompts); log-pro
 groups of k samples live on one rank, so group statistics need no communication.
 """
 import contextlib
-import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, launch, lora, parallel
-from nano_rlhf import judge as judge_mod
+from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
-from nano_rlhf.builtin import default_data, default_path
-from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, check_vocab, fail, input_errors,
-                              lr_at, set_lr, split_off, warn_short_warmup)
-from nano_rlhf.data import (Batches, collate_prompts, collate_sft, load_records, tokenize_prompts, tokenize_sft,
-                            training_length)
+from nano_rlhf import rollout as rollout_mod
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir
+from nano_rlhf.cli import FrozenModelOptions, RunOptions
+from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, tokenize_prompts,
+                            tokenize_sft, training_length)
 from nano_rlhf.evaluate import sample_and_score
-from nano_rlhf.summary import summarize
-from nano_rlhf.judge import Judge, load_judge, preference_matrix
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
-from nano_rlhf.options import FrozenModelOptions, RunOptions
-from nano_rlhf.sampling import SamplingOptions, cut_at_stop, generate, sampling_copy
-from nano_rlhf.watch import Watch, flat_groups, response_counts, score_moments
+from nano_rlhf.reward import Judge, load_judge
+from nano_rlhf.rollout import Rollout
+from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
+from nano_rlhf.sampling import SamplingOptions, sampling_copy
+from nano_rlhf.summary import summarize
+from nano_rlhf.watch import Watch, check_step
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
 WHITENED = ("gae", "reinforce_pp")           # token-level advantages whitened over the whole batch
@@ -186,32 +185,7 @@ class Options(FrozenModelOptions, RunOptions):
                                   # is then the policy with adapters off; 0 = off {>= 0}
 
 
-# ---- the rollout container and the models ---------------------------------------------------------
-# B = prompts × k sequences, P = longest prompt (left-padded), R = longest response (right-padded).
-
-@dataclass
-class Rollout:
-    """One step's samples and everything the update needs. Nothing here changes after the rollout."""
-    query_response: torch.Tensor          # (B, P+R) ids: left-padded prompt | response, padded after its stop token
-    attention_mask: torch.Tensor          # (B, P+R) 1 on real tokens
-    response_mask: torch.Tensor           # (B, R) float, 1 up to and including the first stop token
-    logprobs: Optional[torch.Tensor]      # (B, R) log π_old(y_t); None = the update's own first forward is π_old
-    ref_logprobs: Optional[torch.Tensor]  # (B, R) log π_ref(y_t); None when β = 0 (no reference, no KL)
-    values: Optional[torch.Tensor]        # (B, R) V_old(x, y_≤t); None without a critic
-    scores: torch.Tensor                  # (B,) the reward the policy is trained on (normalised, clipped, eos penalty)
-    raw_scores: torch.Tensor              # (B,) the reward as the reward function returned it
-    gold: Optional[torch.Tensor]          # (B,) a programmatic reward, logged only (built-in task prompts)
-    has_eos: torch.Tensor                 # (B,) float, 1 if the response ended with a stop token (tok.stop_ids)
-    completions: list                     # B decoded response texts
-    policy_mask: Optional[torch.Tensor] = None  # (B, R) the tokens the policy loss sees: response_mask without
-    #                                     truncated responses (--overlong mask) or mismatched tokens (mask correction)
-    is_weight: Optional[torch.Tensor] = None    # (B, R) --rollout_correction tis: min(π_old/π_sampler, C), detached
-    stats: dict = field(default_factory=dict)   # per-step figures of the sampling (dynamic sampling, mismatch)
-
-    @property
-    def query_len(self):
-        return self.query_response.shape[1] - self.response_mask.shape[1]
-
+# ---- the models ---------------------------------------------------------------------------------------
 
 @dataclass
 class Models:
@@ -234,7 +208,7 @@ class Learner:
 
     @classmethod
     def of(cls, model, lr, opts):
-        return cls(model, *launch.wrap(opts, model, lr))     # DDP / FSDP; AdamW with --adam_eps
+        return cls(model, *run_mod.prepare(opts, model, lr))     # DDP / FSDP; AdamW with --adam_eps
 
     def step(self, grad_clip):
         """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
@@ -575,118 +549,41 @@ def sampling_options(opts, tok):
 
 
 @torch.no_grad()
-def rollout(prompts, models: Models, tok, opts, gen, gen_stats=None):
-    """Sample k completions per prompt, score them, and record the log-probs and values the update needs."""
-    return with_logprobs(sample(prompts, models, tok, opts, gen, gen_stats), models, opts)
+def rollout(next_prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
+    """One step's Rollout, the one path: sample and score k completions of each prompt of next_prompts() (in rounds
+    until enough groups have a reward spread, with --dynamic_sampling), then what the update needs from the
+    models (with_logprobs). next_prompts() -> the next batch of tokenized prompt records."""
+    draw = lambda: sample(next_prompts(), models, tok, opts, gen, gen_stats)    # noqa: E731
+    r = draw() if not opts.dynamic_sampling else rollout_mod.sample_rounds(
+        draw, opts.samples_per_prompt, opts.batch_size, opts.max_sampling_rounds, tok.pad_id)
+    return with_logprobs(r, models, opts)
 
 
-@torch.no_grad()
-def sample(prompts, models: Models, tok, opts, gen, gen_stats=None):
-    """Sample k completions per prompt, cut them after the first stop token (end-of-text or the chat template's
-    end-of-turn: tok.stop_ids) and score them: a Rollout without log-probs or values yet. prompts: tokenized
-    prompt records ({"prompt": ids, "text": ...})."""
-    k, device = opts.samples_per_prompt, next(models.policy.parameters()).device
-    q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
-    q_ids, q_mask = q_ids.to(device), q_mask.to(device)
-    # the sampled tokens are all the update takes from generation: log-probs (π_old) are recomputed below or
-    # in the update by the float32 policy, so a bfloat16 sampling copy keeps the ratio exactly 1 at lr 0
-    with parallel.gathered(models.policy):      # FSDP: one all-gather for the whole decoding, not one per token
-        seq = generate(dist.unwrap(models.policy), q_ids, q_mask, sampling_options(opts, tok), gen, gen_stats)
-    # response = tokens up to and including the first stop token, pad after it; its last real token is where
-    # the reward model reads the score (the end-of-turn token of a conversation)
-    resp, response_mask, length, has_eos = cut_at_stop(seq[:, q_ids.shape[1]:], tok.stop_ids, tok.pad_id)
-    seq = torch.cat([q_ids, resp], 1)
-    response_mask = response_mask.float()
-    attn = torch.cat([q_mask, response_mask.long()], 1)
-    completions = [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
+def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
+    """k completions per prompt (nano_rlhf/rollout.py) with the score the policy is trained on: a win rate within
+    the prompt's group under a judge (SPO), else the reward as scores_from_reward makes it, plus DAPO's overlong
+    rule (--overlong penalty in the score, or mask: no policy gradient from a truncated response)."""
+    k = opts.samples_per_prompt
+    # the sampled tokens are all the update takes from generation: log-probs (π_old) are recomputed in
+    # with_logprobs or in the update by the float32 policy, so a bfloat16 sampling copy keeps the ratio 1 at lr 0
+    r = rollout_mod.sample_groups(prompts, models.policy, tok, sampling_options(opts, tok), k, gen, gen_stats)
     prompt_texts = [p["text"] for p in prompts for _ in range(k)]
-    if isinstance(models.reward, Judge):                    # SPO: win rates within each prompt's k samples
-        rm = models.reward.pointwise if models.reward.pairwise is None else None
-        ids_scores = rm.score_tokens(seq, attn) if isinstance(rm, reward_mod.RewardModel) else None
-        pref = preference_matrix(models.reward, prompt_texts, completions, k, scores=ids_scores)
-        raw, rm_stats = selfplay_rewards(pref).view(-1).float().to(device), None
-    elif isinstance(models.reward, reward_mod.RewardModel):   # the very ids sampled: no decode/re-encode round trip
-        raw, rm_stats = models.reward.score_tokens(seq, attn), (models.reward.mean, models.reward.std)
-    else:
-        raw, rm_stats = torch.tensor(models.reward(prompt_texts, completions), dtype=torch.float32, device=device), None
+    raw, rm_stats, pref = rollout_mod.read_reward(models.reward, r, prompt_texts, k)
+    device = r.response_mask.device
+    if pref is not None:                                     # SPO: win rates within each prompt's k samples
+        raw = selfplay_rewards(pref).view(-1).float().to(device)
     gold = None
     if models.gold is not None:
-        gold = raw if models.gold is models.reward else torch.tensor(models.gold(prompt_texts, completions),
+        gold = raw if models.gold is models.reward else torch.tensor(models.gold(prompt_texts, r.completions),
                                                                      dtype=torch.float32, device=device)
-    scores = scores_from_reward(raw, has_eos, opts, rm_stats)
-    policy_mask = response_mask
+    scores = scores_from_reward(raw, r.has_eos.bool(), opts, rm_stats)
+    policy_mask = r.response_mask
     if opts.overlong == "penalty":
         buffer = opts.overlong_buffer or opts.max_new_tokens // 4
-        scores = scores + overlong_penalty(length, opts.max_new_tokens, buffer)
+        scores = scores + overlong_penalty(r.response_mask.sum(1).long(), opts.max_new_tokens, buffer)
     elif opts.overlong == "mask":                            # DAPO's overlong filtering: no policy gradient from them
-        policy_mask = response_mask * has_eos[:, None]
-    return Rollout(query_response=seq, attention_mask=attn, response_mask=response_mask, logprobs=None,
-                   ref_logprobs=None, values=None, scores=scores, raw_scores=raw, gold=gold,
-                   has_eos=has_eos.float(), completions=completions, policy_mask=policy_mask)
-
-
-def group_spread(scores, k):
-    """(G,) True where the k scores of a prompt's group are not all equal: the only groups a group estimator
-    learns from (an all-equal group's advantages are 0)."""
-    by_group = scores.view(-1, k)
-    return by_group.max(1).values != by_group.min(1).values
-
-
-def join(parts, pad_id):
-    """One Rollout (before log-probs) from several, re-padded to the longest prompt (left) and response (right)."""
-    if len(parts) == 1:
-        return parts[0]
-    P, R = max(p.query_len for p in parts), max(p.response_mask.shape[1] for p in parts)
-
-    def fit(p):
-        dp, dr = P - p.query_len, R - p.response_mask.shape[1]
-        return dict(query_response=F.pad(p.query_response, (dp, dr), value=pad_id),
-                    attention_mask=F.pad(p.attention_mask, (dp, dr)), response_mask=F.pad(p.response_mask, (0, dr)),
-                    policy_mask=F.pad(p.policy_mask, (0, dr)))
-    fitted = [fit(p) for p in parts]
-    cat = {k: torch.cat([f[k] for f in fitted]) for k in fitted[0]}
-    gold = None if parts[0].gold is None else torch.cat([p.gold for p in parts])
-    return Rollout(logprobs=None, ref_logprobs=None, values=None, gold=gold,
-                   scores=torch.cat([p.scores for p in parts]), raw_scores=torch.cat([p.raw_scores for p in parts]),
-                   has_eos=torch.cat([p.has_eos for p in parts]),
-                   completions=[c for p in parts for c in p.completions], **cat)
-
-
-def take(r: Rollout, rows):
-    """The Rollout (before log-probs) of these rows, in this order."""
-    rows_t = torch.as_tensor(rows, dtype=torch.long, device=r.scores.device)
-    pick = {name: getattr(r, name)[rows_t] for name in ("query_response", "attention_mask", "response_mask",
-                                                        "policy_mask", "scores", "raw_scores", "has_eos")}
-    return Rollout(logprobs=None, ref_logprobs=None, values=None,
-                   gold=None if r.gold is None else r.gold[rows_t], completions=[r.completions[i] for i in rows],
-                   **pick)
-
-
-@torch.no_grad()
-def dynamic_sample(next_prompts, models: Models, tok, opts, gen, gen_stats=None):
-    """DAPO's dynamic sampling (Yu et al. 2025, eq. 11: keep groups with 0 < #correct < k): sample batches of
-    prompts until this rank holds --batch_size groups whose rewards differ, at most --max_sampling_rounds
-    rollouts; every rank runs the same number of rounds (a reward model may be sharded: its forwards are
-    collective), and a rank still short after the last round fills up with zero-spread groups (counted).
-    next_prompts() -> the next batch of prompt records."""
-    k, B = opts.samples_per_prompt, opts.batch_size
-    parts, spreads, first_zero = [], [], None
-    for _ in range(opts.max_sampling_rounds):
-        part = sample(next_prompts(), models, tok, opts, gen, gen_stats)
-        spread = group_spread(part.scores, k)
-        first_zero = (~spread).float().mean().item() if first_zero is None else first_zero
-        parts.append(part)
-        spreads.append(spread)
-        short = float(int(torch.cat(spreads).sum()) < B)
-        if dist.all_reduce_sum(short) == 0:                 # every rank is full
-            break
-    joined, spread = join(parts, tok.pad_id), torch.cat(spreads)
-    order = torch.cat([spread.nonzero().view(-1), (~spread).nonzero().view(-1)])[:B].tolist()
-    rows = [g * k + j for g in order for j in range(k)]
-    r = take(joined, rows)
-    r.stats.update(zero_spread_groups=first_zero, sampling_rounds=float(len(parts)),
-                   filled_groups=float(max(0, B - int(spread.sum()))))
-    return r
+        policy_mask = r.response_mask * r.has_eos[:, None]
+    return replace(r, scores=scores, raw_scores=raw, gold=gold, policy_mask=policy_mask)
 
 
 @torch.no_grad()
@@ -766,6 +663,21 @@ def ptx_backward(policy: Learner, ptx: Ptx, opts):
         (ptx.coef * nll * token_mean_scale(n_global)).backward()
 
 
+def policy_objective(opts):
+    """--policy_loss as one function, chosen once: (logp, old_logp, adv, policy_mask) -> per-token loss, ratio."""
+    lo, hi = opts.clip_eps, opts.clip_high if opts.clip_high is not None else opts.clip_eps
+    if opts.policy_loss == "gspo":
+        return lambda logp, old, adv, mask: gspo_loss(logp, old, adv, mask, lo, hi)
+    if opts.policy_loss == "cispo":
+        return lambda logp, old, adv, mask: cispo_loss(logp, old, adv, lo, hi)
+    if opts.policy_loss == "dual_clip":
+        def dual_clip(logp, old, adv, mask):
+            pg, ratio = policy_loss(logp, old, adv, lo, hi)
+            return dual_clip_loss(pg, adv, opts.dual_clip), ratio
+        return dual_clip
+    return lambda logp, old, adv, mask: policy_loss(logp, old, adv, lo, hi)
+
+
 def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: Optional[Learner], opts, beta, gen,
            ptx: Optional[Ptx] = None):
     """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critic only (warm-up).
@@ -774,7 +686,7 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
     B = r.query_response.shape[0]
     mb_size = B // opts.num_minibatches
     clip_high = opts.clip_high if opts.clip_high is not None else opts.clip_eps
-    agg = loss_aggregation(opts)
+    agg, objective = loss_aggregation(opts), policy_objective(opts)
     policy_mask = r.response_mask if r.policy_mask is None else r.policy_mask
     sums = defaultdict(float)
     for epoch in range(opts.ppo_epochs):
@@ -791,23 +703,17 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                 i = idx[ms:ms + opts.micro_batch_size]
                 seq, attn = r.query_response[i], r.attention_mask[i]
                 mb_mask, mb_policy_mask = r.response_mask[i], policy_mask[i]      # (b, R): critic's, policy's
-                sync = not world.enabled or j == len(micro) - 1          # DDP all-reduces on the last micro-batch
+                # DDP all-reduces the gradients on the last micro-batch of the minibatch only
+                last = not world.enabled or j == len(micro) - 1
+                sync = lambda m: contextlib.nullcontext() if last else m.ddp.no_sync()    # noqa: E731
                 sums["tokens"] += mb_mask.sum().item()
                 if policy is not None:
-                    with contextlib.nullcontext() if sync else policy.ddp.no_sync():
+                    with sync(policy):
                         with autocast(seq.device, opts.dtype):
                             logp, ent = response_logprobs(policy.ddp, seq, attn, mb_mask, opts.temperature,
                                                           with_entropy=True)
                         old = logp.detach() if r.logprobs is None else r.logprobs[i]
-                        adv = targets.adv[i]
-                        if opts.policy_loss == "gspo":
-                            pg, ratio = gspo_loss(logp, old, adv, mb_policy_mask, opts.clip_eps, clip_high)
-                        elif opts.policy_loss == "cispo":
-                            pg, ratio = cispo_loss(logp, old, adv, opts.clip_eps, clip_high)
-                        else:
-                            pg, ratio = policy_loss(logp, old, adv, opts.clip_eps, clip_high)
-                            if opts.policy_loss == "dual_clip":
-                                pg = dual_clip_loss(pg, adv, opts.dual_clip)
+                        pg, ratio = objective(logp, old, targets.adv[i], mb_policy_mask)
                         if r.is_weight is not None:              # --rollout_correction tis
                             pg = pg * r.is_weight[i]
                         per_token = pg - opts.entropy_coef * ent
@@ -828,7 +734,7 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                         sums["clipfrac"] += (outside.float() * mb_policy_mask).sum().item()
                         sums["ratio"] += (ratio * mb_policy_mask).sum().item()
                 if critic is not None:
-                    with contextlib.nullcontext() if sync else critic.ddp.no_sync():
+                    with sync(critic):
                         with autocast(seq.device, opts.dtype):
                             new_values = critic.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
                         v_loss, v_clipped = value_loss(new_values, r.values[i], targets.returns[i], opts.value_clip)
@@ -905,7 +811,7 @@ def check_options(opts):
     if mb_size % (opts.micro_batch_size or mb_size):
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
              f"{opts.micro_batch_size}")
-    msg = lora.check_options(opts)
+    msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
     opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
@@ -914,23 +820,8 @@ def check_options(opts):
     opts.micro_batch_size = opts.micro_batch_size or mb_size
 
 
-def load_prompts(opts):
-    """Training and evaluation prompt records. With --prompts and no --eval_prompts, --eval_fraction of the
-    prompts is held out: evaluating a user's task on the built-in task's prompts would measure nothing."""
-    if not opts.prompts:
-        return (load_records(default_data("prompts"), "prompts"),
-                load_records(opts.eval_prompts or default_data("prompts", "eval"), "prompts"))
-    records = load_records(opts.prompts, "prompts")
-    if opts.eval_prompts:
-        return records, load_records(opts.eval_prompts, "prompts")
-    if len(records) < 2:
-        raise ValueError(f"{opts.prompts}: {len(records)} prompt(s); need at least 2 to hold some out "
-                         "(or --eval_prompts)")
-    return split_off(records, opts.eval_fraction, opts.seed)
-
-
 def load_models(opts, tok, prompt_texts, device, identity):
-    """Policy, reference (only if β > 0), reward and critic (only for gae); the reward on the device (launch.place
+    """Policy, reference (only if β > 0), reward and critic (only for gae); the reward on the device (run_mod.place
     moves the others). With --lora_r the
     policy and critic get adapters (what that adds to the run's identity goes into `identity`) and a
     reference that is --init is the policy with its adapters off (lora.BaseView), not a second model."""
@@ -992,7 +883,7 @@ def step_metrics(r: Rollout, targets: Advantages, sums, beta, k=1):
     seq = {"score": r.scores, "rm_score_raw": r.raw_scores, "kl": sequence_kl(r),
            "non_score_reward": targets.kl_penalty, "response_length": r.response_mask.sum(1), "eos_rate": r.has_eos}
     if k > 1:
-        seq["zero_spread"] = (~group_spread(r.scores, k)).repeat_interleave(k).to(r.scores.dtype)
+        seq["zero_spread"] = (~rollout_mod.group_spread(r.scores, k)).repeat_interleave(k).to(r.scores.dtype)
     if r.gold is not None:
         seq["gold_reward"] = r.gold
     names = ["sequences", *seq, *sums]
@@ -1016,11 +907,11 @@ def step_metrics(r: Rollout, targets: Advantages, sums, beta, k=1):
 
 
 def main(argv=None):
-    opts, world, run, _ = launch.start(Options, argv, __doc__, check_options, "ppo", run_record)
+    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", run_record)
     with input_errors():
-        prompt_records, eval_records = load_prompts(opts)
+        prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
         ptx_records = load_records(opts.ptx_data, "sft") if opts.ptx_data else None
-        tok = launch.tokenizer(opts, run)
+        tok = run_mod.tokenizer(opts, run)
         torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
         models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device,
                              run.identity)
@@ -1028,22 +919,22 @@ def main(argv=None):
                                                      ptx_records)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     eval_prompts = eval_records[:opts.eval_samples]
-    launch.place(opts, world, {"policy": models.policy, "critic": models.critic}, {"ref": models.ref})
+    run_mod.place(opts, world, {"policy": models.policy, "critic": models.critic}, {"ref": models.ref})
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
-    models.ref = launch.frozen(opts, models.ref)
+    models.ref = run_mod.frozen(opts, models.ref)
     if isinstance(models.reward, reward_mod.RewardModel):
-        models.reward.model = launch.frozen(opts, models.reward.model)
+        models.reward.model = run_mod.frozen(opts, models.reward.model)
     policy = Learner.of(models.policy, opts.lr, opts)
     critic = Learner.of(models.critic, opts.critic_lr, opts) if models.critic is not None else None
     trained = {"policy": policy, **({"critic": critic} if critic else {})}
     state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
-    launch.plan(opts, {"policy": models.policy, "critic": models.critic, "ref": models.ref,
+    run_mod.plan(opts, {"policy": models.policy, "critic": models.critic, "ref": models.ref,
                        "reward": getattr(models.reward, "model", None)})
     watch = Watch(opts.score_warn)
-    meta = launch.resume(opts, run, **state, data={"data": prompt_batches, "watch": watch})
+    meta = run_mod.resume(opts, run, **state, data={"data": prompt_batches, "watch": watch})
     if meta:
         kl_ctl.beta = meta["kl_coef"]
         if ptx is not None and "ptx_data" in meta:
@@ -1072,7 +963,7 @@ def main(argv=None):
         return metrics
 
     def save(step):
-        launch.save(opts, step, **state, data={"data": prompt_batches, "watch": watch,
+        run_mod.save(opts, step, **state, data={"data": prompt_batches, "watch": watch,
                                                **({"ptx_data": ptx.batches} if ptx else {})},
                     kl_coef=kl_ctl.beta)
         save_model_dir(opts.out_dir, models.policy, tok)
@@ -1083,11 +974,7 @@ def main(argv=None):
         t0 = time.time()
         set_lr(policy.opt, lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant"))
         gen_stats = {}
-        if opts.dynamic_sampling:
-            batch = with_logprobs(dynamic_sample(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models,
-                                                 tok, opts, gen, gen_stats), models, opts)
-        else:
-            batch = rollout([prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats)
+        batch = rollout(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats)
         t_gen = time.time() - t0
         beta = kl_ctl.beta
         targets = advantages(batch, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,
@@ -1112,28 +999,17 @@ def main(argv=None):
                 masked_sq_dev(targets.returns, batch.response_mask, ev_sums[1] / n),
                 masked_sq_dev(residuals, batch.response_mask, ev_sums[3] / n)]))
             metrics["train/explained_variance"] = explained_variance(*sq_devs)
-        watch_samples(watch, step, batch, opts.samples_per_prompt)
+        check_step(watch, step, (batch.response_mask.sum(1) - batch.has_eos).tolist(), batch.completions,
+                   batch.raw_scores.tolist(), opts.samples_per_prompt)
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
         if opts.compile_rollout:               # compiling (first steps, each new batch bucket) timed apart
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
-    launch.finish(run, state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None)},
+    run_mod.finish(run, state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None)},
                   saved=f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
                            optimizers=state["optimizers"], options=opts)
-
-
-def watch_samples(watch, step, r: Rollout, k):
-    """Collapse, no-signal and score warnings (nano_rlhf/watch.py) from this step's rollout on all ranks, on the
-    reward as the reward function returned it (before normalising, clipping or the missing-eos penalty); rank 0
-    prints."""
-    counts = response_counts((r.response_mask.sum(1) - r.has_eos).tolist(), r.completions, k)
-    scores = r.raw_scores.tolist()
-    total = dist.all_reduce_sum(torch.tensor(counts + score_moments(scores) + flat_groups(scores, k),
-                                             dtype=torch.float64)).tolist()
-    for line in watch.check(step, total[:4], k, total[4:7], total[7:]):
-        dist.print0(line, file=sys.stderr)
 
 
 def reward_model_dir(opts):
@@ -1148,7 +1024,7 @@ def run_record(opts, _):
     data files; its options are its identity (nano_rlhf/run.py)."""
     return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": reward_model_dir(opts),
                         "reward": reward_mod.code_file(opts.reward),
-                        "judge": judge_mod.model_dir(opts.judge) or reward_mod.code_file(opts.judge),
+                        "judge": reward_mod.model_dir(opts.judge) or reward_mod.code_file(opts.judge),
                         "pair_judge": reward_mod.code_file(opts.pair_judge)},
                 data_files={"prompts": opts.prompts or default_path("prompts"),
                             "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})

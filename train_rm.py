@@ -39,14 +39,15 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, launch, lora, parallel
+from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
-from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, check_device, check_finite, check_vocab,
-                              derive_max_steps, fail, input_errors, lr_at, set_lr)
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir
+from nano_rlhf.cli import CompileOption, RunOptions
 from nano_rlhf.data import Batches, collate_pairs, tokenize_pairs, training_length
 from nano_rlhf.model import GPTConfig, ScoreModel, upcast
-from nano_rlhf.options import CompileOption, RunOptions
+from nano_rlhf.run import (autocast, check_device, check_finite, check_vocab, derive_max_steps, fail, input_errors,
+                           lr_at, set_lr)
 
 
 @dataclass
@@ -187,7 +188,7 @@ def evaluate(model, pairs, *, pad_id, opts, reward=None):
     built-in task's gold reward) also how well the scores agree with it: see gold_agreement."""
     model.eval()
     device = next(model.parameters()).device
-    mine = dist.shard(pairs)
+    mine = dist.rank_share(pairs)
     sums = dict.fromkeys(PAIR_SUMS, torch.zeros((), dtype=torch.float64))
     chosen_scores, rejected_scores = [], []
     for i in range(0, len(mine), opts.batch_size):
@@ -285,18 +286,18 @@ def check_options(opts):
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
     if not opts.init and opts.max_length > opts.block_size:
         fail(f"--max_length {opts.max_length} is above --block_size {opts.block_size}", 2)
-    msg = lora.check_options(opts, needs_init="init")
+    msg = lora.check_lora_options(opts, needs_init="init")
     if msg:
         fail(msg, 2)
 
 
 def main(argv=None):
-    # data first (launch.train_eval_records): every line is validated before anything is written or built
-    opts, world, run, (records, eval_records, data_path, eval_path) = launch.start(
+    # data first (run_mod.train_eval_records): every line is validated before anything is written or built
+    opts, world, run, (records, eval_records, data_path, eval_path) = run_mod.start(
         Options, argv, __doc__, check_options, "rm", run_record,
-        load=lambda opts: launch.train_eval_records(opts, "preference"))
+        load=lambda opts: run_mod.train_eval_records(opts, "preference"))
     with input_errors():
-        tok = launch.tokenizer(opts, run, policy=False)
+        tok = run_mod.tokenizer(opts, run, policy=False)
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init, trainable=("score",)))   # --lora_r; head trains
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
@@ -305,11 +306,11 @@ def main(argv=None):
         evals, eval_stats = tokenize(eval_records, tok, max_length, eval_path)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     gold = gold_reference(evals)       # the gold-reward diagnostic only where the task defines one
-    launch.place(opts, world, {"reward model": model})
-    ddp, optimizer = launch.wrap(opts, model, opts.lr)
-    launch.plan(opts, {"rm": model})
+    run_mod.place(opts, world, {"reward model": model})
+    ddp, optimizer = run_mod.prepare(opts, model, opts.lr)
+    run_mod.plan(opts, {"rm": model})
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    launch.resume(opts, run, {"rm": model}, {"rm": optimizer}, data={"data": batches},
+    run_mod.resume(opts, run, {"rm": model}, {"rm": optimizer}, data={"data": batches},
                   global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"RM | {sum(p.numel() for p in model.parameters()):,} parameters{lora.describe(model)} | "
                 f"{len(train):,} train pairs "
@@ -326,7 +327,7 @@ def main(argv=None):
         return evaluated[step]
 
     def save(step):
-        launch.save(opts, step, {"rm": model}, {"rm": optimizer}, data={"data": batches})
+        run_mod.save(opts, step, {"rm": model}, {"rm": optimizer}, data={"data": batches})
         # the final model directory is written once, below, with its score statistics: a model saved
         # here at the last step without reward_mean/std would make PPO skip normalisation if the run
         # died before that save (a --resume at max_steps then only evaluates and saves)

@@ -36,14 +36,14 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, launch, lora, parallel
-from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, check_device, check_finite, check_vocab,
-                              derive_max_steps, fail, input_errors, load_tokenizer, lr_at, set_lr)
-from nano_rlhf.data import (Batches, collate_packed, collate_sft, pack_sft, tokenize_sft,
-                            training_length)
+from nano_rlhf import dist, lora, parallel
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import save_model_dir
+from nano_rlhf.cli import CompileOption, RunOptions
+from nano_rlhf.data import Batches, collate_packed, collate_sft, pack_sft, tokenize_sft, training_length
 from nano_rlhf.model import GPT, GPTConfig, token_logprobs
-from nano_rlhf.options import CompileOption, RunOptions
+from nano_rlhf.run import (autocast, check_device, check_finite, check_vocab, derive_max_steps, fail, input_errors,
+                           load_tokenizer, lr_at, set_lr)
 from nano_rlhf.tokenizer import Tokenizer
 
 
@@ -196,7 +196,7 @@ def evaluate_loss(model, examples, *, pad_id, batch_size, dtype):
     """{"eval/loss": global token-mean NLL over the eval set} (each rank takes a shard; sums all-reduced)."""
     model.eval()
     device = next(model.parameters()).device
-    mine = dist.shard(examples)
+    mine = dist.rank_share(examples)
     nll_sum, count = 0.0, 0
     for i in range(0, len(mine), batch_size):
         ids, attn, lm = (t.to(device) for t in collate_sft(mine[i:i + batch_size], pad_id))
@@ -218,18 +218,18 @@ def check_options(opts):
         fail(f"--n_embd {opts.n_embd} must be a multiple of --n_head {opts.n_head}", 2)
     if not opts.init and opts.max_length > opts.block_size:
         fail(f"--max_length {opts.max_length} is above --block_size {opts.block_size}", 2)
-    msg = lora.check_options(opts, needs_init="init")
+    msg = lora.check_lora_options(opts, needs_init="init")
     if msg:
         fail(msg, 2)
 
 
 def main(argv=None):
-    # data first (launch.train_eval_records): every line is validated before anything is written or built
-    opts, world, run, (records, eval_records, data_path, eval_path) = launch.start(
+    # data first (run_mod.train_eval_records): every line is validated before anything is written or built
+    opts, world, run, (records, eval_records, data_path, eval_path) = run_mod.start(
         Options, argv, __doc__, check_options, "sft", run_record,
-        load=lambda opts: launch.train_eval_records(opts, "sft"))
+        load=lambda opts: run_mod.train_eval_records(opts, "sft"))
     with input_errors():
-        tok = launch.tokenizer(opts, run, train=lambda: train_tokenizer(records, opts))
+        tok = run_mod.tokenizer(opts, run, train=lambda: train_tokenizer(records, opts))
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init))   # --lora_r: adapters, the base frozen
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
@@ -241,11 +241,11 @@ def main(argv=None):
             train = pack_sft(train, max_length)
             train_stats = f"{train_stats}; packed {n_examples} into {len(train)} rows"
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    launch.place(opts, world, {"policy": model})            # from here on ranks differ (dropout)
-    ddp, optimizer = launch.wrap(opts, model, opts.lr)
-    launch.plan(opts, {"policy": model})
+    run_mod.place(opts, world, {"policy": model})            # from here on ranks differ (dropout)
+    ddp, optimizer = run_mod.prepare(opts, model, opts.lr)
+    run_mod.plan(opts, {"policy": model})
     run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    launch.resume(opts, run, {"policy": model}, {"policy": optimizer}, data={"data": batches},
+    run_mod.resume(opts, run, {"policy": model}, {"policy": optimizer}, data={"data": batches},
                   global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"SFT | {model.num_params():,} parameters{lora.describe(model)} | {len(train):,} train examples "
                 f"({train_stats}) | {len(evals):,} eval ({eval_stats}) | max length {max_length} | global batch "
@@ -258,7 +258,7 @@ def main(argv=None):
             return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
 
     def save(step):
-        launch.save(opts, step, {"policy": model}, {"policy": optimizer}, data={"data": batches})
+        run_mod.save(opts, step, {"policy": model}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, model, tok)
 
     for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
@@ -270,7 +270,7 @@ def main(argv=None):
         metrics.update({"train/lr": lr, "train/epoch": batches.epoch + batches.pos / len(train)})
         if run.end_of_step(step, metrics, evaluate=evaluate, save=save):
             break
-    launch.finish(run, {"policy": model},
+    run_mod.finish(run, {"policy": model},
                   saved=f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
                   f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)

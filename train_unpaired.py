@@ -9,7 +9,7 @@ log-ratio to the frozen reference, σ the logistic, y⁻ an undesirable response
                  (λ_D, λ_U = --desirable_weight, --undesirable_weight). The mismatched completion y′ of example i
                  is that of a fixed other example (a seeded derangement), so its reference log-probs can be
                  precomputed like the others (--precompute_ref); z₀ is estimated per micro-batch (over every
-                 rank's share of it), not over the whole step. `python train_dpo.py --loss kto` runs this too.
+                 rank's share of it), not over the whole step.
   --method npo   −(2/β)·log σ(−β·u(y⁻))                                       Zhang et al. 2024, eq. 3
                  rows with "label": true are an error, unless --retain_coef c > 0 makes them retain data:
                  + c·NLL over their tokens (the paper's retain-loss variant, NPO+RT; a token mean, as its code)
@@ -73,18 +73,16 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, launch, lora, parallel
-from nano_rlhf.builtin import default_data
-from nano_rlhf.checkpoint import atomic_write_text
-from nano_rlhf.lora import save_model_dir     # checkpoint's; under --lora_r the merged model + out_dir/adapter
-from nano_rlhf.common import (autocast, check_vocab, derive_max_steps, fail, input_errors,
-                              load_reference, lr_at, set_lr, split_off)
-from nano_rlhf.data import (Batches, DataError, collate_prompts, fit_prompt, load_records, load_scored, pad_right,
-                            tokenize_scored, tokenize_unpaired, training_length)
-from nano_rlhf.model import GPT, ScoreModel, upcast
-from nano_rlhf.options import CompileOption, FrozenModelOptions, RunOptions
+from nano_rlhf import dist, lora, parallel
+from nano_rlhf import run as run_mod
+from nano_rlhf.checkpoint import atomic_write_text, save_model_dir
+from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions
+from nano_rlhf.data import (Batches, DataError, collate_prompts, default_data, fit_prompt, load_records, load_scored,
+                            pad_right, split_off, tokenize_scored, tokenize_unpaired, training_length)
+from nano_rlhf.model import GPT, ScoreModel, token_logprobs, upcast
+from nano_rlhf.run import autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at, set_lr
 from nano_rlhf.sampling import cut_at_stop
-from train_dpo import sequence_logps
+
 
 SAMPLES_FILE = "d2o_samples.jsonl"
 
@@ -164,6 +162,39 @@ def d2o_loss(u_samples, u_negative, beta, alpha):
 def dro_loss(reward, value, u, tau):
     """DRO-V (Richemond et al. 2024): ½·(r − V(x) − τ·u)²; gradients flow to both π (through u) and V."""
     return 0.5 * (reward - value - tau * u) ** 2
+
+
+# ---- the log-prob gather, as train_dpo.py has it (tests/test_layout.py keeps the copies identical) ----------
+
+def _scored_logps(model, input_ids, attention_mask, response_mask):
+    """log π(y_t | x, y_<t) of the scored tokens (N,), row by row in order, and where they are: the (B, T−1)
+    mask `scored`, column t for token t+1.
+
+    Shift: the hidden state at position t predicts token t+1, so token t+1 is scored iff response_mask[t+1] = 1;
+    the first response token is predicted from the last prompt position. Prompt and padding are never scored.
+    Only the needed positions' hidden states are kept (select=...), and token_logprobs makes their logits in
+    chunks (a real vocabulary's (N, V) logits would be the largest tensor of the step); log-softmax in float32.
+    The hidden states come through forward(return_hidden=True), not hidden_states(): under DDP only the
+    wrapped model's forward is hooked for the gradient all-reduce.
+    """
+    scored = response_mask[:, 1:].bool()                             # (B, T-1): is token t+1 scored?
+    hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)  # (N, C)
+    targets = input_ids[:, 1:][scored]                               # (N,), N = scored.sum()
+    return token_logprobs(hidden, dist.unwrap(model).output_weight(), targets), scored
+
+
+def row_sums(values, scored):
+    """(N,) values at the scored positions of a (B, T−1) mask -> (B,) per-row sums.
+    index_add, not a (B, T−1) .sum(1): it adds each row's tokens one by one, in order, as these scripts always
+    have, so results stay bit-identical to earlier runs (a pairwise sum differs in the last bits)."""
+    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
+    return torch.zeros(len(scored), device=values.device, dtype=values.dtype).index_add(0, rows, values)
+
+
+def sequence_logps(model, input_ids, attention_mask, response_mask):
+    """S = Σ_t log π(y_t | x, y_<t) per row (B,), and the response lengths |y| (B,)."""
+    logp, scored = _scored_logps(model, input_ids, attention_mask, response_mask)
+    return row_sums(logp, scored), scored.sum(1).float()
 
 
 # ---- log-probs and values (sequence_logps: train_dpo.py's gather) ------------------------------
@@ -340,7 +371,7 @@ def evaluate(opts, policy, ref, value, examples, pad_id, device, samples):
     """Means over the whole eval set, on all ranks. KTO's z₀ is each eval batch's own (ranks may hold
     different numbers of batches, so no collective inside the loop)."""
     policy.eval()
-    mine = dist.shard(examples)
+    mine = dist.rank_share(examples)
     sums = zero_sums(opts)
     for i in range(0, len(mine), opts.batch_size):
         batch = make_batch(mine[i:i + opts.batch_size], opts, pad_id, device, samples)
@@ -368,7 +399,7 @@ def precompute_reference(opts, ref, example_sets, pad_id, device):
     t0 = time.time()
     for examples in example_sets:
         values = torch.zeros(len(examples), 2, dtype=torch.float64)
-        mine = dist.shard(list(range(len(examples))))
+        mine = dist.rank_share(list(range(len(examples))))
         for i in range(0, len(mine), opts.batch_size):
             idx = mine[i:i + opts.batch_size]
             batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
@@ -451,7 +482,7 @@ def check_options(opts):
         fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
     if opts.fsdp and opts.compile:
         fail("--compile with --fsdp is not supported; drop one of them", 2)
-    msg = lora.check_options(opts)
+    msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
     method = opts.method
@@ -589,11 +620,11 @@ def run_record(opts, files):
 # ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
-    opts, world, run, files = launch.start(Options, argv, __doc__, check_options, "unpaired", run_record,
+    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "unpaired", run_record,
                                            load=data_files)
     with input_errors():
         records = read_train_eval(opts, files)
-        tok = launch.tokenizer(opts, run)
+        tok = run_mod.tokenizer(opts, run)
         policy, ref, value, length = load_models(opts, tok)
         run.identity.update(max_length=length)          # --max_length resolved (kto): what the data is cut to
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
@@ -605,19 +636,19 @@ def main(argv=None):
         train, evals, counts = tokenize_examples(opts, files, *records, tok, length)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     models = {"policy": policy} if value is None else {"policy": policy, "value": value}
-    launch.place(opts, world, models, {"reference": ref})
+    run_mod.place(opts, world, models, {"reference": ref})
     if opts.precompute_ref:             # kto: S_ref stored in the examples, then the reference model freed
         precompute_reference(opts, ref, (train, evals), tok.pad_id, world.device)
         ref = None
     samples = d2o_samples(opts, ref, train + evals, tok, policy.cfg.block_size) if opts.method == "d2o" else None
-    ref = launch.frozen(opts, ref)
+    ref = run_mod.frozen(opts, ref)
     peak = {"policy": opts.lr, "value": opts.value_lr}
     ddp, optimizers = {}, {}
     for name, m in models.items():
-        ddp[name], optimizers[name] = launch.wrap(opts, m, peak[name])
-    launch.plan(opts, {**models, "ref": ref})
+        ddp[name], optimizers[name] = run_mod.prepare(opts, m, peak[name])
+    run_mod.plan(opts, {**models, "ref": ref})
     max_steps = run.max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    launch.resume(opts, run, models, optimizers, data={"data": batches}, global_batch=batches.global_batch,
+    run_mod.resume(opts, run, models, optimizers, data={"data": batches}, global_batch=batches.global_batch,
                   max_steps=max_steps)
     dist.print0(f"{opts.method.upper()}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | "
                 f"{len(evals):,} eval | global batch {batches.global_batch} | {max_steps} steps"
@@ -631,7 +662,7 @@ def main(argv=None):
     run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        launch.save(opts, step, models, optimizers, data={"data": batches})
+        run_mod.save(opts, step, models, optimizers, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
         if value is not None:
             save_model_dir(os.path.join(opts.out_dir, "value"), value, tok)
@@ -680,7 +711,7 @@ def main(argv=None):
         if run.end_of_step(step, metrics, save=save, evaluate=lambda: evaluate_gathered(
                 opts, policy, ref, value, evals, tok.pad_id, world.device, samples)):
             break
-    launch.finish(run, models, {"reference": ref}, saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
+    run_mod.finish(run, models, {"reference": ref}, saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, value=value, optimizers=optimizers, options=opts, samples=samples,
                            train=train)
 

@@ -18,7 +18,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nano_rlhf.ifeval import HELD_OUT  # noqa: E402
+from nano_rlhf.ifeval import HELD_OUT
 
 NAMES = ("start", "dpo", "grpo")
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nano_rlhf import model as M  # noqa: E402
-from nano_rlhf import sampling  # noqa: E402
+from nano_rlhf import sampling
+from nano_rlhf import model as M
 
 
 def alternate(variants, reps):

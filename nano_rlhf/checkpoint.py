@@ -9,7 +9,7 @@ out_dir/
     model_<name>.safetensors                        weights of each trained model (our key names)
     optim_<name>.safetensors + optim_<name>.json    optimizer tensors + param groups / scalars
       (under --fsdp: model_<name>.rank<r>.safetensors + model_<name>.json, optim_<name>.rank<r>.safetensors +
-       optim_<name>.json: each rank's shards and an index of global shapes; nano_rlhf.parallel reads either
+       optim_<name>.json: each rank's shards and an index of global shapes; load_state reads either
        layout on any number of ranks)
     rng_rank<r>.safetensors + rng_rank<r>.json      RNG states of every rank (torch, cuda, python, numpy)
     meta.json                                       step, data position, KL controller, ... (script-defined)
@@ -25,6 +25,7 @@ and `load_state` takes whichever is complete.
 """
 import fcntl
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -32,11 +33,40 @@ import socket
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from . import dist, parallel, sharded
-from .files import StateError, _read_json, atomic_write_text, write_json  # noqa: F401  (re-exported: they lived here)
-from .sharded import _optim_from_flat
+from . import dist, lora, parallel
+
+
+# ---- Small file helpers: the state directory's error, its JSON reader, and atomic writes (a temporary file, fsync,
+# rename) -------------------------------------------------------------------------------------------------------
+class StateError(ValueError):
+    """A missing, truncated or corrupt file in a state directory (a ValueError, so run.input_errors
+    turns it into one line)."""
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise StateError(f"{path}: missing; the saved state is incomplete") from None
+    except (OSError, ValueError) as e:
+        raise StateError(f"{path}: unreadable or corrupt ({e}); the saved state is damaged") from None
+
+
+def atomic_write_text(path, text):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path, obj):
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 # A function returning the run's identity record, registered by nano_rlhf.run.start(); save_state writes it
 # into every state directory as run.json, inside the atomic swap, so a state never exists without it.
@@ -66,11 +96,17 @@ def export_pad_id(cfg, tokenizer=None):
 
 def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     """The model as a HF directory (config.json, model.safetensors) plus tokenizer.json; rank 0 writes it.
-    A FSDP-sharded model is gathered first (collective: then every rank must call this)."""
+    A FSDP-sharded model is gathered first (collective: then every rank must call this). A model with LoRA
+    adapters is written merged (W + (alpha / r) B A: an ordinary checkpoint for transformers), plus the adapters
+    alone in PEFT's layout in out_dir/adapter (base_model_name_or_path: the base directory lora.attach was given;
+    a score model's adapter is SEQ_CLS)."""
     if parallel.is_sharded(model):
         model = parallel.plain_copy(model)
     if not dist.world().is_main:
         return
+    adapted = dist.unwrap(model) if lora.lora_modules(model) else None
+    if adapted is not None:
+        model = lora.merged_copy(adapted)
     os.makedirs(out_dir, exist_ok=True)
     cfg = dist.unwrap(model).cfg
     stop_ids = set(getattr(tokenizer, "stop_ids", None) or [])
@@ -84,6 +120,9 @@ def save_model_dir(out_dir, model, tokenizer=None, **extra_config):
     dist.unwrap(model).save_pretrained(out_dir, **extra_config)
     if tokenizer is not None:
         tokenizer.save(os.path.join(out_dir, "tokenizer.json"))     # + tokenizer_config.json, each atomic
+    if adapted is not None:
+        lora.save_peft_adapter(adapted, os.path.join(out_dir, lora.ADAPTER_DIR), getattr(adapted, "lora_base", ""),
+                               task_type="SEQ_CLS" if getattr(adapted, "head", "lm") == "score" else "CAUSAL_LM")
 
 
 # ---- optimizer and RNG state <-> (tensors, json) ------------------------------------------------
@@ -141,15 +180,15 @@ def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: 
         os.makedirs(tmp)
     dist.barrier()
     for name, m in models.items():
-        if parallel.is_sharded(m):      # FSDP: every rank writes its shards (sharded.save_sharded)
-            sharded.save_sharded(tmp, f"model_{name}", dist.unwrap(m).state_dict())
+        if parallel.is_sharded(m):      # FSDP: every rank writes its shards (save_sharded)
+            save_sharded(tmp, f"model_{name}", dist.unwrap(m).state_dict())
         elif ctx.is_main:
             sd = {k: v.detach().to("cpu").contiguous() for k, v in dist.unwrap(m).state_dict().items()}
             save_file(sd, os.path.join(tmp, f"model_{name}.safetensors"))
     for name, opt in optimizers.items():
         if any(parallel.is_sharded(p) for g in opt.param_groups for p in g["params"]):
-            tensors, ometa = sharded.optimizer_tensors(opt)
-            sharded.save_sharded(tmp, f"optim_{name}", tensors, ometa)
+            tensors, ometa = optimizer_tensors(opt)
+            save_sharded(tmp, f"optim_{name}", tensors, ometa)
         elif ctx.is_main:
             tensors, ometa = _optim_to_flat(opt)
             save_file(tensors, os.path.join(tmp, f"optim_{name}.safetensors"))
@@ -197,7 +236,7 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
         path = os.path.join(d, f"model_{name}.safetensors")
         if parallel.is_sharded(m) or not os.path.isfile(path):      # sharded now, or saved sharded
             try:
-                sharded.load_model(sharded.TensorSource(d, f"model_{name}"), m)
+                load_model(TensorSource(d, f"model_{name}"), m)
             except RuntimeError as e:
                 raise StateError(f"{d}/model_{name}: does not fit the model ({str(e).splitlines()[0]})") from None
             continue
@@ -210,7 +249,7 @@ def load_state(out_dir, models: dict, optimizers: dict, generators: dict = None)
         sharded_now = any(parallel.is_sharded(p) for g in opt.param_groups for p in g["params"])
         try:
             if sharded_now or not os.path.isfile(tpath):
-                sharded.load_optimizer(sharded.TensorSource(d, f"optim_{name}"), opt, _read_json(jpath))
+                load_optimizer(TensorSource(d, f"optim_{name}"), opt, _read_json(jpath))
             else:
                 _optim_from_flat(opt, _read_tensors(tpath), _read_json(jpath))
         except StateError:
@@ -250,7 +289,7 @@ def sha256_file(path):
     return h.hexdigest()
 
 
-# The files of a model directory that its loaders read (hf_io, tokenizer): what --resume checks of a frozen input.
+# The files of a model directory that its loaders read (model, tokenizer): what --resume checks of a frozen input.
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja")
 
@@ -319,3 +358,189 @@ class OutDirLock:
                 pass
             os.close(self.fd)       # closing drops the flock
             self.fd = None
+
+
+# ---- Sharded checkpoints without pickle: per-rank safetensors files and a JSON index (parallel.py shards the
+# models; the functions above decide what a run's state holds).
+#
+# Each rank writes its own shards (`<name>.rank<r>.safetensors`) and rank 0 a JSON index (global
+# shapes, how many ranks); nothing is pickled. A state saved by N ranks (or by one process, unsharded) loads on
+# M ranks: each rank reads, from whichever files hold them, only the rows of its own shard (FSDP2 shards dim 0
+# in torch.chunk's pieces: ceil(n / world) rows per rank, the last ranks fewer or none).
+try:        # absent on builds without torch.distributed
+    from torch.distributed.tensor import DTensor
+except ImportError:          # pragma: no cover
+    DTensor = None
+
+
+def shard_rows(n, world_size, rank):
+    """Rows [start, stop) of dim 0 that `rank` holds under FSDP2's torch.chunk sharding."""
+    c = -(-n // world_size) if n else 0
+    return min(n, rank * c), min(n, (rank + 1) * c)
+
+
+def _local(t):
+    """(local tensor, global shape) of a DTensor shard, checked against shard_rows."""
+    loc, shape = t.to_local(), tuple(t.shape)
+    w = dist.world()
+    a, b = shard_rows(shape[0], w.world_size, w.rank)
+    if tuple(loc.shape) != (b - a, *shape[1:]):
+        raise RuntimeError(f"unexpected FSDP shard {tuple(loc.shape)} of {shape} on rank {w.rank}")
+    return loc
+
+
+def save_sharded(directory, stem, tensors, extra=None):
+    """Write {key: tensor or DTensor}: each rank `stem.rank<r>.safetensors` with its rows of every sharded
+    tensor; rank 0 also the whole tensors that are not sharded, and `stem.json`: {"world_size", "tensors":
+    {key: {"shape", "sharded"}}, **extra}. Collective; no pickle."""
+    w = dist.world()
+    mine, index = {}, {}
+    for k, t in tensors.items():
+        sharded = DTensor is not None and isinstance(t, DTensor)
+        index[k] = {"shape": list(t.shape), "sharded": sharded}
+        if sharded:
+            mine[k] = _local(t).detach().to("cpu").contiguous()
+        elif w.is_main:
+            mine[k] = t.detach().to("cpu").contiguous()
+    save_file(mine, os.path.join(directory, f"{stem}.rank{w.rank}.safetensors"))
+    if w.is_main:
+        write_json(os.path.join(directory, f"{stem}.json"),
+                   {"world_size": w.world_size, "tensors": index, **(extra or {})})
+
+
+class TensorSource:
+    """Reads rows of saved tensors from either layout: `stem.safetensors` (whole tensors, one file) or the
+    sharded one (save_sharded). Only the requested rows are read from disk (safetensors slices)."""
+
+    def __init__(self, directory, stem):
+        self.dir, self.stem, self.files = directory, stem, {}
+        whole = os.path.join(directory, f"{stem}.safetensors")
+        index_path = os.path.join(directory, f"{stem}.json")
+        self.sharded = not os.path.isfile(whole) and os.path.isfile(index_path)
+        if self.sharded:
+            meta = _read_json(index_path)
+            try:
+                self.world = int(meta["world_size"])
+                self.index = {k: (tuple(v["shape"]), bool(v["sharded"])) for k, v in meta["tensors"].items()}
+            except (KeyError, TypeError, ValueError) as e:
+                raise StateError(f"{index_path}: malformed ({type(e).__name__}: {e}); the saved state is damaged") \
+                    from None
+            self.meta = meta
+        else:
+            self.index = {k: (tuple(s), False) for k, s in self._open(whole).items()}
+            self.meta = None
+
+    def _open(self, path):
+        """{key: shape} of a safetensors file, opened lazily (kept open)."""
+        if path not in self.files:
+            if not os.path.isfile(path):
+                raise StateError(f"{path}: missing; the saved state is incomplete")
+            try:
+                f = safe_open(path, framework="pt")
+                self.files[path] = (f, {k: f.get_slice(k).get_shape() for k in f.keys()})
+            except Exception as e:
+                raise StateError(f"{path}: unreadable or corrupt ({type(e).__name__}: {e}); the saved state is "
+                                 "damaged") from None
+        return self.files[path][1]
+
+    def _slice(self, path, key, a, b):
+        shapes = self._open(path)
+        if key not in shapes:
+            raise StateError(f"{path}: has no tensor {key!r}; the saved state is damaged")
+        f = self.files[path][0]
+        return f.get_tensor(key) if a is None else f.get_slice(key)[a:b]
+
+    def keys(self):
+        return list(self.index)
+
+    def shape(self, key):
+        return self.index[key][0]
+
+    def read(self, key, a=None, b=None):
+        """Rows [a, b) of dim 0 of the saved tensor `key` (all of it when a is None)."""
+        shape, sharded = self.index[key]
+        if not self.sharded:
+            return self._slice(os.path.join(self.dir, f"{self.stem}.safetensors"), key, a, b)
+        if not sharded:
+            return self._slice(os.path.join(self.dir, f"{self.stem}.rank0.safetensors"), key, a, b)
+        a, b = (0, shape[0]) if a is None else (a, b)
+        parts = []
+        for r in range(self.world):
+            ra, rb = shard_rows(shape[0], self.world, r)
+            lo, hi = max(a, ra), min(b, rb)
+            if lo < hi:
+                parts.append(self._slice(os.path.join(self.dir, f"{self.stem}.rank{r}.safetensors"), key,
+                                         lo - ra, hi - ra))
+        if not parts:
+            return torch.empty((0, *shape[1:]))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def read_like(source, key, target):
+    """The saved `key` laid out as `target`: this rank's rows when target is a shard, else all of it."""
+    if key not in source.index:
+        raise StateError(f"{source.dir}/{source.stem}: has no tensor {key!r}")
+    if tuple(source.shape(key)) != tuple(target.shape):
+        raise StateError(f"{source.dir}/{source.stem}: {key} has shape {list(source.shape(key))}, the model "
+                         f"{list(target.shape)}")
+    if DTensor is not None and isinstance(target, DTensor):
+        w = dist.world()
+        a, b = shard_rows(target.shape[0], w.world_size, w.rank)
+        return source.read(key, a, b)
+    return source.read(key)
+
+
+@torch.no_grad()
+def load_model(source, model):
+    """Copy the saved tensors into the model (its shards or whole parameters); every key must match."""
+    target = dist.unwrap(model).state_dict()
+    missing, unexpected = sorted(set(target) - set(source.index)), sorted(set(source.index) - set(target))
+    if missing or unexpected:
+        raise StateError(f"{source.dir}/{source.stem}: does not fit the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    for k, t in target.items():
+        value = read_like(source, k, t)
+        dest = t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+        dest.copy_(value.to(dest.dtype))
+
+
+def optimizer_tensors(opt):
+    """(tensors {pid.key: tensor or DTensor}, json meta) of an optimizer's state."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            (tensors if torch.is_tensor(v) else scalars)[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optim_from_flat(opt, tensors, meta):
+    """Restore an optimizer from its flat tensors ("<param index>.<name>") and JSON meta (scalars, groups):
+    checkpoint.load_state's unsharded path, and load_optimizer after reading a sharded state's tensors."""
+    state = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    groups = meta["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_optimizer(source, opt, meta):
+    """Restore an optimizer from a TensorSource of its tensors and its JSON meta, each state tensor laid out
+    as its parameter (this rank's shard under FSDP)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    tensors = {}
+    for key in source.keys():
+        p = params[int(key.split(".", 1)[0])]
+        if tuple(source.shape(key)) == tuple(p.shape) and len(p.shape):
+            value = read_like(source, key, p)
+            if DTensor is not None and isinstance(p, DTensor):
+                value = DTensor.from_local(value.to(p.to_local().device), p.device_mesh, p.placements,
+                                           shape=p.shape, stride=p.stride())
+        else:
+            value = source.read(key)
+        tensors[key] = value
+    _optim_from_flat(opt, tensors, meta)

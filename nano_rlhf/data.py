@@ -1,5 +1,6 @@
-"""Tokenize the data kinds, fit them to the training length, pack and pad them into batches. The JSONL rows
-come from jsonl.py (reading and validating; its names are re-exported here).
+"""Training data, from file to batch: read and validate the JSONL data kinds (every row checked before anything is
+built), tokenize them, fit them to the training length, pack and pad them into batches; and the built-in task's
+default files, written on first use. Knows nothing of models.
 
 Training length: SFT, reward and DPO examples are fitted to --max_length tokens (training_length: default
 min(block_size, 1024), never above block_size); SFT packing fills rows up to it.
@@ -18,14 +19,16 @@ block-diagonal causal attention mask).
 Padding: training batches are right-padded (real tokens first, so positions need no mask); prompts for
 generation are left-padded (so every row's next token is at the same index).
 """
-from typing import List, Sequence
+import json
+import math
+import os
+import sys
+from typing import Callable, List, Sequence
 
 import torch
 
-# the readers and validators live in jsonl.py; the names other files import from here stay importable from here
-from .jsonl import (KINDS, DataError, finite_number, is_listwise_file, listwise_to_pairs,  # noqa: F401
-                    load_records, load_scored, load_train_eval, read_jsonl, split_off, validate, validate_listwise,
-                    validate_scored)
+from . import dist, synthetic
+from .tokenizer import ROLES
 
 
 # ---- tokenization with the over-long rule ------------------------------------------------------
@@ -308,8 +311,432 @@ class Batches:
         self.epoch, self.pos, self._perm = d["epoch"], d["pos"], None
 
 
-# ---- scored single responses (DRO; NPO and D2O read the unpaired kind; the rows: jsonl.py) ----------
+# ---- scored single responses (DRO; NPO and D2O read the unpaired kind; the rows: below) ---------
 
 def tokenize_scored(records, tok, max_len):
     """Scored rows -> [dict(prompt, completion, score, where)] of id lists, Stats (the over-long rule of pairs)."""
     return _tokenize_single(records, tok, max_len, lambda r: {"score": r["score"], "where": r.get("_where", "")})
+
+
+# ---- Reading and validating the JSONL data kinds ------------------------------------------------------------
+#
+# | kind       | standard                                      | conversational (lists of {"role", "content"}) |
+# |------------|-----------------------------------------------|-----------------------------------------------|
+# | sft        | {"prompt", "completion"} or {"text"}          | {"messages"} or {"prompt", "completion"}      |
+# | preference | {"prompt", "chosen", "rejected"} [+ "margin"] | same keys, lists of messages                  |
+# | unpaired   | {"prompt", "completion", "label": bool}       | same, messages                                |
+# | prompts    | {"prompt": str}                               | {"prompt": [messages]}                        |
+# | listwise   | {"prompt", "completions": [..], "scores": [..]} | same keys, each completion a message list |
+#
+# Listwise rows rank K >= 2 completions of one prompt by score (higher = better; equal scores are ties; K may
+# differ between rows).
+#
+# Every line is validated before anything is built; the first bad line raises DataError with the message
+# `FILE:LINE: what is wrong` (scripts print it and exit with status 1): invalid UTF-8 or JSON, JSON nested
+# too deeply for the parser, a string holding a lone surrogate escape ("\ud800", which no tokenizer can
+# encode), a missing or mistyped field. Blank lines are skipped. Suspicious but usable rows are counted and
+# reported in ONE warning line per kind of problem (count + first FILE:LINE): a JSON object with a duplicate
+# key (JSON parsers silently keep the last value), a preference pair whose chosen equals its rejected
+# response (it carries no preference) and a listwise row that lists the same completion twice.
+class DataError(ValueError):
+    pass
+
+
+KINDS = ("sft", "preference", "unpaired", "prompts", "listwise")
+
+
+def _warn_rank0(msg: str):
+    """Print `warning: ...` to stderr on rank 0 only (every rank reads the same files)."""
+    from . import dist
+    if dist.world().is_main:
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+class _Duplicates:
+    """object_pairs_hook that builds the dict as json.loads would (the last value wins) and remembers
+    the first key seen twice on the current line, at any depth."""
+
+    def __init__(self):
+        self.key = None
+
+    def __call__(self, pairs):
+        obj = {}
+        for k, v in pairs:
+            if k in obj and self.key is None:
+                self.key = k
+            obj[k] = v
+        return obj
+
+
+def read_jsonl(path: str, warn: Callable[[str], None] = None) -> List[tuple]:
+    """[(line number, object)] of a JSONL file; DataError on invalid UTF-8, bad or too deeply nested JSON,
+    non-objects, no rows. Lines with a duplicate key are reported through `warn` (one line for the file)."""
+    rows, dup_count, dup_first = [], 0, None
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}:0: cannot open ({e.strerror})") from None
+    with f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: invalid UTF-8 at byte {e.start}") from None
+            if not line.strip():
+                continue
+            dup = _Duplicates()
+            try:
+                obj = json.loads(line, object_pairs_hook=dup)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{n}: JSON nested too deeply to parse") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            if dup.key is not None:
+                dup_count += 1
+                dup_first = dup_first or f"{path}:{n} (key {dup.key!r})"
+            rows.append((n, obj))
+    if not rows:
+        raise DataError(f"{path}:1: empty file (no JSON lines)")
+    if dup_count:
+        (warn or _warn_rank0)(f"{dup_count} line(s) of {path} repeat a JSON key (the last value is used), "
+                              f"first at {dup_first}")
+    return rows
+
+
+def finite_number(x) -> bool:
+    """A JSON number (not a bool) that is finite as a float: a 400-digit integer is not (float() overflows)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _text(obj, key, where):
+    if key not in obj:
+        raise DataError(f"{where}: missing field '{key}'")
+    v = obj[key]
+    if not isinstance(v, str):
+        raise DataError(f"{where}: field '{key}' must be a string, got {type(v).__name__}")
+    if not v.strip():
+        raise DataError(f"{where}: field '{key}' is empty")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:   # a lone surrogate escape such as "\ud800": valid JSON, not valid text
+        raise DataError(f"{where}: field '{key}' holds a lone surrogate escape ({v[e.start]!r} at character "
+                        f"{e.start}), which is not text") from None
+    return v
+
+
+def _messages(v, key, where, need_assistant=False, only_assistant=False):
+    if not isinstance(v, list) or not v:
+        raise DataError(f"{where}: field '{key}' must be a non-empty list of messages")
+    for i, m in enumerate(v):
+        at = f"{where}: {key}[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(f"{at} must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role not in ROLES:
+            raise DataError(f"{at}.role: {role!r} is not one of {', '.join(ROLES)}")
+        _text(m, "content", f"{at}")
+        if only_assistant and role != "assistant":
+            raise DataError(f"{at}.role: must be 'assistant' (a response), got {role!r}")
+    if need_assistant and not any(m["role"] == "assistant" for m in v):
+        raise DataError(f"{where}: field '{key}' has no assistant message (nothing to train on)")
+    return v
+
+
+def _prompt_and(obj, where, keys):
+    """Validate prompt + response fields: all strings, or prompt messages + assistant-message responses."""
+    if "prompt" not in obj:
+        raise DataError(f"{where}: missing field 'prompt'")
+    if isinstance(obj["prompt"], list):
+        out = {"prompt": _messages(obj["prompt"], "prompt", where)}
+        for k in keys:
+            if k not in obj:
+                raise DataError(f"{where}: missing field '{k}'")
+            out[k] = _messages(obj[k], k, where, only_assistant=True)
+        return out
+    out = {"prompt": _text(obj, "prompt", where)}
+    for k in keys:
+        if isinstance(obj.get(k), list):
+            raise DataError(f"{where}: field '{k}' is a message list but 'prompt' is a string; use one format")
+        out[k] = _text(obj, k, where)
+    return out
+
+
+def validate(obj: dict, kind: str, where: str) -> dict:
+    """Check one record of the given kind; returns the normalised record (only the known fields)."""
+    if kind == "sft":
+        forms = [k for k in ("text", "messages", "prompt") if k in obj]
+        if len(forms) != 1:
+            raise DataError(f"{where}: an SFT row needs exactly one of 'text', 'messages' or "
+                            f"'prompt'+'completion' (found {forms or 'none'})")
+        if forms[0] == "text":
+            return {"text": _text(obj, "text", where)}
+        if forms[0] == "messages":
+            return {"messages": _messages(obj["messages"], "messages", where, need_assistant=True)}
+        return _prompt_and(obj, where, ["completion"])
+    if kind == "preference":
+        out = _prompt_and(obj, where, ["chosen", "rejected"])
+        if "margin" in obj:
+            m = obj["margin"]
+            if not finite_number(m):
+                raise DataError(f"{where}: field 'margin' must be a finite number, got {m!r}")
+            out["margin"] = float(m)
+        return out
+    if kind == "listwise":
+        return validate_listwise(obj, where)
+    if kind == "unpaired":
+        out = _prompt_and(obj, where, ["completion"])
+        if not isinstance(obj.get("label"), bool):
+            raise DataError(f"{where}: field 'label' must be true or false, got {obj.get('label')!r}"
+                            if "label" in obj else f"{where}: missing field 'label'")
+        out["label"] = obj["label"]
+        return out
+    if kind == "prompts":
+        if "prompt" not in obj:
+            raise DataError(f"{where}: missing field 'prompt'")
+        if isinstance(obj["prompt"], list):
+            return {"prompt": _messages(obj["prompt"], "prompt", where)}
+        return {"prompt": _text(obj, "prompt", where)}
+    raise ValueError(f"unknown data kind {kind!r} (one of {KINDS})")
+
+
+def load_records(path: str, kind: str, warn: Callable[[str], None] = None) -> List[dict]:
+    """Read and validate a whole file; each record also carries its origin in '_where' (FILE:LINE).
+    Usable-but-suspicious rows go to `warn` (default: a `warning:` line on stderr, rank 0), one line each."""
+    out, ties = [], []
+    for n, obj in read_jsonl(path, warn):
+        rec = validate(obj, kind, f"{path}:{n}")
+        rec["_where"] = f"{path}:{n}"
+        if kind == "preference" and rec["chosen"] == rec["rejected"]:
+            ties.append(rec["_where"])
+        out.append(rec)
+        if kind == "listwise" and len({json.dumps(c) for c in rec["completions"]}) < len(rec["completions"]):
+            ties.append(rec["_where"])
+    if ties and kind == "listwise":
+        (warn or _warn_rank0)(f"{len(ties)} listwise row(s) in {path} list the same completion twice (kept), "
+                              f"first at {ties[0]}")
+    elif ties:
+        (warn or _warn_rank0)(f"{len(ties)} preference pair(s) in {path} have chosen == rejected (no preference "
+                              f"to learn; kept), first at {ties[0]}")
+    return out
+
+
+def split_off(records, fraction, seed):
+    """Deterministically split records into (train, held-out) with `fraction` held out (at least one)."""
+    import random
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n = max(1, int(len(records) * fraction))
+    return [records[i] for i in order[n:]], [records[i] for i in order[:n]]
+
+
+def load_train_eval(kind: str, *, data: str, eval_data: str, eval_fraction: float, seed: int):
+    """(train records, eval records): --data and --eval_data, or, without --eval_data, a deterministic
+    --eval_fraction of --data held out (at least one row). DataError when nothing is left to train on."""
+    records = load_records(data, kind)
+    if eval_data:
+        return records, load_records(eval_data, kind)
+    train, held_out = split_off(records, eval_fraction, seed)
+    if not train:
+        raise DataError(f"--eval_fraction {eval_fraction} holds out all {len(records)} row(s) of {data}, leaving "
+                        f"none to train on; pass --eval_data or more rows")
+    return train, held_out
+
+
+# ---- listwise rows: K scored completions per prompt ---------------------------------------------
+
+def validate_listwise(obj: dict, where: str) -> dict:
+    """One listwise row: a prompt, K >= 2 non-empty completions (strings, or assistant-message lists when the
+    prompt is a message list, as for pairs) and K finite scores (higher = better; equal scores are ties)."""
+    if "prompt" not in obj:
+        raise DataError(f"{where}: missing field 'prompt'")
+    chat = isinstance(obj["prompt"], list)
+    prompt = _messages(obj["prompt"], "prompt", where) if chat else _text(obj, "prompt", where)
+    for k in ("completions", "scores"):
+        if k not in obj:
+            raise DataError(f"{where}: missing field '{k}'")
+        if not isinstance(obj[k], list):
+            raise DataError(f"{where}: field '{k}' must be a list, got {type(obj[k]).__name__}")
+    comps, scores = obj["completions"], obj["scores"]
+    if len(comps) < 2:
+        raise DataError(f"{where}: field 'completions' needs at least two responses to rank, got {len(comps)}")
+    if len(scores) != len(comps):
+        raise DataError(f"{where}: field 'scores' has {len(scores)} value(s) but 'completions' has {len(comps)}")
+    out = []
+    for i, c in enumerate(comps):
+        key = f"completions[{i}]"
+        if chat:
+            out.append(_messages(c, key, where, only_assistant=True))
+        elif isinstance(c, list):
+            raise DataError(f"{where}: field '{key}' is a message list but 'prompt' is a string; use one format")
+        else:
+            out.append(_text({key: c}, key, where))
+    for i, s in enumerate(scores):
+        if not finite_number(s):
+            raise DataError(f"{where}: field 'scores[{i}]' must be a finite number, got {s!r}")
+    return {"prompt": prompt, "completions": out, "scores": [float(s) for s in scores]}
+
+
+def is_listwise_file(path: str) -> bool:
+    """Does the file's first row look listwise (has 'completions')? The whole file is then validated as
+    listwise, so a later row of another kind is a FILE:LINE error. False when unreadable: the loader reports it."""
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                if raw.strip():
+                    obj = json.loads(raw.decode("utf-8"))
+                    return isinstance(obj, dict) and "completions" in obj
+    except (OSError, ValueError, RecursionError):
+        pass
+    return False
+
+
+def listwise_to_pairs(records, mode: str):
+    """Listwise rows -> preference records, for the pairwise losses. mode "all": every ordered pair (i, j)
+    with s_i > s_j (ties carry no preference: skipped), K(K−1)/2 pairs for distinct scores; "best_worst":
+    the first best-scored completion against the first worst-scored one. A row whose scores all tie gives
+    no pair. Returns (records, number of rows that gave none)."""
+    if mode not in ("all", "best_worst"):
+        raise ValueError(f"unknown listwise pair mode {mode!r} (all or best_worst)")
+    out, empty = [], 0
+    for r in records:
+        c, s = r["completions"], r["scores"]
+        if mode == "all":
+            pairs = [(i, j) for i in range(len(c)) for j in range(len(c)) if s[i] > s[j]]
+        else:
+            best, worst = s.index(max(s)), s.index(min(s))
+            pairs = [(best, worst)] if s[best] > s[worst] else []
+        empty += not pairs
+        out += [{"prompt": r["prompt"], "chosen": c[i], "rejected": c[j], "_where": r.get("_where", "")}
+                for i, j in pairs]
+    return out, empty
+
+
+# ---- scored single responses (DRO; NPO and D2O read the unpaired kind) ---------------------------
+#
+# | scored | {"prompt", "completion", "score": number} or {"prompt", "completion", "label": bool} | same, messages |
+#
+# One response per row with a scalar reward: "score" (any finite number), or "label" read as +1 (true) / −1
+# (false), so a KTO file is a scored file too. A row with both is refused: which one is meant is not knowable.
+
+def validate_scored(obj: dict, where: str) -> dict:
+    """One scored row -> {"prompt", "completion", "score": float}; DataError `FILE:LINE: field ...` otherwise."""
+    out = _prompt_and(obj, where, ["completion"])
+    if "score" in obj and "label" in obj:
+        raise DataError(f"{where}: fields 'score' and 'label' are both given; a scored row has one of them")
+    if "score" in obj:
+        s = obj["score"]
+        if not finite_number(s):
+            raise DataError(f"{where}: field 'score' must be a finite number, got {s!r}")
+        out["score"] = float(s)
+    elif "label" in obj:
+        if not isinstance(obj["label"], bool):
+            raise DataError(f"{where}: field 'label' must be true or false, got {obj['label']!r}")
+        out["score"] = 1.0 if obj["label"] else -1.0
+    else:
+        raise DataError(f"{where}: missing field 'score' (a number) or 'label' (true/false)")
+    return out
+
+
+def load_scored(path: str, warn: Callable[[str], None] = None) -> List[dict]:
+    """Read and validate a whole scored file (each record with its '_where', FILE:LINE)."""
+    out = []
+    for n, obj in read_jsonl(path, warn):
+        rec = validate_scored(obj, f"{path}:{n}")
+        rec["_where"] = f"{path}:{n}"
+        out.append(rec)
+    return out
+
+
+def load_prompts(prompts, eval_prompts, eval_fraction, seed):
+    """Training and evaluation prompt records (--prompts, --eval_prompts; the built-in task's files for those
+    not given). With prompts and no eval_prompts, eval_fraction of the prompts is held out: evaluating a user's
+    task on the built-in task's prompts would measure nothing."""
+    if not prompts:
+        return (load_records(default_data("prompts"), "prompts"),
+                load_records(eval_prompts or default_data("prompts", "eval"), "prompts"))
+    records = load_records(prompts, "prompts")
+    if eval_prompts:
+        return records, load_records(eval_prompts, "prompts")
+    if len(records) < 2:
+        raise ValueError(f"{prompts}: {len(records)} prompt(s); need at least 2 to hold some out "
+                         "(or --eval_prompts)")
+    return split_off(records, eval_fraction, seed)
+
+
+# ---- The built-in task's default files: each data kind's, written on first use ------------------------------
+#
+#     from nano_rlhf.data import default_data
+#     default_data("preference")            # -> "data/preference.jsonl" (data/ generated with seed 0 if missing)
+#     default_data("preference", "eval")    # -> "data/preference_eval.jsonl"
+#
+# Scripts and package modules ask here for their default data and ask nano_rlhf/reward.py for the gold reward
+# (`builtin_gold`, `load_reward("gold")`); only these two modules name the task itself (nano_rlhf/synthetic.py).
+# The directory is $NANO_RLHF_DATA, else data/.
+BUILTIN_DIR = os.environ.get("NANO_RLHF_DATA", "data")
+
+# data kind -> (train file, eval file); no eval file: callers split --eval_fraction off the train file
+FILES = {"sft": ("sft.jsonl", "sft_eval.jsonl"), "preference": ("preference.jsonl", "preference_eval.jsonl"),
+         "listwise": ("listwise.jsonl", "listwise_eval.jsonl"), "unpaired": ("unpaired.jsonl", None),
+         "scored": (synthetic.SCORED_FILE, None), "prompts": ("prompts.jsonl", "eval_prompts.jsonl")}
+
+
+def default_data(kind: str, split: str = "train"):
+    """The built-in file of a data kind (a key of FILES) and split ("train" or "eval"), generated if missing;
+    None for an eval split the task does not have. Collective: call it on every rank."""
+    if kind not in FILES or split not in ("train", "eval"):
+        raise ValueError(f"no built-in {split} data of kind {kind!r}; kinds: {', '.join(FILES)}")
+    name = FILES[kind][split == "eval"]
+    return builtin_file(name) if name else None
+
+
+def default_path(kind: str, split: str = "train"):
+    """Where default_data(kind, split) is, without generating anything (a run's record of its inputs)."""
+    name = FILES[kind][split == "eval"]
+    return os.path.join(BUILTIN_DIR, name) if name else None
+
+
+def builtin_file(name: str) -> str:
+    """Path of a built-in task file (data/sft.jsonl, ...), generating data/ with seed 0 on first use, and
+    adding a file that a data/ written before it existed lacks (listwise, scored) at that directory's seed."""
+    # Only rank 0 looks and writes; then EVERY rank meets at the barrier. If each rank decided by itself
+    # whether to wait, a rank starting after rank 0 wrote task.json would skip a barrier the others are in,
+    # and every later collective would pair with the wrong call (a hang). Callers call this on all ranks.
+    # Two runs on one machine (or one filesystem) are serialised by a file lock in ensure_dataset.
+    path = os.path.join(BUILTIN_DIR, name)
+    if dist.world().is_main:
+        if not os.path.isfile(os.path.join(BUILTIN_DIR, "task.json")):     # written last
+            synthetic.ensure_dataset(BUILTIN_DIR, seed=0, note=dist.print0)
+        if name in _ADDED_LATER and not os.path.isfile(path):
+            with synthetic.generation_lock(BUILTIN_DIR):
+                if not os.path.isfile(path):
+                    _ADDED_LATER[name](_task_seed())
+    dist.barrier()                                                   # a no-op in a single process
+    return path
+
+
+def _task_seed():
+    with open(os.path.join(BUILTIN_DIR, "task.json")) as f:
+        return json.load(f).get("seed", 0)
+
+
+def _add_listwise(seed):
+    dist.print0(f"writing the built-in listwise files into {BUILTIN_DIR}/ (seed {seed})")
+    synthetic.write_listwise(BUILTIN_DIR, seed)
+
+
+def _add_scored(seed):
+    """As write_dataset would have written it: as many rows as unpaired.jsonl, at the directory's seed."""
+    with open(os.path.join(BUILTIN_DIR, "unpaired.jsonl"), "rb") as f:
+        synthetic.write_scored(BUILTIN_DIR, seed=seed, n=sum(1 for _ in f))
+
+
+# files added to the task after data/ directories existed: written alone (every other file stays as it is)
+_ADDED_LATER = {"listwise.jsonl": _add_listwise, "listwise_eval.jsonl": _add_listwise,
+                synthetic.SCORED_FILE: _add_scored}

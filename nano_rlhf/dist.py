@@ -226,7 +226,7 @@ def seed_everything(seed: int, rank: int = 0) -> int:
     return s
 
 
-def shard(items, rank=None, world_size=None):
+def rank_share(items, rank=None, world_size=None):
     """This rank's share of a sequence: items[rank::world_size]."""
     rank = _CTX.rank if rank is None else rank
     world_size = _CTX.world_size if world_size is None else world_size

@@ -43,12 +43,12 @@ import torch
 from . import dist
 from . import reward as reward_mod
 from .checkpoint import write_json
-from .builtin import default_data
-from .common import check_output_file, check_vocab, fail, load_tokenizer
-from .config import OneLineErrors, finite_float
+from .data import default_data
+from .run import check_output_file, check_vocab, fail, load_tokenizer
+from .cli import OneLineErrors, finite_float
 from .data import DataError, collate_prompts, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
-from .reporting import Progress
+from .run import Progress
 from .sampling import SamplingOptions, cut_at_stop, generate
 from .summary import format_summary, format_table, summarize
 from .tokenizer import CHAT_TEMPLATES
@@ -79,7 +79,7 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
     response is cut after its first stop token). seed: one generator for the whole call. rewards: {column
     name: reward(prompts, completions)} (nano_rlhf.reward); a reward model scores the very token ids sampled.
     ref: the reference for the KL column (the model itself: KL 0 without a forward). progress: a
-    reporting.Progress told of each batch (the command line's; the training loops' evaluations print nothing)."""
+    run.Progress told of each batch (the command line's; the training loops' evaluations print nothing)."""
     model.eval()
     sampling = replace(sampling, stop_ids=tok.stop_ids if sampling.stop_ids is None else sampling.stop_ids,
                        pad_id=tok.pad_id if sampling.pad_id is None else sampling.pad_id)

@@ -8,7 +8,7 @@ reward function, for aligning a real chat model on something a user recognises.
     python -m nano_rlhf.evaluate --model OUT --prompts data/ifeval/eval.jsonl --reward nano_rlhf.ifeval:strict
     python -m nano_rlhf.ifeval --report OUT/eval_samples.jsonl [...]                # per kind, loose, equal length
 
-The constraints (KINDS) are our own wording of Google's IFEval instruction classes (Zhou et al. 2023: length,
+The constraints (CONSTRAINTS) are our own wording of Google's IFEval instruction classes (Zhou et al. 2023: length,
 keywords, case, start/end, punctuation, format, content, combination; language detection left out: it needs a
 detector model) plus HELD_OUT kinds in the spirit of IFBench (Pyatkin et al. 2025) that no training prompt ever
 carries. Each kind is stated by several phrasings; its last phrasing is kept for evaluation. The checker reads the
@@ -94,7 +94,7 @@ def _k(name, phrasings, sample, check, tags=(), held_out=False):
     return Kind(name, tuple(phrasings), sample, check, frozenset(tags), held_out)
 
 
-KINDS = [
+CONSTRAINTS = [
     # length
     _k("max_words", ["Answer in at most {n} words.", "Keep your response under {n} words.",
                      "Use no more than {n} words in total.", "Your reply must not exceed {n} words."],
@@ -224,9 +224,9 @@ KINDS = [
     _k("hashtags", ["Include exactly {n} hashtags, like #topic.", "Use {n} hashtags (words starting with #)."],
        lambda r: {"n": r.choice([2, 3])}, lambda t, a: len(re.findall(r"(?:^|\s)#\w+", t)) == a["n"], (), True),
 ]
-BY_NAME = {k.name: k for k in KINDS}
-TRAIN_KINDS = [k.name for k in KINDS if not k.held_out]
-HELD_OUT = [k.name for k in KINDS if k.held_out]
+BY_NAME = {k.name: k for k in CONSTRAINTS}
+TRAIN_KINDS = [k.name for k in CONSTRAINTS if not k.held_out]
+HELD_OUT = [k.name for k in CONSTRAINTS if k.held_out]
 
 
 def _regex(template):
@@ -238,7 +238,7 @@ def _regex(template):
     return re.compile("".join(out + [re.escape(template[pos:])]))
 
 
-_PATTERNS = [(k, i, _regex(p)) for k in KINDS for i, p in enumerate(k.phrasings)]
+_PATTERNS = [(k, i, _regex(p)) for k in CONSTRAINTS for i, p in enumerate(k.phrasings)]
 
 
 def sentence(kind, args, phrasing=0):

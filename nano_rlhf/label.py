@@ -7,7 +7,7 @@
     python -m nano_rlhf.label --model out/sft --judge out/rm --format scored --out s.jsonl   # then:
     python train_unpaired.py --method dro --data s.jsonl --out_dir out/dro_rlaif               # (or --format unpaired)
 
-The judge (nano_rlhf/judge.py): --judge gives one score per response (a reward-model directory, gold for the
+The judge (nano_rlhf/reward.py): --judge gives one score per response (a reward-model directory, gold for the
 built-in task, your module:function, or llm:MODEL_DIR, an LLM-as-a-judge answering --judge_template); with
 --pair_judge module:function(prompts, a, b) -> P(a ≻ b), a response's score is instead its win rate against
 the other k − 1 samples of its prompt (every ordered pair asked, position bias cancelled; SPO's reward).
@@ -40,13 +40,13 @@ import torch
 
 from . import dist, reward as reward_mod
 from .checkpoint import atomic_write_text
-from .builtin import default_data
-from .common import check_output_file, check_vocab, fail, input_errors, load_tokenizer
-from .config import parse_args
+from .data import default_data
+from .run import check_output_file, check_vocab, fail, input_errors, load_tokenizer
+from .cli import parse_args
 from .data import collate_prompts, load_records, tokenize_prompts
-from .judge import LLM, load_judge, preference_matrix
-from .options import ChatTemplate
-from .reporting import Progress
+from .reward import LLM, load_judge, preference_matrix
+from .cli import ChatTemplate
+from .run import Progress
 from .sampling import SamplingOptions, cut_at_stop, generate
 
 

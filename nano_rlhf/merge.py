@@ -49,7 +49,7 @@ import torch
 
 from . import tokenizer as tokenizer_mod
 from .checkpoint import RUN_FILES, OutDirLock
-from .config import OneLineErrors, finite_float
+from .cli import OneLineErrors, finite_float
 from .model import GPT, ScoreModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -237,7 +237,7 @@ def write_merged(base, merged_sd, out_dir, tokenizer_dirs, options, overwrite=Fa
         shutil.rmtree(aside)
 
 
-def parse_args(argv=None):
+def parse_merge_args(argv=None):
     p = OneLineErrors(prog="python -m nano_rlhf.merge", description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the model every --models entry was fine-tuned from")
     p.add_argument("--models", nargs="+", required=True, help="fine-tuned model directories to merge")
@@ -325,7 +325,7 @@ def remove_created(out_dir, created):
 
 
 def main(argv=None):
-    a = parse_args(argv)
+    a = parse_merge_args(argv)
     lock = created = None
     try:
         check_args(a)

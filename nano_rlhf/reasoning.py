@@ -41,7 +41,7 @@ import random
 import re
 from fractions import Fraction
 
-from .config import OneLineErrors
+from .cli import OneLineErrors
 from .ifeval import prompt_text   # a string prompt, or a conversation's last user message
 
 OPS = "+-*"

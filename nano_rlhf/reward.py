@@ -1,4 +1,5 @@
-"""One reward interface for rollouts and evaluation: `scores = reward(prompts, completions)`.
+"""Rewards and judges: one reward interface for rollouts and evaluation, `scores = reward(prompts, completions)`,
+and the judges of the online and self-play methods (second half of this file).
 
     from nano_rlhf.reward import load_reward
     reward = load_reward("out/rm", tokenizer=tok, device=device)      # a reward-model directory
@@ -20,19 +21,21 @@ statistics are available as `reward.mean`, `reward.std`. A reward model addition
 round trip that need not give back the sampled ids.
 
 Nothing here is specific to an algorithm. The built-in task is named here (its gold reward) and in
-nano_rlhf/builtin.py (its data files), nowhere else outside nano_rlhf/synthetic.py.
+nano_rlhf/data.py (its data files), nowhere else outside nano_rlhf/synthetic.py.
 """
 import importlib
 import importlib.util
 import math
 import os
+import re
 import sys
 
 import torch
 
 from . import synthetic
-from .common import fail
-from .data import pad_right
+from .run import fail
+from .data import finite_number, pad_right
+from .sampling import generate, SamplingOptions
 
 GOLD = "gold"
 
@@ -51,7 +54,7 @@ class RewardModel:
 
     @classmethod
     def from_dir(cls, model_dir, tokenizer, device="cpu", batch_size=64):
-        from .common import check_vocab
+        from .run import check_vocab
         from .model import ScoreModel
         model = ScoreModel.from_pretrained(model_dir, dropout=0.0).to(device)
         check_vocab(tokenizer, model.cfg, model_dir)             # it scores the policy tokenizer's ids
@@ -246,3 +249,276 @@ def load_reward(spec, *, tokenizer=None, device="cpu", prompts=None, batch_size=
     if tokenizer is None:
         raise ValueError(f"{spec}: a reward model needs the tokenizer whose ids it scores")
     return RewardModel.from_dir(spec, tokenizer, device, batch_size)
+
+
+# ---- Judges for the online and self-play methods: scores for single responses, and P(a ≻ b) for pairs.
+#
+#     from nano_rlhf.reward import load_judge
+#     judge = load_judge("out/rm", tokenizer=tok, device=device)            # a reward-model directory
+#     judge = load_judge("gold", prompts=prompt_texts)                       # the built-in task's reward
+#     judge = load_judge("my_judges:score")                                  # a pointwise function (as --reward)
+#     judge = load_judge("out/rm", pair_spec="my_judges:prefer")             # plus a pairwise function
+#     judge = load_judge("llm:out/sft", template="my_template.txt")          # LLM-as-a-judge (greedy answer, 1-10)
+#     judge.scores(prompts, completions)          # (N,) float64 tensor, one score per completion
+#     judge.preference(prompts, a, b)             # (N,) float64 tensor, P(a[i] ≻ b[i]) for each i
+#     symmetric_preference(judge, prompts, a, b)  # the same, a pairwise judge asked in both orders (no position bias)
+#     preference_matrix(judge, prompts, completions, k)   # (G, k, k) P(y_i ≻ y_j) within each group of k samples
+#
+# A pointwise judge is anything `nano_rlhf.reward.load_reward` accepts. A pairwise judge is a user's
+# `module:function(prompts, a, b) -> list[float]` returning P(a[i] ≻ b[i]) in [0, 1] for each i (one call for a
+# whole batch of pairs, like the reward functions). Methods that need a preference take it from the pairwise
+# judge when one is given, otherwise from the pointwise scores under Bradley–Terry: P(a ≻ b) = σ(r(a) − r(b)).
+#
+# LLM-as-a-judge (`llm:MODEL_DIR`, a pointwise judge): each (prompt, response) is written into a template
+# (`{prompt}` and `{response}` placeholders; default templates/judge_default.txt, asking for a score from 1 to
+# 10), sent as one user message through the judge model's own chat template, and answered greedily; the score
+# is the first number of the answer inside [1, 10]. An answer without one scores the lowest grade (1) and is
+# counted in a warning: a policy must gain nothing by confusing its judge (a self-rewarding policy, whose
+# judge is its own starting point `llm:out/sft`, could otherwise learn to).
+def bradley_terry(r_a, r_b):
+    """P(a ≻ b) = σ(r_a − r_b) (Bradley & Terry 1952; the model a reward model is trained under)."""
+    return torch.sigmoid(torch.as_tensor(r_a, dtype=torch.float64) - torch.as_tensor(r_b, dtype=torch.float64))
+
+
+class _CheckedPairwise:
+    """A user's pairwise function with its answers checked at every call: one probability per pair."""
+
+    def __init__(self, fn, spec):
+        self.fn, self.name = fn, spec
+
+    def __call__(self, prompts, a, b):
+        try:
+            out = self.fn(list(prompts), list(a), list(b))
+        except Exception as e:      # the user's code: their error and where, in one line, not our stack
+            fail(raised("--pair_judge", self.name, e))
+        except SystemExit as e:
+            fail(exited("--pair_judge", self.name, e))
+        if torch.is_tensor(out):
+            out = out.detach().flatten().tolist() if out.dim() <= 1 else None
+        if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                         for x in out):
+            fail(f"--pair_judge {self.name}: must return a list of probabilities (one per pair), got "
+                 f"{kind_of(out)}")
+        if len(out) != len(a):
+            fail(f"--pair_judge {self.name}: returned {len(out)} probabilities for {len(a)} pairs")
+        bad = next((x for x in out if not (finite_number(x) and 0.0 <= x <= 1.0)), None)
+        if bad is not None:
+            fail(f"--pair_judge {self.name}: returned {bad}, not a probability in [0, 1]")
+        return [float(x) for x in out]
+
+
+class Judge:
+    """pointwise: reward(prompts, completions) -> list[float], or None; pairwise: (prompts, a, b) -> list of
+    P(a ≻ b), or None. At least one of them."""
+
+    def __init__(self, pointwise=None, pairwise=None):
+        if pointwise is None and pairwise is None:
+            raise ValueError("a judge needs a pointwise or a pairwise function")
+        self.pointwise, self.pairwise = pointwise, pairwise
+
+    def scores(self, prompts, completions):
+        if self.pointwise is None:
+            fail("this method needs a score per response, but the judge is pairwise only (give --judge too)")
+        return torch.tensor(self.pointwise(list(prompts), list(completions)), dtype=torch.float64)
+
+    def preference(self, prompts, a, b):
+        if self.pairwise is not None:
+            return torch.tensor(self.pairwise(list(prompts), list(a), list(b)), dtype=torch.float64)
+        return bradley_terry(self.scores(prompts, a), self.scores(prompts, b))
+
+
+def check_specs(spec=None, pair_spec=None, template=""):
+    """One line for a judge flag that is wrong on its face, from the flags alone (nothing is loaded), so a script
+    can refuse it before its output directory is touched; load_judge starts with the same checks."""
+    if spec is None and pair_spec is None:
+        fail("a judge is needed: give --judge (reward model, gold, module:function, llm:MODEL_DIR) and/or --pair_judge")
+    if template and not (spec or "").startswith(LLM):
+        fail(f"--judge_template {template}: applies only to --judge llm:MODEL_DIR")
+    if spec is not None and spec.startswith(LLM):
+        model_dir = spec[len(LLM):]
+        if not model_dir or not os.path.isdir(model_dir):
+            fail(f"--judge {spec}: no such model directory {model_dir!r}")
+        read_template(template or DEFAULT_TEMPLATE)
+    if pair_spec is not None:
+        if pair_spec.startswith(LLM):
+            fail(f"--pair_judge {pair_spec}: an LLM judge gives scores, not pairwise preferences; "
+                 f"use --judge {pair_spec}")
+        if not is_function_spec(pair_spec):
+            fail(f"--pair_judge {pair_spec}: expected module:function or path/to/file.py:function")
+
+
+def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", prompts=None, batch_size=64,
+               template=""):
+    """spec: what load_reward accepts (a reward-model directory, "gold", module:function), llm:MODEL_DIR or None;
+    pair_spec: a pairwise module:function or None; template: the LLM judge's template file ("" = the default).
+    Import/load errors are one line naming the flag."""
+    check_specs(spec, pair_spec, template)
+    if spec is not None and spec.startswith(LLM):
+        pointwise = LLMJudge.from_dir(spec[len(LLM):], template, device=device, spec=spec, batch_size=batch_size)
+    else:
+        pointwise = None if spec is None else load_reward(spec, tokenizer=tokenizer, device=device,
+                                                                     prompts=prompts, batch_size=batch_size,
+                                                                     flag="--judge")
+    pairwise = None
+    if pair_spec is not None:
+        pairwise = _CheckedPairwise(load_function(pair_spec, "--pair_judge").fn, pair_spec)
+    return Judge(pointwise, pairwise)
+
+
+# ---- the preferences within a group of samples (self-play, labelling, online) --------------------------
+
+def symmetric_preference(judge, prompts, a, b):
+    """(N,) float64 P̃(a[i] ≻ b[i]). A pairwise judge is asked both orders in one call and the answers made
+    antisymmetric, P̃(a ≻ b) = ½(P(a ≻ b) + 1 − P(b ≻ a)), as in preference_matrix: a judge that always favours
+    the first answer shown gives ½, no preference. A pointwise judge's Bradley–Terry is antisymmetric already."""
+    if judge.pairwise is None:
+        return judge.preference(prompts, a, b)
+    n = len(a)
+    p = judge.preference(list(prompts) * 2, list(a) + list(b), list(b) + list(a))
+    return 0.5 * (p[:n] + 1 - p[n:])
+
+
+def preference_matrix(judge, prompts, completions, k, scores=None):
+    """(G, k, k) float64, P[g, i, j] = P(y_i ≻ y_j) for G groups of k consecutive samples (prompts repeated k
+    times, as a rollout lays them out); the diagonal is ½.
+
+    Pointwise judge: each completion is scored once (or `scores` (G·k,) is used as given: a rollout holds the
+    reward model's scores of the very ids sampled), then Bradley–Terry. Pairwise judge (preferred when given):
+    asked about every ordered pair i ≠ j in one call, then made antisymmetric, P̃(i ≻ j) = ½(P(i ≻ j) + 1 −
+    P(j ≻ i)), so that P̃(i ≻ j) + P̃(j ≻ i) = 1 and a judge that favours a position (LLM judges often prefer
+    the first answer shown) favours no sample."""
+    n = len(completions)
+    if n % k or len(prompts) != n:
+        raise ValueError(f"preference_matrix: {len(prompts)} prompts and {n} completions do not form groups of {k}")
+    G = n // k
+    if judge.pairwise is None:
+        s = (judge.scores(prompts, completions) if scores is None else torch.as_tensor(scores)).double().view(G, k)
+        return bradley_terry(s[:, :, None], s[:, None, :])
+    pairs = [(g, i, j) for g in range(G) for i in range(k) for j in range(k) if i != j]
+    p = judge.preference([prompts[g * k + i] for g, i, _ in pairs], [completions[g * k + i] for g, i, _ in pairs],
+                         [completions[g * k + j] for g, _, j in pairs])
+    P = torch.full((G, k, k), 0.5, dtype=torch.float64)
+    g, i, j = (torch.tensor(x) for x in zip(*pairs))
+    P[g, i, j] = p
+    return 0.5 * (P + 1 - P.transpose(1, 2))
+
+
+# ---- LLM-as-a-judge --------------------------------------------------------------------------------
+
+LLM = "llm:"
+DEFAULT_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", "judge_default.txt")
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+_PLACEHOLDER = re.compile(r"\{(prompt|response)\}")
+
+
+def model_dir(spec):
+    """The model directory a --judge reads (a reward model, or llm:DIR), else "": an input of the run, which
+    it never writes into and whose files --resume checks (nano_rlhf.run)."""
+    path = spec[len(LLM):] if spec and spec.startswith(LLM) else spec
+    return path if path and os.path.isdir(path) else ""
+
+
+def parse_score(answer, low=1.0, high=10.0):
+    """The first number in `answer` that lies in [low, high] ("8", "Score: 7/10", "8.5"), or None."""
+    for m in _NUMBER.finditer(answer):
+        x = float(m.group())
+        if low <= x <= high:
+            return x
+    return None
+
+
+def prompt_as_text(prompt):
+    """A prompt for the template's {prompt}: a string as is; a conversation as "Role: content" paragraphs."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in prompt)
+
+
+def fill_template(template, prompt, response):
+    """{prompt} and {response} replaced in one pass (a response that contains "{prompt}" stays as written;
+    other braces in the template, e.g. a JSON example, are left alone)."""
+    values = {"prompt": prompt_as_text(prompt), "response": response}
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def read_template(path, flag="--judge_template"):
+    """The template text; one line naming the flag if it is missing or lacks a placeholder."""
+    if not os.path.isfile(path):
+        fail(f"{flag} {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    missing = [p for p in ("{prompt}", "{response}") if p not in text]
+    if missing:
+        fail(f"{flag} {path}: the template must contain {{prompt}} and {{response}} (missing {', '.join(missing)})")
+    return text
+
+
+class LLMJudge:
+    """A language model as a pointwise judge: score = the first number in [low, high] of its greedy answer to
+    the template, rendered as a user message with the judge's own chat template. A frozen copy: it never
+    changes during a run, even when it was loaded from the policy's own starting directory."""
+
+    def __init__(self, model, tok, template, *, low=1.0, high=10.0, fallback=None, max_new_tokens=8,
+                 batch_size=16, name="llm"):
+        self.model, self.tok, self.template = model.requires_grad_(False).eval(), tok, template
+        self.low, self.high = float(low), float(high)
+        self.fallback = self.low if fallback is None else float(fallback)
+        self.max_new_tokens, self.batch_size, self.name = max_new_tokens, batch_size, name
+        self.answered = self.unparsed = self.truncated = 0   # running counts, for the warnings and the caller
+
+    @classmethod
+    def from_dir(cls, model_dir, template_path="", device="cpu", spec=None, **kw):
+        from .run import load_tokenizer
+        from .model import GPT
+        flag = f"--judge {spec or LLM + model_dir}"
+        if not model_dir or not os.path.isdir(model_dir):
+            fail(f"{flag}: no such model directory {model_dir!r}")
+        template = read_template(template_path or DEFAULT_TEMPLATE)
+        try:
+            tok = load_tokenizer("", model_dir, policy=True)
+            model = GPT.from_pretrained(model_dir, dropout=0.0).to(device)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            fail(f"{flag}: {e}")
+        return cls(model, tok, template, name=flag, **kw)
+
+    def render(self, prompt, response):
+        """Ids of the judge's input: the filled template as one user message plus the generation prompt. The
+        message is encoded literally: a response that writes "<|im_end|>" or "<|eot_id|>" cannot close the
+        judge's user turn and forge an assistant turn (a score) of its own; it reads as that text."""
+        return self.tok.render_prompt_literal([{"role": "user",
+                                                "content": fill_template(self.template, prompt, response)}])
+
+    @torch.no_grad()
+    def answers(self, prompts, completions):
+        """The judge's greedy answers (text up to its first stop token), one per (prompt, completion)."""
+        from .data import collate_prompts
+        room = self.model.cfg.block_size - self.max_new_tokens
+        device = next(self.model.parameters()).device
+        out = []
+        for s in range(0, len(completions), self.batch_size):
+            chunk = slice(s, s + self.batch_size)
+            ids = [self.render(p, c) for p, c in zip(prompts[chunk], completions[chunk])]
+            self.truncated += sum(len(x) > room for x in ids)
+            # left-truncated, as the data pipeline truncates prompts: the question that closes the template survives
+            q, mask = collate_prompts([x[-room:] for x in ids], self.tok.pad_id)
+            seq = generate(self.model, q.to(device), mask.to(device), SamplingOptions(
+                self.max_new_tokens, temperature=0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id))
+            out += [self.tok.decode(row) for row in seq[:, q.shape[1]:].tolist()]
+        return out
+
+    def __call__(self, prompts, completions):
+        truncated = self.truncated
+        answers = self.answers(list(prompts), list(completions))
+        if self.truncated > truncated:
+            print(f"warning: {self.name}: {self.truncated - truncated} of {len(answers)} judge inputs were longer than "
+                  f"its context ({self.model.cfg.block_size} tokens with {self.max_new_tokens} for the answer) and "
+                  "lost their beginning", file=sys.stderr, flush=True)
+        scores = [parse_score(a, self.low, self.high) for a in answers]
+        bad = [a for a, x in zip(answers, scores) if x is None]
+        self.answered += len(answers)
+        self.unparsed += len(bad)
+        if bad:
+            print(f"warning: {self.name}: {len(bad)} of {len(answers)} answers hold no score in "
+                  f"[{self.low:g}, {self.high:g}] and score {self.fallback:g} ({self.unparsed} of {self.answered} so "
+                  f"far); first: {bad[0][:60]!r}", file=sys.stderr, flush=True)
+        return [self.fallback if x is None else x for x in scores]

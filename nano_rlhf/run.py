@@ -1,17 +1,31 @@
-"""A training run's life cycle around the loop: out_dir safety, the lock, resume checks, the end of each step
-(eval / log / save / stop), and cleaning up after a failed start (what it writes as it goes, metrics and samples
-and the --report_to mirror, is in reporting.py). Not algorithm; every script uses it the same way:
+"""A training run's life cycle around the loop: the set-up every script shares (options in; the distributed
+context, the run record, the tokenizer and the placed models out), out_dir safety, the lock, resume checks, the
+end of each step (eval / log / save / stop), what a run writes as it goes (metrics, samples, the progress line,
+--report_to), and cleaning up after a failed start. Not algorithm.
 
-    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
-    run = run_mod.start(opts, script="sft", identity={...}, inputs={"init": opts.init}, data_files={"data": path})
-    ... load data and models; run.max_steps = max_steps if derived from --epochs ...
-    if opts.resume:
-        meta = run.resume(models={"policy": model}, optimizers={"policy": opt})
-    for step in range(run.step + 1, run.max_steps + 1):
-        ... one optimizer step -> metrics ...
-        if run.end_of_step(step, metrics, evaluate=evaluate_fn, save=save_fn):
-            break
-    run.finish()
+A script's main() reads, in order (`from nano_rlhf import run as run_mod`; `run` is the Run):
+
+    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "dpo", run_record,
+                                           load=data_files)
+    tok = run_mod.tokenizer(opts, run)
+    ... the script's own models and data, in its own order ...
+    run_mod.place(opts, world, {"policy": policy}, {"reference model": ref})   # device, same weights, seeds
+    ref = run_mod.frozen(opts, ref)                                            # --fsdp / --frozen / --offload_frozen
+    ddp, optimizer = run_mod.prepare(opts, policy, opts.lr)                        # compile, DDP / FSDP, AdamW
+    run_mod.plan(opts, {"policy": policy, "ref": ref})                          # the memory plan
+    run_mod.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
+    ... the loop: run.end_of_step(..., save=...) with run_mod.save(...) inside save ...
+    run_mod.finish(run, {"policy": policy}, {"reference": ref}, saved="saved out/dpo ...")
+
+So --fsdp, --lora_* (only the adapters in the state), --report_to, --resume / --overwrite, the same-weights
+check, the seeding, the memory plan and train_config.json are the same code in every script. What differs stays
+visible in the script: which inputs it reads and in what order (that order decides which bad input a user is
+told about first: train_sft.py and train_rm.py validate every data line before the run starts, through
+start's `load`), what it computes between placing and wrapping (train_dpo.py's precomputed reference log-probs,
+train_unpaired.py's D2O samples), and its loop.
+
+Under start: the Run (open_run) owns out_dir and the loop's bookkeeping; `run.end_of_step(step, metrics,
+evaluate=..., save=...)` returns True when the run should stop.
 
 Only rank 0 touches the file system; the other ranks only take part in the collectives (a broadcast of rank 0's
 verdict, so every rank stops with the same one-line error).
@@ -23,12 +37,13 @@ then (a bad --data found after start-up, a crash while loading) puts them back, 
 never produced anything. An input file of the run directly in out_dir under one of those names (--tokenizer
 out_dir/tokenizer.json) is refused. A lock (out_dir/.lock, flock) keeps a second run out. A run that ends in an
 error before its first save removes what it created (out_dir itself if it created it). --resume compares the
-saved identity (state/run.json) with this run's: every option but options.CHANGEABLE must match (an option
+saved identity (state/run.json) with this run's: every option but cli.CHANGEABLE must match (an option
 added later is compared unless it is declared changeable there), the global batch and what the script resolved
 included, the data files' sha256, and the sha256 of every input (checkpoint.input_sha256: a reference, reward
 model or judge replaced at the same path would otherwise be taken, and the run go on against another model).
 """
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -37,11 +52,13 @@ import sys
 import tempfile
 import time
 
-from . import checkpoint, dist
-from .checkpoint import RUN_FILES, OutDirLock, atomic_write_text, find_state, input_sha256, sha256_file
-from .config import to_dict
-from .options import CHANGEABLE     # the options a --resume may change; all others are the run's identity
-from .reporting import Reporting    # metrics.jsonl, samples.jsonl, the progress line, --report_to
+import torch
+
+from . import checkpoint, dist, lora, parallel
+from .checkpoint import atomic_write_text, find_state, input_sha256, OutDirLock, RUN_FILES, save_state, sha256_file
+from .cli import CHANGEABLE, parse_args, save_config, to_dict
+from .data import DataError, default_data, load_train_eval
+from .model import GPT
 
 _current = None          # the live Run of this process (fail aborts it)
 
@@ -93,7 +110,7 @@ def _collective_check(fn, every_rank=False):
         fail(msg)
 
 
-class Run(Reporting):
+class Run:
     def __init__(self, opts, script, identity, inputs, data_files, max_steps):
         self.opts, self.out_dir, self.max_steps = opts, opts.out_dir, max_steps
         # every option but CHANGEABLE, then what the script adds (values resolved later: the training length...)
@@ -346,8 +363,83 @@ class Run(Reporting):
         if _current is self:
             _current = None
 
+    # ---- what it writes as it goes: metrics.jsonl, samples.jsonl, the progress line, and their mirror in
+    # TensorBoard or Weights & Biases (--report_to; _import_backend checks it at start-up, _open_backend opens it)
+    def _import_backend(self):
+        try:
+            if self.report_to == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            elif self.report_to == "wandb":
+                import wandb  # noqa: F401
+            else:
+                return f"--report_to must be none, tensorboard or wandb (got {self.report_to!r})"
+        except ImportError:
+            return f"--report_to {self.report_to} needs the {self.report_to} package: pip install {self.report_to}"
+        return None
 
-def start(opts, script, identity=None, inputs=None, data_files=None, max_steps=None) -> Run:
+    def _open_backend(self):
+        if self.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(os.path.join(self.out_dir, "tensorboard"))
+        elif self.report_to == "wandb":
+            import wandb
+            self.wandb = wandb
+            wandb.init(project="nano_rlhf", name=os.path.basename(os.path.abspath(self.out_dir)),
+                       config=to_dict(self.opts))
+
+    def log(self, step, metrics):
+        """Append metrics to out_dir/metrics.jsonl and mirror them to --report_to (rank 0)."""
+        if not self.main:
+            return
+        rec = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.writer is not None:
+            for k, v in numbers.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def _progress(self, step, metrics):
+        """`step 120/1000 | loss 1.234 | ... | 12,345 tok/s | eta 1m05s` (rank 0)."""
+        if not self.main:
+            return
+        parts = [f"step {step}/{self.max_steps}"]
+        for k in self.show:
+            if k in metrics:
+                v, name = metrics[k], k.replace("train/", "").replace("/", "_")
+                parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
+        if "train/tokens_per_s" in metrics:
+            parts.append(f"{metrics['train/tokens_per_s']:,.0f} tok/s")
+        if step > self.step0:
+            eta = (time.time() - self.t0) / (step - self.step0) * max(0, self.max_steps - step)
+            parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+        print(" | ".join(parts), flush=True)
+
+    def log_samples(self, step, rows):
+        """Sampled completions (dicts with prompt, completion, score, ...) -> out_dir/samples.jsonl and the
+        --report_to backend (a W&B table / TensorBoard markdown text) (rank 0)."""
+        if not self.main or not rows:
+            return
+        with open(os.path.join(self.out_dir, "samples.jsonl"), "a") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        if self.writer is not None:
+            cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            table += ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows]
+            self.writer.add_text("samples", "\n".join(table), step)
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log({"samples": self.wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])},
+                           step=step)
+
+
+
+def open_run(opts, script, identity=None, inputs=None, data_files=None, max_steps=None) -> Run:
     """Check --out_dir, take its lock, open --report_to; before any model is loaded. Collective.
     identity: what the script adds to the run's identity (compared on --resume) beyond its options, all of
     which but options.CHANGEABLE are in it already; "script" and "global_batch" (batch_size x grad_accum x
@@ -394,3 +486,332 @@ def _interrupted(kind, value, tb, _previous=sys.excepthook):
 
 atexit.register(_at_exit)
 sys.excepthook = _interrupted
+
+
+# ---- A tool's progress line (evaluate, label) ------------------------------------------------------------
+class Progress:
+    """A tool's progress on stderr (evaluate, label): `sampling out/ppo | 120/512 samples | 8.3/s | eta 0m47s`.
+    In a terminal one line updated in place at most every `every` seconds; in a log (stderr not a terminal) a plain
+    line every `log_every` seconds; the last one always at done(). Why: a command that samples for minutes and
+    prints nothing cannot be told from a hang."""
+
+    def __init__(self, total, what, unit="samples", stream=None, every=1.0, log_every=10.0, clock=time.time):
+        import sys
+        self.total, self.what, self.unit, self.clock = total, what, unit, clock
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = every if self.tty else log_every
+        self.n, self.t0 = 0, clock()
+        self.shown = self.t0
+
+    def line(self):
+        elapsed = max(self.clock() - self.t0, 1e-9)
+        rate = self.n / elapsed
+        eta = (self.total - self.n) / rate if rate > 0 else 0.0
+        return (f"{self.what} | {self.n:,}/{self.total:,} {self.unit} | {rate:.3g}/s | "
+                f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+
+    def update(self, n):
+        self.n += n
+        if self.clock() - self.shown >= self.every:
+            self._show()
+
+    def done(self):
+        self._show()
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _show(self):
+        self.shown = self.clock()
+        self.stream.write(("\r" + self.line() + "\033[K") if self.tty else self.line() + "\n")
+        self.stream.flush()
+
+
+# ---- Plumbing the scripts share that is not algorithm: input errors, optimizer groups, the LR schedule,
+# tokenizer loading, precision contexts ------------------------------------------------------------------------
+@contextlib.contextmanager
+def input_errors():
+    """Turn bad-input exceptions (DataError, missing files, bad model dirs) into a one-line exit."""
+    try:
+        yield
+    except (DataError, FileNotFoundError, ValueError) as e:
+        fail(str(e))
+
+
+def adamw(model, lr, weight_decay, betas=(0.9, 0.95), eps=1e-8):
+    """AdamW with weight decay on matrices only: biases, norm weights and the embeddings (GPT-2's wte, also the
+    tied output layer, and wpe; the Llama family's embed_tokens) are not decayed (nanoGPT / GPT-2 practice)."""
+    decay, no_decay = [], []
+    for name, p in dist.unwrap(model).named_parameters():
+        if not p.requires_grad:
+            continue
+        embedding = name.endswith(("wte.weight", "wpe.weight", "embed_tokens.weight"))
+        (decay if p.dim() >= 2 and not embedding else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=True: one fused kernel per group instead of a Python loop over 50 tensors
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+
+
+def lr_at(step, max_steps, lr, warmup_steps, schedule="cosine", min_lr_ratio=0.1):
+    """Linear warm-up over warmup_steps, then cosine decay to min_lr_ratio * lr (or linear to 0, or constant)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    frac = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == "linear":
+        return lr * (1.0 - frac)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+def set_lr(optimizer, lr):
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+def autocast(device, dtype: str):
+    """bfloat16 autocast when asked (weights stay float32); a no-op for float32."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+def load_tokenizer(tokenizer_path: str, model_dir: str, eos_token: str = "", pad_token: str = "",
+                   chat_template: str = "auto", date_string: str = "", policy: bool = False):
+    """--tokenizer if given, else the tokenizer.json saved beside the model; --eos_token / --pad_token name
+    the special tokens when neither a tokenizer_config.json nor the usual names give them; --chat_template
+    names the template variant (auto: recognised from the tokenizer's own template text), --date_string fixes
+    Llama 3's "Today Date" (empty: the one saved with the tokenizer, else the template's default). policy=True: the
+    model directory must hold a language model, not a reward model (whose trunk would load and be sampled)."""
+    from .tokenizer import Tokenizer
+    path = tokenizer_path or os.path.join(model_dir, "tokenizer.json")
+    if not tokenizer_path and not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"{model_dir}: " + ("a file, not a model directory (an HF directory with config.json"
+                                                    " and the weights)" if os.path.exists(model_dir) else
+                                                    "no such model directory"))
+    if not tokenizer_path and os.path.isfile(os.path.join(model_dir, "adapter_config.json")) \
+            and not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir}: a LoRA adapter directory, not a model: a run's merged model is the "
+                                f"directory above its adapter/; or pass the base model with --lora_r")
+    score = score_architecture(model_dir) if policy and model_dir else ""
+    if score:
+        raise ValueError(f"{model_dir}: a reward model ({score}), not a language model; a policy starts from a "
+                         f"*ForCausalLM directory")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: missing; pass --tokenizer (the tokenizer.json the model was trained with)")
+    return Tokenizer.from_file(path, eos_token or None, pad_token or None, chat_template, date_string or None)
+
+
+def score_architecture(model_dir: str) -> str:
+    """The *ForSequenceClassification architecture a model directory's config.json names ('' for anything else,
+    an unreadable config included: reading the model reports that)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return next((a for a in archs if isinstance(a, str) and a.endswith("ForSequenceClassification")), "")
+
+
+def check_vocab(tok, cfg, where: str):
+    """Stop with one line if the tokenizer makes ids the model has no embedding for (a tokenizer.json from
+    another model): an id >= vocab_size would index past wte (an IndexError on CPU, a device assert on
+    CUDA) long after start-up. A pad id outside the tokenizer's vocabulary is fine: the model masks it.
+    When `where` is the model's directory and holds a tokenizer.json, that must be the same tokenizer
+    (tokenizer.mismatch): a model trained with another tokenizer of the same size reads every id as another
+    token, silently."""
+    if tok.vocab_size > cfg.vocab_size:
+        fail(f"{where}: the tokenizer has {tok.vocab_size} tokens but the model's vocabulary only "
+             f"{cfg.vocab_size}; pass the tokenizer.json the model was trained with (--tokenizer)")
+    if where and os.path.isdir(where):       # a model directory: the same size is not the same tokenizer
+        from .tokenizer import mismatch
+        msg = mismatch(tok, where)
+        if msg:
+            fail(msg)
+
+
+def load_reference(ref_dir: str, tok, length: int, what: str):
+    """A frozen reference policy (no dropout, no gradient, eval mode) read with the tokenizer's vocabulary checked
+    and room for `length` tokens; `what` names that length in the error (e.g. "policy's 1024")."""
+    ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+    check_vocab(tok, ref.cfg, ref_dir)
+    if ref.cfg.block_size < length:
+        raise ValueError(f"{ref_dir}: the reference's block_size {ref.cfg.block_size} is smaller than the {what}")
+    return ref
+
+
+def check_output_file(flag, path, input_files=(), input_dirs=()):
+    """One line, before any work, if writing `path` would destroy an input: the same file as one of input_files
+    (compared after resolving links, so a symlink to the prompts counts), or a file of a run in one of
+    input_dirs (model directories: their weights, config, tokenizer, metrics, samples, state). A missing or
+    unwritable directory is refused too."""
+    from .checkpoint import RUN_FILES
+    if os.path.isdir(path):
+        fail(f"{flag} {path}: is a directory")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        fail(f"{flag} {path}: cannot be written (its directory {folder} does not exist or is not writable)")
+    target = os.path.realpath(path)
+    for f in input_files:
+        if f and os.path.exists(f) and os.path.realpath(f) == target:
+            fail(f"{flag} {path}: is an input of this command ({f}); write elsewhere")
+    for d in input_dirs:
+        if d and os.path.isdir(d) and os.path.dirname(target) == os.path.realpath(d):
+            name = os.path.basename(target)
+            if name in RUN_FILES or name.endswith((".safetensors", ".json", ".jsonl")) and os.path.exists(target):
+                fail(f"{flag} {path}: would replace {name} of the model directory {d}; write elsewhere")
+
+
+def check_device(device: str):
+    """--device must name something this machine has: one line otherwise (before any work)."""
+    bad = dist.device_problem(device)
+    if bad:
+        fail(bad, 2)
+
+
+def derive_max_steps(opts, steps_per_epoch):
+    """--max_steps, or (when it is 0) as many steps as --epochs takes; a warning when the run is shorter than
+    its warm-up (a small data set at --epochs 1: the learning rate would never reach --lr; a reward model on a
+    one-word preference was measured to stay at 0.67-0.80 held-out accuracy after 9 such steps)."""
+    max_steps = opts.max_steps or max(1, int(opts.epochs * steps_per_epoch))
+    warn_short_warmup(max_steps, opts.warmup_steps, "raise --epochs or --max_steps")
+    return max_steps
+
+
+def warn_short_warmup(max_steps, warmup_steps, fix="raise --max_steps"):
+    """One warning (rank 0) when the run ends before its warm-up does: the learning rate never reaches --lr."""
+    if max_steps < warmup_steps and dist.world().is_main:
+        print(f"warning: this run is {max_steps} optimizer steps, fewer than --warmup_steps {warmup_steps}, so "
+              f"the learning rate never reaches --lr; {fix}, or lower --warmup_steps", file=sys.stderr, flush=True)
+
+
+
+# ---- The set-up every training script shares, written once (as nanochat's `compute_init`) -------------------
+def start(Options, argv, doc, check, script, record, load=None):
+    """Parse the command line into Options (ranges checked), apply the script's cross-field rules
+    (check(opts): one line and exit on a bad combination, and the defaults that depend on other options),
+    start the distributed context, then — when the script reads inputs that must be valid before anything is
+    written — load(opts) (called on every rank; it raises or exits with one line on bad input), and last start
+    the run (out_dir checks, its lock, --report_to, --resume's record; nano_rlhf.run.start).
+    record(opts, data) -> {"identity": ..., "inputs": ..., "data_files": ...}: what defines the run.
+    Returns (opts, the distributed context, the run, load's result or None)."""
+    opts = parse_args(Options, argv, doc)
+    check(opts)
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    data = load(opts) if load is not None else None
+    run = open_run(opts, script=script, **record(opts, data))
+    return opts, world, run, data
+
+
+def train_eval_records(opts, kind):
+    """(train records, eval records, training file, eval file description) of a data kind ("sft",
+    "preference"): --data and --eval_data, else the built-in task's files; with --data and no --eval_data,
+    --eval_fraction of it is split off (seeded). Every line is validated here, before anything is written or
+    built: a bad line is one line and exit 1. A `load` for start() (train_sft.py, train_rm.py)."""
+    with input_errors():
+        data_path = opts.data or default_data(kind)
+        eval_path = opts.eval_data or ("" if opts.data else default_data(kind, "eval"))
+        records, eval_records = load_train_eval(kind, data=data_path, eval_data=eval_path,
+                                                eval_fraction=opts.eval_fraction, seed=opts.seed)
+    return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
+
+
+def tokenizer(opts, run, train=None, policy=True):
+    """The tokenizer --tokenizer names (else --init's tokenizer.json), with --eos_token, --pad_token,
+    --chat_template and --date_string applied; train() makes one instead when neither is given (train_sft.py
+    trains one on its data); policy=False lets --init be a reward model (train_rm.py). What it resolved ("auto"
+    to a template, an empty --date_string to a date) enters
+    the run's identity: a --resume must render the data to the same tokens."""
+    if train is not None and not (opts.tokenizer or getattr(opts, "init", "")):
+        tok = train()
+    else:
+        tok = load_tokenizer(opts.tokenizer, getattr(opts, "init", ""), opts.eos_token, opts.pad_token,
+                             opts.chat_template, opts.date_string, policy)
+    run.identity.update(chat_template=tok.chat_template, date_string=tok.date_string)
+    return tok
+
+
+def place(opts, world, trained, frozen=None):
+    """The run's models on this rank's device, each the same on every rank (checked: DDP would average the
+    gradients of different models), then every RNG seeded for this rank (from here on ranks differ: dropout,
+    sampling). trained / frozen: {name (as errors print it): model or None}; --grad_checkpoint applies to the
+    trained ones (the frozen ones run without gradients: nothing to recompute)."""
+    for m in trained.values():
+        if m is not None and opts.grad_checkpoint:
+            m.set_grad_checkpointing(True)
+    models = {k: m for k, m in {**trained, **(frozen or {})}.items() if m is not None}
+    for m in models.values():
+        m.to(world.device)
+    for name, m in models.items():
+        dist.check_same_weights(m, name)
+    dist.seed_everything(opts.seed, world.rank)
+
+
+def prepare(opts, model, lr):
+    """A trained model ready to train -> (what its forward/backward go through, its optimizer): torch.compile'd
+    with --compile, sharded with --fsdp under torchrun (FSDP2), else DDP under torchrun, else the model itself;
+    AdamW (weight decay on matrices only) at peak learning rate lr with the script's --weight_decay, --beta1,
+    --beta2 and --adam_eps where it has them (else 0.9, 0.95, 1e-8), built after the sharding. The model itself
+    stays what is saved and evaluated."""
+    wrapped = parallel.wrap(torch.compile(model) if getattr(opts, "compile", False) else model, opts.fsdp,
+                            dtype=opts.dtype)
+    betas = (getattr(opts, "beta1", 0.9), getattr(opts, "beta2", 0.95))
+    return wrapped, adamw(model, lr, opts.weight_decay, betas, eps=getattr(opts, "adam_eps", 1e-8))
+
+
+def frozen(opts, model):
+    """A frozen model (a reference, a reward model) placed by --fsdp / --frozen / --offload_frozen; None and
+    LoRA's adapters-off view of the policy pass through. Its checksum is taken for finish()'s check."""
+    return parallel.prepare_frozen(model, opts.fsdp, getattr(opts, "frozen", "shard"),
+                                   getattr(opts, "offload_frozen", False), opts.dtype)
+
+
+def plan(opts, models):
+    """Print (rank 0) the memory plan of the run's live models {name: model or None}; the first one is the
+    trained model whose sharding names the strategy."""
+    first = next(m for m in models.values() if m is not None)
+    strategy = "fsdp" if parallel.is_sharded(first) else "ddp"
+    if hasattr(opts, "frozen"):
+        dist.print0(parallel.startup_plan(models, strategy, opts.frozen, opts.offload_frozen))
+    else:
+        dist.print0(parallel.startup_plan(models, strategy))
+
+
+def resume(opts, run, models, optimizers, data=None, generators=None, **config):
+    """--resume: the saved run checked to be this one, then models ({name: model}; under LoRA only the adapters
+    are in the state), optimizers, generators and each data order in `data` ({meta key: object with
+    load_state_dict}) restored; returns the saved meta ({} on a fresh start). Then rank 0 writes
+    out_dir/train_config.json: the resolved options, the world size and `config`."""
+    meta = {}
+    if opts.resume:
+        meta = run.resume({k: lora.checkpointed(m) for k, m in models.items()}, optimizers, generators)
+        for key, order in (data or {}).items():
+            order.load_state_dict(meta[key])
+    world = dist.world()
+    if world.is_main:
+        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size, **config)
+    return meta
+
+
+def save(opts, step, models, optimizers, data=None, generators=None, **meta):
+    """The training state at `step` into out_dir/state (collective): models (LoRA: the adapters), optimizers,
+    generators, each data order's state_dict() under its key in `data`, and any other meta."""
+    meta = {"step": step, **{k: order.state_dict() for k, order in (data or {}).items()}, **meta}
+    save_state(opts.out_dir, {k: lora.checkpointed(m) for k, m in models.items()}, optimizers, meta, generators)
+
+
+def finish(run, trained, frozen=None, saved=""):
+    """The end of a run: every trained model still the same on every rank (DDP kept them in lock-step: proven),
+    every frozen model bit-identical to its start (those frozen() placed), the `saved` line printed, the run
+    closed."""
+    for name, m in trained.items():
+        if m is not None:
+            dist.check_same_weights(m, name)
+    if frozen:
+        parallel.check_frozen(frozen)
+    if saved:
+        dist.print0(saved)
+    run.finish()

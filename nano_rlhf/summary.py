@@ -221,7 +221,7 @@ def main(argv=None):
     import argparse
     import json
 
-    from .files import write_json
+    from .checkpoint import write_json
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("summaries", nargs="+", help="evaluate --summary JSON files, one per training seed")
     p.add_argument("--baseline", default="sft", help="the row every other policy is compared with")

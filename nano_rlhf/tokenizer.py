@@ -17,7 +17,7 @@ One rule picks the pad, for every layout real checkpoints ship:
 So the pad is inside the vocabulary whenever the vocabulary allows it, and that id is what an exported
 config.json and generation_config.json say (transformers' reward models read the score at the last token
 that is not pad_token_id, so it must be a token no scored row holds). The model never reads a pad id of its
-own (nano_rlhf.layers.in_vocabulary), so the model and the tokenizer cannot disagree about it.
+own (nano_rlhf.model.in_vocabulary), so the model and the tokenizer cannot disagree about it.
 A tokenizer trained here has `<|endoftext|>` = 0 and `<|pad|>` = 1. A HF tokenizer directory's
 tokenizer_config.json names bos / eos / pad (and `add_bos_token`).
 
@@ -43,17 +43,17 @@ is never re-tokenized, so a BPE merge can never straddle the boundary and shift 
 A response in conversational form starts right after the generation prompt and ends with the end-of-turn
 token; a plain-text response ends with eos.
 """
+import hashlib
 import json
 import os
+import re
 import sys
 from typing import List, Sequence, Tuple, Union
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from . import chat
-# training a BPE, reading a tokenizer.json and its fingerprint live in bpe.py (the tokenizers-library side);
-# the names other files import from here stay importable from here
-from .bpe import TRAIN_MAX_CHARS, TRAIN_MAX_WORD, _for_training, _read, fingerprint, train_bpe  # noqa: F401
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>")
@@ -409,3 +409,60 @@ def mismatch(ours, model_dir):
     where = (os.path.dirname(source) or ".") if source else "the tokenizer trained by this run"
     return (f"{model_dir} was trained with another tokenizer than {where} (its tokenizer.json gives the same text "
             f"other ids, whatever the vocabulary sizes); use models that share one tokenizer")
+
+
+# ---- Training a byte-level BPE (GPT-2 style), reading a tokenizer.json, and the fingerprint of what decides a
+# tokenizer's ids (mismatch compares two by it).
+# BPE training cost grows with the square of a pre-tokenized word's length: a 10-MB single-word line
+# never finishes. So the trainer sees at most TRAIN_MAX_CHARS of each text, with runs of non-space (or
+# of space) cut into pieces of at most TRAIN_MAX_WORD characters.
+TRAIN_MAX_CHARS = 100_000
+TRAIN_MAX_WORD = 256
+_LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (TRAIN_MAX_WORD + 1, TRAIN_MAX_WORD + 1))
+
+
+def _for_training(texts):
+    """What the BPE trainer sees of `texts`: each capped and its over-long runs split (see TRAIN_MAX_*)."""
+    for t in texts:
+        t, start = t[:TRAIN_MAX_CHARS], 0
+        for m in _LONG_RUN.finditer(t):
+            if m.start() > start:
+                yield t[start:m.start()]
+            for i in range(m.start(), m.end(), TRAIN_MAX_WORD):
+                yield t[i:min(i + TRAIN_MAX_WORD, m.end())]
+            start = m.end()
+        if start < len(t):
+            yield t[start:] if start else t
+
+
+def train_bpe(texts, vocab_size, min_frequency, special_tokens):
+    """A byte-level BPE trained on `texts` (as _for_training cuts them), `special_tokens` first in the vocabulary."""
+    tk = HFTokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+                                  special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(_for_training(texts), trainer)
+    return tk
+
+
+def _read(path):
+    try:
+        return HFTokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception with a long message
+        raise ValueError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
+
+
+def fingerprint(tk: HFTokenizer) -> str:
+    """sha256 of what decides the ids of a text: the tokenizer model (its type, vocabulary, merges and settings)
+    and the added tokens (id, content). Taken from the tokenizers library's own serialisation of the loaded
+    tokenizer, so two files that differ only in layout (another library version's field order or defaults,
+    merges stored as "a b" or ["a", "b"]) compare equal; comparing vocabulary sizes only would take another
+    model's tokenizer of the same size."""
+    d = json.loads(tk.to_str())
+    model = dict(d.get("model") or {})
+    if isinstance(model.get("merges"), list):
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model["merges"]]
+    added = sorted((t.get("id"), t.get("content")) for t in d.get("added_tokens") or [])
+    text = json.dumps({"model": model, "added_tokens": added}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

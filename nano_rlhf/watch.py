@@ -5,7 +5,8 @@ Both are the shape of reward hacking (Gao et al. 2023): a judge is trusted only 
 on, and a policy optimised against it finds where it is wrong — often very short or empty answers, or one
 answer repeated, that a reward model scores highly because it never saw them. The run's own figures show it
 (train/response_length, train/score) but nobody reads every curve, so each warning is printed once, naming the
-step, on stderr. The functions here are pure; the scripts sum the counts over ranks and print.
+step, on stderr. The rules are pure functions; check_step (at the end) sums a step's counts over ranks and
+prints what they say.
 
 The thresholds, stated (docs/algorithms.md, "Online and self-play methods"):
   collapse  the step's responses are on average shorter than COLLAPSE_MIN_LENGTH tokens (the stop token not
@@ -22,7 +23,12 @@ The thresholds, stated (docs/algorithms.md, "Online and self-play methods"):
             a reward in [0, 1] with sd₀ near ½ cannot leave at n = 3, and is not meant to (nothing to hack).
 """
 import math
+import sys
 from typing import Optional
+
+import torch
+
+from . import dist
 
 COLLAPSE_MIN_LENGTH = 2.0
 COLLAPSE_SHARE = 0.5
@@ -149,3 +155,15 @@ class Watch:
         self.reference = None if state["reference"] is None else tuple(state["reference"])
         self.warned = list(state["warned"])
         self.flat = int(state["flat"])
+
+
+def check_step(watch, step, lengths, completions, scores, k):
+    """This step's collapse, no-signal and score warnings from the samples of every rank (collective); rank 0
+    prints them on stderr. lengths: each response's tokens, its stop token not counted; scores: the pointwise
+    scores as the judge gave them (before any normalising or penalty), a flat list, or None (a pairwise judge)."""
+    counts = response_counts(lengths, completions, k)
+    flat = scores if scores is not None else []
+    total = dist.all_reduce_sum(torch.tensor(counts + score_moments(flat) + flat_groups(flat, k),
+                                             dtype=torch.float64)).tolist()
+    for line in watch.check(step, total[:4], k, total[4:7] if scores is not None else None, total[7:]):
+        dist.print0(line, file=sys.stderr)

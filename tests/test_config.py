@@ -5,7 +5,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from nano_rlhf.config import build_parser, parse_args, parse_range, range_violation
+from nano_rlhf.cli import build_parser, parse_args, parse_range, range_violation
 
 
 @dataclass
@@ -95,7 +95,7 @@ def test_negative_exponent_and_unknown_option_are_one_line(capsys):
     """`--lr -1e-4` reaches the range check (argparse alone reads '-1e-4' as an option and prints its usage
     block); an unknown option or a bad choice is one line too."""
     import train_dpo
-    from nano_rlhf.config import parse_args
+    from nano_rlhf.cli import parse_args
     for argv, needle in ((["--lr", "-1e-4"], "--lr must be > 0 (got -0.0001)"),
                          (["--no_such_option", "1"], "unrecognized arguments: --no_such_option"),
                          (["--loss", "nope"], "argument --loss: invalid choice")):
@@ -148,7 +148,7 @@ class Wrapped:
 
 
 def test_a_wrapped_comment_is_one_help_line_with_its_range(capsys):
-    from nano_rlhf.config import _field_comments
+    from nano_rlhf.cli import _field_comments
     c = _field_comments(Wrapped)
     assert c["rank"] == ("adapter rank: train rank-r adapters on the frozen model; a reference that is --init is "
                          "then the policy with adapters off; 0 = off {>= 0}")

@@ -825,13 +825,3 @@ def test_token_logps_per_token_and_one_gather(seed):
             assert lp[b, t - 1].item() == pytest.approx(want, abs=2e-5), (b, t)
     sums, _ = sequence_logps(model, ids, attn, resp)
     torch.testing.assert_close(sums, lp.sum(1), rtol=1e-6, atol=FLOAT32_ATOL)
-
-
-def test_one_gather_for_the_pairwise_listwise_and_unpaired_scripts():
-    """train_listwise.py and train_unpaired.py score sequences with train_dpo.py's sequence_logps itself (one
-    name, one contract: sums and lengths), not with copies of it."""
-    import train_dpo
-    import train_listwise
-    import train_unpaired
-    assert train_listwise.sequence_logps is train_dpo.sequence_logps
-    assert train_unpaired.sequence_logps is train_dpo.sequence_logps

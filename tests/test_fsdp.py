@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import pref_rows, prompt_rows, run, sft_rows, weights_close, write_jsonl
-from nano_rlhf import parallel
+from nano_rlhf import checkpoint, parallel
 
 
 # ---- the memory plan ------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def test_shard_rows_are_torch_chunk(n, world):
     """FSDP2 shards dim 0 as torch.chunk does (the last ranks may hold fewer rows, or none)."""
     chunks = torch.arange(n).chunk(world)
     for r in range(world):
-        a, b = parallel.shard_rows(n, world, r)
+        a, b = checkpoint.shard_rows(n, world, r)
         want = chunks[r].tolist() if r < len(chunks) else []
         assert list(range(a, b)) == want
 
@@ -92,23 +92,23 @@ def test_tensor_source_reads_any_rows_across_rank_files(tmp_path):
     w = torch.arange(70.0).view(10, 7)
     step = torch.tensor(3.0)
     for r in range(3):
-        a, b = parallel.shard_rows(10, 3, r)
+        a, b = checkpoint.shard_rows(10, 3, r)
         save_file({"w": w[a:b].contiguous(), **({"step": step} if r == 0 else {})},
                   str(tmp_path / f"m.rank{r}.safetensors"))
     (tmp_path / "m.json").write_text(json.dumps({"world_size": 3, "tensors": {
         "w": {"shape": [10, 7], "sharded": True}, "step": {"shape": [], "sharded": False}}}))
-    src = parallel.TensorSource(str(tmp_path), "m")
+    src = checkpoint.TensorSource(str(tmp_path), "m")
     assert src.sharded and torch.equal(src.read("w"), w) and torch.equal(src.read("step"), step)
     for r in range(2):
-        a, b = parallel.shard_rows(10, 2, r)
+        a, b = checkpoint.shard_rows(10, 2, r)
         assert torch.equal(src.read("w", a, b), w[a:b])
     save_file({"w": w, "step": step}, str(tmp_path / "whole.safetensors"))
-    whole = parallel.TensorSource(str(tmp_path), "whole")
+    whole = checkpoint.TensorSource(str(tmp_path), "whole")
     assert not whole.sharded and torch.equal(whole.read("w", 4, 8), w[4:8])
     os.remove(tmp_path / "m.rank1.safetensors")
     from nano_rlhf.checkpoint import StateError
     with pytest.raises(StateError, match=r"m.rank1.safetensors: missing"):
-        parallel.TensorSource(str(tmp_path), "m").read("w", 0, 10)
+        checkpoint.TensorSource(str(tmp_path), "m").read("w", 0, 10)
 
 
 # ---- the scripts under torchrun -------------------------------------------------------------------

@@ -94,13 +94,13 @@ def test_every_kind_has_cases_and_malformed_answers_score_zero():
 
 def test_every_phrasing_reads_back_alone_and_in_company():
     rng = random.Random(0)
-    for kind in ifeval.KINDS:
+    for kind in ifeval.CONSTRAINTS:
         for i in range(len(kind.phrasings)):
             args = kind.sample(rng)
             text = "Describe tea. " + ifeval.sentence(kind.name, args, i)
             assert ifeval.parse(text) == [(kind.name, {**args, "request": "Describe tea."})]
     for _ in range(300):          # any compatible set, any phrasings, in any order: all read back
-        kinds = ifeval._draw_kinds(rng, [k.name for k in ifeval.KINDS])
+        kinds = ifeval._draw_kinds(rng, [k.name for k in ifeval.CONSTRAINTS])
         sent = [(k, ifeval.BY_NAME[k].sample(rng), rng.randrange(len(ifeval.BY_NAME[k].phrasings))) for k in kinds]
         text = "Write a poem about snow. " + " ".join(ifeval.sentence(k, a, i) for k, a, i in sent)
         assert [(k, {x: v for x, v in a.items() if x != "request"}) for k, a in ifeval.parse(text)] == \
@@ -145,7 +145,7 @@ def test_files_hold_out_kinds_phrasings_families_and_topics_and_are_seeded(tmp_p
     assert set(ifeval.HELD_OUT) <= {k for ks in kinds(evals) for k in ks}
     assert all(1 <= len(ks) <= 3 and ifeval._compatible(ks) for ks in kinds(train) + kinds(evals))
     last = [ifeval.sentence(k.name, k.sample(random.Random(0)), len(k.phrasings) - 1).split("{")[0][:25]
-            for k in ifeval.KINDS if not k.held_out]
+            for k in ifeval.CONSTRAINTS if not k.held_out]
     assert not any(s in p for s in last for p in train)                         # the last phrasing: eval only
     assert any(s in p for s in last for p in evals)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nano_rlhf import synthetic
-from nano_rlhf.judge import Judge, bradley_terry, load_judge
+from nano_rlhf.reward import Judge, bradley_terry, load_judge
 
 
 def test_bradley_terry_is_the_logistic_of_the_score_difference():
@@ -80,6 +80,6 @@ def test_bad_judge_specifications_are_one_line(capfd, args, msg):
 
 def test_pairwise_only_judge_refuses_scores_in_one_line(tmp_path):
     path = _write(tmp_path, "def prefer(prompts, a, b):\n    return [0.5 for _ in a]\n")
-    code = f"from nano_rlhf.judge import load_judge; load_judge(pair_spec={path + ':prefer'!r}).scores(['q'], ['a'])"
+    code = f"from nano_rlhf.reward import load_judge; load_judge(pair_spec={path + ':prefer'!r}).scores(['q'], ['a'])"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode != 0 and "pairwise only" in r.stderr

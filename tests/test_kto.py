@@ -1,6 +1,5 @@
-"""KTO as a whole, in its home train_unpaired.py (--method kto): the frozen reference, precomputed reference,
-DDP's z₀, end to end, resume, bad input (one line, nothing written); and its old command `train_dpo.py --loss
-kto`: one line of notice, then the same run, to the bit. The loss and z₀ against float64 oracles:
+"""KTO as a whole, in train_unpaired.py (--method kto): the frozen reference, precomputed reference, DDP's z₀, end
+to end, resume, bad input (one line, nothing written). The loss and z₀ against float64 oracles:
 test_dpo_losses.py."""
 import json
 import math
@@ -12,7 +11,7 @@ from safetensors.torch import load_file
 import train_dpo
 import train_unpaired
 from conftest import metrics, one_line_error, run, unpaired_rows, write_jsonl
-from nano_rlhf.config import parse_args
+from nano_rlhf.cli import parse_args
 from nano_rlhf.model import GPT
 
 
@@ -24,12 +23,6 @@ def kto_args(tmp_path, sft_dir, out, *extra, steps=3):
             str(tmp_path / "unpaired_eval.jsonl"), "--init", sft_dir, "--out_dir", str(tmp_path / out), "--max_steps",
             str(steps), "--batch_size", "4", "--log_interval", "1", "--eval_interval", "0", "--lr", "1e-3",
             "--warmup_steps", "0", *extra]
-
-
-def old_command(args):
-    """The same flags as train_dpo.py took them before KTO moved: --loss kto, not --method kto."""
-    i = args.index("--method")
-    return args[:i] + ["--loss", "kto"] + args[i + 2:]
 
 
 # ---- the mismatched pairs ---------------------------------------------------------------------------
@@ -195,57 +188,20 @@ def test_eval_fraction_taking_every_row_says_so(tmp_path, sft_dir, capsys):
     one_line_error(capsys, lambda: train_unpaired.main(args), "--eval_fraction 0.05 holds out every row")
 
 
-# ---- the old command: train_dpo.py --loss kto ------------------------------------------------------------
-
-@pytest.mark.parametrize("argv,want", [
-    (["--loss", "kto", "--data", "x"], ["--data", "x", "--method", "kto"]),
-    (["--lr", "-1e-4", "--loss=kto", "--beta", "0.2"], ["--lr", "-1e-4", "--beta", "0.2", "--method", "kto"]),
-    (["--los", "kto"], ["--method", "kto"]),                        # an abbreviation argparse takes
-    (["--lo", "kto"], None), (["--l", "kto"], None),                # ambiguous (--lr, --lam, --lora_*): parse_args
-    (["--loss", "dpo", "--data", "x"], None), ([], None), (["--loss"], None), (["--data", "kto"], None),
-])
-def test_old_kto_command_is_recognised_and_translated(argv, want):
-    assert train_dpo.kto_argv(argv) == want
-
-
-def test_old_command_prints_one_notice_and_trains_the_same_weights(tmp_path, sft_dir, capsys, monkeypatch):
-    """`train_dpo.py --loss kto` runs train_unpaired.py --method kto: one line says so, the weights are the new
-    command's to the bit (same data order, z₀, mismatched pairs and sums), and the default out_dir is still
-    out/kto."""
-    args = kto_args(tmp_path, sft_dir, "new", "--eval_interval", "2")
-    train_unpaired.main(args)
-    assert "note: --loss kto moved" not in capsys.readouterr().out
-    monkeypatch.chdir(tmp_path)
-    old = old_command(args)
-    i = old.index("--out_dir")
-    out = train_dpo.main(old[:i] + old[i + 2:])                    # no --out_dir: the default
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == train_dpo.KTO_MOVED == "note: --loss kto moved to train_unpaired.py --method kto; running that"
-    assert sum("--loss kto" in x for x in lines) == 1
-    assert out.options.method == "kto" and out.options.out_dir == "out/kto"
-    a, b = load_file(tmp_path / "new" / "model.safetensors"), load_file(tmp_path / "out" / "kto" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda rows: [{k: v for k, v in x.items() if k != "train/tokens_per_s"} for x in rows]
-    assert strip(metrics(tmp_path / "new")) == strip(metrics(tmp_path / "out" / "kto"))
-
-
-def test_old_command_as_a_process(tmp_path, sft_dir):
-    args = old_command(kto_args(tmp_path, sft_dir, "o", "--precompute_ref", steps=1))
-    p = run(["train_dpo.py"] + args)
-    assert p.stdout.splitlines()[0] == train_dpo.KTO_MOVED and p.stdout.count("note: --loss kto") == 1
-    assert "precomputed reference log-probs" in p.stdout and (tmp_path / "o" / "model.safetensors").exists()
-
+# ---- bad flags ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags,msg", [
-    (["--nll_coef", "0.1"], "--nll_coef is not an option of train_unpaired.py --method kto"),
-    (["--listwise_pairs", "all"], "--listwise_pairs is not an option of train_unpaired.py --method kto"),
-    (["--l1_coef", "1e-4"], "--l1_coef is not an option of train_unpaired.py --method kto"),   # PAFT: pairwise
     (["--batch_size", "1"], "--method kto needs --batch_size >= 2"),
     (["--desirable_weight", "0"], "--desirable_weight"),
 ])
-def test_old_command_bad_flag_is_one_line_error(tmp_path, sft_dir, capsys, flags, msg):
-    one_line_error(capsys, lambda: train_dpo.main(old_command(kto_args(tmp_path, sft_dir, "o", *flags))), msg)
+def test_bad_flag_is_one_line_error(tmp_path, sft_dir, capsys, flags, msg):
+    one_line_error(capsys, lambda: train_unpaired.main(kto_args(tmp_path, sft_dir, "o", *flags)), msg)
     assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_train_dpo_has_no_kto(capsys):
+    """KTO is train_unpaired.py's (unpaired data); train_dpo.py's --loss refuses it like any unknown choice."""
+    one_line_error(capsys, lambda: parse_args(train_dpo.Options, ["--loss", "kto"]), "argument --loss")
 
 
 def test_compile_is_accepted_and_refused_with_fsdp(capsys):

@@ -12,7 +12,7 @@ import torch
 from conftest import prompt_rows, run, tiny_model, write_jsonl
 from nano_rlhf import label
 from nano_rlhf.data import load_records, load_scored
-from nano_rlhf.judge import DEFAULT_TEMPLATE, LLMJudge, fill_template, load_judge, parse_score
+from nano_rlhf.reward import DEFAULT_TEMPLATE, LLMJudge, fill_template, load_judge, parse_score
 
 JUDGES = """
 def chars(prompts, completions):

@@ -371,8 +371,6 @@ def test_flags_the_loss_would_ignore_are_errors(tmp_path, sft_dir, capsys):
     for args, msg in ((["--loss", "rrhf", "--beta", "0.2"], "error: --beta applies only to --loss lipo"),
                       (["--loss", "pro", "--ref", sft_dir], "error: --ref applies only to --loss lipo")):
         assert one_line_exit(capsys, L.main, [*args, "--init", sft_dir, "--out_dir", str(tmp_path / "o")]).startswith(msg)
-    assert one_line_exit(capsys, train_dpo.main, ["--loss", "kto", "--listwise_pairs", "all", "--init", sft_dir]) \
-        .startswith("error: --listwise_pairs is not an option of train_unpaired.py --method kto")
 
 
 # ---- the built-in task, end to end ---------------------------------------------------------------
@@ -443,13 +441,13 @@ def test_first_step_loss_equals_the_oracle_on_real_log_probs(tmp_path, task_dir,
 
 
 def test_an_old_data_directory_gets_its_listwise_files(tmp_path, monkeypatch):
-    from nano_rlhf import builtin
+    from nano_rlhf import data as data_mod
     d = tmp_path / "d"
     synthetic.write_dataset(str(d), seed=3, **SMALL)
     want = (d / "listwise_eval.jsonl").read_bytes()
     for f in ("listwise.jsonl", "listwise_eval.jsonl"):
         (d / f).unlink()
-    monkeypatch.setattr(builtin, "BUILTIN_DIR", str(d))
+    monkeypatch.setattr(data_mod, "BUILTIN_DIR", str(d))
     before = {f.name: f.read_bytes() for f in d.iterdir()}
     opts = types.SimpleNamespace(data="", eval_data="")
     assert L.data_files(opts) == {"data": str(d / "listwise.jsonl"), "eval_data": str(d / "listwise_eval.jsonl")}

@@ -7,7 +7,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_config, tiny_model
 from numerics import FLOAT32_ATOL, MARGIN, assert_close64, greedy_margin
-from nano_rlhf.model import GPT, GPTConfig, ScoreModel, sample_token
+from nano_rlhf.model import GPT, GPTConfig, ScoreModel
+from nano_rlhf.sampling import sample_token
 
 pytestmark = pytest.mark.numeric     # also run under ATEN_CPU_CAPABILITY=default by .ci/run
 

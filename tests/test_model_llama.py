@@ -6,8 +6,7 @@ import json
 import pytest
 import torch
 
-from nano_rlhf.hf_io import expected_shapes
-from nano_rlhf.model import GPT, GPTConfig, ScoreModel, rope_frequencies, token_logprobs
+from nano_rlhf.model import GPT, GPTConfig, ScoreModel, expected_shapes, rope_frequencies, token_logprobs
 from numerics import FLOAT32_ATOL, MARGIN, greedy_margin
 
 pytestmark = pytest.mark.numeric     # also run under ATEN_CPU_CAPABILITY=default by .ci/run
@@ -58,7 +57,7 @@ def hf_model(name, head="lm", seed=0, **kw):
 
 def our_config(name):
     """The GPTConfig our reader makes of the family's config (through a saved HF config)."""
-    from nano_rlhf.hf_io import config_from_hf
+    from nano_rlhf.model import config_from_hf
     return config_from_hf(hf_config(name).to_dict(), "config.json")
 
 

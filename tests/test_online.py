@@ -10,8 +10,8 @@ import torch
 
 import train_online as T
 from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
-from nano_rlhf.judge import Judge, preference_matrix, symmetric_preference
 from nano_rlhf.model import GPT
+from nano_rlhf.reward import Judge, preference_matrix, symmetric_preference
 
 
 # ---- float64 oracles ---------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def table_judge(upper):
 
 
 def group_matrix(upper):
-    """One group's (P, D) as the training loop builds them (nano_rlhf.judge.preference_matrix)."""
+    """One group's (P, D) as the training loop builds them (nano_rlhf.reward.preference_matrix)."""
     judge, comps = table_judge(upper)
     P = preference_matrix(judge, ["q"] * len(comps), comps, len(comps))[0]
     return P, T.preference_logits(P)
@@ -374,11 +374,11 @@ def test_a_position_biased_judge_gives_no_pair_and_no_update(tmp_path, sft_dir, 
 
 
 def test_llm_judge_with_a_template_end_to_end(tmp_path, sft_dir, tok, capsys):
-    """--judge llm:DIR --judge_template FILE, as train_ppo.py's SPO takes them (nano_rlhf.judge.load_judge): the
+    """--judge llm:DIR --judge_template FILE, as train_ppo.py's SPO takes them (nano_rlhf.reward.load_judge): the
     judge is a tiny saved model whose greedy answer is always "7", so every sample scores 7 (all tied: no pair).
     A template given without an LLM judge, or a missing judge directory, is one line before --out_dir exists."""
     from test_label import judge_dir as answering_judge_dir        # a saved model that always answers the token
-    from nano_rlhf.judge import LLMJudge
+    from nano_rlhf.reward import LLMJudge
     judge = f"llm:{answering_judge_dir(tmp_path, tok, '7')}"
     template = tmp_path / "t.txt"
     template.write_text("Rate from 1 to 10 the answer {response} to: {prompt}\nScore:")
@@ -487,7 +487,7 @@ def test_reward_model_judge_scores_the_sampled_ids_closed_by_the_end_token(tok, 
     at its stop token; a response that never stopped is closed by an end-of-text first. No decode/re-encode:
     rows whose texts would re-encode longer than the context still fit."""
     from nano_rlhf.data import tokenize_prompts
-    from nano_rlhf.judge import load_judge
+    from nano_rlhf.reward import load_judge
     from nano_rlhf.model import ScoreModel
     policy = GPT.from_pretrained(eos_sft_dir).eval()
     prompts, _ = tokenize_prompts(prompt_rows(6), tok, 40)

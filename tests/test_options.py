@@ -1,4 +1,4 @@
-"""The shared run options (nano_rlhf/options.py): every script accepts exactly the flags, with the same defaults
+"""The shared run options (nano_rlhf/cli.py): every script accepts exactly the flags, with the same defaults
 and choices, that it accepted when each script declared its own (recorded from the scripts' parsers before the
 move, in fixtures/script_flags_before_run_options.json), and the survey scripts gain the FSDP and LoRA flags."""
 import importlib
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from nano_rlhf.config import build_parser
+from nano_rlhf.cli import build_parser
 
 BEFORE = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "script_flags_before_run_options.json")))
 # what train_listwise / train_unpaired / train_online gained: train_dpo's FSDP and LoRA flags, its defaults
@@ -15,7 +15,7 @@ GAINED = {"--fsdp": [False, None], "--frozen": ["shard", ["shard", "replicate"]]
           "--lora_r": [0, None], "--lora_alpha": [16.0, None], "--lora_dropout": [0.0, None],
           "--lora_targets": ["", None]}
 SURVEY = ("train_listwise", "train_unpaired", "train_online")
-# KTO moved from train_dpo.py (whose --loss kto still runs it, tested in test_kto.py) to train_unpaired.py
+# KTO moved from train_dpo.py to train_unpaired.py
 # --method kto, with the flags of its own: train_dpo lost them, train_unpaired gained them (kto-only there)
 KTO_FLAGS = {"--desirable_weight": [1.0, None], "--undesirable_weight": [1.0, None]}
 # (and --compile, which train_dpo.py --loss kto took: train_unpaired's methods run full-sequence forwards only)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from conftest import prompt_rows, write_jsonl
-from nano_rlhf import config, evaluate, label, merge
+from nano_rlhf import cli, evaluate, label, merge
 
 SCRIPTS = ["train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired", "train_online"]
 
@@ -29,12 +29,12 @@ def test_script_float_options_refuse_non_finite(capsys, script, value):
     module = importlib.import_module(script)
     floats = [f.name for f in module.Options.__dataclass_fields__.values() if f.type in (float, "float")]
     assert floats
-    means_inf = {k for k, c in config._field_comments(module.Options).items() if "inf = " in c}
+    means_inf = {k for k, c in cli._field_comments(module.Options).items() if "inf = " in c}
     for name in floats:
         if name in means_inf and value == "inf":      # e.g. --score_clip inf: no clipping, as its help says
-            assert config.parse_args(module.Options, [f"--{name}", value]) is not None
+            assert cli.parse_args(module.Options, [f"--{name}", value]) is not None
             continue
-        msg = one_line_exit(capsys, lambda: config.parse_args(module.Options, [f"--{name}", value]), code=2)
+        msg = one_line_exit(capsys, lambda: cli.parse_args(module.Options, [f"--{name}", value]), code=2)
         assert f"--{name}" in msg and ("finite" in msg or "expected a number" in msg or "must be" in msg)
 
 
@@ -156,5 +156,5 @@ def test_a_device_this_machine_lacks_is_one_line(capsys, script, device):
 @pytest.mark.parametrize("script", SCRIPTS + ["nano_rlhf.label"])
 def test_a_seed_outside_64_bits_is_one_line(capsys, script):
     module = importlib.import_module(script)
-    msg = one_line_exit(capsys, lambda: config.parse_args(module.Options, ["--seed", str(2 ** 63)]), code=2)
+    msg = one_line_exit(capsys, lambda: cli.parse_args(module.Options, ["--seed", str(2 ** 63)]), code=2)
     assert "--seed" in msg and "2**63" in msg

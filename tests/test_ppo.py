@@ -44,7 +44,7 @@ def test_rollout_truncates_at_eos_and_scores_there(tok, rm_dir, eos_sft_dir):
     prompts, _ = tokenize_prompts(prompt_rows(8), tok, 40)
     gen = torch.Generator().manual_seed(0)
     models = train_ppo.Models(policy=policy, reward=load_reward(rm_dir, tokenizer=tok), ref=policy)
-    r = train_ppo.rollout(prompts, models, tok, o, gen)
+    r = train_ppo.rollout(lambda: prompts, models, tok, o, gen)
     P, m = r.query_len, r.response_mask
     finished = r.has_eos.bool()
     assert 0 < finished.sum() < len(finished), "the test needs both finished and unfinished rows"
@@ -164,7 +164,7 @@ def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir
     rows[0]["prompt"] = "review"                                       # prompts of very different lengths
     prompts, _ = tokenize_prompts(rows, tok, 40)
     models = train_ppo.Models(policy=policy, reward=lambda p, c: [0.0] * len(c), ref=policy)
-    r = train_ppo.rollout(prompts, models, tok, o, torch.Generator().manual_seed(3))
+    r = train_ppo.rollout(lambda: prompts, models, tok, o, torch.Generator().manual_seed(3))
     P, m = r.query_len, r.response_mask
     assert len({int(a[:P].sum()) for a in r.attention_mask}) > 1, "the test needs left padding"
     for i in range(len(m)):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 from nano_rlhf import dist, run as run_mod
 from nano_rlhf.checkpoint import save_state
-from nano_rlhf.config import parse_args
+from nano_rlhf.cli import parse_args
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Options:
 def main(argv=None):
     opts = parse_args(Options, argv)
     world = dist.setup("cpu", timeout_minutes=opts.dist_timeout)
-    run = run_mod.start(opts, script="toy", identity={"lr": opts.lr}, inputs={"init": opts.init},
+    run = run_mod.open_run(opts, script="toy", identity={"lr": opts.lr}, inputs={"init": opts.init},
                         data_files={"data": opts.data})
     print("started", flush=True)
     time.sleep(opts.sleep)
@@ -133,7 +133,7 @@ def test_end_of_step_logs_evaluates_saves_and_records_identity(toy, tmp_path, ca
     samples = [json.loads(ln) for ln in open("out/toy/samples.jsonl")]
     assert samples == [{"step": 2, "prompt": "p|q", "completion": "c", "score": 1.0}]
     rec = json.load(open("out/toy/state/run.json"))
-    from nano_rlhf.options import CHANGEABLE
+    from nano_rlhf.cli import CHANGEABLE
     options = {f.name for f in dataclasses.fields(toy.Options)}
     assert set(rec["identity"]) == {"script", "global_batch"} | (options - CHANGEABLE)   # every option but those
     assert rec["identity"]["lr"] == 0.1 and rec["identity"]["global_batch"] == 2 and "out_dir" not in rec["identity"]
@@ -417,7 +417,7 @@ def test_start_checks_run_on_rank_0_and_every_rank_stops(toy, tmp_path):
 # ---- one identity rule for every script -------------------------------------------------------------------
 
 def test_an_option_added_to_a_script_is_refused_when_changed_on_resume(tmp_path, sft_dir, monkeypatch, capfd):
-    """Every option is the run's identity unless nano_rlhf/options.py declares it changeable: an option a script
+    """Every option is the run's identity unless nano_rlhf/cli.py declares it changeable: an option a script
     gains later (here a dummy on train_sft.py's Options) is compared by --resume without anyone listing it."""
     import train_sft
     from conftest import write_jsonl

@@ -98,38 +98,38 @@ def test_garbage_gets_finite_low_rewards(junk):
 
 
 def test_default_data_is_written_once_and_every_kind_resolves_to_its_file(tmp_path, monkeypatch):
-    """nano_rlhf.builtin.default_data: the first call writes the task (seed 0) into the data directory, later
+    """nano_rlhf.data.default_data: the first call writes the task (seed 0) into the data directory, later
     calls write nothing and return the same paths; a kind without an eval file gives None."""
-    from nano_rlhf import builtin
+    from nano_rlhf import data as data_mod
     d = tmp_path / "data"
-    monkeypatch.setattr(builtin, "BUILTIN_DIR", str(d))
+    monkeypatch.setattr(data_mod, "BUILTIN_DIR", str(d))
     writes, real = [], S.write_dataset
     monkeypatch.setattr(S, "write_dataset", lambda out, seed=0: writes.append((out, seed)) or
                         real(out, seed, n_listwise=20, **SMALL))
-    want = {(k, s): os.path.join(str(d), n) if n else None for k, names in builtin.FILES.items()
+    want = {(k, s): os.path.join(str(d), n) if n else None for k, names in data_mod.FILES.items()
             for s, n in zip(("train", "eval"), names)}
-    assert {ks: builtin.default_data(*ks) for ks in want} == want
+    assert {ks: data_mod.default_data(*ks) for ks in want} == want
     assert writes == [(str(d), 0)]
     before = {f: (d / f).read_bytes() for f in os.listdir(d)}
     assert all(p is None or os.path.isfile(p) for p in want.values())
-    assert {ks: builtin.default_data(*ks) for ks in want} == want and writes == [(str(d), 0)]
+    assert {ks: data_mod.default_data(*ks) for ks in want} == want and writes == [(str(d), 0)]
     assert {f: (d / f).read_bytes() for f in os.listdir(d)} == before
     assert want["unpaired", "eval"] is None and want["prompts", "eval"].endswith("eval_prompts.jsonl")
     with pytest.raises(ValueError, match="kinds: sft, preference"):
-        builtin.default_data("ranking")
+        data_mod.default_data("ranking")
 
 
 def test_default_data_adds_a_file_an_old_data_directory_lacks(tmp_path, monkeypatch):
     """A data directory written before scored.jsonl existed gets just that file, as write_dataset writes it
     (the directory's seed, as many rows as unpaired.jsonl); every other file stays byte for byte."""
-    from nano_rlhf import builtin
+    from nano_rlhf import data as data_mod
     d = tmp_path / "data"
     S.write_dataset(str(d), seed=3, n_listwise=20, **SMALL)
     want = (d / S.SCORED_FILE).read_bytes()
     (d / S.SCORED_FILE).unlink()
     before = {f: (d / f).read_bytes() for f in os.listdir(d)}
-    monkeypatch.setattr(builtin, "BUILTIN_DIR", str(d))
-    assert builtin.default_data("scored") == str(d / S.SCORED_FILE)
+    monkeypatch.setattr(data_mod, "BUILTIN_DIR", str(d))
+    assert data_mod.default_data("scored") == str(d / S.SCORED_FILE)
     assert (d / S.SCORED_FILE).read_bytes() == want
     assert all((d / f).read_bytes() == b for f, b in before.items())
 
@@ -138,7 +138,7 @@ def test_default_data_adds_a_file_an_old_data_directory_lacks(tmp_path, monkeypa
 # rename waits 0.2 s, so that two writers of one file are mid-write together; both start at one signal.
 FIRST_RUN = """
 import os, sys, time
-from nano_rlhf import builtin, synthetic
+from nano_rlhf import data as data_mod, synthetic
 synthetic.write_dataset.__defaults__ = (0, 400, 300, 200, 50, 40, 0.05, 20)
 replace = os.replace
 os.replace = lambda a, b: (time.sleep(0.2), replace(a, b))

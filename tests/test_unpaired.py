@@ -10,7 +10,8 @@ import torch
 
 import train_unpaired as tu
 from conftest import metrics, one_line_error, run, tiny_model, unpaired_rows, weights_close, write_jsonl
-from nano_rlhf import builtin, synthetic
+from nano_rlhf import synthetic
+from nano_rlhf import data as data_mod
 from nano_rlhf.data import DataError, load_scored, tokenize_unpaired
 from nano_rlhf.model import ScoreModel
 
@@ -356,7 +357,7 @@ def test_every_method_end_to_end_on_the_builtin_task(tmp_path_factory, sft_dir, 
         synthetic.write_dataset(str(data), seed=0, n_sft=40, n_pref=40, n_unpaired=200, n_prompts=10, n_eval_prompts=8)
     if method == "dro":                 # a data/ written before scored.jsonl existed gets just that file added
         (data / synthetic.SCORED_FILE).unlink(missing_ok=True)
-    monkeypatch.setattr(builtin, "BUILTIN_DIR", str(data))
+    monkeypatch.setattr(data_mod, "BUILTIN_DIR", str(data))
     out = tmp_path_factory.mktemp(method)
     capsys.readouterr()
     tu.main(["--method", method, "--init", sft_dir, "--out_dir", str(out), "--max_steps", "2", "--batch_size", "4",

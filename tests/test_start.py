@@ -1,4 +1,4 @@
-"""nano_rlhf/launch.py, the set-up every script shares: the pieces on their own (placing and seeding, wrapping with
+"""nano_rlhf/run.py, the set-up every script shares: the pieces on their own (placing and seeding, wrapping with
 the script's AdamW settings, the tokenizer recorded in the run, inputs loaded before the run touches out_dir,
 save/resume of models, optimizers and data order, train_config.json), then every one of the seven scripts
 through it: the same calls in every main (so --fsdp, --lora_*, --resume and the memory plan are the same code in
@@ -24,10 +24,10 @@ import train_ppo
 import train_rm
 import train_sft
 import train_unpaired
-from nano_rlhf import dist, launch
+from nano_rlhf import dist
 from nano_rlhf import run as run_mod
+from nano_rlhf.cli import RunOptions
 from nano_rlhf.data import Batches
-from nano_rlhf.options import RunOptions
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Toy(RunOptions):
 
 
 def toy(argv=()):
-    return launch.start(Toy, list(argv), "toy", check=lambda o: None, script="toy",
+    return run_mod.start(Toy, list(argv), "toy", check=lambda o: None, script="toy",
                         record=lambda o, data: {"identity": {"lr": o.lr}})
 
 
@@ -51,7 +51,7 @@ def toy(argv=()):
 def test_place_moves_checkpoints_the_trained_only_and_seeds_per_rank(tok):
     opts = Toy(grad_checkpoint=True)
     policy, ref = tiny_model(tok), tiny_model(tok, seed=1)
-    launch.place(opts, dist.world(), {"policy": policy}, {"reference": ref, "absent": None})
+    run_mod.place(opts, dist.world(), {"policy": policy}, {"reference": ref, "absent": None})
     assert policy.gradient_checkpointing and not ref.gradient_checkpointing
     dev = dist.world().device
     assert all(p.device.type == dev.type for m in (policy, ref) for p in m.parameters())
@@ -62,7 +62,7 @@ def test_place_moves_checkpoints_the_trained_only_and_seeds_per_rank(tok):
 
 def test_wrap_takes_the_scripts_adamw_settings(tok):
     model = tiny_model(tok)
-    ddp, opt = launch.wrap(Toy(), model, 0.5)
+    ddp, opt = run_mod.prepare(Toy(), model, 0.5)
     assert ddp is model                             # one process: the model itself
     groups = opt.param_groups
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and groups[0]["lr"] == 0.5
@@ -73,7 +73,7 @@ def test_wrap_takes_the_scripts_adamw_settings(tok):
         beta1: float = 0.8
         beta2: float = 0.99
         adam_eps: float = 1e-5
-    _, opt = launch.wrap(WithAdam(), model, 0.5)
+    _, opt = run_mod.prepare(WithAdam(), model, 0.5)
     assert opt.param_groups[0]["betas"] == (0.8, 0.99) and opt.param_groups[0]["eps"] == 1e-5
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
 
@@ -83,11 +83,11 @@ def test_tokenizer_is_recorded_and_trained_only_without_tokenizer_or_init(tok, t
     tok.save(path)
     run = type("R", (), {"identity": {}})()
     made = []
-    got = launch.tokenizer(Toy(tokenizer=path), run, train=lambda: made.append(1))
+    got = run_mod.tokenizer(Toy(tokenizer=path), run, train=lambda: made.append(1))
     assert not made and got.vocab_size == tok.vocab_size
     assert run.identity == {"chat_template": got.chat_template, "date_string": got.date_string}
     run.identity.clear()
-    assert launch.tokenizer(Toy(), run, train=lambda: got) is got and run.identity["chat_template"] == got.chat_template
+    assert run_mod.tokenizer(Toy(), run, train=lambda: got) is got and run.identity["chat_template"] == got.chat_template
 
 
 def test_start_loads_inputs_before_the_run_touches_out_dir(tmp_path, capsys):
@@ -98,11 +98,11 @@ def test_start_loads_inputs_before_the_run_touches_out_dir(tmp_path, capsys):
         seen.append(opts.out_dir)
         run_mod.fail("bad data")
     with pytest.raises(SystemExit):
-        launch.start(Toy, ["--out_dir", str(out)], "toy", check=lambda o: None, script="toy",
+        run_mod.start(Toy, ["--out_dir", str(out)], "toy", check=lambda o: None, script="toy",
                      record=lambda o, d: {}, load=bad)
     assert seen == [str(out)] and not out.exists()
     assert capsys.readouterr().err.strip() == "error: bad data"
-    opts, world, run, data = launch.start(Toy, ["--out_dir", str(out)], "toy", check=lambda o: None, script="toy",
+    opts, world, run, data = run_mod.start(Toy, ["--out_dir", str(out)], "toy", check=lambda o: None, script="toy",
                                           record=lambda o, d: {"identity": {"rows": d}}, load=lambda o: 7)
     assert data == 7 and run.identity["rows"] == 7 and run.identity["script"] == "toy" and world is dist.world()
     run.finish()
@@ -112,7 +112,7 @@ def test_check_runs_before_the_run_starts(tmp_path, capsys):
     def check(opts):
         run_mod.fail("--lr is wrong", 2)
     with pytest.raises(SystemExit) as e:
-        launch.start(Toy, ["--out_dir", str(tmp_path / "o")], "toy", check=check, script="toy",
+        run_mod.start(Toy, ["--out_dir", str(tmp_path / "o")], "toy", check=check, script="toy",
                      record=lambda o, d: {})
     assert e.value.code == 2 and not (tmp_path / "o").exists()
 
@@ -121,13 +121,13 @@ def test_save_then_resume_restores_models_optimizers_and_data_order(tok, tmp_pat
     out = str(tmp_path / "o")
     opts, world, run, _ = toy(["--out_dir", out])
     model = tiny_model(tok)
-    _, opt = launch.wrap(opts, model, opts.lr)
+    _, opt = run_mod.prepare(opts, model, opts.lr)
     batches = Batches(10, 2, 1, 0, 1, seed=0)
     model(torch.ones(1, 4, dtype=torch.long)).sum().backward()
     opt.step()
     batches.next_step()
     batches.next_step()
-    launch.save(opts, 2, {"policy": model}, {"policy": opt}, data={"data": batches}, extra=1.5)
+    run_mod.save(opts, 2, {"policy": model}, {"policy": opt}, data={"data": batches}, extra=1.5)
     run.saved = True
     run.finish()
     want = {k: v.clone() for k, v in model.state_dict().items()}
@@ -135,9 +135,9 @@ def test_save_then_resume_restores_models_optimizers_and_data_order(tok, tmp_pat
 
     opts, world, run, _ = toy(["--out_dir", out, "--resume"])
     fresh = tiny_model(tok, seed=5)
-    _, opt2 = launch.wrap(opts, fresh, opts.lr)
+    _, opt2 = run_mod.prepare(opts, fresh, opts.lr)
     order = Batches(10, 2, 1, 0, 1, seed=0)
-    meta = launch.resume(opts, run, {"policy": fresh}, {"policy": opt2}, data={"data": order}, max_steps=4)
+    meta = run_mod.resume(opts, run, {"policy": fresh}, {"policy": opt2}, data={"data": order}, max_steps=4)
     assert meta["step"] == 2 and meta["extra"] == 1.5 and run.step == 2
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
     assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
@@ -151,7 +151,7 @@ def test_save_then_resume_restores_models_optimizers_and_data_order(tok, tmp_pat
 def test_resume_off_writes_the_config_and_restores_nothing(tok, tmp_path):
     opts, world, run, _ = toy(["--out_dir", str(tmp_path / "o")])
     order = Batches(10, 2, 1, 0, 1, seed=0)
-    assert launch.resume(opts, run, {"policy": tiny_model(tok)}, {}, data={"data": order}, global_batch=2) == {}
+    assert run_mod.resume(opts, run, {"policy": tiny_model(tok)}, {}, data={"data": order}, global_batch=2) == {}
     with open(tmp_path / "o" / "train_config.json") as f:
         assert json.load(f)["global_batch"] == 2
     run.finish()
@@ -195,28 +195,28 @@ def test_every_script_sets_up_through_launch(name, tmp_path, sft_dir, rm_dir, ta
     launch, in that order: --fsdp, the same-weights check, the seeding and the plan are the same code in all."""
     mod, argv = script_args(name, tmp_path, sft_dir, rm_dir, task_dir)
     calls = []
-    real_place, real_wrap = launch.place, launch.wrap
+    real_place, real_wrap = run_mod.place, run_mod.prepare
 
     def place(opts, world, trained, frozen=None):
         calls.append(("place", {k for k, m in trained.items() if m is not None},
                       {k for k, m in (frozen or {}).items() if m is not None}))
         return real_place(opts, world, trained, frozen)
 
-    def wrap(opts, model, lr):
-        calls.append(("wrap", lr))
+    def prepare(opts, model, lr):
+        calls.append(("prepare", lr))
         return real_wrap(opts, model, lr)
 
     def plan(opts, models):
         calls.append(("plan", [k for k, m in models.items() if m is not None]))
         raise Planned
-    monkeypatch.setattr(launch, "place", place)
-    monkeypatch.setattr(launch, "wrap", wrap)
-    monkeypatch.setattr(launch, "plan", plan)
+    monkeypatch.setattr(run_mod, "place", place)
+    monkeypatch.setattr(run_mod, "prepare", prepare)
+    monkeypatch.setattr(run_mod, "plan", plan)
     with pytest.raises(Planned):
         mod.main(argv)
     trained, frozen, planned = PLACED[name]
     assert calls[0] == ("place", trained, frozen)
-    assert [c[0] for c in calls[1:]] == ["wrap"] * len(trained) + ["plan"]
+    assert [c[0] for c in calls[1:]] == ["prepare"] * len(trained) + ["plan"]
     assert calls[-1][1] == planned
 
 

@@ -1,0 +1,136 @@
+"""Rollouts for a script that trains on its own samples (train_ppo.py): sample k completions per prompt with the
+rollout engine, cut each after its first stop token, read the reward (a reward model on the very ids sampled, a
+function on the decoded texts, or a judge's preferences within each prompt's group), and DAPO's sampling rounds;
+the Rollout container the update reads. Knows no loss, advantage or KL: what a reward becomes (normalised,
+clipped, penalised, a win rate) is the script's.
+
+B = prompts × k sequences, P = the longest prompt (left-padded), R = the longest response (right-padded).
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import dist, parallel
+from .data import collate_prompts
+from .reward import Judge, RewardModel, preference_matrix
+from .sampling import cut_at_stop, generate
+
+
+@dataclass
+class Rollout:
+    """One step's samples and everything the update needs. Nothing here changes after the rollout."""
+    query_response: torch.Tensor          # (B, P+R) ids: left-padded prompt | response, padded after its stop token
+    attention_mask: torch.Tensor          # (B, P+R) 1 on real tokens
+    response_mask: torch.Tensor           # (B, R) float, 1 up to and including the first stop token
+    has_eos: torch.Tensor                 # (B,) float, 1 if the response ended with a stop token (tok.stop_ids)
+    completions: list                     # B decoded response texts
+    # the per-sequence signals, (B,) each
+    scores: Optional[torch.Tensor] = None      # the reward the policy is trained on (the script's rule)
+    raw_scores: Optional[torch.Tensor] = None  # the reward as the reward function returned it
+    gold: Optional[torch.Tensor] = None        # a programmatic reward, logged only (built-in task prompts)
+    # what the update reads, (B, R) each
+    policy_mask: Optional[torch.Tensor] = None  # the tokens the policy loss sees (response_mask, or with holes)
+    logprobs: Optional[torch.Tensor] = None     # log π_old(y_t); None = the update's own first forward is π_old
+    ref_logprobs: Optional[torch.Tensor] = None  # log π_ref(y_t); None when there is no KL
+    values: Optional[torch.Tensor] = None       # V_old(x, y_≤t); None without a critic
+    is_weight: Optional[torch.Tensor] = None    # a per-token importance weight on the policy loss, detached
+    stats: dict = field(default_factory=dict)   # per-step figures of the sampling (rounds, mismatch)
+
+    @property
+    def query_len(self):
+        return self.query_response.shape[1] - self.response_mask.shape[1]
+
+
+@torch.no_grad()
+def sample_groups(prompts, policy, tok, sampling, k, gen, gen_stats=None) -> Rollout:
+    """k completions per prompt, cut after the first stop token (end-of-text or the chat template's end-of-turn:
+    tok.stop_ids), decoded: a Rollout without signals yet. prompts: tokenized prompt records ({"prompt": ids})."""
+    device = next(policy.parameters()).device
+    q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
+    q_ids, q_mask = q_ids.to(device), q_mask.to(device)
+    with parallel.gathered(policy):      # FSDP: one all-gather for the whole decoding, not one per token
+        seq = generate(dist.unwrap(policy), q_ids, q_mask, sampling, gen, gen_stats)
+    # response = tokens up to and including the first stop token, pad after it; its last real token is where
+    # the reward model reads the score (the end-of-turn token of a conversation)
+    resp, response_mask, length, has_eos = cut_at_stop(seq[:, q_ids.shape[1]:], tok.stop_ids, tok.pad_id)
+    response_mask = response_mask.float()
+    completions = [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
+    return Rollout(query_response=torch.cat([q_ids, resp], 1),
+                   attention_mask=torch.cat([q_mask, response_mask.long()], 1), response_mask=response_mask,
+                   has_eos=has_eos.float(), completions=completions)
+
+
+@torch.no_grad()
+def read_reward(reward, r: Rollout, prompt_texts, k):
+    """The reward of each sample as its source gives it: (raw (B,) float32 or None, the reward model's recorded
+    (mean, std) or None, a judge's (G, k, k) preference matrices within each prompt's group or None). A reward
+    model scores the very ids sampled (no decode/re-encode round trip); a function the texts."""
+    device = r.response_mask.device
+    if isinstance(reward, Judge):
+        rm = reward.pointwise if reward.pairwise is None else None
+        ids_scores = rm.score_tokens(r.query_response, r.attention_mask) if isinstance(rm, RewardModel) else None
+        return None, None, preference_matrix(reward, prompt_texts, r.completions, k, scores=ids_scores)
+    if isinstance(reward, RewardModel):
+        return reward.score_tokens(r.query_response, r.attention_mask), (reward.mean, reward.std), None
+    return torch.tensor(reward(prompt_texts, r.completions), dtype=torch.float32, device=device), None, None
+
+
+def group_spread(scores, k):
+    """(G,) True where the k scores of a prompt's group are not all equal: the only groups a group estimator
+    learns from (an all-equal group's advantages are 0)."""
+    by_group = scores.view(-1, k)
+    return by_group.max(1).values != by_group.min(1).values
+
+
+def join(parts, pad_id):
+    """One Rollout (before log-probs) from several, re-padded to the longest prompt (left) and response (right)."""
+    if len(parts) == 1:
+        return parts[0]
+    P, R = max(p.query_len for p in parts), max(p.response_mask.shape[1] for p in parts)
+
+    def fit(p):
+        dp, dr = P - p.query_len, R - p.response_mask.shape[1]
+        return dict(query_response=F.pad(p.query_response, (dp, dr), value=pad_id),
+                    attention_mask=F.pad(p.attention_mask, (dp, dr)), response_mask=F.pad(p.response_mask, (0, dr)),
+                    policy_mask=F.pad(p.policy_mask, (0, dr)))
+    fitted = [fit(p) for p in parts]
+    cat = {k: torch.cat([f[k] for f in fitted]) for k in fitted[0]}
+    gold = None if parts[0].gold is None else torch.cat([p.gold for p in parts])
+    return Rollout(gold=gold, scores=torch.cat([p.scores for p in parts]),
+                   raw_scores=torch.cat([p.raw_scores for p in parts]), has_eos=torch.cat([p.has_eos for p in parts]),
+                   completions=[c for p in parts for c in p.completions], **cat)
+
+
+def take(r: Rollout, rows):
+    """The Rollout (before log-probs) of these rows, in this order."""
+    rows_t = torch.as_tensor(rows, dtype=torch.long, device=r.scores.device)
+    pick = {name: getattr(r, name)[rows_t] for name in ("query_response", "attention_mask", "response_mask",
+                                                        "policy_mask", "scores", "raw_scores", "has_eos")}
+    return Rollout(gold=None if r.gold is None else r.gold[rows_t], completions=[r.completions[i] for i in rows],
+                   **pick)
+
+
+@torch.no_grad()
+def sample_rounds(draw, k, batch_size, max_rounds, pad_id):
+    """DAPO's dynamic sampling (Yu et al. 2025, eq. 11: keep groups with 0 < #correct < k): draw() scored
+    Rollouts of a batch of prompts until this rank holds batch_size groups whose scores differ, at most
+    max_rounds rounds; every rank runs the same number of rounds (a reward model may be sharded: its forwards
+    are collective), and a rank still short after the last round fills up with zero-spread groups (counted)."""
+    parts, spreads, first_zero = [], [], None
+    for _ in range(max_rounds):
+        part = draw()
+        spread = group_spread(part.scores, k)
+        first_zero = (~spread).float().mean().item() if first_zero is None else first_zero
+        parts.append(part)
+        spreads.append(spread)
+        short = float(int(torch.cat(spreads).sum()) < batch_size)
+        if dist.all_reduce_sum(short) == 0:                 # every rank is full
+            break
+    joined, spread = join(parts, pad_id), torch.cat(spreads)
+    order = torch.cat([spread.nonzero().view(-1), (~spread).nonzero().view(-1)])[:batch_size].tolist()
+    r = take(joined, [g * k + j for g in order for j in range(k)])
+    r.stats.update(zero_spread_groups=first_zero, sampling_rounds=float(len(parts)),
+                   filled_groups=float(max(0, batch_size - int(spread.sum()))))
+    return r
