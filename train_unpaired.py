@@ -185,8 +185,8 @@ def _scored_logps(model, input_ids, attention_mask, response_mask):
 
 def row_sums(values, scored):
     """(N,) values at the scored positions of a (B, T−1) mask -> (B,) per-row sums.
-    index_add, not a (B, T−1) .sum(1): it adds each row's tokens one by one, in order, as these scripts always
-    have, so results stay bit-identical to earlier runs (a pairwise sum differs in the last bits)."""
+    index_add, not a (B, T−1) .sum(1): it adds each row's tokens one by one, in order, so a row's sum does not
+    depend on how many rows share the batch or how long they are (a pairwise sum's last bits would)."""
     rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
     return torch.zeros(len(scored), device=values.device, dtype=values.dtype).index_add(0, rows, values)
 

@@ -227,7 +227,7 @@ class Run:
             diffs = [f"{k} {was.get(k)!r} != {now.get(k)!r}" for k in sorted(set(was) | set(now))
                      if k not in CHANGEABLE and was.get(k) != now.get(k)]
             was_sha, sha = saved["data_sha256"], self._data_sha()
-            changed = self._inputs_changed(saved.get("inputs_sha256"), path)
+            changed = self._inputs_changed(saved["inputs_sha256"])
         except checkpoint.StateError as e:
             return f"--resume: {e}"
         except (KeyError, TypeError, AttributeError) as e:
@@ -245,13 +245,8 @@ class Run:
             return f"--resume: {self.out_dir} was saved by a different run (saved != now): {'; '.join(diffs)}"
         return None
 
-    def _inputs_changed(self, was, path):
-        """'--ref DIR, ...' naming each input whose sha256 differs from the saved one, or ''. A state saved before
-        inputs were checksummed has none: a note says they are not checked."""
-        if was is None:
-            print(f"note: --resume: {path} records no checksum of the run's inputs (saved by an earlier release); "
-                  "they are not checked", flush=True)
-            return ""
+    def _inputs_changed(self, was):
+        """'--ref DIR, ...' naming each input whose sha256 differs from the saved one, or ''."""
         if not isinstance(was, dict):
             raise TypeError(f"inputs_sha256 is a {type(was).__name__}")
         now = self.input_sha
