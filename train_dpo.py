@@ -447,8 +447,6 @@ def check_options(opts):
     loss = opts.loss
     if opts.fsdp and opts.compile:
         fail("--compile with --fsdp is not supported; drop one of them", 2)
-    if opts.frozen != "shard" and not opts.fsdp:
-        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
     if opts.offload_frozen and (loss in REFERENCE_FREE or opts.precompute_ref):
         fail("--offload_frozen: this run holds no reference model "
              f"({'--precompute_ref' if opts.precompute_ref else f'--loss {loss} is reference-free'})", 2)

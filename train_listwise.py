@@ -305,8 +305,6 @@ def check_options(opts):
     A flag the loss would silently ignore is an error."""
     if opts.fsdp and opts.compile:
         fail("--compile with --fsdp is not supported; drop one of them", 2)
-    if opts.frozen != "shard" and not opts.fsdp:
-        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
     if opts.offload_frozen and opts.loss != "lipo":
         fail(f"--offload_frozen: this run holds no reference model (--loss {opts.loss} uses none)", 2)
     msg = lora.check_lora_options(opts)

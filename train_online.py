@@ -104,29 +104,32 @@ class Options(FrozenModelOptions, RunOptions):
     judge: str = "out/rm"         # reward-model dir, gold, module:function, llm:MODEL_DIR; empty = --pair_judge only
     pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b), asked both ways
     judge_template: str = ""      # --judge llm:MODEL_DIR: template with {prompt} and {response}; empty = the default
-    loss: PairLoss = "dpo"        # online_dpo / dno: train_dpo.py's pair loss
-    labels: Literal["auto", "soft", "hard"] = "auto"  # online_dpo / dno: soft = a pair's label is the judge's own
-                                  # P(y_w ≻ y_l) (dpo: label smoothing 1 − P; ipo: target (P − ½)/τ), so a tiny score
-                                  # gap is a weak label; hard = the order is certain (TRL's); auto = soft for dpo and
-                                  # ipo, hard for the losses without a soft form
+    loss: PairLoss = "dpo"        # train_dpo.py's pair loss [with method=online_dpo|dno]
+    labels: Literal["auto", "soft", "hard"] = "auto"  # soft = a pair's label is the judge's own P(y_w ≻ y_l)
+                                                      # (dpo: label smoothing 1 − P; ipo: target (P − ½)/τ), so a
+                                                      # tiny score gap is a weak label; hard = the order is certain
+                                                      # (TRL's); auto = soft for dpo and ipo, hard for the losses
+                                                      # without a soft form [with method=online_dpo|dno]
     beta: Optional[float] = None  # pair loss β (train_dpo.py's default per loss); nash_md: KL coefficient β (none =
-                                  # 0.1) {> 0}
-    label_smoothing: float = 0.0  # pair loss ε (dpo, robust) {0 <= x < 0.5}
-    gamma: float = 0.5            # SimPO target margin γ {>= 0}
-    alpha: Optional[float] = None # rdpo length coefficient (none = 0.01); cpo NLL weight (none = 1.0) {>= 0}
-    lam: float = 0.1              # ORPO weight λ {>= 0}
-    nll_coef: float = 0.0         # online_dpo / dno: add this × NLL(chosen) (RPO) {>= 0}
-    pairs: Literal["all", "best_worst"] = "all"  # online_dpo / dno: which pairs of each group (every pair, or the
-                                                 # best against the worst)
+                                  # 0.1) [with method=online_dpo|dno|nash_md] {> 0}
+    label_smoothing: float = 0.0  # pair loss ε [with method=online_dpo|dno and loss=dpo|robust] {0 <= x < 0.5}
+    gamma: float = 0.5            # SimPO target margin γ [with method=online_dpo|dno and loss=simpo] {>= 0}
+    alpha: Optional[float] = None # rdpo length coefficient (none = 0.01); cpo NLL weight (none = 1.0)
+                                  # [with method=online_dpo|dno and loss=rdpo|cpo] {>= 0}
+    lam: float = 0.1              # ORPO weight λ [with method=online_dpo|dno and loss=orpo] {>= 0}
+    nll_coef: float = 0.0         # add this × NLL(chosen) (RPO) [with method=online_dpo|dno] {>= 0}
+    pairs: Literal["all", "best_worst"] = "all"  # which pairs of each group (every pair, or the best against the
+                                                 # worst) [with method=online_dpo|dno]
     margin: float = 0.0           # keep a pair when its gap ≥ this (online_dpo: logit of P, = score gap; dno: win-rate
-                                  # gap) {>= 0}
+                                  # gap) [with method=online_dpo|dno] {>= 0}
     ref_update_every: int = 0     # the reference becomes a copy of the policy after every N steps; 0 = never {>= 0}
-    eta: float = 10.0             # SPPO η: the target log-ratio is η(P̂ − ½) {> 0}
-    mixture_coef: float = 0.5     # Nash-MD β′: opponents sample from π_θ^(1−β′)·π_ref^β′ (per token) {0 <= x <= 1}
-    cringe_threshold: Optional[float] = None  # CRINGE: score < this = negative, ≥ = positive; none = the group's worst
-                                              # / best
-    cringe_topk: int = 5          # CRINGE: positive tokens are sampled from the model's top-k {>= 1}
-    cringe_alpha: float = 1.0     # CRINGE: weight of the contrastive term beside the MLE term {>= 0}
+    eta: float = 10.0             # SPPO η: the target log-ratio is η(P̂ − ½) [with method=sppo] {> 0}
+    mixture_coef: float = 0.5     # Nash-MD β′: opponents sample from π_θ^(1−β′)·π_ref^β′ (per token)
+                                  # [with method=nash_md] {0 <= x <= 1}
+    cringe_threshold: Optional[float] = None  # score < this = negative, ≥ = positive; none = the group's worst / best
+                                              # [with method=cringe]
+    cringe_topk: int = 5          # positive tokens are sampled from the model's top-k [with method=cringe] {>= 1}
+    cringe_alpha: float = 1.0     # weight of the contrastive term beside the MLE term [with method=cringe] {>= 0}
     kl_warn: float = 2.0          # warn once if the KL to the initial ref jumps past this (nats); 0 = off {>= 0}
     score_warn: float = 3.0       # warn once if the mean judge score leaves the first step's mean ± this × its sd
                                   # (nano_rlhf/watch.py; collapsed responses are always warned about); 0 = off {>= 0}
@@ -626,8 +629,6 @@ def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_k
 def check_options(opts):
     """Rules between options; each option's own range is declared on Options (checked on parsing)."""
     method = opts.method
-    if opts.frozen != "shard" and not opts.fsdp:
-        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
@@ -659,22 +660,8 @@ def check_options(opts):
     if opts.missing_eos_penalty and (not opts.judge or opts.pair_judge):
         fail("--missing_eos_penalty lowers a --judge score: it needs a pointwise --judge and no --pair_judge "
              "(whose preferences it would not change)")
-    # a flag the method would ignore is an error, not a silent no-op
-    pairwise = method in PAIRWISE
-    ignored = {"loss": pairwise or opts.loss == "dpo", "labels": pairwise or opts.labels == "auto",
-               "pairs": pairwise or opts.pairs == "all",
-               "margin": pairwise or opts.margin == 0, "nll_coef": pairwise or opts.nll_coef == 0,
-               "label_smoothing": pairwise or opts.label_smoothing == 0, "eta": method == "sppo" or opts.eta == 10.0,
-               "mixture_coef": method == "nash_md" or opts.mixture_coef == 0.5,
-               "cringe_threshold": method == "cringe" or opts.cringe_threshold is None,
-               "beta": pairwise or method == "nash_md" or opts.beta is None,
-               "gamma": pairwise or opts.gamma == 0.5, "alpha": pairwise or opts.alpha is None,
-               "lam": pairwise or opts.lam == 0.1, "cringe_topk": method == "cringe" or opts.cringe_topk == 5,
-               "cringe_alpha": method == "cringe" or opts.cringe_alpha == 1.0}
-    bad = next((k for k, ok in ignored.items() if not ok), None)
-    if bad:
-        fail(f"--{bad} has no effect with --method {method}")
-    if pairwise:
+    # a flag the method would ignore is refused by the parser: each declares when it applies ([with ...])
+    if method in PAIRWISE:
         if opts.labels == "soft" and opts.loss not in SOFT_LOSSES:
             fail(f"--labels soft: --loss {opts.loss} has no soft-label form (only {' and '.join(SOFT_LOSSES)})")
         if opts.labels == "auto":
@@ -682,12 +669,6 @@ def check_options(opts):
         if opts.labels == "soft" and opts.label_smoothing:
             fail("--labels soft sets each pair's label smoothing from the judge: pass --labels hard with "
                  "--label_smoothing")
-        if opts.label_smoothing and opts.loss not in ("dpo", "robust"):
-            fail(f"--label_smoothing applies only to --loss dpo or robust, not {opts.loss}")
-        for flag, default, losses in (("gamma", 0.5, ("simpo",)), ("alpha", None, ("rdpo", "cpo")),
-                                      ("lam", 0.1, ("orpo",))):
-            if getattr(opts, flag) != default and opts.loss not in losses:
-                fail(f"--{flag} applies only to --loss {' or '.join(losses)}, not {opts.loss}")
         opts.beta = DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
         opts.alpha = (1.0 if opts.loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
     elif method == "nash_md":

@@ -91,16 +91,17 @@ class Options(FrozenModelOptions, RunOptions):
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
     reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge /
                                   # --pair_judge), or module:function / file.py:function
-    judge: str = ""               # --reward selfplay: pointwise judge, preferences by Bradley-Terry (reward-model dir,
-                                  # gold, module:function, llm:MODEL_DIR)
-    pair_judge: str = ""          # --reward selfplay: pairwise judge module:function(prompts, a, b) -> P(a ≻ b) (used
-                                  # over --judge)
+    judge: str = ""               # pointwise judge, preferences by Bradley-Terry (reward-model dir, gold,
+                                  # module:function, llm:MODEL_DIR) [with reward=selfplay]
+    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b) (used over --judge)
+                                  # [with reward=selfplay]
     judge_template: str = ""      # --judge llm:MODEL_DIR: template file with {prompt} and {response}; empty =
-                                  # nano_rlhf/templates/judge_default.txt
+                                  # nano_rlhf/templates/judge_default.txt [with reward=selfplay]
     init: str = "out/sft"         # policy to start from (also the reference unless --ref)
     ref: str = ""                 # reference policy directory; empty = --init
     reward_model: str = "out/rm"  # reward model directory (with --reward model)
     critic_init: Literal["auto", "reward_model", "policy"] = "auto"  # critic trunk+head from; auto = RM if used
+                                                                     # [with advantage=gae]
     prompts: str = ""             # RL prompts JSONL {"prompt": ...}; empty = built-in task
     eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
     eval_fraction: float = 0.05   # share of --prompts held out for evaluation when no --eval_prompts {0 < x < 1}
@@ -118,21 +119,21 @@ class Options(FrozenModelOptions, RunOptions):
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate)
     adaptive_kl: bool = False     # adapt β towards --kl_target (Ziegler et al. 2019)
-    kl_target: float = 1.0        # target KL per sequence for the adaptive controller {> 0}
-    kl_horizon: int = 10000       # horizon (in samples) of the adaptive controller {>= 1}
+    kl_target: float = 1.0        # target KL per sequence for the adaptive controller [with adaptive_kl] {> 0}
+    kl_horizon: int = 10000       # horizon (in samples) of the adaptive controller [with adaptive_kl] {>= 1}
     kl_in_loss: bool = False      # KL as β·(--kl_loss_estimator) per token in the loss instead of in the reward (GRPO
-                                  # style)
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"  # --kl_in_loss: k3 (GRPO's; its gradient is the FORWARD KL's),
-                                                         # k2 (the reverse KL's true gradient), k1 (no gradient in
-                                                         # expectation)
+                                  # style) [with kl_coef>0]
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3 (GRPO's; its gradient is the FORWARD KL's), k2 (the
+                                                         # reverse KL's true gradient), k1 (no gradient in expectation)
+                                                         # [with kl_in_loss]
     missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward
                                                  # selfplay: 0, the worst win rate); none = off
     score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping {> 0}
     score_warn: float = 3.0       # warn once if the mean raw score leaves the first step's mean ± this × its sd
                                   # (nano_rlhf/watch.py; collapsed responses are always warned about); 0 = off {>= 0}
     normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved
-    gamma: float = 1.0            # GAE / reward-to-go discount {0 <= x <= 1}
-    lam: float = 0.95             # GAE λ {0 <= x <= 1}
+    gamma: float = 1.0            # GAE / reward-to-go discount [with advantage=gae|reinforce_pp] {0 <= x <= 1}
+    lam: float = 0.95             # GAE λ [with advantage=gae] {0 <= x <= 1}
     ppo_epochs: int = 4           # passes over each rollout {>= 1}
     num_minibatches: int = 2      # optimizer steps per epoch (the rollout is split into this many) {>= 1}
     micro_batch_size: int = 0     # sequences per forward/backward; 0 = the whole minibatch {>= 0}
@@ -143,34 +144,35 @@ class Options(FrozenModelOptions, RunOptions):
                                                                        # ratio per sequence (try --clip_eps 3e-4
                                                                        # --clip_high 4e-4); cispo: clipped,
                                                                        # stop-gradient IS weight on every token
-    dual_clip: float = 3.0        # --policy_loss dual_clip: the cap c {> 1}
+    dual_clip: float = 3.0        # the cap c [with policy_loss=dual_clip] {> 1}
     loss_agg: LossAgg = "auto"    # how token losses become the minibatch loss; auto = token_mean (dr_grpo:
                                   # seq_mean_token_sum_norm, gspo: seq_mean_token_mean)
     dynamic_sampling: bool = False  # DAPO: groups whose k rewards are all equal (no signal) are dropped and more
                                     # prompts sampled until the batch is full
-    max_sampling_rounds: int = 3  # --dynamic_sampling: at most this many rollouts a step, then zero-spread groups fill
-                                  # the batch (logged) {>= 1}
+    max_sampling_rounds: int = 3  # at most this many rollouts a step, then zero-spread groups fill the batch (logged)
+                                  # [with dynamic_sampling] {>= 1}
     overlong: Literal["none", "mask", "penalty"] = "none"  # responses cut at --max_new_tokens: trained on as usual,
                                                            # masked out of the policy loss, or DAPO's soft length
                                                            # penalty (use with --missing_eos_penalty none)
-    overlong_buffer: int = 0      # --overlong penalty: L_cache, the last tokens before the limit over which the penalty
-                                  # falls to −1; 0 = max_new_tokens // 4 {>= 0}
-    rollout_correction: Literal["none", "tis", "mask"] = "none"  # sampler/trainer log-prob mismatch (--rollout_dtype
-                                                                 # bfloat16): truncated importance weights, or masking
-                                                                 # tokens past the cap
-    correction_level: Literal["token", "sequence"] = "token"  # --rollout_correction per token, or one ratio for the
-                                                              # whole response
-    correction_cap: float = 2.0   # --rollout_correction: C, the weight cap (tis) or the ratio range [1/C, C] kept
-                                  # (mask) {> 1}
-    value_clip: float = 0.2       # critic update clip ε_v; inf = no clipping {> 0}
+    overlong_buffer: int = 0      # L_cache, the last tokens before the limit over which the penalty falls to −1; 0 =
+                                  # max_new_tokens // 4 [with overlong=penalty] {>= 0}
+    rollout_correction: Literal["none", "tis", "mask"] = "none"  # sampler/trainer log-prob mismatch: truncated
+                                                                 # importance weights, or masking tokens past the cap
+                                                                 # [with rollout_dtype!=float32]
+    correction_level: Literal["token", "sequence"] = "token"  # the correction per token, or one ratio for the whole
+                                                              # response [with rollout_correction!=none]
+    correction_cap: float = 2.0   # C, the weight cap (tis) or the ratio range [1/C, C] kept (mask)
+                                  # [with rollout_correction!=none] {> 1}
+    value_clip: float = 0.2       # critic update clip ε_v; inf = no clipping [with advantage=gae] {> 0}
     entropy_coef: float = 0.0     # entropy bonus coefficient c_H {>= 0}
     ptx_data: str = ""            # SFT JSONL for the pre-training mix (InstructGPT PPO-ptx); empty = off
     ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL {>= 0}
     ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX {>= 1}
     lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {>= 0}
-    critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 {>= 0}
+    critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 [with advantage=gae]
+                                  # {>= 0}
     critic_warmup_steps: int = 5  # first N steps train only the critic (policy frozen), as OpenRLHF's
-                                  # freezing_actor_steps {>= 0}
+                                  # freezing_actor_steps [with advantage=gae] {>= 0}
     warmup_steps: int = 0         # linear learning-rate warm-up steps (then constant) {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     adam_eps: float = 1e-5        # AdamW epsilon (1e-5 as in the PPO implementation details) {> 0}
@@ -755,8 +757,6 @@ def check_options(opts):
     """Rules between options; each option's own range is declared on its Options field (checked on parsing)."""
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
-    if opts.frozen != "shard" and not opts.fsdp:
-        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
     if opts.advantage in GROUP and opts.samples_per_prompt < 2:
         fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)")
     if opts.adaptive_kl and not opts.kl_coef > 0:
@@ -781,8 +781,6 @@ def check_options(opts):
              "with it (that penalty would replace the score of the same responses)")
     if opts.overlong == "penalty" and opts.overlong_buffer > opts.max_new_tokens:
         fail(f"--overlong_buffer {opts.overlong_buffer} is longer than --max_new_tokens {opts.max_new_tokens}")
-    if opts.kl_loss_estimator != "k3" and not opts.kl_in_loss:
-        fail("--kl_loss_estimator applies only with --kl_in_loss")
     if opts.fsdp and opts.rollout_dtype != "float32":
         fail("--rollout_dtype bfloat16 with --fsdp is not supported: the rollout samples with the gathered weights "
              "(under --dtype bfloat16 on CUDA they are already bf16)")
@@ -798,10 +796,6 @@ def check_options(opts):
                  "rates")
         if opts.missing_eos_penalty == -3.0:     # the default, made for scores of a few units: a win rate lies in
             opts.missing_eos_penalty = 0.0       # [0, 1], so an unfinished sample gets the worst win rate instead
-    else:
-        for flag in ("judge", "pair_judge", "judge_template"):
-            if getattr(opts, flag):
-                fail(f"--{flag} applies only to --reward selfplay (got --reward {opts.reward})")
     rollout_size = opts.batch_size * opts.samples_per_prompt
     if rollout_size % opts.num_minibatches:
         fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x "

@@ -478,8 +478,6 @@ def evaluate_gathered(opts, policy, ref, value, examples, pad_id, device, sample
 
 def check_options(opts):
     """Rules between options; a flag the method would silently ignore is an error."""
-    if opts.frozen != "shard" and not opts.fsdp:
-        fail(f"--frozen {opts.frozen} applies only with --fsdp", 2)
     if opts.fsdp and opts.compile:
         fail("--compile with --fsdp is not supported; drop one of them", 2)
     msg = lora.check_lora_options(opts)

@@ -71,9 +71,10 @@ OFFLINE = ["--max_steps", "3", "--batch_size", "4", "--warmup_steps", "1", "--lo
 # sampling scripts (ppo, online): 3 steps of 2 prompts x 4 samples, 24 new tokens, a 4-prompt evaluation at the end
 ONLINE = ["--max_steps", "3", "--batch_size", "2", "--samples_per_prompt", "4", "--max_new_tokens", "24",
           "--eval_interval", "0", "--eval_samples", "4", "--seed", "0", "--device", "cpu"]
-# --critic_warmup_steps 1: the default (5) would leave the policy untrained in 3 steps
+# --critic_warmup_steps 1 (gae only: a critic-free run refuses the critic's options): the default (5) would leave
+# the policy untrained in 3 steps
 PPO = ONLINE + ["--critic_warmup_steps", "1"]
-GRPO = PPO + ["--advantage", "grpo"]
+GRPO = ONLINE + ["--advantage", "grpo"]
 
 
 class Run:
@@ -150,12 +151,12 @@ def runs():
     # once fill the batch after the last round) and both --overlong treatments; both --rollout_correction kinds
     # (on a bfloat16 sampler, the mismatch they correct, with caps low enough that some tokens / sequences hit
     # them); then the KL in the loss, the adaptive KL, SPO (self-play judge) and PPO-ptx
-    ppo = {"gae": PPO, "rloo": PPO + ["--advantage", "rloo"], "grpo": GRPO,
-           "dr_grpo": PPO + ["--advantage", "dr_grpo"], "reinforce_pp": PPO + ["--advantage", "reinforce_pp"],
+    ppo = {"gae": PPO, "rloo": ONLINE + ["--advantage", "rloo"], "grpo": GRPO,
+           "dr_grpo": ONLINE + ["--advantage", "dr_grpo"], "reinforce_pp": ONLINE + ["--advantage", "reinforce_pp"],
            "grpo_dual_clip": GRPO + ["--policy_loss", "dual_clip", "--dual_clip", "1.01"],
            "grpo_gspo": GRPO + ["--policy_loss", "gspo", "--clip_eps", "3e-4", "--clip_high", "4e-4"],
            "grpo_cispo": GRPO + ["--policy_loss", "cispo"],
-           "dr_grpo_token_mean": PPO + ["--advantage", "dr_grpo", "--loss_agg", "token_mean"],
+           "dr_grpo_token_mean": ONLINE + ["--advantage", "dr_grpo", "--loss_agg", "token_mean"],
            "grpo_seq_mean_token_mean": GRPO + ["--loss_agg", "seq_mean_token_mean"],
            "grpo_seq_mean_token_sum_norm": GRPO + ["--loss_agg", "seq_mean_token_sum_norm"],
            "grpo_dynamic_sampling": GRPO + ["--reward", "gold", "--samples_per_prompt", "2", "--dynamic_sampling"],

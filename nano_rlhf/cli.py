@@ -27,6 +27,12 @@ Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x 
 A float option never takes `nan` (it fails no comparison), nor `inf` / `-inf` (an open range like {> 0} would
 let them through) unless its comment gives inf a meaning with "inf = ..." (`score_clip`: inf = no clipping).
 A `seed` is an int in [0, 2**63).
+
+A comment may also say when the option applies, in brackets: `[with NAME]` (NAME is true, non-zero or non-empty),
+`[with NAME=a|b]`, `[with NAME!=a]`, `[with NAME>0]`, several joined by ` and `. An option given on the command
+line (whatever its value, the default included) where its condition is false would be silently ignored, so
+parse_args refuses it: one line, `error: --dual_clip applies only with --policy_loss dual_clip (got ppo)`, exit 2.
+--help shows the condition as written.
 """
 import argparse
 import dataclasses
@@ -87,6 +93,8 @@ _NUM = r"(-?(?:inf|\d+(?:\.\d*)?(?:e-?\d+)?|\.\d+(?:e-?\d+)?))"
 _ONE_SIDED = re.compile(r"^(>=|<=|>|<)\s*" + _NUM + r"$")
 _TWO_SIDED = re.compile(r"^" + _NUM + r"\s*(<=|<)\s*x\s*(<=|<)\s*" + _NUM + r"$")
 _RANGE = re.compile(r"\{([^{}]*)\}\s*$")
+_WITH = re.compile(r"\[with ([^\[\]]+)\]")
+_COND = re.compile(r"^(\w+)\s*(?:(=|!=)\s*([\w.|-]+)|(>)\s*" + _NUM + r")?$")
 
 
 def parse_range(comment: str):
@@ -126,6 +134,53 @@ def check_ranges(opts):
         if msg:
             print(f"error: {msg}", file=sys.stderr, flush=True)
             sys.exit(2)
+
+
+def parse_condition(comment: str):
+    """The [with ...] condition of a field comment as [(name, op, values)] (op: "true", "=", "!=", ">"), or None.
+    A bracket group that does not parse is a programming error (ValueError)."""
+    m = _WITH.search(comment or "")
+    if m is None:
+        return None
+    out = []
+    for part in m.group(1).split(" and "):
+        c = _COND.match(part.strip())
+        if c is None:
+            raise ValueError(f"bad condition [with {m.group(1)}] in option comment {comment!r}")
+        name, op, values, gt, bound = c.groups()
+        out.append((name, op or gt or "true", values.split("|") if values else [float(bound)] if gt else []))
+    return out
+
+
+def _holds(value, op, values):
+    if op == "true":
+        return bool(value)
+    if op == ">":
+        return value is not None and value > values[0]
+    text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return (text in values) == (op == "=")
+
+
+def _says(name, op, values):
+    """A condition in the words of the command line: `--policy_loss dual_clip`, `--kl_coef > 0`."""
+    if op == "true":
+        return f"--{name}"
+    if op == ">":
+        return f"--{name} > {values[0]:g}"
+    return f"--{name} {' or '.join(values)}" if op == "=" else f"--{name} other than {' or '.join(values)}"
+
+
+def condition_violation(opts, name, given):
+    """The one-line message for an option given on the command line where it does not apply, or None."""
+    cond = parse_condition(_field_comments(type(opts)).get(name, ""))
+    if cond is None or name not in given:
+        return None
+    failed = [(n, op, v) for n, op, v in cond if not _holds(getattr(opts, n), op, v)]
+    if not failed:
+        return None
+    n, op, v = failed[0]
+    got = "" if op == "true" else f" (got {getattr(opts, n)})"
+    return f"--{name} applies only with {' and '.join(_says(*c) for c in cond)}{got}; here it would be ignored"
 
 
 def _bool(s):
@@ -232,12 +287,27 @@ def _join_negative_numbers(argv):
     return out
 
 
+def given_options(cls, argv):
+    """The names of the options argv gives (abbreviations resolved as argparse resolves them)."""
+    p = build_parser(cls)
+    for a in p._actions:
+        a.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
 def parse_args(cls, argv=None, description=None):
-    """Parse argv (default sys.argv[1:]) into an instance of the dataclass `cls`."""
+    """Parse argv (default sys.argv[1:]) into an instance of the dataclass `cls`: ranges first, then the options
+    given where they do not apply (see the module docstring); each a one-line exit 2."""
     argv = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     ns = build_parser(cls, description).parse_args(argv)
     opts = cls(**vars(ns))
     check_ranges(opts)
+    given = given_options(cls, argv)
+    for f in dataclasses.fields(opts):
+        msg = condition_violation(opts, f.name, given)
+        if msg:
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+            sys.exit(2)
     return opts
 
 
@@ -310,17 +380,17 @@ class RunOptions:
     dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
     lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model; a reference
                                   # that is --init is then the policy with adapters off; 0 = off {>= 0}
-    lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A {> 0}
-    lora_dropout: float = 0.0     # dropout on the adapters' input {0 <= x < 1}
+    lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A [with lora_r>0] {> 0}
+    lora_dropout: float = 0.0     # dropout on the adapters' input [with lora_r>0] {0 <= x < 1}
     lora_targets: str = ""        # comma list of nn.Linear names to adapt; empty = attention + MLP
-                                  # (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj)
+                                  # (GPT-2: c_attn,c_proj,c_fc; Llama: q/k/v/o_proj,gate/up/down_proj) [with lora_r>0]
 
 
 @dataclass
 class FrozenModelOptions:
     """For the scripts that hold a frozen model (a reference, a reward model, a judge) beside the trained one."""
-    frozen: Literal["shard", "replicate"] = "shard"  # --fsdp: the frozen reference / reward model sharded too,
-                                                     # or whole on every rank
+    frozen: Literal["shard", "replicate"] = "shard"  # the frozen reference / reward model sharded too, or whole on
+                                                     # every rank [with fsdp]
     offload_frozen: bool = False  # keep the frozen models in CPU memory; they visit the GPU for their forwards
 
 

@@ -308,14 +308,11 @@ def parse_targets(spec: str):
 
 
 def check_lora_options(opts, needs_init=""):
-    """The --lora_* rules between options, as a one-line message (None when fine): a LoRA flag without
-    --lora_r would be silently ignored; LoRA needs a pretrained base to re-read on --resume (needs_init:
-    the flag that must then be given, for the scripts that can start from scratch)."""
-    import dataclasses
-    defaults = {f.name: f.default for f in dataclasses.fields(opts) if f.name.startswith("lora_")}
+    """The --lora_* rules between options, as a one-line message (None when fine): LoRA needs a pretrained base
+    to re-read on --resume (needs_init: the flag that must then be given, for the scripts that can start from
+    scratch). (A --lora_* flag without --lora_r is refused by the parser: its field declares [with lora_r>0].)"""
     if not opts.lora_r:
-        given = [f"--{k}" for k, d in defaults.items() if k != "lora_r" and getattr(opts, k) != d]
-        return f"{', '.join(given)} has no effect without --lora_r > 0" if given else None
+        return None
     if needs_init and not getattr(opts, needs_init):
         return f"--lora_r trains adapters on a pretrained model: it needs --{needs_init} DIR (not a model from scratch)"
     if getattr(opts, "fsdp", False):   # the merged export copies the whole module, which a sharded one is not

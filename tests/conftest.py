@@ -342,3 +342,23 @@ def one_line_error(capsys, fn, start):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {start}"), err
     return err
+
+
+CRITIC_FLAGS = ("--critic_lr", "--critic_warmup_steps", "--critic_init", "--lam", "--value_clip")
+
+
+def gae_only(args):
+    """args without train_ppo's critic options (each flag with its value) when they choose a critic-free
+    --advantage (the last one given wins): the parser refuses an option given where it does not apply."""
+    adv = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--advantage"]
+    if not adv or adv[-1] == "gae":
+        return list(args)
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in CRITIC_FLAGS:
+            skip = True
+        else:
+            out.append(a)
+    return out

@@ -162,3 +162,106 @@ def test_a_wrapped_comment_is_one_help_line_with_its_range(capsys):
         parse_args(Wrapped, ["--rank", "-1"])          # the range read from the comment's last line
     assert e.value.code == 2 and capsys.readouterr().err == "error: --rank must be >= 0 (got -1)\n"
     assert parse_args(Wrapped, ["--rank", "4"]).rank == 4
+
+
+# ---- options that apply only with another option ([with ...]) ---------------------------------------------------
+
+@dataclass
+class Cond:
+    loss: Literal["a", "b", "c"] = "a"
+    cap: float = 3.0              # the cap [with loss=b|c] {> 1}
+    tail: int = 0                 # the tail [with loss!=a and coef>0]
+    coef: float = 0.0             # a coefficient {>= 0}
+    flag: bool = False            # a switch
+    level: str = "x"              # a level [with flag]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--cap", "3.0"], "error: --cap applies only with --loss b or c (got a); here it would be ignored"),  # the default
+    (["--ca", "5"], "error: --cap applies only with --loss b or c (got a)"),                               # abbreviated
+    (["--loss", "b", "--tail", "2"], "error: --tail applies only with --loss other than a and --coef > 0 (got 0.0)"),
+    (["--level", "y"], "error: --level applies only with --flag; here it would be ignored"),
+    (["--flag", "false", "--level", "y"], "error: --level applies only with --flag"),
+])
+def test_an_option_given_where_it_does_not_apply_is_one_line_and_exit_2(argv, line, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(Cond, argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(line), err
+
+
+@pytest.mark.parametrize("argv", [[], ["--loss", "c", "--cap", "5"], ["--loss", "b", "--coef", "1", "--tail", "2"],
+                                  ["--flag", "--level", "y"], ["--flag=true", "--level=y"]])
+def test_an_option_where_it_applies_or_left_out_parses(argv):
+    parse_args(Cond, argv)
+
+
+def test_every_declared_condition_names_an_option_of_its_script():
+    """A typo in a [with ...] would make an option always refused or never checked: every condition of every
+    script's and tool's options parses and names a field of the same Options."""
+    import dataclasses
+    import importlib
+    from nano_rlhf.cli import _field_comments, parse_condition
+    modules = ["train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired", "train_online",
+               "nano_rlhf.label"]
+    seen = 0
+    for name in modules:
+        cls = importlib.import_module(name).Options
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for field, comment in _field_comments(cls).items():
+            for option, _, _ in parse_condition(comment) or []:
+                assert option in fields, f"{name}.Options.{field}: [with {option} ...] names no option"
+                seen += 1
+    assert seen >= 30, seen
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--dual_clip", "5"], "error: --dual_clip applies only with --policy_loss dual_clip (got ppo)"),
+    (["--correction_level", "sequence"], "error: --correction_level applies only with --rollout_correction other"),
+    (["--rollout_correction", "tis"], "error: --rollout_correction applies only with --rollout_dtype other than"),
+    (["--max_sampling_rounds", "5"], "error: --max_sampling_rounds applies only with --dynamic_sampling"),
+    (["--overlong_buffer", "4"], "error: --overlong_buffer applies only with --overlong penalty"),
+    (["--kl_in_loss", "--kl_coef", "0"], "error: --kl_in_loss applies only with --kl_coef > 0"),
+    (["--advantage", "grpo", "--gamma", "0.9"], "error: --gamma applies only with --advantage gae or reinforce_pp"),
+    (["--advantage", "rloo", "--lam", "0.9"], "error: --lam applies only with --advantage gae (got rloo)"),
+    (["--advantage", "grpo", "--critic_warmup_steps", "0"], "error: --critic_warmup_steps applies only with"),
+    (["--kl_target", "2"], "error: --kl_target applies only with --adaptive_kl"),
+    (["--lora_alpha", "8"], "error: --lora_alpha applies only with --lora_r > 0"),
+    (["--frozen", "replicate"], "error: --frozen applies only with --fsdp"),
+    (["--judge", "gold"], "error: --judge applies only with --reward selfplay (got model)"),
+])
+def test_ppo_options_that_would_be_ignored_are_refused(argv, line, capsys):
+    import train_ppo
+    with pytest.raises(SystemExit) as e:
+        parse_args(train_ppo.Options, argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(line), err
+
+
+def test_no_help_line_of_an_options_class_is_lost():
+    """A comment-only line right below a field's comment continues it only from that comment's column on; one
+    further left would be dropped from --help, and a [with ...] or a range on it would be silently unchecked."""
+    import importlib
+    import inspect
+    import io
+    import tokenize
+    lost = []
+    for name in ("train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired",
+                 "train_online", "nano_rlhf.label", "nano_rlhf.cli"):
+        module = importlib.import_module(name)
+        for cls in vars(module).values():
+            if not (inspect.isclass(cls) and cls.__module__ == module.__name__ and cls.__name__.endswith("Options")):
+                continue
+            toks = list(tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline))
+            code_rows = {t.start[0] for t in toks if t.type == tokenize.NAME}
+            open_ = None
+            for t in (t for t in toks if t.type == tokenize.COMMENT):
+                (row, col), continues = t.start, open_ is not None and t.start[0] == open_[0] + 1
+                if row in code_rows:
+                    open_ = (row, col)
+                elif continues and col < open_[1]:
+                    lost.append(f"{name}.{cls.__name__}: {t.string[:50]}")
+                    open_ = None
+                else:
+                    open_ = (row, open_[1]) if continues else None
+    assert not lost, lost

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import pref_rows, prompt_rows, run, sft_rows, weights_close, write_jsonl
+from conftest import gae_only, pref_rows, prompt_rows, run, sft_rows, weights_close, write_jsonl
 from nano_rlhf import checkpoint, parallel
 
 
@@ -220,11 +220,11 @@ def ppo_args(tmp_path, sft_dir, rm_dir, out, *extra):
     if not (tmp_path / "prompts.jsonl").exists():
         write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(48))
         write_jsonl(tmp_path / "eval_prompts.jsonl", prompt_rows(8, seed=1))
-    return ["train_ppo.py", "--prompts", str(tmp_path / "prompts.jsonl"), "--eval_prompts",
-            str(tmp_path / "eval_prompts.jsonl"), "--init", sft_dir, "--reward_model", rm_dir, "--out_dir",
-            str(tmp_path / out), "--max_steps", "2", "--batch_size", "2", "--max_new_tokens", "8",
-            "--eval_interval", "2", "--eval_samples", "4", "--lr", "1e-3", "--critic_lr", "1e-3",
-            "--critic_warmup_steps", "0", "--log_interval", "1", *extra]
+    return gae_only(["train_ppo.py", "--prompts", str(tmp_path / "prompts.jsonl"), "--eval_prompts",
+                     str(tmp_path / "eval_prompts.jsonl"), "--init", sft_dir, "--reward_model", rm_dir, "--out_dir",
+                     str(tmp_path / out), "--max_steps", "2", "--batch_size", "2", "--max_new_tokens", "8",
+                     "--eval_interval", "2", "--eval_samples", "4", "--lr", "1e-3", "--critic_lr", "1e-3",
+                     "--critic_warmup_steps", "0", "--log_interval", "1", *extra])
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train_ppo
-from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
+from conftest import eos_prone, gae_only, prompt_rows, run, tiny_model, write_jsonl
 from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT, ScoreModel
@@ -18,10 +18,11 @@ def ppo_args(tmp_path, sft_dir, rm_dir, out, *extra, steps=2):
         write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(48))
         write_jsonl(tmp_path / "eval_prompts.jsonl", prompt_rows(8, seed=1))
     k = "4" if any(x in train_ppo.GROUP for x in extra) else "1"
-    return ["--prompts", str(tmp_path / "prompts.jsonl"), "--eval_prompts", str(tmp_path / "eval_prompts.jsonl"),
-            "--init", sft_dir, "--reward_model", rm_dir, "--out_dir", str(tmp_path / out), "--max_steps", str(steps),
-            "--batch_size", "4", "--samples_per_prompt", k, "--max_new_tokens", "12", "--eval_interval", "0",
-            "--eval_samples", "4", "--lr", "1e-3", "--critic_lr", "1e-3", "--critic_warmup_steps", "0", *extra]
+    return gae_only(["--prompts", str(tmp_path / "prompts.jsonl"), "--eval_prompts",
+                     str(tmp_path / "eval_prompts.jsonl"), "--init", sft_dir, "--reward_model", rm_dir, "--out_dir",
+                     str(tmp_path / out), "--max_steps", str(steps), "--batch_size", "4", "--samples_per_prompt", k,
+                     "--max_new_tokens", "12", "--eval_interval", "0", "--eval_samples", "4", "--lr", "1e-3",
+                     "--critic_lr", "1e-3", "--critic_warmup_steps", "0", *extra])
 
 
 def metrics(path):

@@ -12,6 +12,7 @@ import torch
 from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
 
 import train_ppo
+from conftest import gae_only
 from hf_fixtures import BAD, FAMILIES, GOOD, make_hf_dir, prompt_rows, write_jsonl
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT, ScoreModel, last_token_index
@@ -74,7 +75,7 @@ def ppo(family, out, *extra, steps=2):
             "--ppo_epochs", "1", "--num_minibatches", "2"]
     if EOS[name]:
         args += ["--eos_token", EOS[name]]
-    result = train_ppo.main(args + list(extra))
+    result = train_ppo.main(gae_only(args + list(extra)))
     return result, [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
 
 

@@ -44,11 +44,15 @@ def test_variants_end_to_end(tmp_path, sft_dir, rm_dir, extra):
     assert any(not torch.equal(moved[k], v) for k, v in out.policy.state_dict().items())
 
 
-def test_a_float32_sampler_is_the_trainer(tmp_path, sft_dir, rm_dir):
-    """With float32 sampling the sampler's log-probs are the trainer's: no mismatch, every weight exactly 1."""
-    train_ppo.main(grpo(tmp_path, sft_dir, rm_dir, "run", "--rollout_correction", "tis", steps=1))
-    m = metrics(tmp_path / "run")[-1]
-    assert m["train/sampler_kl"] == m["train/sampler_abs_logratio"] == m["train/correction_hit"] == 0
+def test_a_correction_of_float32_rollouts_is_refused(tmp_path, sft_dir, rm_dir, capsys):
+    """With float32 sampling the sampler is the trainer (every weight would be exactly 1): --rollout_correction
+    would do nothing, so it is refused before anything is read."""
+    with pytest.raises(SystemExit) as e:
+        train_ppo.main(grpo(tmp_path, sft_dir, rm_dir, "run", "--rollout_correction", "tis", steps=1))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: --rollout_correction applies only with --rollout_dtype other "
+                                                "than float32 (got float32)"), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path, sft_dir, rm_dir):

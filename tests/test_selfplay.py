@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_ppo
-from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
+from conftest import eos_prone, gae_only, prompt_rows, run, tiny_model, write_jsonl
 from nano_rlhf import synthetic
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT
@@ -141,10 +141,11 @@ def spo_args(tmp_path, sft_dir, out, *extra, builtin=False):
     else:
         prompts = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(24))
         eval_prompts = write_jsonl(tmp_path / "eval_prompts.jsonl", prompt_rows(4, seed=1))
-    return ["--reward", "selfplay", "--prompts", str(prompts), "--eval_prompts", str(eval_prompts), "--init", sft_dir,
-            "--out_dir", str(tmp_path / out), "--max_steps", "2", "--batch_size", "2", "--samples_per_prompt", "3",
-            "--max_new_tokens", "10", "--eval_interval", "0", "--eval_samples", "4", "--num_minibatches", "1",
-            "--ppo_epochs", "1", "--critic_warmup_steps", "0", "--lr", "1e-3", *extra]
+    return gae_only(["--reward", "selfplay", "--prompts", str(prompts), "--eval_prompts", str(eval_prompts), "--init",
+                     sft_dir, "--out_dir", str(tmp_path / out), "--max_steps", "2", "--batch_size", "2",
+                     "--samples_per_prompt", "3", "--max_new_tokens", "10", "--eval_interval", "0", "--eval_samples",
+                     "4", "--num_minibatches", "1", "--ppo_epochs", "1", "--critic_warmup_steps", "0", "--lr", "1e-3",
+                     *extra])
 
 
 @pytest.mark.parametrize("advantage,judge", [("grpo", "gold"), ("gae", "gold"), ("grpo", "pair"), ("gae", "pair"),
@@ -217,7 +218,7 @@ def test_one_sample_per_prompt_is_refused_in_one_line(tmp_path, sft_dir):
     (["--judge", "llm:/nonexistent/judge"], "--judge llm:/nonexistent/judge: no such model directory"),
     (["--judge", "gold", "--judge_template", "t.txt"], "--judge_template t.txt: applies only to --judge llm:"),
     (["--judge", "gold"], "gold scores the built-in task's prompts only"),
-    (["--reward", "model", "--judge", "gold"], "--judge applies only to --reward selfplay"),
+    (["--reward", "model", "--judge", "gold"], "--judge applies only with --reward selfplay"),
     (["--judge", "gold", "--score_clip", "2"], "--normalize_score / --score_clip apply to a reward model's score"),
 ])
 def test_bad_selfplay_options_are_one_line(tmp_path, sft_dir, capsys, extra, message):

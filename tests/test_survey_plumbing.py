@@ -133,7 +133,7 @@ def test_online_sppo_lora_reference_updates_to_the_merged_policy(tmp_path, sft_d
 @pytest.mark.parametrize("extra, line", [
     (["--lora_r", "4", "--method", "nash_md"], "--method nash_md with --lora_r needs a separate --ref DIR"),
     (["--fsdp", "--method", "sppo", "--ref_update_every", "2"], "--ref_update_every with --fsdp is not supported"),
-    (["--frozen", "replicate"], "--frozen replicate applies only with --fsdp"),
+    (["--frozen", "replicate"], "--frozen applies only with --fsdp"),
     (["--lora_r", "4", "--fsdp"], "--lora_r with --fsdp is not supported yet"),
 ])
 def test_online_plumbing_flag_errors_are_one_line(tmp_path, sft_dir, rm_dir, capsys, extra, line):
@@ -147,8 +147,8 @@ def test_online_plumbing_flag_errors_are_one_line(tmp_path, sft_dir, rm_dir, cap
 @pytest.mark.parametrize("script, argv, line", [
     ("listwise", ["--fsdp", "--compile"], "--compile with --fsdp is not supported"),
     ("listwise", ["--offload_frozen"], "--offload_frozen: this run holds no reference model (--loss rrhf"),
-    ("unpaired", ["--frozen", "replicate"], "--frozen replicate applies only with --fsdp"),
-    ("unpaired", ["--lora_targets", "c_attn"], "--lora_targets has no effect without --lora_r"),
+    ("unpaired", ["--frozen", "replicate"], "--frozen applies only with --fsdp"),
+    ("unpaired", ["--lora_targets", "c_attn"], "--lora_targets applies only with --lora_r > 0"),
 ])
 def test_listwise_and_unpaired_plumbing_flag_errors_are_one_line(tmp_path, capsys, script, argv, line):
     main = {"listwise": train_listwise.main, "unpaired": train_unpaired.main}[script]
