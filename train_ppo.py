@@ -127,7 +127,8 @@ class Options(FrozenModelOptions, RunOptions):
                                                          # reverse KL's true gradient), k1 (no gradient in expectation)
                                                          # [with kl_in_loss]
     missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward
-                                                 # selfplay: 0, the worst win rate); none = off
+                                                 # selfplay: 0, the worst win rate); none = off; a score, bounded as
+                                                 # every reward is (reward.MAX_SCORE) {-1e15 <= x <= 1e15}
     score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping {> 0}
     score_warn: float = 3.0       # warn once if the mean raw score leaves the first step's mean ± this × its sd
                                   # (nano_rlhf/watch.py; collapsed responses are always warned about); 0 = off {>= 0}

@@ -50,7 +50,7 @@ import torch
 from . import tokenizer as tokenizer_mod
 from .checkpoint import RUN_FILES, OutDirLock
 from .cli import OneLineErrors, finite_float
-from .model import GPT, ScoreModel
+from .model import GPT, ScoreModel, non_finite
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # What a merge writes into --out_dir; with the files of a training run, what --overwrite replaces (and nothing else)
@@ -197,6 +197,10 @@ def write_merged(base, merged_sd, out_dir, tokenizer_dirs, options, overwrite=Fa
     """Save the merged model with the base's class + tokenizer files into out_dir (whose lock the caller holds):
     built in out_dir/.merge.tmp.*, then the previous files of the names a run or a merge writes moved aside, the
     new ones moved in, the previous ones deleted. A failure before the last step puts the previous files back."""
+    bad = non_finite(merged_sd)
+    if bad:      # weights and --scale are finite alone, their products need not be (1e308 x 1e308)
+        raise ValueError(f"the merged model holds non-finite values in {len(bad)} of {len(merged_sd)} tensors "
+                         f"(first: {bad[0]}): --weights / --scale overflow float32; nothing written")
     present = _entries(out_dir)
     if present and not overwrite:                   # checked up front too; a race must not lose data
         raise ValueError(f"--out_dir {out_dir} is not empty (pass --overwrite to replace it)")

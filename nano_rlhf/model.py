@@ -819,6 +819,13 @@ def config_to_dict(cfg):
     return asdict(cfg)
 
 
+def non_finite(state_dict):
+    """The names of the floating-point tensors of a state dict that hold a NaN or an infinity (a sharded tensor:
+    this rank's shard)."""
+    return [k for k, t in state_dict.items() if t.is_floating_point()
+            and not bool(torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all())]
+
+
 # ---- HF model directories in and out: config.json + model.safetensors (or shards listed in
 # model.safetensors.index.json), for GPT-2 (GPT2LMHeadModel / GPT2ForSequenceClassification) and the Llama
 # family (Llama/Qwen2/Qwen3 ForCausalLM / ForSequenceClassification).

@@ -58,7 +58,7 @@ from . import checkpoint, dist, lora, parallel
 from .checkpoint import atomic_write_text, find_state, input_sha256, OutDirLock, RUN_FILES, save_state, sha256_file
 from .cli import CHANGEABLE, parse_args, save_config, to_dict
 from .data import DataError, default_data, load_train_eval
-from .model import GPT
+from .model import GPT, non_finite
 
 _current = None          # the live Run of this process (fail aborts it)
 
@@ -288,17 +288,18 @@ class Run:
         for key in [self.loss_key] if isinstance(self.loss_key, str) else self.loss_key:
             if key in metrics:
                 check_finite(float(metrics[key]), step, self.out_dir, key.split("/")[-1].replace("_", " "))
+        # save, then evaluate: a failure in the evaluation (a user's reward, an overflow) costs no training
+        stop_at = getattr(o, "stop_at", 0)
+        if save is not None and (self._due(getattr(o, "save_interval", 0), step) or step == stop_at):
+            save(step)
+            self.saved, self.saved_step = True, step
+            self._drop_set_aside()
         eval_due = evaluate is not None and self._due(getattr(o, "eval_interval", 0), step)
         if eval_due:
             metrics.update(evaluate())
         if eval_due or self._due(getattr(o, "log_interval", 1), step):
             self.log(step, metrics)
             self._progress(step, metrics)
-        stop_at = getattr(o, "stop_at", 0)
-        if save is not None and (self._due(getattr(o, "save_interval", 0), step) or step == stop_at):
-            save(step)
-            self.saved, self.saved_step = True, step
-            self._drop_set_aside()
         if step == stop_at and step < self.max_steps:
             dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
         return step == stop_at or step >= self.max_steps
@@ -793,7 +794,14 @@ def resume(opts, run, models, optimizers, data=None, generators=None, **config):
 
 def save(opts, step, models, optimizers, data=None, generators=None, **meta):
     """The training state at `step` into out_dir/state (collective): models (LoRA: the adapters), optimizers,
-    generators, each data order's state_dict() under its key in `data`, and any other meta."""
+    generators, each data order's state_dict() under its key in `data`, and any other meta. A model holding a
+    non-finite weight (an overflow the loss did not show) is refused with one line before anything is written:
+    the previous checkpoint and model directory stay as they were."""
+    for name, m in models.items():
+        bad = dist.all_reduce_sum(float(len(non_finite(dist.unwrap(m).state_dict()))))
+        if bad:
+            fail(f"step {step}: the {name} model holds non-finite weights ({bad:.0f} tensors); not saved: the last "
+                 f"checkpoint in {opts.out_dir}/state (if any) is kept and can be resumed with a lower --lr")
     meta = {"step": step, **{k: order.state_dict() for k, order in (data or {}).items()}, **meta}
     save_state(opts.out_dir, {k: lora.checkpointed(m) for k, m in models.items()}, optimizers, meta, generators)
 

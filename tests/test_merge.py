@@ -184,6 +184,8 @@ def test_task_arithmetic_reward_model_and_overwrite(dirs, tmp_path, capsys):
     ("class", "a ScoreModel directory"),
     ("missing", "no such model directory"),
     ("scale_ta", "--density and --scale apply to --method ties"),
+    ("overflow_ta", "the merged model holds non-finite values"),        # finite weights, an infinite product
+    ("overflow_ties", "the merged model holds non-finite values"),
 ])
 def test_bad_inputs_one_line(dirs, tmp_path, capsys, case, needle):
     m = [dirs["a"], dirs["b"]]
@@ -193,7 +195,9 @@ def test_bad_inputs_one_line(dirs, tmp_path, capsys, case, needle):
              "density2": (["--models", *m, "--density", "1.5"], "ties"),
              "class": (["--models", dirs["a"], dirs["rm_a"]], "ties"),
              "missing": (["--models", dirs["a"], str(tmp_path / "nope")], "ties"),
-             "scale_ta": (["--models", *m, "--scale", "2"], "task_arithmetic")}[case]
+             "scale_ta": (["--models", *m, "--scale", "2"], "task_arithmetic"),
+             "overflow_ta": (["--models", *m, "--weights", "1e308", "1e308"], "task_arithmetic"),
+             "overflow_ties": (["--models", *m, "--scale", "1e300"], "ties")}[case]
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
         main(["--base", dirs["base"], *extra[0], "--method", extra[1], "--out_dir", str(out)])

@@ -389,3 +389,21 @@ def test_a_reward_model_as_the_policy_is_one_line(tool, tmp_path, sft_dir, rm_di
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code != 0 and len(err) == 1 and err[0].startswith(f"error: {rm_dir}: a reward model ("), err
     assert "ForSequenceClassification), not a language model" in err[0]
+
+
+def test_a_failure_in_the_last_evaluation_keeps_the_trained_model(tmp_path, sft_dir, rm_dir, capsys):
+    """The end of a step saves, then evaluates: a reward that raises on the held-out prompts (a user's bug, an
+    overflow) stops the run with one line, and the trained model and its checkpoint are already on disk."""
+    (tmp_path / "rw.py").write_text("def reward(prompts, completions):\n"
+                                    "    if any('HELD OUT' in str(p) for p in prompts):\n"
+                                    "        raise RuntimeError('boom')\n"
+                                    "    return [float(len(c) % 3) for c in completions]\n")
+    args = ppo_args(tmp_path, sft_dir, rm_dir, "run", "--advantage", "grpo", "--reward",
+                    f"{tmp_path / 'rw.py'}:reward")
+    write_jsonl(tmp_path / "eval_prompts.jsonl", [{"prompt": f"HELD OUT question {i}"} for i in range(4)])
+    with pytest.raises(SystemExit) as e:
+        train_ppo.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and "raised RuntimeError" in err[0], err
+    assert (tmp_path / "run" / "model.safetensors").exists()
+    assert json.load(open(tmp_path / "run" / "state" / "meta.json"))["step"] == 2

@@ -11,8 +11,10 @@ import time
 import types
 
 import pytest
+import torch
 
-from conftest import ROOT, run
+from conftest import ROOT, run, tiny_model
+from nano_rlhf import run as run_mod
 
 TOY = '''import os, sys, time, torch
 from dataclasses import dataclass
@@ -455,3 +457,21 @@ def test_an_edited_reward_file_is_refused_on_resume(tmp_path, sft_dir, capfd):
         train_ppo.main(args + ["--resume"])
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and f"--reward {reward}" in err and "changed" in err, err
+
+
+def test_a_model_with_a_non_finite_weight_is_never_saved(tmp_path, capsys):
+    """run.save refuses a model holding a NaN or an infinity before it writes anything: one line naming the model
+    and the step; the previous checkpoint stays."""
+    model = tiny_model()
+    opts = types.SimpleNamespace(out_dir=str(tmp_path / "o"))
+    opt = torch.optim.AdamW(model.parameters())
+    run_mod.save(opts, 1, {"policy": model}, {"policy": opt})
+    before = sorted(os.listdir(tmp_path / "o" / "state"))
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    with pytest.raises(SystemExit) as e:
+        run_mod.save(opts, 2, {"policy": model}, {"policy": opt})
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith("error: step 2: the policy model holds non-finite weights"), err
+    assert sorted(os.listdir(tmp_path / "o" / "state")) == before
+    assert json.load(open(tmp_path / "o" / "state" / "meta.json"))["step"] == 1
