@@ -102,7 +102,7 @@ def sh(*args, log=None):
 def evaluate(d, models, task, summary):
     sh("-m", "nano_rlhf.evaluate", "--model", *models, "--ref", models[0], "--prompts", f"{task}/eval_prompts.jsonl",
        "--reward", "bench/ppo_vs_grpo.py:gold", "--samples_per_prompt", "4", "--max_new_tokens", "12",
-       "--summary", summary, "--seed", "1", log=os.path.join(d, "evaluate.log"))
+       "--summary", summary, "--overwrite", "--seed", "1", log=os.path.join(d, "evaluate.log"))
     return {r["model"]: r for r in json.load(open(summary))}
 
 

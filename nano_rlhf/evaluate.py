@@ -145,6 +145,8 @@ def main(argv=None):
                    "(evaluated first), for the win-rate column")
     p.add_argument("--summary", default="", help="also write the summary figures (one entry per model) to this "
                    "JSON file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out or --summary file (the "
+                   "default MODEL/eval_samples.jsonl, this tool's own, is always rewritten)")
     p.add_argument("--times", default="", help="TSV of training wall-clock seconds (NAME<TAB>SECONDS, NAME = the "
                    "model directory's basename), shown as a column (scripts/survey.sh writes one)")
     p.add_argument("--name", default="", help="row label when one model is given (default: the directory)")
@@ -311,6 +313,8 @@ def check_options(a):
     for flag, path in (("--summary", a.summary), ("--out", a.out)):
         if path:
             check_output_file(flag, path, inputs, [d for d in dirs if d])
+            if os.path.isfile(path) and not a.overwrite:
+                fail(f"{flag} {path}: exists; pass --overwrite to replace it")
 
 
 if __name__ == "__main__":

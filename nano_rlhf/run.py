@@ -642,15 +642,18 @@ def load_reference(ref_dir: str, tok, length: int, what: str):
 def check_output_file(flag, path, input_files=(), input_dirs=()):
     """One line, before any work, if writing `path` would destroy an input: the same file as one of input_files
     (compared after resolving links, so a symlink to the prompts counts), or a file of a run in one of
-    input_dirs (model directories: their weights, config, tokenizer, metrics, samples, state). A missing or
-    unwritable directory is refused too."""
-    from .checkpoint import RUN_FILES
+    input_dirs (model directories: their weights, config, tokenizer, metrics, samples, state), or any file in a
+    training run's state directory (a tool never writes what --resume reads). A missing or unwritable directory
+    is refused too."""
     if os.path.isdir(path):
         fail(f"{flag} {path}: is a directory")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         fail(f"{flag} {path}: cannot be written (its directory {folder} does not exist or is not writable)")
     target = os.path.realpath(path)
+    folder_files = set(os.listdir(os.path.dirname(target)))
+    if {"meta.json", "run.json"} & folder_files and any(n.startswith("rng_rank") for n in folder_files):
+        fail(f"{flag} {path}: is inside a training run's state directory (what --resume reads); write elsewhere")
     for f in input_files:
         if f and os.path.exists(f) and os.path.realpath(f) == target:
             fail(f"{flag} {path}: is an input of this command ({f}); write elsewhere")

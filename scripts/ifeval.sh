@@ -88,10 +88,10 @@ for name in start dpo grpo; do
   dir=$OUT/$name; [ $name = start ] && dir=$MODEL
   run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --prompts "$DATA/eval.jsonl" \
     --reward nano_rlhf.ifeval:strict --temperature 0 --sample_dtype $DTYPE --batch_size 64 --seed $SEED \
-    --out "$OUT/greedy/$name.jsonl" --summary "$OUT/greedy/$name.summary.json" $EVAL
+    --out "$OUT/greedy/$name.jsonl" --summary "$OUT/greedy/$name.summary.json" --overwrite $EVAL
   run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --ref "$MODEL" --prompts "$DATA/eval.jsonl" \
     --reward nano_rlhf.ifeval:strict --temperature $T --sample_dtype $DTYPE --batch_size 64 --seed $SEED \
-    --out "$OUT/sampled/$name.jsonl" --summary "$OUT/sampled/$name.summary.json" $EVAL
+    --out "$OUT/sampled/$name.jsonl" --summary "$OUT/sampled/$name.summary.json" --overwrite $EVAL
 done
 for mode in greedy sampled; do
   echo "+ $PY -m nano_rlhf.ifeval --report $OUT/$mode/{start,dpo,grpo}.jsonl > $OUT/report_$mode.json"

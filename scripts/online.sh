@@ -87,7 +87,7 @@ for task in $TASKS; do
     S="$T/seed$seed"; models=("$T/sft")
     for v in $VARIANTS; do done_model "$S/$v" && models+=("$S/$v"); done
     run $PY -m nano_rlhf.evaluate --model "${models[@]}" --ref "$T/sft" --reward_model "$T/rm" --reward "$GOLD" \
-      --prompts "$D/eval_prompts.jsonl" --summary "$S/results.json" --times "$S/times.tsv" $EVAL
+      --prompts "$D/eval_prompts.jsonl" --summary "$S/results.json" --overwrite --times "$S/times.tsv" $EVAL
     summaries+=("$S/results.json")
   done
   run $PY -m nano_rlhf.summary --baseline sft --key reward --out "$T/results.json" "${summaries[@]}"

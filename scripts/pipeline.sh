@@ -56,5 +56,5 @@ run $TRAIN train_ppo.py --advantage grpo --reward gold --init "$OUT/sft" --out_d
 run $TRAIN train_ppo.py --init "$OUT/sft" --reward_model "$OUT/rm" --out_dir "$OUT/ppo_overopt" --kl_coef 0.02 --overwrite $OVEROPT
 run $PY -m nano_rlhf.evaluate --model "$OUT/sft" "$OUT/dpo" "$OUT/ipo" "$OUT/simpo" "$OUT/orpo" "$OUT/kto" "$OUT/ppo" "$OUT/grpo" "$OUT/ppo_overopt" \
   --baseline "$OUT/sft" --ref "$OUT/sft" --reward_model "$OUT/rm" --prompts "$DATA/eval_prompts.jsonl" \
-  --summary "$OUT/results.json" $EVAL
+  --summary "$OUT/results.json" --overwrite $EVAL
 run $PY -m nano_rlhf.plot --out_dir "$OUT"

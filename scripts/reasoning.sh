@@ -97,7 +97,7 @@ for seed in $SEEDS; do
   models=("$OUT/sft")
   for v in $VARIANTS trl_grpo; do done_model "$OUT/seed$seed/$v" && models+=("$OUT/seed$seed/$v"); done
   run $PY -m nano_rlhf.evaluate --model "${models[@]}" --ref "$OUT/sft" --reward nano_rlhf.reasoning:reward \
-    --prompts "$DATA/eval_prompts.jsonl" --summary "$OUT/seed$seed/results.json" --times "$OUT/seed$seed/times.tsv" \
+    --prompts "$DATA/eval_prompts.jsonl" --summary "$OUT/seed$seed/results.json" --overwrite --times "$OUT/seed$seed/times.tsv" \
     $EVAL
   summaries+=("$OUT/seed$seed/results.json")
 done

@@ -97,4 +97,4 @@ timed spo $TRAIN train_ppo.py --advantage grpo --reward selfplay --judge "$OUT/r
 POLICIES="rrhf pro lipo dpo_listwise npo d2o dro tdpo paft_sft paft_dpo paft dpo_offline_matched online_dpo online_dpo_gold dno sppo nash_md cringe spo"
 run $PY -m nano_rlhf.evaluate --model "$OUT/sft" $(for p in $POLICIES; do echo "$OUT/$p"; done) \
   --baseline "$OUT/sft" --ref "$OUT/sft" --reward_model "$OUT/rm" --prompts "$DATA/eval_prompts.jsonl" \
-  --summary "$OUT/survey.json" --times "$OUT/survey_times.tsv" $EVAL
+  --summary "$OUT/survey.json" --overwrite --times "$OUT/survey_times.tsv" $EVAL

@@ -108,7 +108,8 @@ def test_kl_column_and_the_policy_as_its_own_reference(tmp_path, tok, sft_dir, p
     shutil.copytree(sft_dir, copy)
     tiny_model(tok, seed=5).save_pretrained(str(other))
     tok.save(str(other / "tokenizer.json"))
-    args = ["--model", sft_dir, "--prompts", prompts, "--out", str(tmp_path / "s.jsonl"), "--max_new_tokens", "6"]
+    args = ["--model", sft_dir, "--prompts", prompts, "--out", str(tmp_path / "s.jsonl"), "--max_new_tokens", "6",
+            "--overwrite"]
     own = evaluate.main(args + ["--ref", sft_dir])
     through_copy = evaluate.main(args + ["--ref", str(copy)])
     assert own[0]["kl"] == through_copy[0]["kl"] == 0.0

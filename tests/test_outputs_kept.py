@@ -98,6 +98,37 @@ def test_evaluate_default_output_keeps_the_runs_samples(tmp_path, run_dir):
     assert len((run_dir / evaluate.EVAL_SAMPLES).read_text().splitlines()) == 2
 
 
+def test_evaluate_replaces_a_named_file_only_with_overwrite(capsys, tmp_path, sft_dir):
+    prompts = write_jsonl(tmp_path / "p.jsonl", prompt_rows(2))
+    for flag in ("--out", "--summary"):
+        f = tmp_path / f"kept{flag[2:]}.json"
+        f.write_text("mine\n")
+        argv = ["--model", sft_dir, "--prompts", prompts, flag, str(f), "--max_new_tokens", "2"]
+        msg = one_line_exit(capsys, lambda: evaluate.main(argv))
+        assert msg.startswith(f"error: {flag} {f}: exists; pass --overwrite") and f.read_text() == "mine\n"
+        evaluate.main(argv + ["--overwrite"])
+        assert f.read_text() != "mine\n"
+        capsys.readouterr()
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "label"])
+def test_no_tool_writes_into_a_runs_state(capsys, tmp_path, sft_dir, tool):
+    """A run's state/ is what --resume reads: no tool output goes there, --overwrite or not."""
+    state = tmp_path / "run" / "state"
+    state.mkdir(parents=True)
+    for name in ("meta.json", "run.json", "rng_rank0.json"):
+        (state / name).write_text("{}")
+    before = snapshot(str(state))
+    prompts = write_jsonl(tmp_path / "p.jsonl", prompt_rows(2))
+    out = str(state / "meta.json")
+    main = {"evaluate": lambda: evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", out,
+                                               "--overwrite", "--max_new_tokens", "2"]),
+            "label": lambda: label.main(["--model", sft_dir, "--prompts", prompts, "--out", out, "--overwrite",
+                                         "--judge", "gold"])}[tool]
+    msg = one_line_exit(capsys, main)
+    assert "inside a training run's state directory" in msg and snapshot(str(state)) == before
+
+
 def test_label_out_through_a_symlink_to_the_prompts_is_refused(capsys, tmp_path, sft_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", prompt_rows(2))
     os.symlink(prompts, tmp_path / "link.jsonl")
