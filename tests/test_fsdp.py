@@ -248,7 +248,7 @@ def test_ppo_and_grpo_fsdp_follow_ddp(tmp_path, sft_dir, rm_dir, extra):
 def test_fsdp_flag_errors_are_one_line(tmp_path, sft_dir):
     p = run(["train_dpo.py", "--init", sft_dir, "--frozen", "replicate", "--out_dir", str(tmp_path / "x")],
             check=False)
-    assert p.returncode != 0 and p.stderr.strip() == "error: --frozen replicate applies only with --fsdp"
+    assert p.returncode == 2 and p.stderr.strip() == "error: --frozen applies only with --fsdp; here it would be ignored"
     p = run(["train_dpo.py", "--init", sft_dir, "--loss", "simpo", "--offload_frozen", "--out_dir",
              str(tmp_path / "x")], check=False)
     assert p.returncode != 0 and "error: --offload_frozen: this run holds no reference model" in p.stderr

@@ -265,7 +265,8 @@ def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
     assert rows[0]["answered"] == sum(s["answer"] is not None for s in got) / 30 and "answered " in line
     # the built-in verifier: a random model answers nothing right, and the figures are there
     rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--max_new_tokens", "4",
-                          "--samples_per_prompt", "2", "--pass_k", "2", "--reward", "nano_rlhf.reasoning:reward"])
+                          "--samples_per_prompt", "2", "--pass_k", "2", "--reward", "nano_rlhf.reasoning:reward",
+                          "--overwrite"])
     assert rows[0]["pass@2"] == 0.0 and rows[0]["maj@2"] == 0.0 and rows[0]["zero_spread"] == 1.0
     assert all("answer" in json.loads(x) for x in open(out))
 

@@ -145,7 +145,7 @@ os.replace = lambda a, b: (time.sleep(0.2), replace(a, b))
 open(sys.argv[1] + ".ready", "w").close()
 while not os.path.exists(sys.argv[2]):
     time.sleep(0.01)
-print(builtin.builtin_file("sft.jsonl"), flush=True)
+print(data_mod.builtin_file("sft.jsonl"), flush=True)
 """
 
 
