@@ -87,14 +87,16 @@ DEFAULT_BETA = {"simpo": 2.0, "ipo": 0.5}
 class Options(CompileOption, FrozenModelOptions, RunOptions):
     loss: Literal["dpo", "robust", "ipo", "hinge", "rdpo", "simpo", "cpo", "orpo", "tdpo"] = "dpo"  # which loss
     beta: Optional[float] = None  # β (ipo: τ); none = 0.1, or 2.0 for simpo, 0.5 for ipo {> 0}
-    label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust) {0 <= x < 0.5}
-    gamma: float = 0.5            # SimPO target margin γ {>= 0}
+    label_smoothing: float = 0.0  # ε: assumed share of flipped labels (dpo = cDPO, robust) [with loss=dpo|robust]
+                                  # {0 <= x < 0.5}
+    gamma: float = 0.5            # SimPO target margin γ [with loss=simpo] {>= 0}
     alpha: Optional[float] = None # rdpo: length coefficient (none = 0.01); cpo: NLL weight (none = 1.0); tdpo: KL
-                                  # weight (none = 0.5) {>= 0}
-    lam: float = 0.1              # ORPO weight λ of the odds-ratio term {>= 0}
+                                  # weight (none = 0.5) [with loss=rdpo|cpo|tdpo] {>= 0}
+    lam: float = 0.1              # ORPO weight λ of the odds-ratio term [with loss=orpo] {>= 0}
     nll_coef: float = 0.0         # add this × NLL(chosen) to the loss (RPO); cpo/orpo add their own {>= 0}
     l1_coef: float = 0.0          # λ of λ·Σ|θ − θ_init| (PAFT's sparse preference delta); 0 = off {>= 0}
     precompute_ref: bool = False  # compute the reference log-probs once before training, then drop the reference
+                                  # [with loss!=simpo|cpo|orpo]
     data: str = ""                # preference JSONL; empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
@@ -103,7 +105,7 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
                                                                    # with s_i > s_j (ties skipped), best_worst = best vs
                                                                    # worst; auto = all, and pairs data as is
     init: str = "out/sft"         # policy to start from (an SFT model directory)
-    ref: str = ""                 # reference model directory; empty = --init
+    ref: str = ""                 # reference model directory; empty = --init [with loss!=simpo|cpo|orpo]
     out_dir: str = ""             # output directory; empty = out/<loss>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
     batch_size: int = 16          # pairs per device per micro-step {>= 1}
@@ -450,14 +452,9 @@ def check_options(opts):
     if opts.offload_frozen and (loss in REFERENCE_FREE or opts.precompute_ref):
         fail("--offload_frozen: this run holds no reference model "
              f"({'--precompute_ref' if opts.precompute_ref else f'--loss {loss} is reference-free'})", 2)
-    if opts.label_smoothing and loss not in ("dpo", "robust"):
-        fail(f"--label_smoothing applies only to --loss dpo or robust, not {loss}")
     if loss == "tdpo" and opts.precompute_ref:
         fail("--precompute_ref cannot be used with --loss tdpo: its KL term needs the reference's whole "
              "next-token distribution at every response position, so the reference runs live")
-    if loss in REFERENCE_FREE and (opts.ref or opts.precompute_ref):
-        fail(f"--{'ref' if opts.ref else 'precompute_ref'} has no effect with --loss {loss}, "
-             "which uses no reference model")
     if opts.l1_coef and opts.fsdp:   # θ_init is held whole; under --fsdp the parameters are shards
         fail("--l1_coef with --fsdp is not supported yet (θ_init would have to be sharded like the policy)", 2)
     if opts.l1_coef and opts.lora_r:  # the penalty would fall on A and B, not on PAFT's merged delta B·A

@@ -61,13 +61,13 @@ MAX_LIPO_SCORE = 30.0     # gains 2^ψ above ~2^30 overflow float32 gradient nor
 @dataclass
 class Options(CompileOption, FrozenModelOptions, RunOptions):
     loss: Literal["rrhf", "pro", "lipo"] = "rrhf"  # which listwise loss
-    beta: Optional[float] = None  # lipo: β of the implicit reward s = β·log π/π_ref (none = 0.1) {> 0}
+    beta: Optional[float] = None  # β of the implicit reward s = β·log π/π_ref (none = 0.1) [with loss=lipo] {> 0}
     nll_coef: Optional[float] = None  # weight of NLL(best response); none = 1 for rrhf/pro, 0 for lipo {>= 0}
     data: str = ""                # listwise JSONL; empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
     init: str = "out/sft"         # policy to start from (an SFT model directory)
-    ref: str = ""                 # lipo: reference model directory; empty = --init
+    ref: str = ""                 # reference model directory; empty = --init [with loss=lipo]
     out_dir: str = ""             # output directory; empty = out/<loss>
     dropout: float = 0.0          # dropout of the policy (0: log-probs must be reproducible) {0 <= x < 1}
     batch_size: int = 4           # prompts (each with all its completions) per device per micro-step {>= 1}
@@ -310,10 +310,6 @@ def check_options(opts):
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
-    if opts.loss != "lipo":
-        for name, given in (("beta", opts.beta is not None), ("ref", opts.ref)):
-            if given:
-                fail(f"--{name} applies only to --loss lipo (rrhf and pro use no reference model), not {opts.loss}")
     opts.beta = 0.1 if opts.beta is None else opts.beta
     opts.nll_coef = (0.0 if opts.loss == "lipo" else 1.0) if opts.nll_coef is None else opts.nll_coef
     opts.out_dir = opts.out_dir or f"out/{opts.loss}"

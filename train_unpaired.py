@@ -90,19 +90,21 @@ SAMPLES_FILE = "d2o_samples.jsonl"
 @dataclass
 class Options(CompileOption, FrozenModelOptions, RunOptions):
     method: Literal["kto", "npo", "d2o", "dro"] = "npo"   # which loss
-    beta: float = 0.1             # kto, npo, d2o: β {> 0}
-    desirable_weight: float = 1.0     # kto: λ_D {> 0}
-    undesirable_weight: float = 1.0   # kto: λ_U {> 0}
-    precompute_ref: bool = False  # kto: compute the reference log-probs once before training, then drop the model
-    alpha: Optional[float] = None # d2o: weight α of the negative's log-ratio; none = β {>= 0}
-    retain_coef: float = 0.0      # npo: weight of the NLL on label-true rows (retain data); 0 = they are an error {>=
-                                  # 0}
-    retain_warn: float = 3.0      # npo: warn once if the retain NLL exceeds this × its first step's; 0 = off {>= 0}
-    num_samples: int = 4          # d2o: K responses sampled from the reference per prompt {>= 1}
-    max_new_tokens: int = 32      # d2o: longest sampled response {>= 1}
-    temperature: float = 1.0      # d2o: sampling temperature of the K responses {> 0}
-    tau: float = 0.1              # dro: τ, the KL-regularisation strength {> 0}
-    value_lr: float = 1e-4        # dro: peak learning rate of the value model {> 0}
+    beta: float = 0.1             # β (dro's KL strength is --tau) [with method!=dro] {> 0}
+    desirable_weight: float = 1.0     # λ_D [with method=kto] {> 0}
+    undesirable_weight: float = 1.0   # λ_U [with method=kto] {> 0}
+    precompute_ref: bool = False  # compute the reference log-probs once before training, then drop the model
+                                  # [with method=kto]
+    alpha: Optional[float] = None # weight α of the negative's log-ratio; none = β [with method=d2o] {>= 0}
+    retain_coef: float = 0.0      # weight of the NLL on label-true rows (retain data); 0 = they are an error
+                                  # [with method=npo] {>= 0}
+    retain_warn: float = 3.0      # warn once if the retain NLL exceeds this × its first step's; 0 = off
+                                  # [with method=npo] {>= 0}
+    num_samples: int = 4          # K responses sampled from the reference per prompt [with method=d2o] {>= 1}
+    max_new_tokens: int = 32      # longest sampled response [with method=d2o] {>= 1}
+    temperature: float = 1.0      # sampling temperature of the K responses [with method=d2o] {> 0}
+    tau: float = 0.1              # τ, the KL-regularisation strength [with method=dro] {> 0}
+    value_lr: float = 1e-4        # peak learning rate of the value model [with method=dro] {> 0}
     data: str = ""                # unpaired JSONL (kto, npo, d2o) or scored JSONL (dro); empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
@@ -122,7 +124,8 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     grad_clip: float = 1.0        # clip each network's global gradient norm to this (0 = off) {>= 0}
     seed: int = 0                 # seed for data order, KTO's mismatched pairs and D2O's samples
     resume: bool = False          # continue from out_dir/state (D2O: with the saved samples)
-    max_length: int = 0           # kto: training length (prompts are left-truncated); 0 = min(block_size, 1024) {>= 0}
+    max_length: int = 0           # training length (prompts are left-truncated); 0 = min(block_size, 1024)
+                                  # [with method=kto] {>= 0}
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
@@ -483,18 +486,7 @@ def check_options(opts):
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
-    method = opts.method
-    defaults = Options()
-    own = {"desirable_weight": "kto", "undesirable_weight": "kto", "precompute_ref": "kto", "max_length": "kto",
-           "retain_coef": "npo", "retain_warn": "npo", "num_samples": "d2o", "max_new_tokens": "d2o",
-           "temperature": "d2o", "tau": "dro", "value_lr": "dro"}
-    for name, owner in own.items():
-        if method != owner and getattr(opts, name) != getattr(defaults, name):
-            fail(f"--{name} applies only to --method {owner}, not {method}")
-    if opts.alpha is not None and method != "d2o":
-        fail(f"--alpha applies only to --method d2o, not {method}")
-    if method == "dro" and opts.beta != defaults.beta:
-        fail("--beta does not apply to --method dro (its KL strength is --tau)")
+    method = opts.method      # a flag the method would ignore is refused by the parser ([with method=...])
     if method == "kto" and opts.batch_size < 2:     # z₀ of one example is its own log-ratio
         fail(f"--method kto needs --batch_size >= 2 (got {opts.batch_size})")
     if opts.offload_frozen and opts.precompute_ref:

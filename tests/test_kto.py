@@ -147,8 +147,8 @@ BAD_FLAGS = [
     (["--max_length", "-1"], "--max_length"),
     (["--max_length", "100"], "--max_length 100 is above the block_size 64"),
     (["--precompute_ref", "--offload_frozen"], "--offload_frozen: this run holds no reference model"),
-    (["--alpha", "0.1"], "--alpha applies only to --method d2o, not kto"),
-    (["--tau", "0.5"], "--tau applies only to --method dro, not kto"),
+    (["--alpha", "0.1"], "--alpha applies only with --method d2o (got kto)"),
+    (["--tau", "0.5"], "--tau applies only with --method dro (got kto)"),
     (["--nll_coef", "0.1"], "unrecognized arguments: --nll_coef"),
 ]
 
@@ -164,7 +164,7 @@ def test_kto_flags_are_errors_with_other_methods(tmp_path, sft_dir, capsys, flag
     value = {"--desirable_weight": ["2"], "--precompute_ref": [], "--max_length": ["32"]}[flag]
     args = kto_args(tmp_path, sft_dir, "o", flag, *value)
     args[args.index("kto")] = "npo"
-    one_line_error(capsys, lambda: train_unpaired.main(args), f"{flag} applies only to --method kto, not npo")
+    one_line_error(capsys, lambda: train_unpaired.main(args), f"{flag} applies only with --method kto (got npo)")
     assert not (tmp_path / "o").exists()
 
 

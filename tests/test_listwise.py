@@ -368,8 +368,8 @@ def test_dpo_listwise_flag_on_pairs_data_is_one_line(tmp_path, sft_dir, capsys):
 
 
 def test_flags_the_loss_would_ignore_are_errors(tmp_path, sft_dir, capsys):
-    for args, msg in ((["--loss", "rrhf", "--beta", "0.2"], "error: --beta applies only to --loss lipo"),
-                      (["--loss", "pro", "--ref", sft_dir], "error: --ref applies only to --loss lipo")):
+    for args, msg in ((["--loss", "rrhf", "--beta", "0.2"], "error: --beta applies only with --loss lipo (got rrhf)"),
+                      (["--loss", "pro", "--ref", sft_dir], "error: --ref applies only with --loss lipo (got pro)")):
         assert one_line_exit(capsys, L.main, [*args, "--init", sft_dir, "--out_dir", str(tmp_path / "o")]).startswith(msg)
 
 

@@ -305,12 +305,12 @@ def test_dro_trains_and_saves_both_networks_and_resumes(tmp_path, sft_dir):
 
 
 BAD = [
-    ("npo", ["--tau", "0.5"], "--tau applies only to --method dro, not npo"),
-    ("dro", ["--retain_coef", "1"], "--retain_coef applies only to --method npo, not dro"),
-    ("d2o", ["--retain_warn", "2"], "--retain_warn applies only to --method npo, not d2o"),
+    ("npo", ["--tau", "0.5"], "--tau applies only with --method dro (got npo)"),
+    ("dro", ["--retain_coef", "1"], "--retain_coef applies only with --method npo (got dro)"),
+    ("d2o", ["--retain_warn", "2"], "--retain_warn applies only with --method npo (got d2o)"),
     ("npo", ["--retain_warn", "-1"], "--retain_warn"),
-    ("npo", ["--alpha", "0.1"], "--alpha applies only to --method d2o, not npo"),
-    ("dro", ["--beta", "0.5"], "--beta does not apply to --method dro"),
+    ("npo", ["--alpha", "0.1"], "--alpha applies only with --method d2o (got npo)"),
+    ("dro", ["--beta", "0.5"], "--beta applies only with --method other than dro (got dro)"),
     ("d2o", ["--num_samples", "0"], "--num_samples"),
     ("npo", ["--beta", "0"], "--beta"),
     ("dro", ["--tau", "-1"], "--tau"),
