@@ -44,6 +44,7 @@ model or judge replaced at the same path would otherwise be taken, and the run g
 """
 import atexit
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -362,13 +363,11 @@ class Run:
     # ---- what it writes as it goes: metrics.jsonl, samples.jsonl, the progress line, and their mirror in
     # TensorBoard or Weights & Biases (--report_to; _import_backend checks it at start-up, _open_backend opens it)
     def _import_backend(self):
-        try:
-            if self.report_to == "tensorboard":
-                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-            elif self.report_to == "wandb":
-                import wandb  # noqa: F401
-            else:
-                return f"--report_to must be none, tensorboard or wandb (got {self.report_to!r})"
+        module = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}.get(self.report_to)
+        if module is None:
+            return f"--report_to must be none, tensorboard or wandb (got {self.report_to!r})"
+        try:        # a probe at start-up: the backend is opened (and used) only by _open_backend
+            importlib.import_module(module)
         except ImportError:
             return f"--report_to {self.report_to} needs the {self.report_to} package: pip install {self.report_to}"
         return None

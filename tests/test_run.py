@@ -359,15 +359,14 @@ def test_second_run_on_the_same_out_dir_is_refused_while_the_first_holds_it(toy,
 # ---- report_to ---------------------------------------------------------------------------------------
 
 def test_missing_report_to_package_is_one_line_at_start(toy, monkeypatch, capsys):
-    import builtins
-    real = builtins.__import__
+    import importlib
+    real = importlib.import_module
 
-    def no_backends(name, *a, **k):
+    def no_backends(name, *a, **k):     # the start-up probe imports the backend by name
         if name in ("torch.utils.tensorboard", "wandb"):
             raise ImportError(f"No module named {name!r}")
         return real(name, *a, **k)
-    monkeypatch.setattr(builtins, "__import__", no_backends)
-    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setattr(importlib, "import_module", no_backends)
     assert fails(toy, ["--report_to", "tensorboard"], capsys) == (
         "error: --report_to tensorboard needs the tensorboard package: pip install tensorboard")
     assert fails(toy, ["--report_to", "wandb"], capsys) == (
