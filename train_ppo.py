@@ -32,25 +32,16 @@ One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
                --overlong mask | penalty, --rollout_correction tis | mask (docs/algorithms.md, "RLVR variants")
                the first --critic_warmup_steps steps update the critic only (the policy waits for useful values)
 
-Run:
+Run (docs/usage.md: your own prompts and rewards, real families, --lora_r, torchrun and --fsdp):
     python train_ppo.py                                     # PPO: out/sft + out/rm -> out/ppo
     python train_ppo.py --advantage grpo --reward gold      # GRPO with the built-in task's verifiable reward
     python train_ppo.py --advantage grpo --reward my_rewards.py:score --prompts my_prompts.jsonl
     python train_ppo.py --advantage grpo --reward selfplay --judge out/rm      # SPO, the reward model as judge
-    python train_ppo.py --advantage grpo --reward selfplay --pair_judge my_judges.py:prefer   # a pairwise judge
-    python train_ppo.py --init qwen3_sft --reward_model qwen3_rm --prompts chat_prompts.jsonl --lr 1e-6 \
-        --critic_lr 5e-6 --grad_checkpoint --dtype bfloat16    # a real family: its chat template, stops at <|im_end|>
     torchrun --nproc_per_node 2 train_ppo.py --advantage grpo --reward gold
 
---lora_r R trains low-rank adapters on the frozen policy and critic (the critic's score head fully), as
-OpenRLHF's --lora_rank does for actor and critic (nano_rlhf/lora.py). The reference is then, when it is --init
-(no other --ref), the policy with its adapters switched off: no second copy in memory. The output directory
-holds the merged policy and out_dir/adapter its adapters alone in PEFT's layout.
-
-Choices and deviations: the score lands on the end-of-text token itself (TRL puts it one slot later, on
-padding); rloo feeds its advantage to the token-level clipped loss (TRL clips one sequence ratio); every
-forward uses position ids from the attention mask (left-padded prompts); log-probs always at temperature τ;
-groups of k samples live on one rank, so group statistics need no communication.
+Where we differ from TRL on purpose (docs/design.md, "PPO"): the score lands on the end-of-text token itself (TRL
+puts it one slot later, on padding); rloo feeds its advantage to the token-level clipped loss (TRL clips one
+sequence-level ratio). Groups of k samples live on one rank, so group statistics need no communication.
 """
 import contextlib
 import time
@@ -62,7 +53,7 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora, parallel
+from nano_rlhf import dist, lora
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import rollout as rollout_mod
 from nano_rlhf import run as run_mod
@@ -70,13 +61,12 @@ from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FrozenModelOptions, RunOptions
 from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, tokenize_prompts,
                             tokenize_sft, training_length)
-from nano_rlhf.evaluate import sample_and_score
+from nano_rlhf.evaluate import eval_metrics
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
-from nano_rlhf.reward import Judge, load_judge
+from nano_rlhf.reward import load_judge
 from nano_rlhf.rollout import Rollout
-from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
-from nano_rlhf.sampling import SamplingOptions, sampling_copy
-from nano_rlhf.summary import summarize
+from nano_rlhf.run import Learner, autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
+from nano_rlhf.sampling import sampling_copy
 from nano_rlhf.watch import Watch, check_step
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
@@ -88,6 +78,7 @@ LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_s
 
 @dataclass
 class Options(FrozenModelOptions, RunOptions):
+    # ---- what is trained, from what, rewarded by what
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
     reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge /
                                   # --pair_judge), or module:function / file.py:function
@@ -106,6 +97,7 @@ class Options(FrozenModelOptions, RunOptions):
     eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
     eval_fraction: float = 0.05   # share of --prompts held out for evaluation when no --eval_prompts {0 < x < 1}
     out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
+    # ---- the rollout
     batch_size: int = 8           # prompts per device per step {>= 1}
     samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
     max_new_tokens: int = 40      # response length limit (also Dr. GRPO's constant normaliser) {>= 1}
@@ -114,25 +106,31 @@ class Options(FrozenModelOptions, RunOptions):
     share_prompt_prefill: bool = True  # the k samples of a prompt share one prefill of it (same tokens at a seed)
     compact_rollout: bool = True  # ended samples leave the decode batch (same tokens at a seed)
     rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
-    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens {>=
-                                  # 0}
+    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
+                                  # {>= 0}
+    # ---- the KL to the reference
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate)
-    adaptive_kl: bool = False     # adapt β towards --kl_target (Ziegler et al. 2019)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate;
+                                                    # the group estimators fold Σk1 into the score)
+                                                    # [with advantage=gae|reinforce_pp and kl_in_loss=false]
+    adaptive_kl: bool = False     # adapt β multiplicatively towards --kl_target (Ziegler et al. 2019)
+                                  # [with kl_coef>0]
     kl_target: float = 1.0        # target KL per sequence for the adaptive controller [with adaptive_kl] {> 0}
     kl_horizon: int = 10000       # horizon (in samples) of the adaptive controller [with adaptive_kl] {>= 1}
     kl_in_loss: bool = False      # KL as β·(--kl_loss_estimator) per token in the loss instead of in the reward (GRPO
                                   # style) [with kl_coef>0]
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3 (GRPO's; its gradient is the FORWARD KL's), k2 (the
-                                                         # reverse KL's true gradient), k1 (no gradient in expectation)
-                                                         # [with kl_in_loss]
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3 (GRPO's: the FORWARD KL's gradient), k2 (the reverse
+                                                         # KL's), k1 (none in expectation) [with kl_in_loss]
+    # ---- the score
     missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward
                                                  # selfplay: 0, the worst win rate); none = off; a score, bounded as
                                                  # every reward is (reward.MAX_SCORE) {-1e15 <= x <= 1e15}
-    score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping {> 0}
+    score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping
+                                  # [with reward=model] {> 0}
     score_warn: float = 3.0       # warn once if the mean raw score leaves the first step's mean ± this × its sd
                                   # (nano_rlhf/watch.py; collapsed responses are always warned about); 0 = off {>= 0}
-    normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved
+    normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved [with reward=model]
+    # ---- advantages and the update
     gamma: float = 1.0            # GAE / reward-to-go discount [with advantage=gae|reinforce_pp] {0 <= x <= 1}
     lam: float = 0.95             # GAE λ [with advantage=gae] {0 <= x <= 1}
     ppo_epochs: int = 4           # passes over each rollout {>= 1}
@@ -140,16 +138,16 @@ class Options(FrozenModelOptions, RunOptions):
     micro_batch_size: int = 0     # sequences per forward/backward; 0 = the whole minibatch {>= 0}
     clip_eps: float = 0.2         # policy ratio clip ε {> 0}
     clip_high: Optional[float] = None  # upper clip ε_high (DAPO clip-higher); none = --clip_eps {> 0}
-    policy_loss: Literal["ppo", "dual_clip", "gspo", "cispo"] = "ppo"  # ppo: clipped token ratio; dual_clip: + a cap
-                                                                       # −c·A for A < 0; gspo: one length-normalised
-                                                                       # ratio per sequence (try --clip_eps 3e-4
-                                                                       # --clip_high 4e-4); cispo: clipped,
-                                                                       # stop-gradient IS weight on every token
+    policy_loss: Literal["ppo", "dual_clip", "gspo", "cispo"] = "ppo"  # ppo: clipped token ratio; dual_clip: caps
+                                                                       # −c·A for A < 0; gspo: one ratio a sequence
+                                                                       # (--clip_eps 3e-4 --clip_high 4e-4); cispo:
+                                                                       # a clipped, detached weight on every token
     dual_clip: float = 3.0        # the cap c [with policy_loss=dual_clip] {> 1}
     loss_agg: LossAgg = "auto"    # how token losses become the minibatch loss; auto = token_mean (dr_grpo:
                                   # seq_mean_token_sum_norm, gspo: seq_mean_token_mean)
+    # ---- RLVR variants (docs/algorithms.md, "RLVR variants")
     dynamic_sampling: bool = False  # DAPO: groups whose k rewards are all equal (no signal) are dropped and more
-                                    # prompts sampled until the batch is full
+                                    # prompts sampled until the batch is full [with advantage=rloo|grpo|dr_grpo]
     max_sampling_rounds: int = 3  # at most this many rollouts a step, then zero-spread groups fill the batch (logged)
                                   # [with dynamic_sampling] {>= 1}
     overlong: Literal["none", "mask", "penalty"] = "none"  # responses cut at --max_new_tokens: trained on as usual,
@@ -164,11 +162,14 @@ class Options(FrozenModelOptions, RunOptions):
                                                               # response [with rollout_correction!=none]
     correction_cap: float = 2.0   # C, the weight cap (tis) or the ratio range [1/C, C] kept (mask)
                                   # [with rollout_correction!=none] {> 1}
+    # ---- the critic, the entropy bonus, the pre-training mix
     value_clip: float = 0.2       # critic update clip ε_v; inf = no clipping [with advantage=gae] {> 0}
     entropy_coef: float = 0.0     # entropy bonus coefficient c_H {>= 0}
     ptx_data: str = ""            # SFT JSONL for the pre-training mix (InstructGPT PPO-ptx); empty = off
-    ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL {>= 0}
-    ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX {>= 1}
+                                  # [with ptx_coef>0]
+    ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL [with ptx_data] {>= 0}
+    ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX [with ptx_data] {>= 1}
+    # ---- optimisation, schedule, evaluation
     lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {>= 0}
     critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 [with advantage=gae]
                                   # {>= 0}
@@ -188,6 +189,20 @@ class Options(FrozenModelOptions, RunOptions):
                                   # is then the policy with adapters off; 0 = off {>= 0}
 
 
+def fill_defaults(opts):
+    """The defaults that depend on other options, filled in right after parsing (run.json records the filled
+    values)."""
+    opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
+    if opts.critic_init == "auto":
+        opts.critic_init = "reward_model" if opts.reward == "model" else "policy"
+    rollout_size = opts.batch_size * opts.samples_per_prompt
+    opts.micro_batch_size = opts.micro_batch_size or rollout_size // opts.num_minibatches
+    if opts.reward == "selfplay" and opts.missing_eos_penalty == -3.0:
+        # the default, made for scores of a few units: a win rate lies in [0, 1], so an unfinished sample gets the
+        # worst win rate instead
+        opts.missing_eos_penalty = 0.0
+
+
 # ---- the models ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -199,27 +214,6 @@ class Models:
     ref: Optional[GPT] = None             # π_ref (frozen; --lora_r: a lora.BaseView of the policy); None when β = 0
     critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
     gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
-
-
-@dataclass
-class Learner:
-    """A trained model: the bare module (what is saved), the DDP wrapper its forward/backward go through
-    (the module itself in one process) and its optimizer."""
-    model: torch.nn.Module
-    ddp: torch.nn.Module
-    opt: torch.optim.Optimizer
-
-    @classmethod
-    def of(cls, model, lr, opts):
-        return cls(model, *run_mod.prepare(opts, model, lr))     # DDP / FSDP; AdamW with --adam_eps
-
-    def step(self, grad_clip):
-        """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = parallel.clip_grad_norm(params, grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return norm
 
 
 # ---- log-probs and KL ----------------------------------------------------------------------------
@@ -540,17 +534,6 @@ def scores_from_reward(raw, has_eos, opts, rm_stats=None):
     return score
 
 
-def sampling_options(opts, tok):
-    """What the rollout samples and how the engine computes it (nano_rlhf.sampling.SamplingOptions): pure
-    sampling at τ up to the tokenizer's stop ids (end-of-text, the template's end-of-turn)."""
-    # under --fsdp the engine samples with the gathered weights themselves (an FSDP module cannot be copied
-    # into a sampling copy of another dtype; --rollout_dtype bfloat16 is refused with --fsdp)
-    return SamplingOptions(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, stop_ids=tok.stop_ids,
-                           pad_id=tok.pad_id, compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill,
-                           compact=opts.compact_rollout,
-                           dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
-
-
 @torch.no_grad()
 def rollout(next_prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
     """One step's Rollout, the one path: sample and score k completions of each prompt of next_prompts() (in rounds
@@ -569,7 +552,8 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
     k = opts.samples_per_prompt
     # the sampled tokens are all the update takes from generation: log-probs (π_old) are recomputed in
     # with_logprobs or in the update by the float32 policy, so a bfloat16 sampling copy keeps the ratio 1 at lr 0
-    r = rollout_mod.sample_groups(prompts, models.policy, tok, sampling_options(opts, tok), k, gen, gen_stats)
+    r = rollout_mod.sample_groups(prompts, models.policy, tok, rollout_mod.sampling_options(opts, tok), k, gen,
+                                  gen_stats)
     prompt_texts = [p["text"] for p in prompts for _ in range(k)]
     raw, rm_stats, pref = rollout_mod.read_reward(models.reward, r, prompt_texts, k)
     device = r.response_mask.device
@@ -760,23 +744,12 @@ def check_options(opts):
         fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
     if opts.advantage in GROUP and opts.samples_per_prompt < 2:
         fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)")
-    if opts.adaptive_kl and not opts.kl_coef > 0:
-        fail("--adaptive_kl needs --kl_coef > 0 (β is adapted multiplicatively)")
-    if bool(opts.ptx_data) != (opts.ptx_coef > 0):
-        fail("the PTX term needs both --ptx_data FILE and --ptx_coef > 0")
-    if opts.advantage in GROUP and opts.kl_estimator != "k1" and not opts.kl_in_loss:
-        fail(f"--advantage {opts.advantage} folds the sequence KL Σk1 into its reward; --kl_estimator "
-             f"{opts.kl_estimator} applies only with gae / reinforce_pp (the KL in the loss: --kl_in_loss, "
-             "with --kl_loss_estimator)")
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
         fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function "
              f"(got {opts.reward!r})")
     if opts.policy_loss == "gspo" and opts.advantage == "gae":
         fail("--policy_loss gspo weighs whole sequences: it needs a sequence-level advantage "
              "(--advantage rloo, grpo, dr_grpo or reinforce_pp), not gae's per-token one")
-    if opts.dynamic_sampling and opts.advantage not in GROUP:
-        fail(f"--dynamic_sampling drops groups whose k rewards are equal: it needs a group estimator "
-             f"(--advantage rloo, grpo or dr_grpo), not {opts.advantage}")
     if opts.overlong != "none" and opts.missing_eos_penalty is not None:
         fail(f"--overlong {opts.overlong} decides what a truncated response costs; pass --missing_eos_penalty none "
              "with it (that penalty would replace the score of the same responses)")
@@ -792,27 +765,18 @@ def check_options(opts):
         if not (opts.judge or opts.pair_judge):
             fail("--reward selfplay needs a judge: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) "
                  "and/or --pair_judge module:function")
-        if not opts.normalize_score or opts.score_clip != 5.0:
-            fail("--normalize_score / --score_clip apply to a reward model's score, not to --reward selfplay's win "
-                 "rates")
-        if opts.missing_eos_penalty == -3.0:     # the default, made for scores of a few units: a win rate lies in
-            opts.missing_eos_penalty = 0.0       # [0, 1], so an unfinished sample gets the worst win rate instead
     rollout_size = opts.batch_size * opts.samples_per_prompt
     if rollout_size % opts.num_minibatches:
         fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x "
              f"--samples_per_prompt {opts.samples_per_prompt}) does not split into --num_minibatches "
              f"{opts.num_minibatches}")
     mb_size = rollout_size // opts.num_minibatches
-    if mb_size % (opts.micro_batch_size or mb_size):
+    if mb_size % opts.micro_batch_size:
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
              f"{opts.micro_batch_size}")
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
-    opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
-    if opts.critic_init == "auto":
-        opts.critic_init = "reward_model" if opts.reward == "model" else "policy"
-    opts.micro_batch_size = opts.micro_batch_size or mb_size
 
 
 def load_models(opts, tok, prompt_texts, device, identity):
@@ -871,38 +835,9 @@ def tokenize_inputs(opts, tok, block, prompt_records, ptx_records):
     return prompts, prompt_stats, ptx
 
 
-def step_metrics(r: Rollout, targets: Advantages, sums, beta, k=1):
-    """Named per-step figures, averaged over all ranks: sequence means, token means and update means. k > 1
-    (a group estimator's samples per prompt) adds zero_spread, the share of groups whose k scores are all equal
-    (they teach a group estimator nothing)."""
-    seq = {"score": r.scores, "rm_score_raw": r.raw_scores, "kl": sequence_kl(r),
-           "non_score_reward": targets.kl_penalty, "response_length": r.response_mask.sum(1), "eos_rate": r.has_eos}
-    if k > 1:
-        seq["zero_spread"] = (~rollout_mod.group_spread(r.scores, k)).repeat_interleave(k).to(r.scores.dtype)
-    if r.gold is not None:
-        seq["gold_reward"] = r.gold
-    names = ["sequences", *seq, *sums]
-    local = [float(r.scores.shape[0]), *(v.sum().item() for v in seq.values()), *sums.values()]
-    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
-    metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
-    per_token = ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio", "value_loss", "value_clipfrac")
-    metrics.update({f"train/{k}": total[k] / max(total["tokens"], 1) for k in per_token if k in total})
-    per_update = max(total["updates"], 1)          # every rank counts its updates, so this also divides by ranks
-    metrics.update({f"train/{k}": total[k] / per_update for k in ("grad_norm", "critic_grad_norm") if k in total})
-    metrics["train/kl_coef"] = beta
-    for k in ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio"):    # over the policy loss's own tokens
-        if k in total and "policy_tokens" in total:
-            metrics[f"train/{k}"] = total[k] / max(total["policy_tokens"], 1)
-    if r.stats:       # rank means of the sampling's figures (dynamic sampling, sampler/trainer mismatch)
-        names = sorted(r.stats)
-        sums = dist.all_reduce_sum(torch.tensor([r.stats[k] for k in names], dtype=torch.float64))
-        means = sums / dist.world().world_size
-        metrics.update({f"train/{k}": v for k, v in zip(names, means.tolist())})
-    return metrics
-
-
 def main(argv=None):
-    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", run_record)
+    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", run_record,
+                                        fill=fill_defaults)
     with input_errors():
         prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
         ptx_records = load_records(opts.ptx_data, "sft") if opts.ptx_data else None
@@ -943,19 +878,10 @@ def main(argv=None):
 
     def evaluate(step):
         """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps); rank 0 only."""
-        metrics = {}
-        # FSDP: rank 0 samples alone, so the models it uses are gathered (on every rank) for the duration
-        with parallel.gathered(models.policy, models.ref, getattr(models.reward, "model", None)):
-            if world.is_main:
-                samples = sample_and_score(models.policy, tok, eval_prompts,
-                                           replace(sampling_options(opts, tok), temperature=1.0), seed=1234,
-                                           ref=models.ref, rewards=eval_rewards(models, opts))
-                metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
-                run.log_samples(step, samples[:8])
-                for smp in samples[:3]:
-                    dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}")
-        dist.barrier()
-        return metrics
+        return eval_metrics(run, step, models.policy, tok, eval_prompts,
+                            replace(rollout_mod.sampling_options(opts, tok), temperature=1.0), ref=models.ref,
+                            rewards=reward_mod.eval_columns(models.reward, models.gold),
+                            gathered=(models.ref, getattr(models.reward, "model", None)), show=3)
 
     def save(step):
         run_mod.save(opts, step, **state, data={"data": prompt_batches, "watch": watch,
@@ -982,7 +908,8 @@ def main(argv=None):
         warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(batch, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
                       gen=shuffle_gen, ptx=ptx)
-        metrics = step_metrics(batch, targets, sums, beta, opts.samples_per_prompt if opts.advantage in GROUP else 1)
+        metrics = rollout_mod.step_metrics(batch, sequence_kl(batch), targets.kl_penalty, sums, beta,
+                                           opts.samples_per_prompt if opts.advantage in GROUP else 1)
         if opts.adaptive_kl:
             kl_ctl.update(metrics["train/kl"], dist.all_reduce_sum(float(batch.scores.shape[0])))
         if critic is not None:                 # two passes over the returns and the residuals, one all-reduce each
@@ -1036,19 +963,6 @@ def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
             + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
                                               if isinstance(models.ref, lora.BaseView) else "")
             + (f" | resuming at step {step}" if step else ""))
-
-
-def eval_rewards(models: Models, opts):
-    """Evaluation columns: the trained reward (a reward model's raw score as rm_score, a function's as reward)
-    and the programmatic gold reward when one applies to these prompts. SPO: a win rate needs a group, so the
-    judge's own pointwise score stands in (none for a pairwise-only judge)."""
-    reward = models.reward.pointwise if isinstance(models.reward, Judge) else models.reward
-    cols = {} if reward is None else {"rm_score" if isinstance(reward, reward_mod.RewardModel) else "reward": reward}
-    if models.gold is not None and models.gold is reward:   # --reward gold (or --judge gold): one column, its name
-        return {"gold_reward": models.gold}
-    if models.gold is not None:
-        cols["gold_reward"] = models.gold
-    return cols
 
 
 if __name__ == "__main__":

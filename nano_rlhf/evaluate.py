@@ -40,7 +40,7 @@ from dataclasses import replace
 
 import torch
 
-from . import dist
+from . import dist, parallel
 from . import reward as reward_mod
 from .checkpoint import write_json
 from .data import default_data
@@ -127,6 +127,23 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
                 rec["kl"] = float(kl[b])
             out.append(rec)
     return out
+
+
+def eval_metrics(run, step, policy, tok, prompts, sampling, *, rewards, ref=None, gathered=(), show=0):
+    """A training loop's held-out evaluation: prompts sampled on rank 0 with a fixed seed (comparable across
+    steps), scored by `rewards` ({column: reward function}) and with ref the KL to it; returns the means as
+    {"eval/<column>": value} on rank 0 ({} on the others), logs 8 samples to the run and prints `show` of them.
+    FSDP: rank 0 samples alone, so the policy and the `gathered` models are gathered on every rank meanwhile."""
+    metrics = {}
+    with parallel.gathered(policy, *gathered):
+        if dist.world().is_main:
+            samples = sample_and_score(policy, tok, prompts, sampling, seed=1234, ref=ref, rewards=rewards)
+            metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
+            run.log_samples(step, samples[:8])
+            for smp in samples[:show]:
+                dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}")
+    dist.barrier()
+    return metrics
 
 
 def main(argv=None):

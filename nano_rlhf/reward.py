@@ -411,6 +411,20 @@ _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _PLACEHOLDER = re.compile(r"\{(prompt|response)\}")
 
 
+def eval_columns(reward, gold=None):
+    """The reward columns of a trained policy's evaluation (nano_rlhf.evaluate.sample_and_score's rewards): the
+    trained reward (a reward model's raw score as rm_score, a function's as reward) and the programmatic gold
+    reward when one applies to these prompts. A Judge (SPO): a win rate needs a group, so the judge's own
+    pointwise score stands in (none for a pairwise-only judge)."""
+    reward = reward.pointwise if isinstance(reward, Judge) else reward
+    cols = {} if reward is None else {"rm_score" if isinstance(reward, RewardModel) else "reward": reward}
+    if gold is not None and gold is reward:      # --reward gold (or --judge gold): one column, its name
+        return {"gold_reward": gold}
+    if gold is not None:
+        cols["gold_reward"] = gold
+    return cols
+
+
 def model_dir(spec):
     """The model directory a --judge reads (a reward model, or llm:DIR), else "": an input of the run, which
     it never writes into and whose files --resume checks (nano_rlhf.run)."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from . import dist, parallel
 from .data import collate_prompts
 from .reward import Judge, RewardModel, preference_matrix
-from .sampling import cut_at_stop, generate
+from .sampling import SamplingOptions, cut_at_stop, generate
 
 
 @dataclass
@@ -134,3 +134,45 @@ def sample_rounds(draw, k, batch_size, max_rounds, pad_id):
     r.stats.update(zero_spread_groups=first_zero, sampling_rounds=float(len(parts)),
                    filled_groups=float(max(0, batch_size - int(spread.sum()))))
     return r
+
+
+def sampling_options(opts, tok):
+    """What a rollout samples and how the engine computes it (nano_rlhf.sampling.SamplingOptions), from the
+    script's options: pure sampling at τ up to the tokenizer's stop ids (end-of-text, the template's end-of-turn)."""
+    # under --fsdp the engine samples with the gathered weights themselves (an FSDP module cannot be copied
+    # into a sampling copy of another dtype; --rollout_dtype bfloat16 is refused with --fsdp)
+    return SamplingOptions(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, stop_ids=tok.stop_ids,
+                           pad_id=tok.pad_id, compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill,
+                           compact=opts.compact_rollout,
+                           dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
+
+
+def step_metrics(r: Rollout, seq_kl, kl_penalty, sums, beta, k=1):
+    """Named per-step figures, averaged over all ranks: sequence means (seq_kl: the script's Σ_t KL_t of each
+    sequence, kl_penalty: the KL part of its reward), token means and update means of the update's named sums.
+    k > 1 (a group estimator's samples per prompt) adds zero_spread, the share of groups whose k scores are all
+    equal (they teach a group estimator nothing)."""
+    seq = {"score": r.scores, "rm_score_raw": r.raw_scores, "kl": seq_kl,
+           "non_score_reward": kl_penalty, "response_length": r.response_mask.sum(1), "eos_rate": r.has_eos}
+    if k > 1:
+        seq["zero_spread"] = (~group_spread(r.scores, k)).repeat_interleave(k).to(r.scores.dtype)
+    if r.gold is not None:
+        seq["gold_reward"] = r.gold
+    names = ["sequences", *seq, *sums]
+    local = [float(r.scores.shape[0]), *(v.sum().item() for v in seq.values()), *sums.values()]
+    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
+    metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
+    per_token = ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio", "value_loss", "value_clipfrac")
+    metrics.update({f"train/{k}": total[k] / max(total["tokens"], 1) for k in per_token if k in total})
+    per_update = max(total["updates"], 1)          # every rank counts its updates, so this also divides by ranks
+    metrics.update({f"train/{k}": total[k] / per_update for k in ("grad_norm", "critic_grad_norm") if k in total})
+    metrics["train/kl_coef"] = beta
+    for k in ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio"):    # over the policy loss's own tokens
+        if k in total and "policy_tokens" in total:
+            metrics[f"train/{k}"] = total[k] / max(total["policy_tokens"], 1)
+    if r.stats:       # rank means of the sampling's figures (dynamic sampling, sampler/trainer mismatch)
+        names = sorted(r.stats)
+        sums = dist.all_reduce_sum(torch.tensor([r.stats[k] for k in names], dtype=torch.float64))
+        means = sums / dist.world().world_size
+        metrics.update({f"train/{k}": v for k, v in zip(names, means.tolist())})
+    return metrics

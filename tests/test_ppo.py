@@ -181,9 +181,9 @@ def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir
 
 @pytest.mark.parametrize("extra, message", [
     (["--temperature", "0"], "--temperature must be > 0"),
-    (["--ptx_coef", "0.5"], "needs both --ptx_data FILE and --ptx_coef > 0"),
-    (["--advantage", "grpo", "--kl_estimator", "k3"], "applies only with gae / reinforce_pp"),
-    (["--adaptive_kl", "--kl_coef", "0"], "--adaptive_kl needs --kl_coef"),
+    (["--ptx_coef", "0.5"], "--ptx_coef applies only with --ptx_data"),
+    (["--advantage", "grpo", "--kl_estimator", "k3"], "--kl_estimator applies only with --advantage gae or reinforce_pp"),
+    (["--adaptive_kl", "--kl_coef", "0"], "--adaptive_kl applies only with --kl_coef > 0"),
     (["--num_minibatches", "0"], "--num_minibatches must be >= 1"),
 ])
 def test_bad_options_exit_before_training(tmp_path, sft_dir, rm_dir, capfd, extra, message):

@@ -12,7 +12,7 @@ from conftest import eos_prone, gae_only, prompt_rows, run, tiny_model, write_js
 from nano_rlhf import synthetic
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT
-from nano_rlhf.reward import Judge, load_judge, preference_matrix
+from nano_rlhf.reward import Judge, eval_columns, load_judge, preference_matrix
 
 
 # ---- the win rate: Swamy et al. 2024, r(y) = P(y ≻ π_t), estimated on the other k − 1 samples --------------
@@ -219,7 +219,7 @@ def test_one_sample_per_prompt_is_refused_in_one_line(tmp_path, sft_dir):
     (["--judge", "gold", "--judge_template", "t.txt"], "--judge_template t.txt: applies only to --judge llm:"),
     (["--judge", "gold"], "gold scores the built-in task's prompts only"),
     (["--reward", "model", "--judge", "gold"], "--judge applies only with --reward selfplay"),
-    (["--judge", "gold", "--score_clip", "2"], "--normalize_score / --score_clip apply to a reward model's score"),
+    (["--judge", "gold", "--score_clip", "2"], "--score_clip applies only with --reward model"),
 ])
 def test_bad_selfplay_options_are_one_line(tmp_path, sft_dir, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -243,5 +243,4 @@ def test_gold_judge_loads_as_the_gold_reward():
     """--judge gold is the very gold function, so evaluation reports it once, as gold_reward."""
     prompt = synthetic.make_prompt(next(iter(synthetic.PRODUCTS)))
     judge = load_judge("gold", prompts=[prompt])
-    models = train_ppo.Models(policy=None, reward=judge, gold=judge.pointwise)
-    assert list(train_ppo.eval_rewards(models, train_ppo.Options())) == ["gold_reward"]
+    assert list(eval_columns(judge, judge.pointwise)) == ["gold_reward"]
