@@ -78,7 +78,8 @@ from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FrozenModelOptions, RunOptions
-from nano_rlhf.data import Batches, collate_prompts, default_path, load_prompts, pad_right, tokenize_prompts
+from nano_rlhf.data import (Batches, collate_prompts, default_path, load_prompts, pad_right, prompt_limit,
+                            tokenize_prompts)
 from nano_rlhf.evaluate import eval_metrics
 from nano_rlhf.model import GPT, token_logprobs
 from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model_dir as judge_dir, preference_matrix,
@@ -145,7 +146,8 @@ class Options(FrozenModelOptions, RunOptions):
                                   # {>= 1}
     max_new_tokens: int = 40      # response length limit {>= 1}
     temperature: float = 1.0      # sampling temperature; log-probs use logits / τ everywhere {> 0}
-    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = block_size − max_new_tokens {>= 0}
+    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
+                                  # {>= 0}
     lr: float = 5e-5              # learning rate (constant after warm-up); 0.5-1.5B models: 5e-7 {>= 0}
     warmup_steps: int = 0         # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
@@ -651,8 +653,6 @@ def check_options(opts):
         # view of the policy does not switch: it would sample from the adapted policy twice
         fail("--method nash_md with --lora_r needs a separate --ref DIR (not --init): its mixture sampler cannot "
              "use the policy with its adapters off as the reference", 2)
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
     # the judge flags as train_ppo.py's SPO reads them (nano_rlhf/reward.py), refused before out_dir is touched
     check_specs(opts.judge or None, opts.pair_judge or None, opts.judge_template)
     llm = opts.judge.startswith(LLM)
@@ -720,15 +720,6 @@ def load_models(opts, tok, run):
     return policy, init_ref, copy
 
 
-def tokenize_inputs(opts, tok, block, prompt_records):
-    """The tokenized prompts and their stats, cut to leave --max_new_tokens of the policy's block_size."""
-    max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
-    if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
-        raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
-                         f"block_size {block}")
-    return tokenize_prompts(prompt_records, tok, max_prompt)
-
-
 def startup_line(opts, n_prompts, prompt_stats, step):
     """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
     return (f"{opts.method.upper()} | judge {opts.judge or '-'}"
@@ -752,7 +743,8 @@ def main(argv=None):
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
                            prompts=texts, template=opts.judge_template)
-        prompts, prompt_stats = tokenize_inputs(opts, tok, policy.cfg.block_size, prompt_records)
+        prompts, prompt_stats = tokenize_prompts(prompt_records, tok, prompt_limit(
+            opts.max_prompt_len, opts.max_new_tokens, policy.cfg.block_size))
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     gold = reward_mod.builtin_gold(texts)
     run_mod.place(opts, world, {"policy": policy}, {"reference": init_ref, "reference copy": copy})

@@ -59,8 +59,8 @@ from nano_rlhf import rollout as rollout_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FrozenModelOptions, RunOptions
-from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, tokenize_prompts,
-                            tokenize_sft, training_length)
+from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, prompt_limit,
+                            tokenize_prompts, tokenize_sft, training_length)
 from nano_rlhf.evaluate import eval_metrics
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
 from nano_rlhf.reward import load_judge
@@ -736,12 +736,31 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
     return dict(sums)
 
 
+# ---- statistics over all ranks (the loop's; each a visible all-reduce around the pure functions above) ----
+
+def whiten_over_ranks(x, mask):
+    """masked_whiten over the valid tokens of ALL ranks: two passes (the mean, then the squared deviations around
+    it), one all-reduce each."""
+    n, total = dist.all_reduce_sum(masked_sums(x, mask))
+    mean = total / n.clamp(min=1)
+    return masked_whiten(x, mask, n, mean, dist.all_reduce_sum(masked_sq_dev(x, mask, mean)))
+
+
+def explained_variance_over_ranks(returns, values, mask):
+    """explained_variance of a critic over the valid tokens of ALL ranks: two passes over the returns and the
+    residuals, one all-reduce each."""
+    residuals = returns - values
+    sums = dist.all_reduce_sum(torch.cat([masked_sums(returns, mask), masked_sums(residuals, mask)]))
+    n = sums[0].clamp(min=1)
+    sq_devs = dist.all_reduce_sum(torch.stack([masked_sq_dev(returns, mask, sums[1] / n),
+                                               masked_sq_dev(residuals, mask, sums[3] / n)]))
+    return explained_variance(*sq_devs)
+
+
 # ---- set-up -----------------------------------------------------------------------------------------
 
 def check_options(opts):
     """Rules between options; each option's own range is declared on its Options field (checked on parsing)."""
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
     if opts.advantage in GROUP and opts.samples_per_prompt < 2:
         fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)")
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
@@ -818,18 +837,11 @@ def tokenize_inputs(opts, tok, block, prompt_records, ptx_records):
     """The tokenized prompts (and their stats) and the PTX batches, at the lengths the policy's block_size
     allows. Raises on bad input (one line via input_errors)."""
     world = dist.world()
-    # the sequence length, as --max_length's default in the other scripts: an --init model may declare 128k
-    # positions, which no prompt + response needs (and the KV cache would be sized by)
-    length = training_length(0, block, opts.init)
-    max_prompt = opts.max_prompt_len or length - opts.max_new_tokens
-    if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
-        raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
-                         f"block_size {block}" + ("" if opts.max_prompt_len else
-                                                  " (--max_prompt_len 0 = min(block_size, 1024) - --max_new_tokens)"))
-    prompts, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
+    prompts, prompt_stats = tokenize_prompts(prompt_records, tok, prompt_limit(opts.max_prompt_len,
+                                                                               opts.max_new_tokens, block))
     ptx = None
     if ptx_records is not None:
-        ptx_examples, _ = tokenize_sft(ptx_records, tok, length)
+        ptx_examples, _ = tokenize_sft(ptx_records, tok, training_length(0, block, opts.init))
         ptx = Ptx(Batches(len(ptx_examples), opts.ptx_batch_size, 1, world.rank, world.world_size, opts.seed),
                   ptx_examples, opts.ptx_coef, tok.pad_id)
     return prompts, prompt_stats, ptx
@@ -900,11 +912,8 @@ def main(argv=None):
         beta = kl_ctl.beta
         targets = advantages(batch, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,
                              kl_in_loss=opts.kl_in_loss, k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
-        if opts.advantage in WHITENED:         # whiten over the valid tokens of ALL ranks: two passes, two all-reduces
-            n, total = dist.all_reduce_sum(masked_sums(targets.adv, batch.response_mask))
-            mean = total / n.clamp(min=1)
-            sq_dev = dist.all_reduce_sum(masked_sq_dev(targets.adv, batch.response_mask, mean))
-            targets.adv = masked_whiten(targets.adv, batch.response_mask, n, mean, sq_dev)
+        if opts.advantage in WHITENED:
+            targets.adv = whiten_over_ranks(targets.adv, batch.response_mask)
         warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(batch, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
                       gen=shuffle_gen, ptx=ptx)
@@ -912,15 +921,9 @@ def main(argv=None):
                                            opts.samples_per_prompt if opts.advantage in GROUP else 1)
         if opts.adaptive_kl:
             kl_ctl.update(metrics["train/kl"], dist.all_reduce_sum(float(batch.scores.shape[0])))
-        if critic is not None:                 # two passes over the returns and the residuals, one all-reduce each
-            residuals = targets.returns - batch.values
-            ev_sums = dist.all_reduce_sum(torch.cat([masked_sums(targets.returns, batch.response_mask),
-                                                     masked_sums(residuals, batch.response_mask)]))
-            n = ev_sums[0].clamp(min=1)
-            sq_devs = dist.all_reduce_sum(torch.stack([
-                masked_sq_dev(targets.returns, batch.response_mask, ev_sums[1] / n),
-                masked_sq_dev(residuals, batch.response_mask, ev_sums[3] / n)]))
-            metrics["train/explained_variance"] = explained_variance(*sq_devs)
+        if critic is not None:
+            metrics["train/explained_variance"] = explained_variance_over_ranks(targets.returns, batch.values,
+                                                                                batch.response_mask)
         check_step(watch, step, (batch.response_mask.sum(1) - batch.has_eos).tolist(), batch.completions,
                    batch.raw_scores.tolist(), opts.samples_per_prompt)
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
@@ -934,17 +937,12 @@ def main(argv=None):
                            optimizers=state["optimizers"], options=opts)
 
 
-def reward_model_dir(opts):
-    """--reward_model when the run reads it (the reward, or the critic's start), else "": a default out/rm that
-    a --reward gold run never opens is not an input (its files are not checksummed for --resume)."""
-    used = opts.reward == "model" or (opts.advantage == "gae" and opts.critic_init == "reward_model")
-    return opts.reward_model if used else ""
-
-
 def run_record(opts, _):
     """The inputs the run only reads (reward and judge code files too: an edited reward is another run) and its
-    data files; its options are its identity (nano_rlhf/run.py)."""
-    return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": reward_model_dir(opts),
+    data files; its options are its identity (nano_rlhf/run.py). A default out/rm that the run never opens (no
+    reward model, no critic from it) is no input: its files are not checksummed for --resume."""
+    rm_used = opts.reward == "model" or (opts.advantage == "gae" and opts.critic_init == "reward_model")
+    return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model if rm_used else "",
                         "reward": reward_mod.code_file(opts.reward),
                         "judge": reward_mod.model_dir(opts.judge) or reward_mod.code_file(opts.judge),
                         "pair_judge": reward_mod.code_file(opts.pair_judge)},
@@ -954,11 +952,10 @@ def run_record(opts, _):
 
 def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
     """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
-    return (f"{opts.advantage.upper()} | reward {opts.reward} | {n_prompts:,} prompts ({prompt_stats}) | "
-            f"{opts.batch_size} prompts x {opts.samples_per_prompt} samples x {dist.world().world_size} ranks per "
-            f"step | "
-            f"{opts.ppo_epochs} epochs x {opts.num_minibatches} minibatches of "
-            f"{opts.batch_size * opts.samples_per_prompt // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
+    B, k = opts.batch_size, opts.samples_per_prompt
+    return (f"{opts.advantage.upper()} | reward {opts.reward} | {n_prompts:,} prompts ({prompt_stats}) | {B} prompts x "
+            f"{k} samples x {dist.world().world_size} ranks per step | {opts.ppo_epochs} epochs x "
+            f"{opts.num_minibatches} minibatches of {B * k // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
             f"critic: {opts.critic_init if models.critic is not None else 'none'} | {opts.max_steps} steps"
             + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
                                               if isinstance(models.ref, lora.BaseView) else "")
