@@ -692,9 +692,9 @@ def warn_short_warmup(max_steps, warmup_steps, fix="raise --max_steps"):
 def start(Options, argv, doc, check, script, record, load=None, fill=None):
     """Parse the command line into Options (ranges checked; --device one this machine has), fill in the defaults
     that depend on other options (fill(opts), the script's `fill_defaults`, right after parsing: everything after
-    reads, and run.json records, the resolved values), apply the script's cross-field rules (check(opts): one line and exit on a bad
-    combination), start the distributed context, then — when the script reads inputs that must be valid before
-    anything is written — load(opts) (called on every rank; it raises or exits with one line on bad input), and
+    reads, and run.json records, the resolved values), apply the script's cross-field rules (check(opts): one
+    line and exit on a bad combination), start the distributed context, then — when the script reads inputs that
+    must be valid before anything is written — load(opts) (called on every rank; it raises or exits with one line on bad input), and
     last start the run (out_dir checks, its lock, --report_to, --resume's record; open_run).
     record(opts, data) -> {"identity": ..., "inputs": ..., "data_files": ...}: what defines the run.
     Returns (opts, the distributed context, the run, load's result or None)."""
