@@ -694,9 +694,9 @@ def start(Options, argv, doc, check, script, record, load=None, fill=None):
     that depend on other options (fill(opts), the script's `fill_defaults`, right after parsing: everything after
     reads, and run.json records, the resolved values), apply the script's cross-field rules (check(opts): one
     line and exit on a bad combination), start the distributed context, then — when the script reads inputs that
-    must be valid before anything is written — load(opts) (called on every rank; it raises or exits with one line on bad input), and
-    last start the run (out_dir checks, its lock, --report_to, --resume's record; open_run).
-    record(opts, data) -> {"identity": ..., "inputs": ..., "data_files": ...}: what defines the run.
+    must be valid before anything is written — load(opts) (called on every rank; it raises or exits with one
+    line on bad input), and last start the run (out_dir checks, its lock, --report_to, --resume's record;
+    open_run). record(opts, data) -> {"identity": ..., "inputs": ..., "data_files": ...}: what defines the run.
     Returns (opts, the distributed context, the run, load's result or None)."""
     opts = parse_args(Options, argv, doc)
     check_device(opts.device)
