@@ -5,6 +5,8 @@ SFT policy) and a reward R(prompt, completion) (frozen): a reward-model director
 programmatic reward (--reward gold), your own Python function (--reward module:function), or self-play
 (--reward selfplay, SPO): each sample's win rate against the other k − 1 samples of its prompt under a
 judge's preference (--judge and/or --pair_judge, nano_rlhf/reward.py), with no reward model fitted to it.
+(nano_rlhf/rollout.py's Models, loaded from the options by load_rollout_models; Safe RLHF adds a cost and its
+critic.)
 
 One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
   1. rollout   k samples per prompt at temperature τ (pure sampling), cut after the first stop token
@@ -31,6 +33,10 @@ One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
                variants, one flag each: --policy_loss dual_clip | gspo | cispo, --loss_agg, --dynamic_sampling,
                --overlong mask | penalty, --rollout_correction tis | mask (docs/algorithms.md, "RLVR variants")
                the first --critic_warmup_steps steps update the critic only (the policy waits for useful values)
+  Safe RLHF  with --cost_model / --cost (PPO-Lagrangian, Dai et al. 2024): a cost c(x, y) beside the score, its
+             own advantage A_c (a cost critic under gae), the KL split between the two (±β/2·KL_t), and the policy
+             trains on (A_r − λ·A_c)/(1 + λ); λ ≥ 0 rises while the mean episode cost J_C exceeds --cost_limit d:
+             log λ ← log λ + η·λ·(J_C − d)                                            (docs/algorithms.md)
 
 Run (docs/usage.md: your own prompts and rewards, real families, --lora_r, torchrun and --fsdp):
     python train_ppo.py                                     # PPO: out/sft + out/rm -> out/ppo
@@ -44,11 +50,12 @@ puts it one slot later, on padding); rloo feeds its advantage to the token-level
 sequence-level ratio). Groups of k samples live on one rank, so group statistics need no communication.
 """
 import contextlib
+import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,10 +69,9 @@ from nano_rlhf.cli import FrozenModelOptions, RunOptions
 from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, prompt_limit,
                             tokenize_prompts, tokenize_sft, training_length)
 from nano_rlhf.evaluate import eval_metrics
-from nano_rlhf.model import GPT, ScoreModel, token_logprobs
-from nano_rlhf.reward import load_judge
-from nano_rlhf.rollout import Rollout
-from nano_rlhf.run import Learner, autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
+from nano_rlhf.model import token_logprobs
+from nano_rlhf.rollout import Models, Rollout
+from nano_rlhf.run import Learner, autocast, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import sampling_copy
 from nano_rlhf.watch import Watch, check_step
 
@@ -169,6 +175,20 @@ class Options(FrozenModelOptions, RunOptions):
                                   # [with ptx_coef>0]
     ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL [with ptx_data] {>= 0}
     ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX [with ptx_data] {>= 1}
+    # ---- Safe RLHF: a cost and a bound on its mean (PPO-Lagrangian; defaults are safe-rlhf's ppo-lag.sh)
+    cost_model: str = ""          # cost model directory (train_rm.py --objective cost); empty = no cost
+    cost: str = ""                # or a verifiable cost, module:function / file.py:function (called as --reward is)
+    cost_limit: float = 0.0       # d: the bound on the mean episode cost, in the cost's raw units (a cost model's 0 is
+                                  # its safe/unsafe boundary) [with cost_model or cost] {-1e15 <= x <= 1e15}
+    lambda_init: float = 1.0      # λ at the start [with cost_model or cost] {> 0}
+    lambda_lr: float = 0.1        # η, the step of log λ's gradient ascent [with cost_model or cost] {>= 0}
+    lambda_max: float = 5.0       # λ's cap; inf = none [with cost_model or cost] {> 0}
+    lambda_delay: int = 0         # steps before λ first moves [with cost_model or cost] {>= 0}
+    cost_window: int = 128        # J_C averages the last this many episode costs of each rank [with cost_model or
+                                  # cost] {>= 1}
+    cost_critic_init: Literal["auto", "cost_model", "policy"] = "auto"  # the cost critic's start; auto = the cost
+                                                                        # model if one [with cost_model or cost and
+                                                                        # advantage=gae]
     # ---- optimisation, schedule, evaluation
     lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {>= 0}
     critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 [with advantage=gae]
@@ -195,25 +215,14 @@ def fill_defaults(opts):
     opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
     if opts.critic_init == "auto":
         opts.critic_init = "reward_model" if opts.reward == "model" else "policy"
+    if opts.cost_critic_init == "auto":
+        opts.cost_critic_init = "cost_model" if opts.cost_model else "policy"
     rollout_size = opts.batch_size * opts.samples_per_prompt
     opts.micro_batch_size = opts.micro_batch_size or rollout_size // opts.num_minibatches
     if opts.reward == "selfplay" and opts.missing_eos_penalty == -3.0:
         # the default, made for scores of a few units: a win rate lies in [0, 1], so an unfinished sample gets the
         # worst win rate instead
         opts.missing_eos_penalty = 0.0
-
-
-# ---- the models ---------------------------------------------------------------------------------------
-
-@dataclass
-class Models:
-    """Frozen = requires_grad_(False), eval(), never wrapped in DDP, in no optimizer."""
-    policy: GPT                           # π_θ (trained)
-    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen);
-    #                                     SPO: a Judge
-    ref: Optional[GPT] = None             # π_ref (frozen; --lora_r: a lora.BaseView of the policy); None when β = 0
-    critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
-    gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
 
 
 # ---- log-probs and KL ----------------------------------------------------------------------------
@@ -359,6 +368,7 @@ class Advantages:
     adv: torch.Tensor                 # (B, R) per-token advantage (gae / reinforce_pp: before whitening)
     returns: Optional[torch.Tensor]   # (B, R) G_t = A_t + V_t, the critic's target (gae only)
     kl_penalty: torch.Tensor          # (B,) the KL part of each sequence's reward, −β·Σ_t KL_t (0 with KL in the loss)
+    cost_returns: Optional[torch.Tensor] = None  # (B, R) the cost critic's target (gae with a cost only)
 
 
 def sequence_kl(r: Rollout):
@@ -512,6 +522,48 @@ class AdaptiveKL:
         self.beta *= 1 + err * n / self.horizon
 
 
+def lagrangian_advantage(adv_r, adv_c, lam):
+    """The policy's advantage under a cost constraint (Dai et al. 2024, "Safe RLHF", §3.3, normalised as safe-rlhf's
+    ppo_lag does): (A_r − λ·A_c)/(1 + λ). Dividing by 1 + λ keeps its scale (and so the clip range) as λ grows; as
+    λ → ∞ the policy only lowers the cost."""
+    return (adv_r - lam * adv_c) / (1 + lam)
+
+
+def lambda_step(log_lambda, episode_cost, limit, lr, lambda_max=math.inf):
+    """One step of gradient ascent of the multiplier on λ·(J_C − d) through log λ (λ = e^{log λ} stays > 0; Dai et
+    al. 2024 §3.3; safe-rlhf: SGD on −λ·(J_C − d)): ∂/∂log λ = λ·(J_C − d), so log λ ← log λ + η·λ·(J_C − d),
+    then λ ≤ λ_max. λ grows while the mean episode cost J_C is over the limit d and shrinks geometrically (never
+    to 0) while it is under."""
+    return min(log_lambda + lr * math.exp(log_lambda) * (episode_cost - limit), math.log(lambda_max))
+
+
+class Lagrange:
+    """PPO-Lagrangian's state: log λ, and the (sum, count) of the episode costs of each recent step over all ranks,
+    the same on every rank (so every rank takes the same step and holds the same λ, and rank 0's checkpoint
+    restores it exactly)."""
+
+    def __init__(self, lambda_init, window_steps):
+        self.log_lambda, self.steps = math.log(lambda_init), deque(maxlen=window_steps)
+
+    @property
+    def multiplier(self):
+        return math.exp(self.log_lambda)
+
+    def episode_cost(self, cost_sum, count):
+        """J_C: the mean episode cost over the window, this step's (all-reduced) sum and count added."""
+        self.steps.append((cost_sum, count))
+        return sum(c for c, _ in self.steps) / sum(n for _, n in self.steps)
+
+
+def lagrangian_targets(r: Rollout, multiplier, beta, **estimator):
+    """PPO-Lagrangian's targets: the score's and the cost's advantages by the same estimator, the per-token KL
+    penalty split between them as safe-rlhf splits it (−β/2·KL_t with the score, +β/2·KL_t with the cost, so the
+    policy's KL weight is β/2 whatever λ), combined by lagrangian_advantage; the cost critic's returns beside."""
+    rt = advantages(r, beta=beta / 2, **estimator)
+    ct = advantages(replace(r, scores=r.costs, values=r.cost_values), beta=-beta / 2, **estimator)
+    return replace(rt, adv=lagrangian_advantage(rt.adv, ct.adv, multiplier), cost_returns=ct.returns)
+
+
 def token_mean_scale(global_count):
     """Multiplier of a micro-batch's SUMMED loss so the gradients DDP averages over ranks add up to the
     token-mean over all micro-batches of all ranks: × world_size undoes DDP's mean, ÷ the global count
@@ -564,13 +616,14 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
         gold = raw if models.gold is models.reward else torch.tensor(models.gold(prompt_texts, r.completions),
                                                                      dtype=torch.float32, device=device)
     scores = scores_from_reward(raw, r.has_eos.bool(), opts, rm_stats)
+    costs = None if models.cost is None else rollout_mod.read_reward(models.cost, r, prompt_texts, k)[0]
     policy_mask = r.response_mask
     if opts.overlong == "penalty":
         buffer = opts.overlong_buffer or opts.max_new_tokens // 4
         scores = scores + overlong_penalty(r.response_mask.sum(1).long(), opts.max_new_tokens, buffer)
     elif opts.overlong == "mask":                            # DAPO's overlong filtering: no policy gradient from them
         policy_mask = r.response_mask * r.has_eos[:, None]
-    return replace(r, scores=scores, raw_scores=raw, gold=gold, policy_mask=policy_mask)
+    return replace(r, scores=scores, raw_scores=raw, gold=gold, costs=costs, policy_mask=policy_mask)
 
 
 @torch.no_grad()
@@ -587,6 +640,7 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
     sampler_logprobs = torch.zeros_like(response_mask) if mismatch else None
     ref_logprobs = torch.zeros_like(response_mask) if models.ref is not None else None
     values = torch.zeros_like(response_mask) if models.critic is not None else None
+    cost_values = torch.zeros_like(response_mask) if models.cost_critic is not None else None
     # the sampler's log-probs: those of the sampling copy the engine decoded with (--rollout_dtype), recomputed
     # over the sampled sequences in one forward (the decode's own kernels may differ again in the last bits)
     sampler = (sampling_copy(models.policy, getattr(torch, opts.rollout_dtype))
@@ -602,8 +656,9 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
                 sampler_logprobs[mb] = logprobs[mb] if sampler is models.policy else response_logprobs(sampler, *batch)
             if ref_logprobs is not None:
                 ref_logprobs[mb] = response_logprobs(models.ref, *batch)
-            if values is not None:
-                values[mb] = models.critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
+            for critic, v in ((models.critic, values), (models.cost_critic, cost_values)):
+                if v is not None:
+                    v[mb] = critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
     models.policy.train()
     policy_mask, is_weight, stats = r.policy_mask, None, dict(r.stats)
     if mismatch:
@@ -620,8 +675,8 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
             is_weight = w
         else:
             policy_mask = policy_mask * w
-    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, policy_mask=policy_mask,
-                   is_weight=is_weight, stats=stats)
+    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, cost_values=cost_values,
+                   policy_mask=policy_mask, is_weight=is_weight, stats=stats)
 
 
 # ---- update ----------------------------------------------------------------------------------------
@@ -666,9 +721,12 @@ def policy_objective(opts):
 
 
 def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: Optional[Learner], opts, beta, gen,
-           ptx: Optional[Ptx] = None):
-    """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critic only (warm-up).
+           ptx: Optional[Ptx] = None, cost_critic: Optional[Learner] = None):
+    """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critics only (warm-up).
     Returns named sums over this rank's tokens (and summed gradient norms) for the step's statistics."""
+    critics = [(name, c, old, ret) for name, c, old, ret in (    # (metric prefix, the critic, V_old, its returns G)
+        ("", critic, r.values, targets.returns), ("cost_", cost_critic, r.cost_values, targets.cost_returns))
+        if c is not None]
     world = dist.world()
     B = r.query_response.shape[0]
     mb_size = B // opts.num_minibatches
@@ -720,19 +778,19 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                         outside = (ratio < 1 - opts.clip_eps) | (ratio > 1 + clip_high)
                         sums["clipfrac"] += (outside.float() * mb_policy_mask).sum().item()
                         sums["ratio"] += (ratio * mb_policy_mask).sum().item()
-                if critic is not None:
-                    with sync(critic):
+                for name, c, old_values, returns in critics:
+                    with sync(c):
                         with autocast(seq.device, opts.dtype):
-                            new_values = critic.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
-                        v_loss, v_clipped = value_loss(new_values, r.values[i], targets.returns[i], opts.value_clip)
+                            new_values = c.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
+                        v_loss, v_clipped = value_loss(new_values, old_values[i], returns[i], opts.value_clip)
                         ((v_loss * mb_mask).sum() * token_mean_scale(n_tok)).backward()
-                    sums["value_loss"] += (v_loss.detach() * mb_mask).sum().item()
-                    sums["value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
+                    sums[f"{name}value_loss"] += (v_loss.detach() * mb_mask).sum().item()
+                    sums[f"{name}value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
             sums["updates"] += 1
             if policy is not None:
                 sums["grad_norm"] += policy.step(opts.grad_clip)
-            if critic is not None:
-                sums["critic_grad_norm"] += critic.step(opts.grad_clip)
+            for name, c, _, _ in critics:
+                sums[f"{name}critic_grad_norm"] += c.step(opts.grad_clip)
     return dict(sums)
 
 
@@ -793,44 +851,14 @@ def check_options(opts):
     if mb_size % opts.micro_batch_size:
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
              f"{opts.micro_batch_size}")
+    if opts.cost_model and opts.cost:
+        fail("pass one cost: --cost_model DIR or --cost module:function, not both", 2)
+    if opts.cost and not reward_mod.is_function_spec(opts.cost):
+        fail(f"--cost must be module:function or path/to/file.py:function (got {opts.cost!r}); a cost model "
+             "directory is --cost_model", 2)
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
-
-
-def load_models(opts, tok, prompt_texts, device, identity):
-    """Policy, reference (only if β > 0), reward and critic (only for gae); the reward on the device (run_mod.place
-    moves the others). With --lora_r the
-    policy and critic get adapters (what that adds to the run's identity goes into `identity`) and a
-    reference that is --init is the policy with its adapters off (lora.BaseView), not a second model."""
-    policy = GPT.from_pretrained(opts.init, dropout=0.0)      # dropout off: rollout log-probs must be reproducible
-    check_vocab(tok, policy.cfg, opts.init)
-    identity.update(lora.attach(policy, opts, opts.init))     # --lora_r: adapters, the base frozen
-    ref = None
-    if (opts.kl_coef > 0 or opts.adaptive_kl) and lora.shares_base(opts, opts.ref):
-        ref = lora.BaseView(policy)
-    elif opts.kl_coef > 0 or opts.adaptive_kl:               # with β = 0 no KL is ever computed: no reference
-        ref = GPT.from_pretrained(opts.ref or opts.init, dropout=0.0).requires_grad_(False).eval()
-        check_vocab(tok, ref.cfg, opts.ref or opts.init)
-    spec = opts.reward_model if opts.reward == "model" else opts.reward
-    if opts.reward == "selfplay":
-        reward = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=device,
-                            prompts=prompt_texts, batch_size=opts.micro_batch_size, template=opts.judge_template)
-    else:
-        reward = reward_mod.load_reward(spec, tokenizer=tok, device=device, prompts=prompt_texts,
-                                        batch_size=opts.micro_batch_size)
-    if isinstance(reward, reward_mod.RewardModel) and opts.normalize_score and not reward.has_stats:
-        dist.print0(f"note: {spec}/config.json has no reward_mean/reward_std; scores are not normalised")
-    critic = None
-    if opts.advantage == "gae":
-        src = opts.reward_model if opts.critic_init == "reward_model" else opts.init
-        critic = ScoreModel.from_pretrained(src, new_head=opts.critic_init == "policy", dropout=0.0)
-        check_vocab(tok, critic.cfg, src)                     # it reads the policy tokenizer's ids
-        identity.update(lora.attach(critic, opts, src, trainable=("score",), prefix="critic_lora", seed=opts.seed + 1))
-    for rm in (reward, getattr(reward, "pointwise", None)):
-        if isinstance(rm, reward_mod.RewardModel):
-            dist.check_same_weights(rm.model, "reward model")
-    return Models(policy=policy, reward=reward, ref=ref, critic=critic, gold=reward_mod.builtin_gold(prompt_texts))
 
 
 def tokenize_inputs(opts, tok, block, prompt_records, ptx_records):
@@ -855,50 +883,64 @@ def main(argv=None):
         ptx_records = load_records(opts.ptx_data, "sft") if opts.ptx_data else None
         tok = run_mod.tokenizer(opts, run)
         torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
-        models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device,
-                             run.identity)
+        models = rollout_mod.load_rollout_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records],
+                                                 world.device, run.identity)
         prompts, prompt_stats, ptx = tokenize_inputs(opts, tok, models.policy.cfg.block_size, prompt_records,
                                                      ptx_records)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     eval_prompts = eval_records[:opts.eval_samples]
-    run_mod.place(opts, world, {"policy": models.policy, "critic": models.critic}, {"ref": models.ref})
+    run_mod.place(opts, world, {"policy": models.policy, "critic": models.critic, "cost critic": models.cost_critic},
+                  {"ref": models.ref})
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
     models.ref = run_mod.frozen(opts, models.ref)
-    if isinstance(models.reward, reward_mod.RewardModel):
-        models.reward.model = run_mod.frozen(opts, models.reward.model)
+    for scorer in (models.reward, models.cost):
+        if isinstance(scorer, reward_mod.RewardModel):
+            scorer.model = run_mod.frozen(opts, scorer.model)
     policy = Learner.of(models.policy, opts.lr, opts)
     critic = Learner.of(models.critic, opts.critic_lr, opts) if models.critic is not None else None
-    trained = {"policy": policy, **({"critic": critic} if critic else {})}
+    cost_critic = Learner.of(models.cost_critic, opts.critic_lr, opts) if models.cost_critic is not None else None
+    trained = {"policy": policy, **({"critic": critic} if critic else {}),
+               **({"cost_critic": cost_critic} if cost_critic else {})}
     state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
-    run_mod.plan(opts, {"policy": models.policy, "critic": models.critic, "ref": models.ref,
-                       "reward": getattr(models.reward, "model", None)})
+    lag = None               # J_C's window: the steps that hold the last --cost_window episode costs of each rank
+    if models.cost is not None:
+        lag = Lagrange(opts.lambda_init, -(-opts.cost_window // (opts.batch_size * opts.samples_per_prompt)))
+    run_mod.plan(opts, {"policy": models.policy, "critic": models.critic, "cost_critic": models.cost_critic,
+                       "ref": models.ref, "reward": getattr(models.reward, "model", None),
+                       "cost": getattr(models.cost, "model", None)})
     watch = Watch(opts.score_warn)
     meta = run_mod.resume(opts, run, **state, data={"data": prompt_batches, "watch": watch})
     if meta:
         kl_ctl.beta = meta["kl_coef"]
+        if lag is not None:
+            lag.log_lambda = meta["log_lambda"]
+            lag.steps.extend(tuple(s) for s in meta["cost_window"])
         if ptx is not None and "ptx_data" in meta:
             ptx.batches.load_state_dict(meta["ptx_data"])
     dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
     warn_short_warmup(opts.max_steps, opts.warmup_steps)
-    run.show = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac",
-                "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward",
-                "eval/kl"]
+    run.show = ["train/score", "train/gold_reward", "train/cost", "train/lambda", "train/kl", "train/entropy",
+                "train/clipfrac", "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score",
+                "eval/reward", "eval/cost", "eval/kl"]
     run.loss_key = ["train/policy_loss", "train/value_loss"]
 
     def evaluate(step):
         """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps); rank 0 only."""
         return eval_metrics(run, step, models.policy, tok, eval_prompts,
                             replace(rollout_mod.sampling_options(opts, tok), temperature=1.0), ref=models.ref,
-                            rewards=reward_mod.eval_columns(models.reward, models.gold),
-                            gathered=(models.ref, getattr(models.reward, "model", None)), show=3)
+                            rewards={**reward_mod.eval_columns(models.reward, models.gold),
+                                     **({"cost": models.cost} if models.cost is not None else {})},
+                            gathered=(models.ref, getattr(models.reward, "model", None),
+                                      getattr(models.cost, "model", None)), show=3)
 
     def save(step):
         run_mod.save(opts, step, **state, data={"data": prompt_batches, "watch": watch,
                                                **({"ptx_data": ptx.batches} if ptx else {})},
-                    kl_coef=kl_ctl.beta)
+                    kl_coef=kl_ctl.beta, **({} if lag is None else {"log_lambda": lag.log_lambda,
+                                                                   "cost_window": list(lag.steps)}))
         save_model_dir(opts.out_dir, models.policy, tok)
 
     if run.step == 0 and opts.eval_interval:       # the starting point of the eval curves
@@ -910,13 +952,22 @@ def main(argv=None):
         batch = rollout(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats)
         t_gen = time.time() - t0
         beta = kl_ctl.beta
-        targets = advantages(batch, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,
-                             kl_in_loss=opts.kl_in_loss, k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
+        estimator = dict(estimator=opts.advantage, kl_estimator=opts.kl_estimator, kl_in_loss=opts.kl_in_loss,
+                         k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
+        if lag is None:
+            targets = advantages(batch, beta=beta, **estimator)
+        else:                                  # λ's step on J_C (all ranks' costs), then this step's advantages
+            episode_cost = lag.episode_cost(*dist.all_reduce_sum(torch.tensor(
+                [batch.costs.double().sum().item(), float(batch.costs.numel())], dtype=torch.float64)).tolist())
+            if step > opts.lambda_delay:
+                lag.log_lambda = lambda_step(lag.log_lambda, episode_cost, opts.cost_limit, opts.lambda_lr,
+                                             opts.lambda_max)
+            targets = lagrangian_targets(batch, lag.multiplier, beta, **estimator)
         if opts.advantage in WHITENED:
             targets.adv = whiten_over_ranks(targets.adv, batch.response_mask)
         warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(batch, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
-                      gen=shuffle_gen, ptx=ptx)
+                      gen=shuffle_gen, ptx=ptx, cost_critic=cost_critic)
         metrics = rollout_mod.step_metrics(batch, sequence_kl(batch), targets.kl_penalty, sums, beta,
                                            opts.samples_per_prompt if opts.advantage in GROUP else 1)
         if opts.adaptive_kl:
@@ -924,6 +975,11 @@ def main(argv=None):
         if critic is not None:
             metrics["train/explained_variance"] = explained_variance_over_ranks(targets.returns, batch.values,
                                                                                 batch.response_mask)
+        if cost_critic is not None:
+            metrics["train/cost_explained_variance"] = explained_variance_over_ranks(
+                targets.cost_returns, batch.cost_values, batch.response_mask)
+        if lag is not None:
+            metrics.update({"train/episode_cost": episode_cost, "train/lambda": lag.multiplier})
         check_step(watch, step, (batch.response_mask.sum(1) - batch.has_eos).tolist(), batch.completions,
                    batch.raw_scores.tolist(), opts.samples_per_prompt)
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
@@ -931,9 +987,11 @@ def main(argv=None):
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
-    run_mod.finish(run, state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None)},
+    run_mod.finish(run, state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None),
+                                          "cost model": getattr(models.cost, "model", None)},
                   saved=f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
+                           cost=models.cost, cost_critic=models.cost_critic, lagrange=lag,
                            optimizers=state["optimizers"], options=opts)
 
 
@@ -945,7 +1003,8 @@ def run_record(opts, _):
     return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model if rm_used else "",
                         "reward": reward_mod.code_file(opts.reward),
                         "judge": reward_mod.model_dir(opts.judge) or reward_mod.code_file(opts.judge),
-                        "pair_judge": reward_mod.code_file(opts.pair_judge)},
+                        "pair_judge": reward_mod.code_file(opts.pair_judge), "cost_model": opts.cost_model,
+                        "cost": reward_mod.code_file(opts.cost)},
                 data_files={"prompts": opts.prompts or default_path("prompts"),
                             "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
 
@@ -957,6 +1016,8 @@ def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
             f"{k} samples x {dist.world().world_size} ranks per step | {opts.ppo_epochs} epochs x "
             f"{opts.num_minibatches} minibatches of {B * k // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
             f"critic: {opts.critic_init if models.critic is not None else 'none'} | {opts.max_steps} steps"
+            + (f" | cost {opts.cost_model or opts.cost} <= {opts.cost_limit:g} (PPO-Lagrangian, λ from "
+               f"{opts.lambda_init:g})" if models.cost is not None else "")
             + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
                                               if isinstance(models.ref, lora.BaseView) else "")
             + (f" | resuming at step {step}" if step else ""))

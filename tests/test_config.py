@@ -209,7 +209,7 @@ def test_every_declared_condition_names_an_option_of_its_script():
         cls = importlib.import_module(name).Options
         fields = {f.name for f in dataclasses.fields(cls)}
         for field, comment in _field_comments(cls).items():
-            for option, _, _ in parse_condition(comment) or []:
+            for option, _, _ in (alt for alts in parse_condition(comment) or [] for alt in alts):
                 assert option in fields, f"{name}.Options.{field}: [with {option} ...] names no option"
                 seen += 1
     assert seen >= 30, seen
