@@ -549,10 +549,16 @@ class Lagrange:
     def multiplier(self):
         return math.exp(self.log_lambda)
 
-    def episode_cost(self, cost_sum, count):
-        """J_C: the mean episode cost over the window, this step's (all-reduced) sum and count added."""
-        self.steps.append((cost_sum, count))
-        return sum(c for c, _ in self.steps) / sum(n for _, n in self.steps)
+    def update(self, costs, opts, move=True):
+        """Add this step's episode costs (all ranks': one all-reduce) to the window, take λ's step on J_C, the mean
+        episode cost over the window (unless move is False: --lambda_delay); returns J_C."""
+        self.steps.append(tuple(dist.all_reduce_sum(torch.tensor([costs.double().sum().item(), costs.numel()],
+                                                                 dtype=torch.float64)).tolist()))
+        episode_cost = sum(c for c, _ in self.steps) / sum(n for _, n in self.steps)
+        if move:
+            self.log_lambda = lambda_step(self.log_lambda, episode_cost, opts.cost_limit, opts.lambda_lr,
+                                          opts.lambda_max)
+        return episode_cost
 
 
 def lagrangian_targets(r: Rollout, multiplier, beta, **estimator):
@@ -611,12 +617,9 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
     device = r.response_mask.device
     if pref is not None:                                     # SPO: win rates within each prompt's k samples
         raw = selfplay_rewards(pref).view(-1).float().to(device)
-    gold = None
-    if models.gold is not None:
-        gold = raw if models.gold is models.reward else torch.tensor(models.gold(prompt_texts, r.completions),
-                                                                     dtype=torch.float32, device=device)
+    gold = raw if models.gold is models.reward else rollout_mod.read_reward(models.gold, r, prompt_texts, k)[0]
     scores = scores_from_reward(raw, r.has_eos.bool(), opts, rm_stats)
-    costs = None if models.cost is None else rollout_mod.read_reward(models.cost, r, prompt_texts, k)[0]
+    costs = rollout_mod.read_reward(models.cost, r, prompt_texts, k)[0]
     policy_mask = r.response_mask
     if opts.overlong == "penalty":
         buffer = opts.overlong_buffer or opts.max_new_tokens // 4
@@ -956,12 +959,8 @@ def main(argv=None):
                          k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
         if lag is None:
             targets = advantages(batch, beta=beta, **estimator)
-        else:                                  # λ's step on J_C (all ranks' costs), then this step's advantages
-            episode_cost = lag.episode_cost(*dist.all_reduce_sum(torch.tensor(
-                [batch.costs.double().sum().item(), float(batch.costs.numel())], dtype=torch.float64)).tolist())
-            if step > opts.lambda_delay:
-                lag.log_lambda = lambda_step(lag.log_lambda, episode_cost, opts.cost_limit, opts.lambda_lr,
-                                             opts.lambda_max)
+        else:                                  # λ's step on this step's costs first, as safe-rlhf does
+            episode_cost = lag.update(batch.costs, opts, move=step > opts.lambda_delay)
             targets = lagrangian_targets(batch, lag.multiplier, beta, **estimator)
         if opts.advantage in WHITENED:
             targets.adv = whiten_over_ranks(targets.adv, batch.response_mask)

@@ -133,8 +133,11 @@ def sample_groups(prompts, policy, tok, sampling, k, gen, gen_stats=None) -> Rol
 def read_reward(reward, r: Rollout, prompt_texts, k):
     """The reward of each sample as its source gives it: (raw (B,) float32 or None, the reward model's recorded
     (mean, std) or None, a judge's (G, k, k) preference matrices within each prompt's group or None). A reward
-    model scores the very ids sampled (no decode/re-encode round trip); a function the texts."""
+    model scores the very ids sampled (no decode/re-encode round trip); a function the texts. No reward (None):
+    (None, None, None)."""
     device = r.response_mask.device
+    if reward is None:
+        return None, None, None
     if isinstance(reward, Judge):
         rm = reward.pointwise if reward.pairwise is None else None
         ids_scores = rm.score_tokens(r.query_response, r.attention_mask) if isinstance(rm, RewardModel) else None
