@@ -46,6 +46,7 @@ from collections import Counter, deque
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+from . import chat
 from .reward import code_file, load_object
 from .run import fail
 
@@ -652,6 +653,29 @@ class ToolBox:
             self.close()
         except Exception:
             pass
+
+
+class ToolEnv:
+    """The env of nano_rlhf.sampling.generate_turns: for each assistant turn that just ended, its calls parsed in
+    the chat template's syntax (chat.parse_tool_calls), run (the calls of all rows in one box.run, in order), and
+    the tool turn's ids (tok.encode_tool_turn: the results, then the next generation prompt) — or None when the
+    turn holds no call, or ended on a stop id other than the template's end-of-turn (end-of-text ends the row).
+    counts: turns seen, turns with calls, calls, and the box's results by kind."""
+
+    def __init__(self, box: ToolBox, tok):
+        self.box, self.tok, self.counts = box, tok, Counter()
+
+    def __call__(self, turns):
+        found = []
+        for ids in turns:
+            calls = []
+            if ids and ids[-1] == self.tok.eot_id:
+                calls = chat.parse_tool_calls(self.tok.chat_template, self.tok.decode(ids))
+            found.append(calls)
+        results = iter(self.box.run([c for calls in found for c in calls]))
+        self.counts.update(turns=len(turns), tool_turns=sum(map(bool, found)), calls=sum(map(len, found)))
+        return [self.tok.encode_tool_turn([next(results).text for _ in calls]) if calls else None
+                for calls in found]
 
 
 def load_tools(spec: str, timeout_s=TIMEOUT_S, max_output_chars=MAX_OUTPUT_CHARS, workers=1) -> ToolBox:
