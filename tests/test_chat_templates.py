@@ -411,7 +411,7 @@ def tool_conversations(name):
     return [k for k in TOOL_CONVERSATIONS if k.startswith("llama") == llama]
 
 
-def hf_tool_render(hf, name, msgs, gen, tokenize=False):
+def hf_tool_render(hf, name, msgs, gen, tokenize=False, tools=None):
     """transformers' rendering with tools. SmolLM2's template has none: ours is Qwen2.5's with SmolLM2's default
     system prompt, so it is checked against the real Qwen2.5 template given that system message."""
     kw = {"date_string": DATE} if name == "llama3.2" else {}
@@ -419,7 +419,7 @@ def hf_tool_render(hf, name, msgs, gen, tokenize=False):
         kw["chat_template"] = template("qwen2.5")
         if msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": chat.SMOLLM2_SYSTEM}] + msgs
-    out = hf.apply_chat_template(msgs, tools=TOOLS, tokenize=tokenize, add_generation_prompt=gen, **kw)
+    out = hf.apply_chat_template(msgs, tools=tools or TOOLS, tokenize=tokenize, add_generation_prompt=gen, **kw)
     return out["input_ids"] if tokenize and not isinstance(out, list) else out
 
 

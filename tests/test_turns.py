@@ -201,3 +201,44 @@ def test_tool_env_reads_calls_runs_them_and_answers_the_tool_turn(tok):
     assert tok.decode(got[2]).startswith("Tool: error: malformed tool call: not JSON")
     assert env.counts == {"turns": 4, "tool_turns": 2, "calls": 3}
     assert box.counts == {"ok": 1, "raised": 1, "malformed": 1}
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1"])
+def test_a_scripted_policy_calls_the_calculator_through_the_real_template(name, tmp_path, monkeypatch):
+    """The whole path on a real family's template: a policy scripted to write a calculator call, then an answer
+    (sample_token replaced by the script), generate_turns with ToolEnv: the rollout is token for token the
+    prompt, the call, the tool turn and the answer, and its text is what apply_chat_template renders for that
+    conversation with the tool's result; only the policy's two turns are in its mask."""
+    from test_chat_templates import build, hf_tool_render, calls
+    name, tok, hf = build(name, tmp_path)
+    box = load_tools("calculator")
+    prompt = [{"role": "user", "content": "What is (3+4)*12/5?"}]
+    call = calls(("calculator", {"expression": "(3+4)*12/5"}))
+    conversation = prompt + [{"role": "assistant", "content": "", "tool_calls": call},
+                             {"role": "tool", "content": "16.8"}, {"role": "assistant", "content": "It is 16.8."}]
+    variant = tok.chat_template
+    p_ids = tok.render_prompt(prompt, box.schemas)
+    first = tok.encode(chat.assistant_text(variant, "", call)) + [tok.eot_id]
+    answer = tok.encode("It is 16.8.") + [tok.eot_id]
+    script = first + tok.encode_tool_turn(["16.8"]) + answer
+    step = [0]
+
+    def scripted(logits, temperature, top_k, top_p, generator, u):
+        t = script[min(step[0], len(script) - 1)]
+        step[0] += 1
+        return torch.full((logits.shape[0],), t, dtype=torch.long)
+    monkeypatch.setattr(sampling, "sample_token", scripted)
+    torch.manual_seed(0)
+    budget = len(script) + 8
+    m = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=len(p_ids) + budget, n_layer=1, n_head=2, n_embd=16))
+    opts = SamplingOptions(max_new_tokens=budget, temperature=1.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id)
+    env = ToolEnv(box, tok)
+    out = generate_turns(m.eval(), torch.tensor([p_ids]), None, opts, env, max_turns=3)
+    n = int(out.response_mask[0].sum())
+    assert out.ids[0].tolist() == p_ids + script and n == len(script) and bool(out.ended[0])
+    assert out.policy_mask[0, :n].tolist() == [1] * len(first) + [0] * (len(script) - len(first) - len(answer)) + \
+        [1] * len(answer)
+    text = tok.tk.decode(out.ids[0].tolist(), skip_special_tokens=False)
+    assert text + ("" if variant == "llama3" else "\n") == hf_tool_render(hf, name, conversation, False,
+                                                                          tools=box.schemas)
+    assert int(out.turns[0]) == 2 and env.counts == {"turns": 2, "tool_turns": 1, "calls": 1}
