@@ -439,12 +439,14 @@ BUILTIN = {"calculator": calculator}
 # ---- running calls ------------------------------------------------------------------------------
 
 def _as_text(out) -> str:
-    if isinstance(out, str):
-        return out
-    try:
-        return json.dumps(out, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(out)
+    """A tool's answer as text: a string as it is, a JSON value as JSON, anything else as str(); lone
+    surrogates (which no tokenizer encodes) replaced."""
+    if not isinstance(out, str):
+        try:
+            out = json.dumps(out, ensure_ascii=False)
+        except (TypeError, ValueError):
+            out = str(out)
+    return out.encode("utf-8", "replace").decode("utf-8")
 
 
 def _first_line(e: BaseException) -> str:
@@ -499,7 +501,7 @@ class _Worker:
         self.proc = ctx.Process(target=_serve, args=(list(specs), child, max_chars), daemon=True)
         self.proc.start()
         child.close()
-        self.max_bytes = 4 * max_chars + 4096     # UTF-8: at most 4 bytes a character, plus the JSON around it
+        self.max_bytes = 6 * max_chars + 4096     # JSON: at most 6 bytes a character (\u0001), plus the rest
         if not self.conn.poll(START_TIMEOUT_S):
             self.kill()
             fail(f"{FLAG}: a tool worker process did not start within {START_TIMEOUT_S:.0f} s")
@@ -527,7 +529,10 @@ class _Worker:
 
 class ToolBox:
     """The tools of a run: their schemas (what the model reads) and `run(calls)` (what it gets back).
-    Built-in tools run here; user tools in `workers` worker processes, started at the first call."""
+    Built-in tools run here; user tools in `workers` worker processes, started at the first call. With one
+    worker (the default) a batch's calls run one after another in order; with more, concurrently (for tools
+    that do not depend on each other's effects). A tool should be a function of its arguments: a worker's module
+    state is its own and is lost when a timeout restarts it."""
 
     def __init__(self, specs=(), builtins=(), timeout_s=TIMEOUT_S, max_output_chars=MAX_OUTPUT_CHARS, workers=1):
         self.specs, self.timeout_s, self.max_output_chars = list(specs), float(timeout_s), int(max_output_chars)
@@ -538,7 +543,6 @@ class ToolBox:
                 fail(f"{FLAG}: two tools are named {name!r} ({', '.join(s for s, _ in fns)}"
                      f"{', built-in' if name in self.builtin else ''})")
         self.functions = dict(self.builtin) | {name: fns[0][1] for name, fns in user.items()}
-        self.user_names = set(user)
         schemas = {}
         for name, fn in self.functions.items():
             try:

@@ -285,7 +285,16 @@ def listing() -> list:
     return [1, "two", {"three": 3.0}]
 
 
-TOOLS = [add, spin, child, flood, leave, die, boom, listing]
+def controls(n: int) -> str:
+    """Answer n control characters (6 bytes each in JSON) and a lone surrogate (no tokenizer encodes one).
+
+    Args:
+        n: How many
+    """
+    return "\\x01" * n + "\\ud800"
+
+
+TOOLS = [add, spin, child, flood, leave, die, boom, listing, controls]
 '''
 
 
@@ -309,7 +318,8 @@ def test_every_bad_call_is_an_error_turn_and_counted(box):
     calls = [call("calculator", expression="(3+4)*12/5"), call("add", a=1), call("add", a=1.5),
              call("add", a=1, c=2), call("add"), call("nope"), {"error": "malformed tool call: not JSON"},
              call("spin", n=0), call("flood", n=5000), call("leave", code=0), call("die"), call("boom", why="bad\nx"),
-             call("calculator", expression="9**9**9"), call("listing"), call("add", a=5, b=6)]
+             call("calculator", expression="9**9**9"), call("listing"), call("controls", n=999),
+             call("add", a=5, b=6)]
     t = time.perf_counter()
     got = box.run(calls)
     took = time.perf_counter() - t
@@ -319,7 +329,7 @@ def test_every_bad_call_is_an_error_turn_and_counted(box):
         ("arguments", "error: add: unexpected argument 'c' (arguments: a, b)"),
         ("arguments", "error: add: missing argument 'a'"),
         ("unknown", "error: unknown tool 'nope' (tools: calculator, add, spin, child, flood, leave, die, boom, "
-                    "listing)"),
+                    "listing, controls)"),
         ("malformed", "error: malformed tool call: not JSON"),
         ("timeout", "error: spin did not answer within 1 s"),
         ("too_long", "error: flood answered 5,000 characters, more than the 1,000 allowed"),
@@ -327,9 +337,9 @@ def test_every_bad_call_is_an_error_turn_and_counted(box):
         ("died", "error: die ended its process (exit code 3)"),
         ("raised", "error: boom raised RuntimeError: bad"),
         ("raised", "error: calculator: a power is too large (more than 1024 bits, about 308 digits)"),
-        ("ok", '[1, "two", {"three": 3.0}]'), ("ok", "11")]
+        ("ok", '[1, "two", {"three": 3.0}]'), ("ok", "\x01" * 999 + "?"), ("ok", "11")]
     assert took < 10, took            # one timeout (1 s) and a few restarts, not a hang
-    assert box.counts == {"ok": 4, "arguments": 3, "unknown": 1, "malformed": 1, "timeout": 1, "too_long": 1,
+    assert box.counts == {"ok": 5, "arguments": 3, "unknown": 1, "malformed": 1, "timeout": 1, "too_long": 1,
                           "exited": 1, "died": 1, "raised": 2}
     assert box.run([call("add", a=40)] * 3) == [("42", "ok")] * 3      # the restarted workers answer
 
