@@ -316,10 +316,9 @@ def parse_tool_calls(variant: str, text: str) -> list:
         s = s[len("<|python_tag|>"):].lstrip() if s.startswith("<|python_tag|>") else s
         if not s.startswith("{"):
             return []
-        try:
-            obj, end = json.JSONDecoder().raw_decode(s)
-        except json.JSONDecodeError as e:
-            return [{"error": f"malformed tool call: not JSON ({e.msg} at character {e.pos})"}]
+        obj, end, why = _read_json(s)
+        if why:
+            return [{"error": why}]
         if s[end:].strip():
             return [{"error": "malformed tool call: a turn holds one JSON object "
                               '{"name": ..., "parameters": {...}} and nothing after it'}]
@@ -330,13 +329,25 @@ def parse_tool_calls(variant: str, text: str) -> list:
         text = text.split("</think>")[-1]
     calls = []
     for m in _QWEN_CALL.finditer(text):
-        try:
-            calls.append(_checked_call(json.loads(m.group(1)), "arguments"))
-        except json.JSONDecodeError as e:
-            calls.append({"error": f"malformed tool call: not JSON ({e.msg} at character {e.pos})"})
+        body = m.group(1).strip()
+        obj, end, why = _read_json(body)
+        why = why or ("" if end == len(body) else "malformed tool call: text after the JSON object")
+        calls.append({"error": why} if why else _checked_call(obj, "arguments"))
     if "<tool_call>" in _QWEN_CALL.sub("", text):
         calls.append({"error": "malformed tool call: <tool_call> without </tool_call>"})
     return calls
+
+
+def _read_json(s):
+    """(value, end, "") of the JSON value that starts s, or (None, 0, why): a model may write anything — bad
+    syntax, an integer longer than Python converts, nesting deeper than the recursion limit."""
+    try:
+        obj, end = json.JSONDecoder().raw_decode(s)
+        return obj, end, ""
+    except json.JSONDecodeError as e:
+        return None, 0, f"malformed tool call: not JSON ({e.msg} at character {e.pos})"
+    except (ValueError, RecursionError) as e:
+        return None, 0, f"malformed tool call: unreadable JSON ({type(e).__name__}: {str(e)[:80]})"
 
 
 def _checked_call(obj, key):
@@ -346,10 +357,8 @@ def _checked_call(obj, key):
         return {"error": f'malformed tool call: expected {{"name": "...", "{key}": {{...}}}}'}
     args = obj.get(key, obj.get("parameters" if key == "arguments" else "arguments", {}))
     if isinstance(args, str):               # the OpenAI form writes arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            pass
+        decoded, end, why = _read_json(args.strip())
+        args = decoded if not why and end == len(args.strip()) else args
     if not isinstance(args, dict):
         return {"error": f"malformed tool call: {key} of {obj['name']!r} must be a JSON object"}
     return {"name": obj["name"], "arguments": args}

@@ -513,6 +513,11 @@ def test_parsing_a_turn_gives_back_its_calls(variant):
     ("llama3", '<|python_tag|>{"name": "f", "parameters": {"x": 1}}', {"name": "f", "arguments": {"x": 1}}),
     ("llama3", ' {"name": "f", "arguments": {"x": 1}} ', {"name": "f", "arguments": {"x": 1}}),
     ("llama3", 'The answer is {"name": "f"}', None),
+    ("qwen2.5", "<tool_call>" + "[" * 100000 + "</tool_call>", "unreadable JSON (RecursionError"),
+    ("llama3", "{" + '"a":' * 100000, "not JSON"),
+    ("llama3", '{"name": "f", "parameters": {"x": ' + "9" * 5000 + "}}", "unreadable JSON (ValueError"),
+    ("qwen2.5", '<tool_call>{"name": "f", "arguments": {}} trailing</tool_call>', "text after the JSON object"),
+    ("qwen2.5", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', {"name": "f", "arguments": {}}),
 ])
 def test_malformed_calls_are_errors_not_exceptions(variant, text, want):
     got = chat.parse_tool_calls(variant, text)
