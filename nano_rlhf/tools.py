@@ -589,7 +589,10 @@ class ToolBox:
             elif name in self.builtin:
                 results[i] = self._run_here(name, args)
             else:
-                queue.append(i)
+                try:            # (a value nested near the recursion limit reads but may not write)
+                    queue.append((i, json.dumps({"name": name, "arguments": args}, ensure_ascii=False).encode()))
+                except (ValueError, RecursionError) as e:
+                    results[i] = ToolResult(f"error: {name}: unusable arguments ({type(e).__name__})", "arguments")
         if queue:
             self._run_in_workers(calls, queue, results)
         for r in results:
@@ -614,9 +617,12 @@ class ToolBox:
         free, busy = list(range(len(self._workers))), {}     # busy: worker index -> (call index, deadline)
         while queue or busy:
             while queue and free:
-                w, i = free.pop(), queue.popleft()
-                request = {"name": calls[i]["name"], "arguments": calls[i]["arguments"]}
-                self._workers[w].conn.send_bytes(json.dumps(request, ensure_ascii=False).encode())
+                w, (i, request) = free.pop(), queue.popleft()
+                try:
+                    self._workers[w].conn.send_bytes(request)
+                except OSError:             # the worker ended between calls (a thread of a tool's): a fresh one
+                    self._restart(w)
+                    self._workers[w].conn.send_bytes(request)
                 busy[w] = (i, time.monotonic() + self.timeout_s)
             wait = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
             answered = multiprocessing.connection.wait([self._workers[w].conn for w in busy], wait)

@@ -294,7 +294,14 @@ def controls(n: int) -> str:
     return "\\x01" * n + "\\ud800"
 
 
-TOOLS = [add, spin, child, flood, leave, die, boom, listing, controls]
+def vanish() -> str:
+    """Answer, then end the process a moment later (a thread of the tool's)."""
+    import threading
+    threading.Timer(0.1, lambda: os._exit(0)).start()
+    return "bye"
+
+
+TOOLS = [add, spin, child, flood, leave, die, boom, listing, controls, vanish]
 '''
 
 
@@ -329,7 +336,7 @@ def test_every_bad_call_is_an_error_turn_and_counted(box):
         ("arguments", "error: add: unexpected argument 'c' (arguments: a, b)"),
         ("arguments", "error: add: missing argument 'a'"),
         ("unknown", "error: unknown tool 'nope' (tools: calculator, add, spin, child, flood, leave, die, boom, "
-                    "listing, controls)"),
+                    "listing, controls, vanish)"),
         ("malformed", "error: malformed tool call: not JSON"),
         ("timeout", "error: spin did not answer within 1 s"),
         ("too_long", "error: flood answered 5,000 characters, more than the 1,000 allowed"),
@@ -351,6 +358,12 @@ def test_a_timeout_kills_the_processes_the_tool_started(box, tmp_path):
     assert got[0].kind == "timeout"
     time.sleep(2.5)
     assert not target.exists()
+
+
+def test_a_worker_that_ended_between_calls_is_replaced(box):
+    assert box.run([call("vanish")] * 2) == [("bye", "ok")] * 2          # both workers end 0.1 s later
+    time.sleep(0.5)
+    assert box.run([call("add", a=1)] * 2) == [("3", "ok")] * 2
 
 
 def test_load_tools_refuses_bad_specs_with_one_line(tmp_path, capsys):
