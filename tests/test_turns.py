@@ -72,9 +72,9 @@ def test_sharing_and_compaction_sample_the_plain_loops_turns(family):
     """Defaults (prefix sharing, compaction) against the full-forward reference loop with both off: the same
     ids, masks, turns and cuts, and log-probs equal to float64 rounding; rows with 0, 1 and several tool
     turns, and rows that end early, are all present."""
-    m, (ids, mask) = model(family), prompts()
+    m, (ids, mask) = model(family), prompts(k=3)
     fast_stats, plain_stats = {}, {}
-    opts = SamplingOptions(max_new_tokens=60, temperature=1.0, stop_ids=STOPS, pad_id=PAD)
+    opts = SamplingOptions(max_new_tokens=48, temperature=1.0, stop_ids=STOPS, pad_id=PAD)
     fast = generate_turns(m, ids, mask, opts, FakeEnv(), 4, torch.Generator().manual_seed(0), fast_stats)
     plain = generate_turns(m, ids, mask, SamplingOptions(**{**opts.__dict__, "use_cache": False,
                                                            "share_prefix": False, "compact": False}),
@@ -84,7 +84,7 @@ def test_sharing_and_compaction_sample_the_plain_loops_turns(family):
     assert_close64(fast.logprobs, plain.logprobs)
     turns = fast.turns.tolist()
     assert {1, 2} <= set(turns) and max(turns) >= 3, turns
-    assert fast_stats["prefill_rows"] == 3 and fast_stats["row_steps"] < 12 * fast_stats["steps"]
+    assert fast_stats["prefill_rows"] == 3 and fast_stats["row_steps"] < 9 * fast_stats["steps"]
     assert fast_stats["tool_turns"] == sum(t - 1 for t in turns) > 0
 
 
