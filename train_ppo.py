@@ -64,6 +64,7 @@ from nano_rlhf import dist, lora
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import rollout as rollout_mod
 from nano_rlhf import run as run_mod
+from nano_rlhf import tools as tools_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FrozenModelOptions, RunOptions
 from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, prompt_limit,
@@ -114,6 +115,10 @@ class Options(FrozenModelOptions, RunOptions):
     rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
     max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
                                   # {>= 0}
+    tools: str = ""               # tools the policy may call in its rollouts: calculator and/or module:NAME /
+                                  # file.py:NAME, comma-separated (docs/usage.md, "Tools"); empty = none
+    max_turns: int = 4            # assistant turns a rollout may take, tool turns between them; --max_new_tokens
+                                  # bounds sampled and tool tokens together [with tools] {>= 1}
     # ---- the KL to the reference
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate;
@@ -375,7 +380,7 @@ def sequence_kl(r: Rollout):
     """(B,) Σ_t k1_t, the sequence-level KL estimate (logged); 0 without a reference."""
     if r.ref_logprobs is None:
         return torch.zeros_like(r.scores)
-    return (kl_estimate(r.logprobs, r.ref_logprobs, "k1") * r.response_mask).sum(1)
+    return (kl_estimate(r.logprobs, r.ref_logprobs, "k1") * r.actions).sum(1)
 
 
 def advantages(r: Rollout, *, estimator, beta, kl_estimator="k1", kl_in_loss=False, k=1, gamma=1.0, lam=0.95):
@@ -384,7 +389,7 @@ def advantages(r: Rollout, *, estimator, beta, kl_estimator="k1", kl_in_loss=Fal
     if estimator in WHITENED:
         kl = torch.zeros_like(mask)
         if r.ref_logprobs is not None and not kl_in_loss:
-            kl = kl_estimate(r.logprobs, r.ref_logprobs, kl_estimator) * mask
+            kl = kl_estimate(r.logprobs, r.ref_logprobs, kl_estimator) * r.actions    # not on tool turns
         rewards = token_rewards(r.scores, kl, mask, beta)
         kl_penalty = -beta * kl.sum(1)
         if estimator == "gae":
@@ -611,7 +616,7 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
     # the sampled tokens are all the update takes from generation: log-probs (π_old) are recomputed in
     # with_logprobs or in the update by the float32 policy, so a bfloat16 sampling copy keeps the ratio 1 at lr 0
     r = rollout_mod.sample_groups(prompts, models.policy, tok, rollout_mod.sampling_options(opts, tok), k, gen,
-                                  gen_stats)
+                                  gen_stats, models.tools, opts.max_turns)
     prompt_texts = [p["text"] for p in prompts for _ in range(k)]
     raw, rm_stats, pref = rollout_mod.read_reward(models.reward, r, prompt_texts, k)
     device = r.response_mask.device
@@ -620,12 +625,12 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
     gold = raw if models.gold is models.reward else rollout_mod.read_reward(models.gold, r, prompt_texts, k)[0]
     scores = scores_from_reward(raw, r.has_eos.bool(), opts, rm_stats)
     costs = rollout_mod.read_reward(models.cost, r, prompt_texts, k)[0]
-    policy_mask = r.response_mask
+    policy_mask = r.actions                                  # tool turns are context, never the policy's loss
     if opts.overlong == "penalty":
         buffer = opts.overlong_buffer or opts.max_new_tokens // 4
         scores = scores + overlong_penalty(r.response_mask.sum(1).long(), opts.max_new_tokens, buffer)
     elif opts.overlong == "mask":                            # DAPO's overlong filtering: no policy gradient from them
-        policy_mask = r.response_mask * r.has_eos[:, None]
+        policy_mask = policy_mask * r.has_eos[:, None]
     return replace(r, scores=scores, raw_scores=raw, gold=gold, costs=costs, policy_mask=policy_mask)
 
 
@@ -634,6 +639,7 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
     """The rollout with what the update needs: π_old's log-probs (unless the update's own first forward is π_old),
     the reference's, the critic's values, and the sampler/trainer correction (--rollout_correction)."""
     seq, attn, response_mask, device = r.query_response, r.attention_mask, r.response_mask, r.scores.device
+    actions = r.actions
     P = r.query_len
     # One update on the rollout it was sampled from, and no KL: π_old is the current policy, so its log-probs
     # come from the update's own forward (detached) and this extra forward is skipped (as TRL's GRPO does).
@@ -667,11 +673,11 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
     if mismatch:
         # per token, on the sampler's samples: KL(sampler ‖ trainer) (k3: ≥ 0, unbiased) — of order d²/2, below
         # metrics.jsonl's 6 decimals for a bf16 copy — and the mean |d|, d = log π_sampler − log π_old
-        n_resp = response_mask.sum().clamp(min=1)
-        stats["sampler_kl"] = ((kl_estimate(sampler_logprobs, logprobs, "k3") * response_mask).sum() / n_resp).item()
-        stats["sampler_abs_logratio"] = (((sampler_logprobs - logprobs).abs() * response_mask).sum() / n_resp).item()
+        n_resp = actions.sum().clamp(min=1)
+        stats["sampler_kl"] = ((kl_estimate(sampler_logprobs, logprobs, "k3") * actions).sum() / n_resp).item()
+        stats["sampler_abs_logratio"] = (((sampler_logprobs - logprobs).abs() * actions).sum() / n_resp).item()
     if opts.rollout_correction != "none":
-        w, hit = rollout_correction(logprobs, sampler_logprobs, response_mask, opts.rollout_correction,
+        w, hit = rollout_correction(logprobs, sampler_logprobs, actions, opts.rollout_correction,
                                     opts.correction_level, opts.correction_cap)
         stats["correction_hit"] = hit.item()
         if opts.rollout_correction == "tis":
@@ -864,12 +870,13 @@ def check_options(opts):
         fail(msg, 2)
 
 
-def tokenize_inputs(opts, tok, block, prompt_records, ptx_records):
+def tokenize_inputs(opts, tok, block, prompt_records, ptx_records, tools=None):
     """The tokenized prompts (and their stats) and the PTX batches, at the lengths the policy's block_size
     allows. Raises on bad input (one line via input_errors)."""
     world = dist.world()
     prompts, prompt_stats = tokenize_prompts(prompt_records, tok, prompt_limit(opts.max_prompt_len,
-                                                                               opts.max_new_tokens, block))
+                                                                               opts.max_new_tokens, block),
+                                             tools=None if tools is None else tools.schemas)
     ptx = None
     if ptx_records is not None:
         ptx_examples, _ = tokenize_sft(ptx_records, tok, training_length(0, block, opts.init))
@@ -889,7 +896,7 @@ def main(argv=None):
         models = rollout_mod.load_rollout_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records],
                                                  world.device, run.identity)
         prompts, prompt_stats, ptx = tokenize_inputs(opts, tok, models.policy.cfg.block_size, prompt_records,
-                                                     ptx_records)
+                                                     ptx_records, models.tools)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     eval_prompts = eval_records[:opts.eval_samples]
     run_mod.place(opts, world, {"policy": models.policy, "critic": models.critic, "cost critic": models.cost_critic},
@@ -937,7 +944,8 @@ def main(argv=None):
                             rewards={**reward_mod.eval_columns(models.reward, models.gold),
                                      **({"cost": models.cost} if models.cost is not None else {})},
                             gathered=(models.ref, getattr(models.reward, "model", None),
-                                      getattr(models.cost, "model", None)), show=3)
+                                      getattr(models.cost, "model", None)), show=3, tools=models.tools,
+                            max_turns=opts.max_turns)
 
     def save(step):
         run_mod.save(opts, step, **state, data={"data": prompt_batches, "watch": watch,
@@ -963,7 +971,7 @@ def main(argv=None):
             episode_cost = lag.update(batch.costs, opts, move=step > opts.lambda_delay)
             targets = lagrangian_targets(batch, lag.multiplier, beta, **estimator)
         if opts.advantage in WHITENED:
-            targets.adv = whiten_over_ranks(targets.adv, batch.response_mask)
+            targets.adv = whiten_over_ranks(targets.adv, batch.actions)
         warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(batch, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
                       gen=shuffle_gen, ptx=ptx, cost_critic=cost_critic)
@@ -989,6 +997,8 @@ def main(argv=None):
     run_mod.finish(run, state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None),
                                           "cost model": getattr(models.cost, "model", None)},
                   saved=f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
+    if models.tools is not None:
+        models.tools.close()
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
                            cost=models.cost, cost_critic=models.cost_critic, lagrange=lag,
                            optimizers=state["optimizers"], options=opts)
@@ -1003,7 +1013,9 @@ def run_record(opts, _):
                         "reward": reward_mod.code_file(opts.reward),
                         "judge": reward_mod.model_dir(opts.judge) or reward_mod.code_file(opts.judge),
                         "pair_judge": reward_mod.code_file(opts.pair_judge), "cost_model": opts.cost_model,
-                        "cost": reward_mod.code_file(opts.cost)},
+                        "cost": reward_mod.code_file(opts.cost),
+                        **{"tools" + (f".{i}" if i else ""): f
+                           for i, f in enumerate(tools_mod.code_files(opts.tools))}},
                 data_files={"prompts": opts.prompts or default_path("prompts"),
                             "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
 

@@ -182,11 +182,12 @@ def _tokenize_single(records, tok, max_len, fields):
     return out, st
 
 
-def tokenize_prompts(records, tok, max_prompt_len):
-    """Prompt rows -> [dict(prompt=ids, text=the prompt as given)], Stats (left-truncated to max_prompt_len)."""
+def tokenize_prompts(records, tok, max_prompt_len, tools=None):
+    """Prompt rows -> [dict(prompt=ids, text=the prompt as given)], Stats (left-truncated to max_prompt_len).
+    tools: the JSON schemas of the tools the prompts offer (the chat template renders them)."""
     out, st = [], Stats(kept=0, truncated=0)
     for r in records:
-        p = tok.render_prompt(r["prompt"])
+        p = tok.render_prompt(r["prompt"], tools=tools)
         if len(p) > max_prompt_len:
             p = p[-max_prompt_len:]
             st["truncated"] += 1

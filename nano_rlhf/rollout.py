@@ -18,7 +18,8 @@ from .data import collate_prompts
 from .model import GPT, ScoreModel
 from .reward import Judge, RewardModel, builtin_gold, load_function, load_judge, load_reward, preference_matrix
 from .run import check_vocab
-from .sampling import SamplingOptions, cut_at_stop, generate
+from .sampling import SamplingOptions, sample_responses
+from .tools import ToolBox, ToolEnv, load_tools
 
 
 @dataclass
@@ -35,7 +36,9 @@ class Rollout:
     gold: Optional[torch.Tensor] = None        # a programmatic reward, logged only (built-in task prompts)
     costs: Optional[torch.Tensor] = None       # the cost (Safe RLHF) as the cost model or function returned it
     # what the update reads, (B, R) each
-    policy_mask: Optional[torch.Tensor] = None  # the tokens the policy loss sees (response_mask, or with holes)
+    action_mask: Optional[torch.Tensor] = None  # the tokens the policy sampled: response_mask with holes at tool
+    #                                             turns (their KL and loss are not the policy's); None = response_mask
+    policy_mask: Optional[torch.Tensor] = None  # the tokens the policy loss sees (action_mask, or with more holes)
     logprobs: Optional[torch.Tensor] = None     # log π_old(y_t); None = the update's own first forward is π_old
     ref_logprobs: Optional[torch.Tensor] = None  # log π_ref(y_t); None when there is no KL
     values: Optional[torch.Tensor] = None       # V_old(x, y_≤t); None without a critic
@@ -46,6 +49,11 @@ class Rollout:
     @property
     def query_len(self):
         return self.query_response.shape[1] - self.response_mask.shape[1]
+
+    @property
+    def actions(self):
+        """(B, R) the tokens the policy sampled (response_mask without tools)."""
+        return self.response_mask if self.action_mask is None else self.action_mask
 
 
 @dataclass
@@ -59,6 +67,7 @@ class Models:
     cost: Optional[Callable] = None       # costs = cost(prompts, completions): a cost model or function (frozen)
     cost_critic: Optional[ScoreModel] = None  # V_c (trained; --advantage gae with a cost)
     gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
+    tools: Optional[ToolBox] = None       # the tools the policy may call in its rollouts (--tools)
 
 
 def load_rollout_models(opts, tok, prompt_texts, device, identity):
@@ -107,26 +116,38 @@ def load_rollout_models(opts, tok, prompt_texts, device, identity):
         if isinstance(rm, RewardModel):
             dist.check_same_weights(rm.model, what)
     return Models(policy=policy, reward=reward, ref=ref, critic=critic, gold=builtin_gold(prompt_texts),
-                  cost=cost, cost_critic=cost_critic)
+                  cost=cost, cost_critic=cost_critic, tools=load_tools(opts.tools) if opts.tools else None)
 
 
 @torch.no_grad()
-def sample_groups(prompts, policy, tok, sampling, k, gen, gen_stats=None) -> Rollout:
+def sample_groups(prompts, policy, tok, sampling, k, gen, gen_stats=None, tools=None, max_turns=1) -> Rollout:
     """k completions per prompt, cut after the first stop token (end-of-text or the chat template's end-of-turn:
-    tok.stop_ids), decoded: a Rollout without signals yet. prompts: tokenized prompt records ({"prompt": ids})."""
+    tok.stop_ids), decoded: a Rollout without signals yet. prompts: tokenized prompt records ({"prompt": ids}).
+    tools (a nano_rlhf.tools.ToolBox): an assistant turn that calls tools gets their results as a tool turn and
+    samples on, up to max_turns turns (sampling.generate_turns); the tool turns are context, not actions (holes
+    in action_mask), and the completion's text holds them as the chat template renders them."""
     device = next(policy.parameters()).device
     q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
+    env = None if tools is None else ToolEnv(tools, tok)
     with parallel.gathered(policy):      # FSDP: one all-gather for the whole decoding, not one per token
-        seq = generate(dist.unwrap(policy), q_ids, q_mask, sampling, gen, gen_stats)
-    # response = tokens up to and including the first stop token, pad after it; its last real token is where
-    # the reward model reads the score (the end-of-turn token of a conversation)
-    resp, response_mask, length, has_eos = cut_at_stop(seq[:, q_ids.shape[1]:], tok.stop_ids, tok.pad_id)
+        # response = tokens up to and including the stop token that ends it, pad after it; its last real token is
+        # where the reward model reads the score (the end-of-turn token of a conversation)
+        resp, response_mask, length, has_eos, actions = sample_responses(
+            dist.unwrap(policy), q_ids, q_mask, sampling, gen, gen_stats, env, max_turns)
     response_mask = response_mask.float()
-    completions = [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
-    return Rollout(query_response=torch.cat([q_ids, resp], 1),
-                   attention_mask=torch.cat([q_mask, response_mask.long()], 1), response_mask=response_mask,
-                   has_eos=has_eos.float(), completions=completions)
+    decode = tok.decode if env is None else tok.decode_turns
+    completions = [decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
+    r = Rollout(query_response=torch.cat([q_ids, resp], 1),
+                attention_mask=torch.cat([q_mask, response_mask.long()], 1), response_mask=response_mask,
+                has_eos=has_eos.float(), completions=completions,
+                action_mask=None if env is None else actions.float())
+    if env is not None:              # per sequence: tool calls, and those that came back as an error
+        r.stats.update(tool_calls=env.counts["calls"] / len(completions),
+                       tool_errors=sum(v for kind, v in tools.counts.items() if kind != "ok") / len(completions))
+        env.counts.clear()
+        tools.counts.clear()
+    return r
 
 
 @torch.no_grad()
@@ -164,7 +185,8 @@ def join(parts, pad_id):
         dp, dr = P - p.query_len, R - p.response_mask.shape[1]
         return dict(query_response=F.pad(p.query_response, (dp, dr), value=pad_id),
                     attention_mask=F.pad(p.attention_mask, (dp, dr)), response_mask=F.pad(p.response_mask, (0, dr)),
-                    policy_mask=F.pad(p.policy_mask, (0, dr)))
+                    policy_mask=F.pad(p.policy_mask, (0, dr)),
+                    **({} if p.action_mask is None else {"action_mask": F.pad(p.action_mask, (0, dr))}))
     fitted = [fit(p) for p in parts]
     cat = {k: torch.cat([f[k] for f in fitted]) for k in fitted[0]}
     optional = {k: None if getattr(parts[0], k) is None else torch.cat([getattr(p, k) for p in parts])
@@ -179,7 +201,7 @@ def take(r: Rollout, rows):
     rows_t = torch.as_tensor(rows, dtype=torch.long, device=r.scores.device)
     pick = {name: getattr(r, name)[rows_t] for name in ("query_response", "attention_mask", "response_mask",
                                                         "policy_mask", "scores", "raw_scores", "has_eos")}
-    optional = {k: None if getattr(r, k) is None else getattr(r, k)[rows_t] for k in ("gold", "costs")}
+    optional = {k: None if getattr(r, k) is None else getattr(r, k)[rows_t] for k in ("gold", "costs", "action_mask")}
     return Rollout(completions=[r.completions[i] for i in rows], **pick, **optional)
 
 

@@ -175,6 +175,22 @@ def cut_at_stop(response, stop_ids, pad_id):
     return response.masked_fill(~mask, pad_id), mask, mask.sum(1), is_stop.any(1)
 
 
+
+def sample_responses(model, input_ids, attention_mask, opts, generator=None, stats=None, env=None, max_turns=1):
+    """The responses a caller trains on or scores, each up to its end: `generate` cut after the first stop token
+    (env None), or `generate_turns` with env's tool turns inside (up to max_turns assistant turns). Returns (ids
+    (B, R) with opts.pad_id after each end, mask (B, R) bool up to and including the end, length (B,), ended (B,)
+    bool: the row ended on a stop id it sampled, actions (B, R) bool: the tokens the policy sampled — mask itself
+    without tools, mask with holes at the tool turns with them)."""
+    Tp = input_ids.shape[1]
+    if env is None:
+        seq = generate(model, input_ids, attention_mask, opts, generator, stats)
+        ids, mask, length, ended = cut_at_stop(seq[:, Tp:], opts.stop_ids, opts.pad_id)
+        return ids, mask, length, ended, mask
+    t = generate_turns(model, input_ids, attention_mask, opts, env, max_turns, generator, stats)
+    ids = t.ids[:, Tp:].masked_fill(~t.response_mask, opts.pad_id)
+    return ids, t.response_mask, t.response_mask.sum(1), t.ended, t.policy_mask
+
 def _generate_uncached(model, ids, mask, opts, generator, stats, turns=None):
     """The reference loop: a full forward over the whole sequence for every new token."""
     B, Tp = ids.shape

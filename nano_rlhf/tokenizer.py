@@ -245,6 +245,12 @@ class Tokenizer:
         return self.tk.decode([i for i in ids[:cut] if i != self.pad_id and i < self.vocab_size],
                               skip_special_tokens=False)
 
+    def decode_turns(self, ids: Sequence[int]) -> str:
+        """Text of a multi-turn response (assistant turns with tool turns between them): every token kept as the
+        chat template wrote it, end-of-turn tokens included, except a stop id that ends it; pads dropped."""
+        ids = [i for i in ids if i != self.pad_id and i < self.vocab_size]
+        return self.tk.decode(ids[:-1] if ids and ids[-1] in self.stop_ids else ids, skip_special_tokens=False)
+
     def _with_bos(self, ids: List[int]) -> List[int]:
         """Plain text starts with bos when the tokenizer adds one (never twice)."""
         return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
