@@ -53,12 +53,22 @@ class RewardModel:
         self.mean, self.std = float(mean or 0.0), float(std or 1.0)
 
     @classmethod
-    def from_dir(cls, model_dir, tokenizer, device="cpu", batch_size=64):
+    def from_dir(cls, model_dir, tokenizer, device="cpu", batch_size=64, kind="reward"):
+        """kind: what the caller needs, "reward" or "cost"; a directory of the other kind is refused in one line
+        (train_rm.py records "score_kind": "cost" in a cost model's config.json; without it, a reward model)."""
         from .run import check_vocab
         from .model import ScoreModel
         model = ScoreModel.from_pretrained(model_dir, dropout=0.0).to(device)
-        check_vocab(tokenizer, model.cfg, model_dir)             # it scores the policy tokenizer's ids
         stats = model.extra_config
+        recorded = stats.get("score_kind", "reward")
+        if recorded != kind:
+            fail(f"{model_dir} is a cost model (its config.json says \"score_kind\": \"cost\"), given where a "
+                 "reward model is needed" if recorded == "cost" else
+                 f"{model_dir} is not a cost model (its config.json has no \"score_kind\": \"cost\"; train_rm.py "
+                 "--objective cost writes one), given where a cost model is needed")
+        check_vocab(tokenizer, model.cfg, model_dir)             # it scores the policy tokenizer's ids
+        if kind == "cost":       # a cost is read raw: 0 is its safe/unsafe boundary, nothing to normalise by
+            return cls(model, tokenizer, batch_size)
         return cls(model, tokenizer, batch_size, stats.get("reward_mean"), stats.get("reward_std"))
 
     @torch.no_grad()
