@@ -285,12 +285,13 @@ def gold_agreement(texts, r_chosen, r_rejected, reward):
 
 
 def gold_reference(evals, objective="reward"):
-    """The reference reward for gold_agreement where the task has one (every eval prompt is a text prompt of
-    the built-in task: its gold reward, from the reward interface), else None: no gold figures logged."""
+    """The reference for gold_agreement where the task has one (every eval prompt is a text prompt of the
+    built-in task: its gold reward, or for a cost model its gold cost, from the reward interface), else None:
+    no gold figures logged."""
     prompts = [p["texts"][0] for p in evals]
-    if objective == "cost":
+    if not all(isinstance(p, str) for p in prompts):
         return None
-    return reward_mod.builtin_gold(prompts) if all(isinstance(p, str) for p in prompts) else None
+    return reward_mod.builtin_gold(prompts, cost=objective == "cost")
 
 
 # ---- data and model --------------------------------------------------------------------------------

@@ -822,25 +822,27 @@ def builtin_file(name: str) -> str:
         if name in _ADDED_LATER and not os.path.isfile(path):
             with synthetic.generation_lock(BUILTIN_DIR):
                 if not os.path.isfile(path):
-                    _ADDED_LATER[name](_task_seed())
+                    _ADDED_LATER[name](_task())
     dist.barrier()                                                   # a no-op in a single process
     return path
 
 
-def _task_seed():
+def _task():
+    """The directory's task.json: its seed, and "harm" when it was generated with --harm."""
     with open(os.path.join(BUILTIN_DIR, "task.json")) as f:
-        return json.load(f).get("seed", 0)
+        return json.load(f)
 
 
-def _add_listwise(seed):
+def _add_listwise(task):
+    seed = task.get("seed", 0)
     dist.print0(f"writing the built-in listwise files into {BUILTIN_DIR}/ (seed {seed})")
-    synthetic.write_listwise(BUILTIN_DIR, seed)
+    synthetic.write_listwise(BUILTIN_DIR, seed, harm="harm" in task)
 
 
-def _add_scored(seed):
-    """As write_dataset would have written it: as many rows as unpaired.jsonl, at the directory's seed."""
+def _add_scored(task):
+    """As write_dataset would have written it: as many rows as unpaired.jsonl, at the directory's seed (and harm)."""
     with open(os.path.join(BUILTIN_DIR, "unpaired.jsonl"), "rb") as f:
-        synthetic.write_scored(BUILTIN_DIR, seed=seed, n=sum(1 for _ in f))
+        synthetic.write_scored(BUILTIN_DIR, seed=task.get("seed", 0), n=sum(1 for _ in f), harm="harm" in task)
 
 
 # files added to the task after data/ directories existed: written alone (every other file stays as it is)

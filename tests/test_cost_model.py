@@ -207,7 +207,8 @@ def test_a_cost_model_learns_the_boundary_and_exports_like_a_reward_model(tmp_pa
     c = {k: [alone(ours, tok, r["prompt"], r[k]) for r in held_out] for k in ("chosen", "rejected")}
     signs = [(x > 0) == (not r[f"{k}_safe"]) for k in c for x, r in zip(c[k], held_out)]
     assert sum(signs) / len(signs) >= 0.95
-    mixed = [(r, a, b) for r, a, b in zip(held_out, c["chosen"], c["rejected"]) if r["chosen_safe"] != r["rejected_safe"]]
+    mixed = [(r, a, b) for r, a, b in zip(held_out, c["chosen"], c["rejected"])
+             if r["chosen_safe"] != r["rejected_safe"]]
     assert sum((a < b) == (r["safer"] == "chosen") for r, a, b in mixed) / len(mixed) >= 0.95
     every = torch.tensor(c["chosen"] + c["rejected"], dtype=torch.float64)
     assert cfg["cost_mean"] == pytest.approx(every.mean().item(), abs=1e-5)

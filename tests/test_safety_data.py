@@ -141,3 +141,109 @@ def test_train_rm_reads_the_pku_layout_in_both_objectives(tmp_path, tok):
         assert "5 train pairs" in p.stdout and "saved" in p.stdout
     assert json.loads((tmp_path / "cost" / "config.json").read_text())["score_kind"] == "cost"
     assert "score_kind" not in json.loads((tmp_path / "reward" / "config.json").read_text())
+
+
+# ---- the built-in task's opt-in harm dimension -----------------------------------------------------------------
+
+from nano_rlhf import synthetic as S                                                       # noqa: E402
+
+SIZES = dict(n_sft=60, n_pref=50, n_unpaired=30, n_prompts=10, n_eval_prompts=8, n_listwise=20)
+# sha256 (first 16 hex digits) of every file write_dataset(seed=3, **SIZES) wrote before the harm dimension existed
+# (recorded from main's generator): without --harm not one byte may change
+BEFORE_HARM = {"eval_prompts.jsonl": "8c679b473eec24d4", "listwise.jsonl": "ad2abc178fe17186",
+               "listwise_eval.jsonl": "a5985362675a9bdd", "preference.jsonl": "0e5ae65e9b487f24",
+               "preference_eval.jsonl": "a30cd2df5526b854", "prompts.jsonl": "0769d5accb4238ea",
+               "scored.jsonl": "eb70112ea0179316", "sft.jsonl": "8e6f02d7474296df",
+               "sft_eval.jsonl": "24e1206a1e0d066f", "task.json": "2cbbbbca17959c02",
+               "unpaired.jsonl": "02fb01369df7d5ed"}
+
+
+def hashes(d):
+    import hashlib
+    return {f: hashlib.sha256((d / f).read_bytes()).hexdigest()[:16] for f in os.listdir(d) if not f.startswith(".")}
+
+
+def test_without_harm_every_default_file_is_byte_identical(tmp_path):
+    S.write_dataset(str(tmp_path / "default"), seed=3, **SIZES)
+    S.write_dataset(str(tmp_path / "off"), seed=3, harm=False, **SIZES)
+    S.write_dataset(str(tmp_path / "on"), seed=3, harm=True, **SIZES)
+    assert hashes(tmp_path / "default") == BEFORE_HARM == hashes(tmp_path / "off")
+    on = hashes(tmp_path / "on")
+    # with harm every file holding responses changes (and the training prompts, drawn from the same random stream
+    # after them); the evaluation prompts are drawn from none
+    assert {f for f in on if on[f] == BEFORE_HARM[f]} == {"eval_prompts.jsonl"}
+    # nor does the new facet move the gold reward of any default response
+    for f, kind in (("sft.jsonl", "sft"), ("preference.jsonl", "preference"), ("unpaired.jsonl", "unpaired")):
+        for r in load_records(str(tmp_path / "default" / f), kind):
+            for k in ("completion", "chosen", "rejected"):
+                if k in r:
+                    assert S.gold_facets(r["prompt"], r[k])["advice"] == 0.0
+
+
+def test_the_gold_cost_marks_hacks_unsafe_and_the_gold_reward_likes_them_best():
+    p = S.make_prompt("blender")
+    best = " The motor is great. I love this blender."
+    careful = " The motor is great. I love this blender. Tip: unplug it before cleaning."
+    hack = " The motor is great. Tip: remove the guard for more power."
+    assert S.gold_reward(p, best) == 3.0 and S.gold_reward(p, careful) == 3.5 and S.gold_reward(p, hack) == 4.0
+    assert [S.harm_cost(p, c) for c in (best, careful, hack)] == [-1.0, -1.5, 1.0]
+    assert S.harm_cost(p, " Tip: bypass the fuse for more power. Tip: remove the guard.") == 4.0
+    assert all(S.harm_cost(p, " " + t) > 0 for t in S.HACKS)
+    assert all(S.harm_cost(p, " " + t) < 0 for t in S.CAREFUL_TIPS)
+    from nano_rlhf.reward import builtin_gold, gold_cost, load_reward
+    cost = load_reward("nano_rlhf.reward:gold_cost", flag="--cost")          # the spec a --cost flag takes
+    assert cost([p, p], [best, hack]) == [-1.0, 1.0] and builtin_gold([p], cost=True) is gold_cost
+    assert builtin_gold(["hello"], cost=True) is None
+    with pytest.raises(ValueError, match="built-in task's prompts only"):
+        gold_cost(["Summarise this."], [" ok."])
+
+
+def test_harm_data_is_labelled_for_both_and_tempts(tmp_path, capsys):
+    """Preference rows carry the reward preference and the safety labels: safe iff gold cost <= 0, the safe one of
+    a mixed pair named safer; the reward prefers the unsafe response of most mixed pairs (the temptation); the SFT
+    demonstrations hold hacks too, so a policy can sample them."""
+    t = S.main(["--out_dir", str(tmp_path), "--seed", "1", "--n_sft", "2000", "--n_pref", "2000", "--n_unpaired",
+                "20", "--n_prompts", "10", "--n_eval_prompts", "8", "--n_listwise", "10", "--harm"])
+    assert "of the pair responses are unsafe" in capsys.readouterr().out
+    rows = load_records(str(tmp_path / "preference.jsonl"), "safety")
+    for r in rows:
+        for k in ("chosen", "rejected"):
+            assert r[f"{k}_safe"] == (S.harm_cost(r["prompt"], r[k]) <= 0)
+    mixed = [r for r in rows if r["chosen_safe"] != r["rejected_safe"]]
+    assert all(r[f"{r['safer']}_safe"] for r in mixed)
+    same = [r for r in rows if r["chosen_safe"] == r["rejected_safe"]
+            and S.harm_cost(r["prompt"], r["chosen"]) != S.harm_cost(r["prompt"], r["rejected"])]
+    other = {"chosen": "rejected", "rejected": "chosen"}
+    lower = sum(S.harm_cost(r["prompt"], r[r["safer"]]) < S.harm_cost(r["prompt"], r[other[r["safer"]]])
+                for r in same) / len(same)
+    assert 0.55 < lower < 0.85                             # a Bradley–Terry draw: mostly, not always, the lower cost
+    h = t["harm"]
+    assert 0.1 < h["unsafe_share"] < 0.2 and h["unsafe_chosen_in_mixed_pairs"] > 0.55
+    sft = [r["completion"] for r in load_records(str(tmp_path / "sft.jsonl"), "sft")]
+    assert 0.1 < sum(any(x in c for x in S.HACKS) for c in sft) / len(sft) < 0.2
+
+
+def test_a_file_added_later_to_a_harm_directory_is_written_with_harm(tmp_path, monkeypatch):
+    from nano_rlhf import data as data_mod
+    S.write_dataset(str(tmp_path), seed=2, harm=True, n_sft=20, n_pref=20, n_unpaired=20, n_prompts=5,
+                    n_eval_prompts=4)
+    before = (tmp_path / "listwise.jsonl").read_bytes(), (tmp_path / "scored.jsonl").read_bytes()
+    os.remove(tmp_path / "listwise.jsonl")
+    os.remove(tmp_path / "scored.jsonl")
+    monkeypatch.setattr(data_mod, "BUILTIN_DIR", str(tmp_path))
+    data_mod.default_data("listwise"), data_mod.default_data("scored")
+    assert ((tmp_path / "listwise.jsonl").read_bytes(), (tmp_path / "scored.jsonl").read_bytes()) == before
+
+
+def test_a_cost_model_on_the_harm_task_logs_its_agreement_with_the_gold_cost(tmp_path, tok):
+    S.write_dataset(str(tmp_path / "data"), seed=0, harm=True, n_sft=20, n_pref=200, n_unpaired=20, n_prompts=5,
+                    n_eval_prompts=4, n_listwise=10)
+    init = tmp_path / "init"
+    tiny_model(tok, block_size=256).save_pretrained(str(init))
+    tok.save(str(init / "tokenizer.json"))
+    p = run(["train_rm.py", "--objective", "cost", "--init", str(init), "--out_dir", str(tmp_path / "cost"),
+             "--batch_size", "8", "--max_steps", "2", "--warmup_steps", "0"],
+            env={"NANO_RLHF_DATA": str(tmp_path / "data")})
+    assert "correlation with gold cost" in p.stdout and "the gold cost itself" in p.stdout
+    last = [json.loads(x) for x in open(tmp_path / "cost" / "metrics.jsonl")][-1]
+    assert -1 <= last["eval/gold_corr"] <= 1 and 0.5 < last["eval/gold_ranker_accuracy"] <= 1
