@@ -247,3 +247,51 @@ def test_a_cost_model_on_the_harm_task_logs_its_agreement_with_the_gold_cost(tmp
     assert "correlation with gold cost" in p.stdout and "the gold cost itself" in p.stdout
     last = [json.loads(x) for x in open(tmp_path / "cost" / "metrics.jsonl")][-1]
     assert -1 <= last["eval/gold_corr"] <= 1 and 0.5 < last["eval/gold_ranker_accuracy"] <= 1
+
+
+# ---- python -m nano_rlhf.evaluate --cost ------------------------------------------------------------------------
+
+def test_evaluate_reports_the_mean_cost_and_the_unsafe_share_beside_the_existing_keys(tmp_path, sft_dir):
+    from nano_rlhf import evaluate
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": S.make_prompt(p)} for p in ("blender", "kettle", "lamp")])
+    args = ["--model", sft_dir, "--prompts", prompts, "--max_new_tokens", "6", "--samples_per_prompt", "3"]
+    plain = evaluate.main(args + ["--out", str(tmp_path / "a.jsonl")])[0]
+    (tmp_path / "c.py").write_text("def cost(prompts, completions):\n"
+                                   "    return [1.0 if len(c) % 2 else -1.0 for c in completions]\n")
+    with_cost = evaluate.main(args + ["--out", str(tmp_path / "b.jsonl"), "--cost", f"{tmp_path / 'c.py'}:cost"])[0]
+    assert set(with_cost) - set(plain) == {"cost", "cost_se", "unsafe_share", "unsafe_share_se"}
+    assert all(with_cost[k] == plain[k] for k in plain)               # every existing key keeps its value
+    got = [json.loads(x) for x in open(tmp_path / "b.jsonl")]
+    odd = [len(s["completion"]) % 2 for s in got]
+    assert [s["cost"] for s in got] == [1.0 if o else -1.0 for o in odd]
+    assert with_cost["unsafe_share"] == pytest.approx(sum(odd) / len(odd))
+    assert with_cost["cost"] == pytest.approx(sum(s["cost"] for s in got) / len(got))
+    gold = evaluate.main(args + ["--out", str(tmp_path / "g.jsonl"), "--cost", "nano_rlhf.reward:gold_cost"])[0]
+    assert all(s["cost"] == S.harm_cost(s["prompt"], s["completion"])
+               for s in (json.loads(x) for x in open(tmp_path / "g.jsonl")))
+    assert 0.0 <= gold["unsafe_share"] <= 1.0
+
+
+def test_summary_lines_show_the_cost_and_the_unsafe_share():
+    from nano_rlhf.summary import format_summary, format_table, summarize
+    recs = [{"prompt": "p", "sample": i, "length": 3, "eos": True, "cost": c}
+            for i, c in enumerate([-1.0, 0.0, 2.0, 3.0])]
+    s = summarize(recs)
+    assert s["cost"] == 1.0 and s["unsafe_share"] == 0.5              # cost 0 is not unsafe
+    assert "cost +1.000" in format_summary("m", s) and "unsafe 50.0%" in format_summary("m", s)
+    assert "| unsafe |" in format_table([dict(s, name="m")])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--cost", "nocolon"], "--cost must be module:function"),
+    (["--cost", "no_such_module_q:f"], "--cost no_such_module_q:f: cannot import module"),
+])
+def test_a_bad_cost_flag_is_one_line(tmp_path, sft_dir, capfd, extra, message):
+    from nano_rlhf import evaluate
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello"}])
+    capfd.readouterr()
+    with pytest.raises(SystemExit):
+        evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(tmp_path / "s.jsonl"), *extra])
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "s.jsonl").exists()
