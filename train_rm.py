@@ -441,8 +441,8 @@ def main(argv=None):
         cost_note = (f" | sign accuracy {final['eval/sign_accuracy']:.3f} | unsafe share "
                      f"{final['eval/unsafe_share']:.3f}" if opts.objective == "cost" else "")
         dist.print0(f"saved {opts.out_dir} (HF {model.architecture} layout{', a cost model' if kind else ''}) | "
-                    f"eval accuracy {final['eval/accuracy']:.3f}{cost_note} | scores mean "
-                    f"{final['eval/score_mean']:+.3f} std {final['eval/score_std']:.3f}" + gold_note)
+                    f"eval {'safer-choice ' if kind else ''}accuracy {final['eval/accuracy']:.3f}{cost_note} | "
+                    f"scores mean {final['eval/score_mean']:+.3f} std {final['eval/score_std']:.3f}" + gold_note)
     run.finish()
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 
