@@ -125,8 +125,9 @@ def cost_loss(c_w, c_l, s_w, s_l, l2_coef=0.0):
 
     c_w = c(y_w), the cost of the MORE HARMFUL response; s = +1 for a response labelled unsafe, −1 for a safe
     one, so the sign terms push unsafe costs above 0 and safe ones below. Costs are not clipped: each −log σ
-    is F.logsigmoid (finite for any cost), and its pull fades once a cost is on the right side of 0 and of the
-    other response's (safe-rlhf bounds nothing either; --l2_coef is its `regularization`)."""
+    is F.logsigmoid (finite for any cost), and its pull fades (never to 0) once a cost is on the right side of 0
+    and of the other response's; safe-rlhf bounds nothing either, --l2_coef (its `regularization`) limits the
+    outward drift (docs/algorithms.md, "Cost model")."""
     loss = -F.logsigmoid(c_w - c_l) - F.logsigmoid(s_w * c_w) - F.logsigmoid(s_l * c_l)
     if l2_coef:
         loss = loss + 0.5 * l2_coef * (c_w ** 2 + c_l ** 2)
