@@ -42,7 +42,8 @@ default system prompt, ChatML with none, as Qwen3), which those models were not 
 (nano_rlhf/tokenizer.py) writes Qwen's tool list in its system line, the same calls, and `Tool: {r}` lines. Llama:
 the template drops an assistant message's text when it holds a call, and a second call in a turn is refused.
 `parse_tool_calls` reads an assistant turn's text back into calls; `tool_turn` gives the text between the end of
-an assistant turn and the next generation (the result turn(s) and the generation prompt), as `render` writes it.
+an assistant turn and the next generation (the result turn(s) and the generation prompt), as `render` writes it;
+`final_turn` reads the policy's final answer out of a multi-turn transcript (what the built-in verifiers score).
 """
 import datetime
 import json
@@ -362,6 +363,44 @@ def _checked_call(obj, key):
     if not isinstance(args, dict):
         return {"error": f"malformed tool call: {key} of {obj['name']!r} must be a JSON object"}
     return {"name": obj["name"], "arguments": args}
+
+
+def _after_tool_turn(variant: str) -> str:
+    """The template text that follows a tool turn's last result and opens the next assistant turn (the end of
+    what tool_turn writes): the mark after which a transcript's next assistant turn starts."""
+    pieces = tool_turn(variant, ["\0"])
+    last = max(i for i, (_, is_result) in enumerate(pieces) if is_result)
+    return "".join(t for t, _ in pieces[last + 1:])
+
+
+def final_turn(text: str, variant: str = None) -> str:
+    """The policy's final answer in a completion: for a multi-turn transcript (Tokenizer.decode_turns: assistant
+    turns and tool turns in the template's markup) the text of its last assistant turn, and of a single turn that
+    turn; in both, without the turn's tool calls (a call is not an answer; a Llama turn that is a call is
+    nothing). variant None: recognised from the markup (Llama's, then Qwen's, then plain's tool turns); a text
+    with none is one turn, returned as it is but for Qwen-syntax calls (a single Llama turn is not read as a call:
+    a JSON answer looks like one). The last assistant turn starts after the last tool turn's closing text: the sampler
+    appends a tool turn whole with the next generation prompt or not at all, so a tool result that imitates the
+    markup is always followed by the real one, and the text after the last mark is the policy's own."""
+    if not isinstance(text, str):
+        return text
+    found = None
+    for v in [variant] if variant else ["llama3", "qwen2.5", "plain"]:
+        mark = _after_tool_turn(v)
+        at = text.rfind(mark)
+        # "\nAssistant:" alone is ordinary text: a plain transcript has a tool line before it
+        if at >= 0 and (v != "plain" or "Tool: " in text[:at]):
+            text, found = text[at + len(mark):], v
+            break
+    if found == "plain":
+        text = text.lstrip(" ")        # the plain template writes "Assistant: " + the turn
+    syntax = TOOL_SYNTAX.get(variant or found)
+    # a Llama call is a whole turn of JSON: only where the markup is Llama's (an answer may be JSON too)
+    if syntax == "llama" and any("error" not in c for c in parse_tool_calls("llama3", text)):
+        return ""
+    if syntax != "llama" and "<tool_call>" in text:
+        text = re.sub(r"<tool_call>.*?(</tool_call>|$)", "", text, flags=re.S).strip("\n")
+    return text
 
 
 # ---- template texts nano_rlhf writes -------------------------------------------------------------

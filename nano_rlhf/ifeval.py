@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from .chat import final_turn
+
 # ---- the constraints ------------------------------------------------------------------------------------------
 
 _SLOT = {"n": r"\d{1,4}", "m": r"\d{1,4}", "word": r"[A-Za-z][A-Za-z'-]*", "word2": r"[A-Za-z][A-Za-z'-]*",
@@ -294,6 +296,7 @@ def _loose_variants(text):
 
 def _met(prompt, completion, loose=False):
     cons = parse(prompt)
+    completion = final_turn(completion)     # a tool-use transcript: the policy's final assistant turn only
     texts = _loose_variants(completion) if loose and isinstance(completion, str) else [completion]
     return [(kind, any(check(kind, args, t) for t in texts if t)) for kind, args in cons]
 

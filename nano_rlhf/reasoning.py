@@ -41,6 +41,7 @@ import random
 import re
 from fractions import Fraction
 
+from .chat import final_turn
 from .cli import OneLineErrors
 from .ifeval import prompt_text   # a string prompt, or a conversation's last user message
 
@@ -141,10 +142,12 @@ def answer(completion):
 
 
 def reward(prompts, completions):
-    """1.0 for each completion whose final answer equals its prompt's value, else 0.0 (never raises)."""
+    """1.0 for each completion whose final answer equals its prompt's value, else 0.0 (never raises). A multi-turn
+    completion (with --tools) is judged by its final assistant turn alone (chat.final_turn): a number that only a
+    tool turn or a tool call states is not the policy's answer."""
     out = []
     for p, c in zip(prompts, completions):
-        truth, got = solve(p), answer(c)
+        truth, got = solve(p), answer(final_turn(c))
         out.append(float(truth is not None and got is not None and Fraction(got) == truth))
     return out
 
