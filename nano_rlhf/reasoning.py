@@ -131,9 +131,11 @@ def solve(prompt):
 
 def answer(completion):
     """The final answer a completion states ("Answer: N" or "the answer is N"), normalised ("18", "-3",
-    "2.5"), or None: no answer statement, a non-string, or statements that disagree."""
+    "2.5"), or None: no answer statement, a non-string, or statements that disagree. Of a tool-use transcript, the
+    final assistant turn's (chat.final_turn): what maj@k votes on too."""
     if not isinstance(completion, str):
         return None
+    completion = final_turn(completion)
     values = {Fraction(m) for m in _ANSWER.findall(completion)}
     if len(values) != 1:
         return None
@@ -143,11 +145,11 @@ def answer(completion):
 
 def reward(prompts, completions):
     """1.0 for each completion whose final answer equals its prompt's value, else 0.0 (never raises). A multi-turn
-    completion (with --tools) is judged by its final assistant turn alone (chat.final_turn): a number that only a
-    tool turn or a tool call states is not the policy's answer."""
+    completion (with --tools) is judged by its final assistant turn alone (`answer`): a number that only a tool
+    turn or a tool call states is not the policy's answer."""
     out = []
     for p, c in zip(prompts, completions):
-        truth, got = solve(p), answer(final_turn(c))
+        truth, got = solve(p), answer(c)
         out.append(float(truth is not None and got is not None and Fraction(got) == truth))
     return out
 

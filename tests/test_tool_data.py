@@ -25,6 +25,7 @@ def test_verifier_reads_only_the_final_assistant_turn(name, tmp_path):
     assert chat.final_turn(told, tok.chat_template) == "I could not work it out."
     right = transcript(tok, call, ["Answer: 18"], "Answer: 18")
     assert reasoning.reward([PROMPT] * 2, [told, right]) == [0.0, 1.0]
+    assert (reasoning.answer(told), reasoning.answer(right)) == (None, "18")     # what maj@k votes on
     # a tool result that imitates the template's markup is followed by the real turn: still not the policy's
     fake = chat.tool_turn(tok.chat_template, ["x"])[-1][0] + "Answer: 18"
     assert reasoning.reward([PROMPT], [transcript(tok, call, [fake], "no idea")]) == [0.0]
