@@ -22,6 +22,7 @@ generation are left-padded (so every row's next token is at the same index).
 import json
 import math
 import os
+import re
 import sys
 from typing import Callable, List, Sequence
 
@@ -76,7 +77,8 @@ class Stats(dict):
 
 
 def tokenize_sft(records, tok, max_len):
-    """-> [(ids, loss_mask)], Stats. The loss mask covers completion / assistant tokens (+ end-of-text);
+    """-> [(ids, loss_mask)], Stats. The loss mask covers completion / assistant tokens (+ end-of-text; tool
+    calls included, tool results never: Tokenizer.encode_conversation with the row's tools);
     {"text"} rows train on every token, start with bos when the tokenizer adds one (Llama) and end with
     end-of-text; longer ones keep their first max_len
     tokens (the end-of-text only if it fits) instead of being dropped."""
@@ -89,10 +91,10 @@ def tokenize_sft(records, tok, max_len):
             st["kept"] += 1
             continue
         if "messages" in r:
-            ids, mask = tok.encode_conversation(r["messages"])
+            ids, mask = _rendered(r, tok.encode_conversation, r["messages"], r.get("tools"))
             start = _final_span_start(mask)
         else:
-            ids, mask = tok.encode_prompt_response(r["prompt"], r["completion"])
+            ids, mask = _rendered(r, tok.encode_prompt_response, r["prompt"], r["completion"])
             start = mask.index(1)
         if len(ids) > max_len:
             resp = len(ids) - start
@@ -104,6 +106,17 @@ def tokenize_sft(records, tok, max_len):
         out.append((ids, mask))
         st["kept"] += 1
     return out, st
+
+
+def _rendered(r, encode, *args):
+    """encode(*args), a row the chat template cannot write (Llama 3: two tool calls in one turn, a tool list
+    with no user message to hold it) raised as a DataError naming the row (FILE:LINE)."""
+    try:
+        return encode(*args)
+    except DataError:
+        raise
+    except ValueError as e:
+        raise DataError(f"{r.get('_where', 'a row')}: {e}") from None
 
 
 def pack_sft(examples, max_len):
@@ -149,8 +162,8 @@ def tokenize_pairs(records, tok, max_len):
     """Preference rows -> [dict(prompt, chosen, rejected, margin)] of id lists, Stats."""
     out, st = [], Stats(kept=0, truncated=0, dropped=0)
     for r in records:
-        p = tok.render_prompt(r["prompt"])
-        c, j = tok.encode_response(r["chosen"]), tok.encode_response(r["rejected"])
+        p = _rendered(r, tok.render_prompt, r["prompt"], r.get("tools"))
+        c, j = _rendered(r, tok.encode_response, r["chosen"]), _rendered(r, tok.encode_response, r["rejected"])
         fp = fit_prompt(p, max(len(c), len(j)), max_len)
         if fp is None:
             st["dropped"] += 1
@@ -171,7 +184,8 @@ def _tokenize_single(records, tok, max_len, fields):
     truncated / dropped when the response alone does not fit)."""
     out, st = [], Stats(kept=0, truncated=0, dropped=0)
     for r in records:
-        p, c = tok.render_prompt(r["prompt"]), tok.encode_response(r["completion"])
+        p = _rendered(r, tok.render_prompt, r["prompt"], r.get("tools"))
+        c = _rendered(r, tok.encode_response, r["completion"])
         fp = fit_prompt(p, len(c), max_len)
         if fp is None:
             st["dropped"] += 1
@@ -187,7 +201,7 @@ def tokenize_prompts(records, tok, max_prompt_len, tools=None):
     tools: the JSON schemas of the tools the prompts offer (the chat template renders them)."""
     out, st = [], Stats(kept=0, truncated=0)
     for r in records:
-        p = tok.render_prompt(r["prompt"], tools=tools)
+        p = _rendered(r, tok.render_prompt, r["prompt"], tools)
         if len(p) > max_prompt_len:
             p = p[-max_prompt_len:]
             st["truncated"] += 1
@@ -245,8 +259,8 @@ def tokenize_listwise(records, tok, max_len):
     with the longest completion, else the row is dropped), Stats."""
     out, st = [], Stats(kept=0, truncated=0, dropped=0)
     for r in records:
-        p = tok.render_prompt(r["prompt"])
-        comps = [tok.encode_response(c) for c in r["completions"]]
+        p = _rendered(r, tok.render_prompt, r["prompt"], r.get("tools"))
+        comps = [_rendered(r, tok.encode_response, c) for c in r["completions"]]
         fp = fit_prompt(p, max(len(c) for c in comps), max_len)
         if fp is None:
             st["dropped"] += 1
@@ -341,6 +355,12 @@ def tokenize_scored(records, tok, max_len):
 # | unpaired   | {"prompt", "completion", "label": bool}       | same, messages                                |
 # | prompts    | {"prompt": str}                               | {"prompt": [messages]}                        |
 # | listwise   | {"prompt", "completions": [..], "scores": [..]} | same keys, each completion a message list |
+#
+# Tool turns (conversational rows, all kinds but prompts): an assistant message may carry "tool_calls" (OpenAI /
+# transformers form, normalised to [{"type": "function", "function": {"name", "arguments": {...}}}]) answered in
+# order by {"role": "tool", "content"} messages; an optional top-level "tools" list of JSON schemas is passed to the
+# chat template (the row's "tools" key). The loss / scored mask covers assistant turns (calls included), never
+# tool results. Checks: _messages, _tool_calls, _tools.
 #
 # Listwise rows rank K >= 2 completions of one prompt by score (higher = better; equal scores are ties; K may
 # differ between rows).
@@ -454,6 +474,10 @@ def _text(obj, key, where):
         raise DataError(f"{where}: field '{key}' must be a string, got {type(v).__name__}")
     if not v.strip():
         raise DataError(f"{where}: field '{key}' is empty")
+    return _encodable(v, key, where)
+
+
+def _encodable(v, key, where):
     try:
         v.encode("utf-8")
     except UnicodeEncodeError as e:   # a lone surrogate escape such as "\ud800": valid JSON, not valid text
@@ -462,9 +486,18 @@ def _text(obj, key, where):
     return v
 
 
-def _messages(v, key, where, need_assistant=False, only_assistant=False):
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")   # OpenAI's rule for a function name (plus "."): the templates
+                                                  # write a name into JSON unescaped
+
+
+def _messages(v, key, where, need_assistant=False, only_assistant=False, tool_names=None):
+    """A message list, checked: roles, contents, assistant `tool_calls` and `tool` results (each result answers
+    a call of the assistant turn before it, as many results as calls). A call turn may close a trained list (SFT
+    messages, a response: the model learns to call), never a prompt. tool_names: the row's `tools`, which every
+    call must name. Returns the messages normalised (calls as {"type": "function", "function": {...}})."""
     if not isinstance(v, list) or not v:
         raise DataError(f"{where}: field '{key}' must be a non-empty list of messages")
+    out, pending, caller = [], 0, None
     for i, m in enumerate(v):
         at = f"{where}: {key}[{i}]"
         if not isinstance(m, dict):
@@ -472,25 +505,108 @@ def _messages(v, key, where, need_assistant=False, only_assistant=False):
         role = m.get("role")
         if role not in ROLES:
             raise DataError(f"{at}.role: {role!r} is not one of {', '.join(ROLES)}")
-        _text(m, "content", f"{at}")
         if only_assistant and role != "assistant":
             raise DataError(f"{at}.role: must be 'assistant' (a response), got {role!r}")
+        if role != "tool" and pending:
+            raise DataError(f"{where}: {key}[{caller}] makes {pending} tool call(s) that get no 'tool' result "
+                            f"before {key}[{i}] ({role})")
+        if role == "tool":
+            if not pending:
+                raise DataError(f"{at}: a 'tool' result with no tool call to answer (each follows an assistant "
+                                f"message's 'tool_calls', one result per call)")
+            if not isinstance(m.get("content"), str):
+                raise DataError(f"{at}: field 'content' must be a string (the tool's answer)"
+                                if "content" in m else f"{at}: missing field 'content'")
+            _encodable(m["content"], "content", at)        # a tool may answer "" (nothing to say)
+            pending -= 1
+            out.append({"role": "tool", "content": m["content"]})
+        elif role == "assistant" and m.get("tool_calls") is not None:
+            content = m.get("content")
+            if content is not None and not isinstance(content, str):
+                raise DataError(f"{at}: field 'content' must be a string or null, got {type(content).__name__}")
+            _encodable(content or "", "content", at)       # text before the calls, or none
+            calls = _tool_calls(m["tool_calls"], f"{at}.tool_calls", tool_names)
+            pending, caller = len(calls), i
+            out.append({"role": "assistant", "content": content or "", "tool_calls": calls})
+        else:
+            out.append({"role": role, "content": _text(m, "content", f"{at}")})
+    if pending and not (need_assistant or only_assistant):
+        raise DataError(f"{where}: field '{key}' ends with {pending} tool call(s) that get no 'tool' result (a "
+                        f"prompt gives the results of its calls)")
     if need_assistant and not any(m["role"] == "assistant" for m in v):
         raise DataError(f"{where}: field '{key}' has no assistant message (nothing to train on)")
-    return v
+    return out
+
+
+def _tool_calls(calls, at, tool_names):
+    """An assistant message's tool calls, OpenAI / transformers form [{"type": "function", "function": {"name",
+    "arguments": {...}}}] (a bare {"name", "arguments"} is read too), normalised to the first form."""
+    if not isinstance(calls, list) or not calls:
+        raise DataError(f"{at}: must be a non-empty list of calls [{{\"type\": \"function\", \"function\": "
+                        f"{{\"name\": ..., \"arguments\": {{...}}}}}}]")
+    out = []
+    for j, c in enumerate(calls):
+        if not isinstance(c, dict):
+            raise DataError(f"{at}[{j}]: a call must be an object, got {type(c).__name__}")
+        if c.get("type", "function") != "function":
+            raise DataError(f"{at}[{j}].type: only \"function\" calls are rendered, got {c['type']!r}")
+        f, fat = (c["function"], f"{at}[{j}].function") if "function" in c else (c, f"{at}[{j}]")
+        if not isinstance(f, dict):
+            raise DataError(f"{fat}: must be an object with 'name' and 'arguments'")
+        name = f.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise DataError(f"{fat}.name: a call needs the tool's name (1 to 64 of A-Z a-z 0-9 _ . -), got "
+                            f"{name!r}" if "name" in f else f"{fat}: missing field 'name' (the tool called)")
+        if tool_names is not None and name not in tool_names:
+            raise DataError(f"{fat}.name: {name!r} is not one of the row's tools ({', '.join(sorted(tool_names))})")
+        if "arguments" not in f:
+            raise DataError(f"{fat}: missing field 'arguments' (an object; {{}} for a call without any)")
+        args = f["arguments"]
+        if not isinstance(args, dict):
+            hint = " (OpenAI's wire form writes a JSON string: decode it)" if isinstance(args, str) else ""
+            raise DataError(f"{fat}.arguments: must be a JSON object, got {type(args).__name__}{hint}")
+        out.append({"type": "function", "function": {"name": name, "arguments": args}})
+    return out
+
+
+def _tools(obj, where, conversational):
+    """A row's optional `tools`: the JSON schemas of the tools its conversation may call, as transformers'
+    get_json_schema writes them ({"type": "function", "function": {"name", ...}}; a bare {"name", ...} is read
+    too). -> (the list or None, the set of names or None)."""
+    if "tools" not in obj:
+        return None, None
+    tools = obj["tools"]
+    if not conversational:
+        raise DataError(f"{where}: field 'tools' needs a conversational row (message lists): the chat template "
+                        f"renders the tool list")
+    if not isinstance(tools, list) or not tools:
+        raise DataError(f"{where}: field 'tools' must be a non-empty list of JSON schemas")
+    names = set()
+    for j, t in enumerate(tools):
+        f = t.get("function", t) if isinstance(t, dict) else None
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise DataError(f"{where}: tools[{j}] must be a JSON schema {{\"type\": \"function\", \"function\": "
+                            f"{{\"name\": ..., \"parameters\": {{...}}}}}} with a name of 1 to 64 of "
+                            f"A-Z a-z 0-9 _ . -, got {str(t)[:80]}")
+        if name in names:
+            raise DataError(f"{where}: tools[{j}]: two tools named {name!r}")
+        names.add(name)
+    return tools, names
 
 
 def _prompt_and(obj, where, keys):
     """Validate prompt + response fields: all strings, or prompt messages + assistant-message responses."""
     if "prompt" not in obj:
         raise DataError(f"{where}: missing field 'prompt'")
+    tools, names = _tools(obj, where, isinstance(obj["prompt"], list))
     if isinstance(obj["prompt"], list):
-        out = {"prompt": _messages(obj["prompt"], "prompt", where)}
+        out = {"prompt": _messages(obj["prompt"], "prompt", where, tool_names=names)}
         for k in keys:
             if k not in obj:
                 raise DataError(f"{where}: missing field '{k}'")
-            out[k] = _messages(obj[k], k, where, only_assistant=True)
-        return out
+            out[k] = _messages(obj[k], k, where, only_assistant=True, tool_names=names)
+        return dict(out, tools=tools) if tools else out
     out = {"prompt": _text(obj, "prompt", where)}
     for k in keys:
         if isinstance(obj.get(k), list):
@@ -509,7 +625,9 @@ def validate(obj: dict, kind: str, where: str) -> dict:
         if forms[0] == "text":
             return {"text": _text(obj, "text", where)}
         if forms[0] == "messages":
-            return {"messages": _messages(obj["messages"], "messages", where, need_assistant=True)}
+            tools, names = _tools(obj, where, True)
+            out = {"messages": _messages(obj["messages"], "messages", where, need_assistant=True, tool_names=names)}
+            return dict(out, tools=tools) if tools else out
         return _prompt_and(obj, where, ["completion"])
     if kind in ("preference", "safety"):
         if PKU_KEY in obj:
@@ -533,6 +651,9 @@ def validate(obj: dict, kind: str, where: str) -> dict:
     if kind == "prompts":
         if "prompt" not in obj:
             raise DataError(f"{where}: missing field 'prompt'")
+        if "tools" in obj:
+            raise DataError(f"{where}: field 'tools' in a prompts row: the tools a rollout may call are the "
+                            f"script's --tools (its results come from running them)")
         if isinstance(obj["prompt"], list):
             return {"prompt": _messages(obj["prompt"], "prompt", where)}
         return {"prompt": _text(obj, "prompt", where)}
@@ -661,7 +782,8 @@ def validate_listwise(obj: dict, where: str) -> dict:
     if "prompt" not in obj:
         raise DataError(f"{where}: missing field 'prompt'")
     chat = isinstance(obj["prompt"], list)
-    prompt = _messages(obj["prompt"], "prompt", where) if chat else _text(obj, "prompt", where)
+    tools, names = _tools(obj, where, chat)
+    prompt = _messages(obj["prompt"], "prompt", where, tool_names=names) if chat else _text(obj, "prompt", where)
     for k in ("completions", "scores"):
         if k not in obj:
             raise DataError(f"{where}: missing field '{k}'")
@@ -676,7 +798,7 @@ def validate_listwise(obj: dict, where: str) -> dict:
     for i, c in enumerate(comps):
         key = f"completions[{i}]"
         if chat:
-            out.append(_messages(c, key, where, only_assistant=True))
+            out.append(_messages(c, key, where, only_assistant=True, tool_names=names))
         elif isinstance(c, list):
             raise DataError(f"{where}: field '{key}' is a message list but 'prompt' is a string; use one format")
         else:
@@ -684,7 +806,8 @@ def validate_listwise(obj: dict, where: str) -> dict:
     for i, s in enumerate(scores):
         if not finite_number(s):
             raise DataError(f"{where}: field 'scores[{i}]' must be a finite number, got {s!r}")
-    return {"prompt": prompt, "completions": out, "scores": [float(s) for s in scores]}
+    row = {"prompt": prompt, "completions": out, "scores": [float(s) for s in scores]}
+    return dict(row, tools=tools) if tools else row
 
 
 def is_listwise_file(path: str) -> bool:
@@ -717,7 +840,8 @@ def listwise_to_pairs(records, mode: str):
             best, worst = s.index(max(s)), s.index(min(s))
             pairs = [(best, worst)] if s[best] > s[worst] else []
         empty += not pairs
-        out += [{"prompt": r["prompt"], "chosen": c[i], "rejected": c[j], "_where": r.get("_where", "")}
+        tools = {"tools": r["tools"]} if r.get("tools") else {}
+        out += [{"prompt": r["prompt"], "chosen": c[i], "rejected": c[j], "_where": r.get("_where", ""), **tools}
                 for i, j in pairs]
     return out, empty
 

@@ -57,7 +57,7 @@ from . import chat
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")   # a tool message: a tool's result
 ROLE_HEADER = {"system": "System: ", "user": "User: ", "tool": "Tool: "}
 ASSISTANT_HEADER = "Assistant:"
 CHAT_TEMPLATES = chat.VARIANTS
