@@ -110,13 +110,16 @@ def tokenize_sft(records, tok, max_len):
 
 def _rendered(r, encode, *args):
     """encode(*args), a row the chat template cannot write (Llama 3: two tool calls in one turn, a tool list
-    with no user message to hold it) raised as a DataError naming the row (FILE:LINE)."""
+    with no user message to hold it; arguments too deeply nested for json.dumps) raised as a DataError naming the
+    row (FILE:LINE)."""
     try:
         return encode(*args)
     except DataError:
         raise
     except ValueError as e:
         raise DataError(f"{r.get('_where', 'a row')}: {e}") from None
+    except RecursionError:      # tool arguments or schemas the parser read near its depth limit, written deeper
+        raise DataError(f"{r.get('_where', 'a row')}: JSON nested too deeply to render") from None
 
 
 def pack_sft(examples, max_len):

@@ -238,3 +238,26 @@ def test_dpo_log_probs_of_a_pair_with_tool_turns_sum_its_assistant_tokens_only(t
     # no tool-turn token is scored: the scored ids of each row are exactly its response's ids
     for r in range(4):
         assert ids[r][resp[r].bool()].tolist() == (pairs + pairs)[r]["chosen" if r < 2 else "rejected"]
+
+
+def test_arguments_nested_past_the_encoders_depth_are_a_data_error(tmp_path):
+    """The parser reads nesting close to the recursion limit; json.dumps (the template's tojson) then runs a
+    few frames deeper, inside a training script's stack: that row is refused by name, never a traceback."""
+    import inspect
+    import json
+    import sys
+    from test_chat_templates import build
+    from nano_rlhf.data import DataError, load_records, tokenize_sft
+    _, tok, _ = build("qwen2.5", tmp_path)
+    row = tool_row()
+    row["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"a": json.loads("[" * 300 + "]" * 300)}
+    path = tmp_path / "deep.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    recs = load_records(str(path), "sft")
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 200)       # as if the stack were 100s of frames deeper
+    try:
+        with pytest.raises(DataError, match=rf"^{path}:1: JSON nested too deeply to render$"):
+            tokenize_sft(recs, tok, 4096)
+    finally:
+        sys.setrecursionlimit(limit)
