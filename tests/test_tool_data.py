@@ -261,3 +261,22 @@ def test_arguments_nested_past_the_encoders_depth_are_a_data_error(tmp_path):
             tokenize_sft(recs, tok, 4096)
     finally:
         sys.setrecursionlimit(limit)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1"])
+def test_a_response_may_be_a_call(name, tmp_path):
+    """Preferring one call to another: chosen and rejected are assistant turns holding calls (no result: the
+    response ends with its call), scored token for token as the template writes them."""
+    import json
+    from test_chat_templates import build
+    from nano_rlhf.data import load_records, tokenize_pairs
+    _, tok, _ = build(name, tmp_path)
+    row = {"prompt": [{"role": "user", "content": "What is (3+4)*2?"}], "tools": schemas(),
+           "chosen": [{"role": "assistant", "content": None, "tool_calls": [calc_call("(3+4)*2")]}],
+           "rejected": [{"role": "assistant", "content": None, "tool_calls": [calc_call("3+4*2")]}]}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (pair,), _ = tokenize_pairs(load_records(str(path), "preference"), tok, 4096)
+    for k, e in (("chosen", "(3+4)*2"), ("rejected", "3+4*2")):
+        text = chat.assistant_text(tok.chat_template, "", [calc_call(e)]) + chat.END_OF_TURN[tok.chat_template]
+        assert tok.tk.decode(pair[k], skip_special_tokens=False) == text
