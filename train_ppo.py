@@ -862,6 +862,8 @@ def check_options(opts):
              f"{opts.micro_batch_size}")
     if opts.cost_model and opts.cost:
         fail("pass one cost: --cost_model DIR or --cost module:function, not both", 2)
+    if (opts.cost_model or opts.cost) and opts.lambda_init > opts.lambda_max:
+        fail(f"--lambda_init {opts.lambda_init:g} is above --lambda_max {opts.lambda_max:g}", 2)
     if opts.cost and not reward_mod.is_function_spec(opts.cost):
         fail(f"--cost must be module:function or path/to/file.py:function (got {opts.cost!r}); a cost model "
              "directory is --cost_model", 2)

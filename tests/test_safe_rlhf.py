@@ -113,6 +113,8 @@ def test_the_critic_free_estimators_take_the_cost_too(tmp_path, sft_dir, rm_dir,
     (["--cost", "nocolon"], "--cost must be module:function"),
     (["--cost_model", "/nonexistent/cost_model"], "/nonexistent/cost_model"),
     (["--cost", "x.py:f", "--lambda_init", "0"], "--lambda_init must be > 0"),
+    (["--cost", "x.py:f", "--lambda_init", "6"], "--lambda_init 6 is above --lambda_max 5"),
+    (["--cost", "x.py:f", "--cost_limit", "nan"], "--cost_limit"),
 ])
 def test_bad_cost_options_are_one_line(tmp_path, sft_dir, rm_dir, capfd, extra, message):
     code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra))
