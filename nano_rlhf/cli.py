@@ -123,9 +123,12 @@ def parse_range(comment: str):
 
 
 def range_violation(name: str, value, rng):
-    """The one-line message for a value outside its declared range, or None when it is inside."""
+    """The one-line message for a value outside its declared range, or None when it is inside (a list option:
+    the first of its values outside)."""
     if rng is None or value is None:
         return None
+    if isinstance(value, list):
+        return next(filter(None, (range_violation(name, v, rng) for v in value)), None)
     text, conds = rng
     if all(_OPS[op](value, bound) for op, bound in conds):
         return None
@@ -242,19 +245,26 @@ def _optional(inner):
     return conv
 
 
-def build_parser(cls, description=None):
+def build_parser(cls, description=None, prog=None):
     hints = typing.get_type_hints(cls)
     comments = _field_comments(cls)
-    p = OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrors(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     # the fields cls declares itself (a script's algorithm and data) are listed in --help before the inherited ones
     own = vars(cls).get("__annotations__", {})
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         t = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw = {"default": default, "help": f"{comments.get(f.name, '')} (default: {default})"}
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kw = {"required": True, "help": f"{comments.get(f.name, '')} (required)"}
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kw = {"default": default, "help": f"{comments.get(f.name, '')} (default: {default})"}
         origin, args = typing.get_origin(t), typing.get_args(t)
+        if origin is typing.Union and type(None) in args and typing.get_origin(args[0]) is list:
+            t, origin, args = args[0], list, typing.get_args(args[0])     # Optional[list[X]]: none = not given
         floats = not_nan_float if "inf = " in comments.get(f.name, "") else finite_float
-        if origin is typing.Union and type(None) in args:
+        if origin is list:                    # list[X]: one or more values after the flag
+            kw.update(nargs="+", type=floats if args[0] is float else args[0])
+        elif origin is typing.Union and type(None) in args:
             inner = next(a for a in args if a is not type(None))
             kw["type"] = _optional(floats if inner is float else inner)
         elif origin is typing.Literal:
@@ -269,30 +279,18 @@ def build_parser(cls, description=None):
 
 class OneLineErrors(argparse.ArgumentParser):
     """argparse, but a bad command line is ONE line on stderr (`error: ...`, exit 2), like every other bad input,
-    instead of the usage block followed by the message."""
+    instead of the usage block followed by the message. A value that is a negative number in any notation
+    (`-1e-3`, `-inf`) is a value, also among a list option's values (`--weights -1e-3 1`): argparse's own rule
+    knows only `-1` and `-.5` and takes the others for an unknown option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(?:\d+\.?\d*(?:e[-+]?\d+)?|\.\d+(?:e[-+]?\d+)?|inf|nan)$",
+                                                   re.IGNORECASE)
 
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
         sys.exit(2)
-
-
-def _join_negative_numbers(argv):
-    """`--lr -1e-4` -> `--lr=-1e-4`: argparse takes a token starting with '-' that is not a plain negative number
-    (an exponent makes it not one) for an option, and then reports a missing value instead of the range error."""
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and argv[i + 1].startswith("-"):
-            try:
-                float(argv[i + 1])
-                out.append(f"{a}={argv[i + 1]}")
-                i += 2
-                continue
-            except ValueError:
-                pass
-        out.append(a)
-        i += 1
-    return out
 
 
 def given_options(cls, argv):
@@ -303,11 +301,11 @@ def given_options(cls, argv):
     return set(vars(p.parse_args(argv)))
 
 
-def parse_args(cls, argv=None, description=None):
+def parse_args(cls, argv=None, description=None, prog=None):
     """Parse argv (default sys.argv[1:]) into an instance of the dataclass `cls`: ranges first, then the options
     given where they do not apply (see the module docstring); each a one-line exit 2."""
-    argv = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
-    ns = build_parser(cls, description).parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser(cls, description, prog).parse_args(argv)
     opts = cls(**vars(ns))
     check_ranges(opts)
     given, comments = given_options(cls, argv), _field_comments(cls)

@@ -331,9 +331,10 @@ def check_specs(spec=None, pair_spec=None, template=""):
     """One line for a judge flag that is wrong on its face, from the flags alone (nothing is loaded), so a script
     can refuse it before its output directory is touched; load_judge starts with the same checks."""
     if spec is None and pair_spec is None:
-        fail("a judge is needed: give --judge (reward model, gold, module:function, llm:MODEL_DIR) and/or --pair_judge")
+        fail("a judge is needed: give --judge (reward model, gold, module:function, llm:MODEL_DIR) and/or --pair_judge",
+             2)
     if template and not (spec or "").startswith(LLM):
-        fail(f"--judge_template {template}: applies only to --judge llm:MODEL_DIR")
+        fail(f"--judge_template {template}: applies only to --judge llm:MODEL_DIR", 2)
     if spec is not None and spec.startswith(LLM):
         model_dir = spec[len(LLM):]
         if not model_dir or not os.path.isdir(model_dir):
@@ -342,9 +343,9 @@ def check_specs(spec=None, pair_spec=None, template=""):
     if pair_spec is not None:
         if pair_spec.startswith(LLM):
             fail(f"--pair_judge {pair_spec}: an LLM judge gives scores, not pairwise preferences; "
-                 f"use --judge {pair_spec}")
+                 f"use --judge {pair_spec}", 2)
         if not is_function_spec(pair_spec):
-            fail(f"--pair_judge {pair_spec}: expected module:function or path/to/file.py:function")
+            fail(f"--pair_judge {pair_spec}: expected module:function or path/to/file.py:function", 2)
 
 
 def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", prompts=None, batch_size=64,

@@ -203,7 +203,7 @@ def test_every_declared_condition_names_an_option_of_its_script():
     import importlib
     from nano_rlhf.cli import _field_comments, parse_condition
     modules = ["train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired", "train_online",
-               "nano_rlhf.label"]
+               "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge"]
     seen = 0
     for name in modules:
         cls = importlib.import_module(name).Options
@@ -247,7 +247,7 @@ def test_no_help_line_of_an_options_class_is_lost():
     import tokenize
     lost = []
     for name in ("train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired",
-                 "train_online", "nano_rlhf.label", "nano_rlhf.cli"):
+                 "train_online", "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge", "nano_rlhf.cli"):
         module = importlib.import_module(name)
         for cls in vars(module).values():
             if not (inspect.isclass(cls) and cls.__module__ == module.__name__ and cls.__name__.endswith("Options")):
@@ -265,3 +265,45 @@ def test_no_help_line_of_an_options_class_is_lost():
                 else:
                     open_ = (row, open_[1]) if continues else None
     assert not lost, lost
+
+
+# ---- list and required options (the python -m tools: evaluate --model A B, merge --weights 1 -1e-3) --------------
+
+@dataclass
+class Listed:
+    models: list[str]             # one or more directories
+    weights: Optional[list[float]] = None  # one per model; none = all 1 {> -10}
+    scale: float = 1.0            # a scale [with models]
+
+
+def test_list_and_required_options(capsys):
+    o = parse_args(Listed, ["--models", "a", "b", "--weights", "1", "-1e-3", "--scale", "-2.5E+1"])
+    assert (o.models, o.weights, o.scale) == (["a", "b"], [1.0, -1e-3], -25.0)      # negative numbers, any notation
+    assert parse_args(Listed, ["--models", "a"]).weights is None
+    for argv, line in ((["--weights", "1"], "error: the following arguments are required: --models (see --help)"),
+                       (["--models", "a", "--weights", "1", "-11"], "error: --weights must be > -10 (got -11.0)"),
+                       (["--models", "a", "--weights", "nan"], "error: argument --weights: expected a finite number")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(Listed, argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith(line), err
+    assert "one or more directories (required)" in " ".join(build_parser(Listed).format_help().split())
+
+
+@pytest.mark.parametrize("tool, argv, line", [
+    ("nano_rlhf.evaluate", ["--model", "m", "--pass_threshold", "0.5"], "--pass_threshold applies only with --pass_k"),
+    ("nano_rlhf.evaluate", ["--model", "m", "--pass_k", "1"], "--pass_k applies only with --reward"),
+    ("nano_rlhf.merge", ["--base", "b", "--models", "m", "--method", "task_arithmetic", "--out_dir", "o", "--scale",
+                         "1.0"], "--scale applies only with --method ties (got task_arithmetic)"),
+    ("nano_rlhf.label", ["--out", "o", "--threshold", "0"], "--threshold applies only with --format unpaired"),
+])
+def test_the_tools_read_the_same_declarations(tool, argv, line, capsys):
+    """evaluate, merge and label parse their command lines from an Options class as the scripts do: an option
+    given where it does not apply is the same one line, exit 2, and --help shows when it applies."""
+    import importlib
+    cls = importlib.import_module(tool).Options
+    with pytest.raises(SystemExit) as e:
+        parse_args(cls, argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith(f"error: {line}"), err
+    assert "[with " in build_parser(cls).format_help()

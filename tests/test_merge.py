@@ -179,15 +179,19 @@ def test_task_arithmetic_reward_model_and_overwrite(dirs, tmp_path, capsys):
 @pytest.mark.parametrize("case, needle", [
     ("shape", "n_embd=48"),
     ("weights", "--weights has 1 values for 2 --models"),
-    ("density0", "--density 0.0 is outside (0, 1]"),
-    ("density2", "--density 1.5 is outside (0, 1]"),
+    ("density0", "--density must satisfy 0 < x <= 1 (got 0.0)"),
+    ("density2", "--density must satisfy 0 < x <= 1 (got 1.5)"),
     ("class", "a ScoreModel directory"),
     ("missing", "no such model directory"),
-    ("scale_ta", "--density and --scale apply to --method ties"),
+    ("scale_ta", "--scale applies only with --method ties (got task_arithmetic); here it would be ignored"),
+    ("density_ta", "--density applies only with --method ties (got task_arithmetic)"),
+    ("negative_ties", "--weights must be > 0 for ties"),
     ("overflow_ta", "the merged model holds non-finite values"),        # finite weights, an infinite product
     ("overflow_ties", "the merged model holds non-finite values"),
 ])
 def test_bad_inputs_one_line(dirs, tmp_path, capsys, case, needle):
+    """A bad command line (a range, an option given where it does not apply, --weights against the others) is
+    exit 2, as for the training scripts; a bad input or an impossible merge exit 1."""
     m = [dirs["a"], dirs["b"]]
     extra = {"shape": (["--models", dirs["a"], dirs["wide"]], "ties"),
              "weights": (["--models", *m, "--weights", "1"], "ties"),
@@ -196,12 +200,15 @@ def test_bad_inputs_one_line(dirs, tmp_path, capsys, case, needle):
              "class": (["--models", dirs["a"], dirs["rm_a"]], "ties"),
              "missing": (["--models", dirs["a"], str(tmp_path / "nope")], "ties"),
              "scale_ta": (["--models", *m, "--scale", "2"], "task_arithmetic"),
+             "density_ta": (["--models", *m, "--density", "0.2"], "task_arithmetic"),   # the default, typed
+             "negative_ties": (["--models", *m, "--weights", "1", "-1e-3"], "ties"),
              "overflow_ta": (["--models", *m, "--weights", "1e308", "1e308"], "task_arithmetic"),
              "overflow_ties": (["--models", *m, "--scale", "1e300"], "ties")}[case]
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
         main(["--base", dirs["base"], *extra[0], "--method", extra[1], "--out_dir", str(out)])
-    assert e.value.code == 1
+    assert e.value.code == (2 if case in ("weights", "density0", "density2", "scale_ta", "density_ta",
+                                          "negative_ties") else 1)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     if case in ("shape", "class"):
