@@ -454,7 +454,7 @@ def check_options(opts):
              f"({'--precompute_ref' if opts.precompute_ref else f'--loss {loss} is reference-free'})", 2)
     if loss == "tdpo" and opts.precompute_ref:
         fail("--precompute_ref cannot be used with --loss tdpo: its KL term needs the reference's whole "
-             "next-token distribution at every response position, so the reference runs live")
+             "next-token distribution at every response position, so the reference runs live", 2)
     if opts.l1_coef and opts.fsdp:   # θ_init is held whole; under --fsdp the parameters are shards
         fail("--l1_coef with --fsdp is not supported yet (θ_init would have to be sharded like the policy)", 2)
     if opts.l1_coef and opts.lora_r:  # the penalty would fall on A and B, not on PAFT's merged delta B·A

@@ -640,35 +640,35 @@ def check_options(opts):
         fail("--method nash_md with --lora_r needs a separate --ref DIR (not --init): its mixture sampler cannot "
              "use the policy with its adapters off as the reference", 2)
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
+        fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)", 2)
     # the judge flags as train_ppo.py's SPO reads them (nano_rlhf/reward.py), refused before out_dir is touched
     check_specs(opts.judge or None, opts.pair_judge or None, opts.judge_template)
     llm = opts.judge.startswith(LLM)
     if opts.judge and not llm and opts.judge != reward_mod.GOLD and not reward_mod.is_function_spec(opts.judge) \
             and not os.path.isdir(opts.judge):
         fail(f"--judge {opts.judge}: not a directory, gold, llm:MODEL_DIR, or module:function / "
-             "path/to/file.py:function")
+             "path/to/file.py:function", 2)
     if opts.judge and not llm and reward_mod.is_function_spec(opts.judge):
         reward_mod.load_function(opts.judge, "--judge")          # its import errors name --judge, not --reward
     if method != "nash_md" and opts.samples_per_prompt < 2:
-        fail(f"--method {method} compares the samples of a prompt: it needs --samples_per_prompt >= 2")
+        fail(f"--method {method} compares the samples of a prompt: it needs --samples_per_prompt >= 2", 2)
     if opts.ref_update_every and not needs_reference(opts):
         fail(f"--ref_update_every has no effect with --method {method}" + (f" --loss {opts.loss} (reference-free)"
-                                                                      if method in PAIRWISE else ""))
+                                                                      if method in PAIRWISE else ""), 2)
     if method == "cringe" and opts.cringe_threshold is not None and not opts.judge:
-        fail("--cringe_threshold compares scores: it needs a pointwise --judge")
+        fail("--cringe_threshold compares scores: it needs a pointwise --judge", 2)
     if opts.missing_eos_penalty and (not opts.judge or opts.pair_judge):
         fail("--missing_eos_penalty lowers a --judge score: it needs a pointwise --judge and no --pair_judge "
-             "(whose preferences it would not change)")
+             "(whose preferences it would not change)", 2)
     # a flag the method would ignore is refused by the parser: each declares when it applies ([with ...])
     if method in PAIRWISE:
         if opts.labels == "soft" and opts.loss not in SOFT_LOSSES:
-            fail(f"--labels soft: --loss {opts.loss} has no soft-label form (only {' and '.join(SOFT_LOSSES)})")
+            fail(f"--labels soft: --loss {opts.loss} has no soft-label form (only {' and '.join(SOFT_LOSSES)})", 2)
         if opts.labels == "auto":
             opts.labels = "soft" if opts.loss in SOFT_LOSSES and not opts.label_smoothing else "hard"
         if opts.labels == "soft" and opts.label_smoothing:
             fail("--labels soft sets each pair's label smoothing from the judge: pass --labels hard with "
-                 "--label_smoothing")
+                 "--label_smoothing", 2)
         opts.beta = DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
         opts.alpha = (1.0 if opts.loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
     elif method == "nash_md":

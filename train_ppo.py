@@ -129,10 +129,11 @@ class Options(FrozenModelOptions, RunOptions):
     missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward
                                                  # selfplay: 0, the worst win rate); none = off; a score, bounded as
                                                  # every reward is (reward.MAX_SCORE) {-1e15 <= x <= 1e15}
-    score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping {> 0}
+    score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping
+                                  # [with reward=model] {> 0}
     score_warn: float = 3.0       # warn once if the mean raw score leaves the first step's mean ± this × its sd
                                   # (nano_rlhf/watch.py; collapsed responses are always warned about); 0 = off {>= 0}
-    normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved
+    normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved [with reward=model]
     gamma: float = 1.0            # GAE / reward-to-go discount [with advantage=gae|reinforce_pp] {0 <= x <= 1}
     lam: float = 0.95             # GAE λ [with advantage=gae] {0 <= x <= 1}
     ppo_epochs: int = 4           # passes over each rollout {>= 1}
@@ -757,55 +758,52 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
 def check_options(opts):
     """Rules between options; each option's own range is declared on its Options field (checked on parsing)."""
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)")
+        fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)", 2)
     if opts.advantage in GROUP and opts.samples_per_prompt < 2:
-        fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)")
+        fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)", 2)
     if opts.adaptive_kl and not opts.kl_coef > 0:
-        fail("--adaptive_kl needs --kl_coef > 0 (β is adapted multiplicatively)")
+        fail("--adaptive_kl needs --kl_coef > 0 (β is adapted multiplicatively)", 2)
     if bool(opts.ptx_data) != (opts.ptx_coef > 0):
-        fail("the PTX term needs both --ptx_data FILE and --ptx_coef > 0")
+        fail("the PTX term needs both --ptx_data FILE and --ptx_coef > 0", 2)
     if opts.advantage in GROUP and opts.kl_estimator != "k1" and not opts.kl_in_loss:
         fail(f"--advantage {opts.advantage} folds the sequence KL Σk1 into its reward; --kl_estimator "
              f"{opts.kl_estimator} applies only with gae / reinforce_pp (the KL in the loss: --kl_in_loss, "
-             "with --kl_loss_estimator)")
+             "with --kl_loss_estimator)", 2)
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
         fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function "
-             f"(got {opts.reward!r})")
+             f"(got {opts.reward!r})", 2)
     if opts.policy_loss == "gspo" and opts.advantage == "gae":
         fail("--policy_loss gspo weighs whole sequences: it needs a sequence-level advantage "
-             "(--advantage rloo, grpo, dr_grpo or reinforce_pp), not gae's per-token one")
+             "(--advantage rloo, grpo, dr_grpo or reinforce_pp), not gae's per-token one", 2)
     if opts.dynamic_sampling and opts.advantage not in GROUP:
         fail(f"--dynamic_sampling drops groups whose k rewards are equal: it needs a group estimator "
-             f"(--advantage rloo, grpo or dr_grpo), not {opts.advantage}")
+             f"(--advantage rloo, grpo or dr_grpo), not {opts.advantage}", 2)
     if opts.overlong != "none" and opts.missing_eos_penalty is not None:
         fail(f"--overlong {opts.overlong} decides what a truncated response costs; pass --missing_eos_penalty none "
-             "with it (that penalty would replace the score of the same responses)")
+             "with it (that penalty would replace the score of the same responses)", 2)
     if opts.overlong == "penalty" and opts.overlong_buffer > opts.max_new_tokens:
-        fail(f"--overlong_buffer {opts.overlong_buffer} is longer than --max_new_tokens {opts.max_new_tokens}")
+        fail(f"--overlong_buffer {opts.overlong_buffer} is longer than --max_new_tokens {opts.max_new_tokens}", 2)
     if opts.fsdp and opts.rollout_dtype != "float32":
         fail("--rollout_dtype bfloat16 with --fsdp is not supported: the rollout samples with the gathered weights "
-             "(under --dtype bfloat16 on CUDA they are already bf16)")
+             "(under --dtype bfloat16 on CUDA they are already bf16)", 2)
     if opts.reward == "selfplay":
         if opts.samples_per_prompt < 2:
             fail("--reward selfplay needs --samples_per_prompt >= 2 (a sample's reward is its win rate against the "
-                 "others)")
+                 "others)", 2)
         if not (opts.judge or opts.pair_judge):
             fail("--reward selfplay needs a judge: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) "
-                 "and/or --pair_judge module:function")
-        if not opts.normalize_score or opts.score_clip != 5.0:
-            fail("--normalize_score / --score_clip apply to a reward model's score, not to --reward selfplay's win "
-                 "rates")
+                 "and/or --pair_judge module:function", 2)
         if opts.missing_eos_penalty == -3.0:     # the default, made for scores of a few units: a win rate lies in
             opts.missing_eos_penalty = 0.0       # [0, 1], so an unfinished sample gets the worst win rate instead
     rollout_size = opts.batch_size * opts.samples_per_prompt
     if rollout_size % opts.num_minibatches:
         fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x "
              f"--samples_per_prompt {opts.samples_per_prompt}) does not split into --num_minibatches "
-             f"{opts.num_minibatches}")
+             f"{opts.num_minibatches}", 2)
     mb_size = rollout_size // opts.num_minibatches
     if mb_size % (opts.micro_batch_size or mb_size):
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
-             f"{opts.micro_batch_size}")
+             f"{opts.micro_batch_size}", 2)
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)

@@ -488,7 +488,7 @@ def check_options(opts):
         fail(msg, 2)
     method = opts.method      # a flag the method would ignore is refused by the parser ([with method=...])
     if method == "kto" and opts.batch_size < 2:     # z₀ of one example is its own log-ratio
-        fail(f"--method kto needs --batch_size >= 2 (got {opts.batch_size})")
+        fail(f"--method kto needs --batch_size >= 2 (got {opts.batch_size})", 2)
     if opts.offload_frozen and opts.precompute_ref:
         fail("--offload_frozen: this run holds no reference model (--precompute_ref)", 2)
     opts.alpha = opts.beta if opts.alpha is None else opts.alpha

@@ -137,8 +137,6 @@ class Run:
     def _check_out_dir(self):
         o, out = self.opts, self.out_dir
         resume, overwrite = getattr(o, "resume", False), getattr(o, "overwrite", False)
-        if resume and overwrite:
-            return "--overwrite and --resume contradict each other: --resume continues the run in --out_dir"
         for name, path in self.inputs.items():
             if os.path.isfile(path):
                 if (os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(out)
@@ -446,6 +444,8 @@ def open_run(opts, script, identity=None, inputs=None, data_files=None, max_step
     global _current
     if _current is not None:          # a previous run in this process ended without finish() (tests)
         _current.abort()
+    if getattr(opts, "resume", False) and getattr(opts, "overwrite", False):      # a bad command line: exit 2
+        fail("--overwrite and --resume contradict each other: --resume continues the run in --out_dir", 2)
     run = Run(opts, script, dict(identity or {}), inputs, data_files,
               getattr(opts, "max_steps", 0) if max_steps is None else max_steps)
     w = dist.world()

@@ -307,3 +307,37 @@ def test_the_tools_read_the_same_declarations(tool, argv, line, capsys):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith(f"error: {line}"), err
     assert "[with " in build_parser(cls).format_help()
+
+
+# ---- one exit code for a bad command line ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("script, argv, line", [
+    ("train_ppo", ["--advantage", "grpo", "--samples_per_prompt", "1"], "--advantage grpo needs --samples_per_prompt"),
+    ("train_ppo", ["--adaptive_kl", "--kl_coef", "0"], "--adaptive_kl needs --kl_coef > 0"),
+    ("train_ppo", ["--ptx_coef", "0.5"], "the PTX term needs both"),
+    ("train_ppo", ["--advantage", "grpo", "--kl_estimator", "k3"], "--advantage grpo folds the sequence KL"),
+    ("train_ppo", ["--reward", "nonsense"], "--reward must be model, gold, selfplay"),
+    ("train_ppo", ["--policy_loss", "gspo"], "--policy_loss gspo weighs whole sequences"),
+    ("train_ppo", ["--dynamic_sampling"], "--dynamic_sampling drops groups"),
+    ("train_ppo", ["--overlong", "mask"], "--overlong mask decides what a truncated response costs"),
+    ("train_ppo", ["--fsdp", "--rollout_dtype", "bfloat16"], "--rollout_dtype bfloat16 with --fsdp"),
+    ("train_ppo", ["--reward", "selfplay"], "--reward selfplay needs a judge"),
+    ("train_ppo", ["--batch_size", "3", "--num_minibatches", "5"], "the rollout of "),
+    ("train_online", ["--method", "sppo", "--samples_per_prompt", "1", "--judge", "gold"], "--method sppo compares"),
+    ("train_online", ["--method", "cringe", "--ref_update_every", "2", "--judge", "gold"], "--ref_update_every has no"),
+    ("train_online", ["--labels", "soft", "--loss", "simpo", "--judge", "gold"], "--labels soft: --loss simpo"),
+    ("train_online", ["--labels", "soft", "--label_smoothing", "0.1", "--judge", "gold"], "--labels soft sets each"),
+    ("train_online", ["--judge", "no/such/dir"], "--judge no/such/dir: not a directory, gold"),
+    ("train_dpo", ["--loss", "tdpo", "--precompute_ref"], "--precompute_ref cannot be used with --loss tdpo"),
+    ("train_unpaired", ["--method", "kto", "--batch_size", "1"], "--method kto needs --batch_size >= 2"),
+    ("train_sft", ["--max_steps", "2", "--stop_at", "3"], "--stop_at 3 is past --max_steps 2"),
+])
+def test_every_rule_between_options_is_exit_2(script, argv, line, capsys):
+    """A rule between options that a declaration cannot say, hand-written in a script's check_options, is a bad
+    command line like a range or an ignored option: one line, exit 2 (they mixed 1 and 2)."""
+    import importlib
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as e:
+        module.check_options(parse_args(module.Options, argv))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {line}"), (e.value.code, err)

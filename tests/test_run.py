@@ -298,7 +298,7 @@ def test_non_empty_out_dir_needs_resume_or_overwrite(toy, capsys):
     assert fails(toy, [], capsys) == ("error: --out_dir out/toy already holds a run (metrics.jsonl, samples.jsonl, "
                                       "state, tokenizer.json); pass --resume to continue it or --overwrite to "
                                       "replace it")
-    assert "contradict" in fails(toy, ["--resume", "--overwrite"], capsys)
+    assert "contradict" in fails(toy, ["--resume", "--overwrite"], capsys, code=2)      # a bad command line
     toy.main(["--overwrite", "--max_steps", "2"])
     assert "are replaced at this run's first save" in capsys.readouterr().out
     assert [json.loads(ln)["step"] for ln in open("out/toy/metrics.jsonl")] == [2]
