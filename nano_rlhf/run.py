@@ -87,6 +87,15 @@ def _inside(path, parent):
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
+def _saved_step(out_dir):
+    """The step of out_dir's complete checkpoint (state/meta.json, else state.old/'s), or None."""
+    d = find_state(out_dir)
+    try:
+        return int(checkpoint._read_json(os.path.join(d, "meta.json"))["step"]) if d else None
+    except (checkpoint.StateError, KeyError, TypeError, ValueError):
+        return None
+
+
 def _step_of(line):
     try:
         return json.loads(line).get("step", 0)
@@ -290,7 +299,7 @@ class Run:
         # save, then evaluate: a failure in the evaluation (a user's reward, an overflow) costs no training
         stop_at = getattr(o, "stop_at", 0)
         if save is not None and (self._due(getattr(o, "save_interval", 0), step) or step == stop_at):
-            save(step)
+            self._save(save, step)
             self.saved, self.saved_step = True, step
             self._drop_set_aside()
         eval_due = evaluate is not None and self._due(getattr(o, "eval_interval", 0), step)
@@ -302,6 +311,29 @@ class Run:
         if step == stop_at and step < self.max_steps:
             dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
         return step == stop_at or step >= self.max_steps
+
+    def _save(self, save, step):
+        """save(step); a write that fails (a full disk, a directory gone read-only) is one line, not a stack: the
+        temporaries of the save go (state.tmp/, this process's FILE.tmpPID files) and the last complete
+        checkpoint, named, stays to --resume from."""
+        try:
+            save(step)
+        except OSError as e:
+            last = None
+            if self.main:
+                shutil.rmtree(os.path.join(self.out_dir, "state.tmp"), ignore_errors=True)
+                suffix = f".tmp{os.getpid()}"
+                for folder, dirs, files in os.walk(self.out_dir):
+                    dirs[:] = [d for d in dirs if not d.startswith(".overwritten.")]
+                    for name in files:
+                        if name.endswith(suffix):
+                            os.remove(os.path.join(folder, name))
+                last = _saved_step(self.out_dir)
+            if last is not None:        # a complete checkpoint (this step's state may be): never undone
+                self.saved, self.saved_step = True, last
+            kept = (f"the last complete checkpoint is step {last}: free space and continue with --resume"
+                    if last is not None else "nothing was saved")
+            fail(f"step {step}: writing the checkpoint to {self.out_dir} failed ({e.strerror or e}); {kept}")
 
     # ---- the end -----------------------------------------------------------------------------------
     def finish(self):

@@ -474,3 +474,29 @@ def test_a_model_with_a_non_finite_weight_is_never_saved(tmp_path, capsys):
     assert e.value.code == 1 and err.startswith("error: step 2: the policy model holds non-finite weights"), err
     assert sorted(os.listdir(tmp_path / "o" / "state")) == before
     assert json.load(open(tmp_path / "o" / "state" / "meta.json"))["step"] == 1
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_last_checkpoint(toy, capsys, monkeypatch):
+    """A checkpoint write that fails (ENOSPC here, at step 2 after step 1 was saved) is one line naming the step
+    and the checkpoint that is kept, not an OSError stack; nothing half-written stays (state.tmp/, a FILE.tmpPID
+    of a model directory's atomic write), and --resume goes on from step 1."""
+    import errno
+    from nano_rlhf import checkpoint
+    real, calls = checkpoint.save_file, []
+
+    def full_at_step_2(tensors, path, *a, **k):
+        calls.append(path)
+        if len(calls) > 3:              # step 1 wrote model, optimizer and RNG; step 2 runs out of space
+            open(os.path.join("out/toy", f"model.safetensors.tmp{os.getpid()}"), "w").write("half")
+            real(tensors, path, *a, **k)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, path, *a, **k)
+    monkeypatch.setattr(checkpoint, "save_file", full_at_step_2)
+    assert fails(toy, ["--save_interval", "1", "--max_steps", "3"], capsys) == (
+        "error: step 2: writing the checkpoint to out/toy failed (No space left on device); the last complete "
+        "checkpoint is step 1: free space and continue with --resume")
+    assert not [n for n in os.listdir("out/toy") if n.startswith("state.") or ".tmp" in n], os.listdir("out/toy")
+    assert json.load(open("out/toy/state/meta.json"))["step"] == 1
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    toy.main(["--save_interval", "1", "--max_steps", "3", "--resume"])
+    assert json.load(open("out/toy/state/meta.json"))["step"] == 3
