@@ -65,13 +65,16 @@ _current = None          # the live Run of this process (fail aborts it)
 
 
 def fail(msg: str, code: int = 1):
-    """Print one clear line to stderr and exit non-zero (all ranks do the same)."""
+    """Print one clear line to stderr and exit non-zero (all ranks do the same). Under torchrun the line is left
+    for the other ranks too: one that fails alone is named by them (dist.announce_failure)."""
+    store = dist.announce_failure(msg)
     print(f"error: {msg}", file=sys.stderr, flush=True)
     if _current is not None:       # the live Run (if any) releases its lock and undoes a run that saved nothing
         _current.abort()
     several = dist.world().world_size > 1
     dist.cleanup(sync=False)
     if several:                    # the interpreter's finalization can abort a rank (dist._leave_without_finalizing)
+        dist.wait_until_named(store)
         dist.end_process(code)
     sys.exit(code)
 
