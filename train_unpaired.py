@@ -603,8 +603,12 @@ def d2o_samples(opts, ref, examples, tok, block_size):
 
 
 def run_record(opts, files):
-    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
-    return dict(inputs={"init": opts.init, "ref": opts.ref}, data_files={k: v for k, v in files.items() if v})
+    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py); D2O's
+    samples, drawn once and read back by --resume, are hashed like its data (a file edited between stop and resume
+    is refused, not trained on)."""
+    samples = os.path.join(opts.out_dir, SAMPLES_FILE) if opts.method == "d2o" else None
+    return dict(inputs={"init": opts.init, "ref": opts.ref},
+                data_files={k: v for k, v in dict(files, d2o_samples=samples).items() if v})
 
 
 # ---- training -----------------------------------------------------------------------------------
