@@ -90,6 +90,19 @@ def _inside(path, parent):
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
+def _no_state(out_dir):
+    """--resume's refusal of an out_dir without a checkpoint, naming a run an --overwrite run set aside and never
+    gave back (killed before its first save: SIGKILL, SIGTERM) and how to get it back."""
+    msg = f"--resume: {out_dir} has no saved state to resume from (no {out_dir}/state/meta.json)"
+    kept = sorted(n for n in os.listdir(out_dir) if n.startswith(".overwritten.")
+                  and find_state(os.path.join(out_dir, n)) is not None) if os.path.isdir(out_dir) else []
+    if kept:
+        aside = os.path.join(out_dir, kept[-1])
+        msg += (f"; {aside} holds the run that an --overwrite run set aside and was killed before its first save: "
+                f"to resume that run, move its files back (mv {aside}/* {out_dir}/ && rmdir {aside})")
+    return msg
+
+
 def _saved_step(out_dir):
     """The step of out_dir's complete checkpoint (state/meta.json, else state.old/'s), or None."""
     d = find_state(out_dir)
@@ -176,7 +189,7 @@ class Run:
             return msg
         present = sorted(self.before & set(RUN_FILES))
         if resume and find_state(out) is None:
-            return f"--resume: {out} has no saved state to resume from (no {out}/state/meta.json)"
+            return _no_state(out)
         if present and not resume and not overwrite:
             return (f"--out_dir {out} already holds a run ({', '.join(present)}); pass --resume to continue it "
                     "or --overwrite to replace it")
@@ -228,7 +241,7 @@ class Run:
         """None when the saved run.json describes this run, else the one-line refusal."""
         d = find_state(self.out_dir)
         if d is None:
-            return f"--resume: {self.out_dir} has no saved state to resume from (no {self.out_dir}/state/meta.json)"
+            return _no_state(self.out_dir)
         path = os.path.join(d, "run.json")
         if not os.path.isfile(path):
             return f"--resume: {path}: missing (a state saved without a run identity cannot be checked)"

@@ -500,3 +500,27 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_last_checkpoint(to
     monkeypatch.setattr(checkpoint, "save_file", real)
     toy.main(["--save_interval", "1", "--max_steps", "3", "--resume"])
     assert json.load(open("out/toy/state/meta.json"))["step"] == 3
+
+
+def test_resume_after_an_overwrite_killed_before_its_first_save_names_the_set_aside_run(toy, tmp_path, capsys):
+    """An --overwrite run set the previous run aside in out_dir/.overwritten.* and was killed (SIGTERM) before
+    its first save: --resume finds no state, and says where the previous run is and how to get it back; done,
+    that run resumes."""
+    import signal
+    toy.main(["--save_interval", "2", "--max_steps", "2"])
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    second = subprocess.Popen([sys.executable, toy.path, "--overwrite", "--sleep", "30"], cwd=str(tmp_path), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "started" in [second.stdout.readline().strip() for _ in range(2)]    # after its --overwrite note
+        second.send_signal(signal.SIGTERM)
+    finally:
+        second.wait()
+    (aside,) = [n for n in os.listdir("out/toy") if n.startswith(".overwritten.")]
+    assert fails(toy, ["--resume", "--max_steps", "3"], capsys) == (
+        f"error: --resume: out/toy has no saved state to resume from (no out/toy/state/meta.json); out/toy/{aside} "
+        "holds the run that an --overwrite run set aside and was killed before its first save: to resume that run, "
+        f"move its files back (mv out/toy/{aside}/* out/toy/ && rmdir out/toy/{aside})")
+    subprocess.run(f"mv out/toy/{aside}/* out/toy/ && rmdir out/toy/{aside}", shell=True, check=True)
+    toy.main(["--resume", "--max_steps", "3"])
+    assert json.load(open("out/toy/state/meta.json"))["step"] == 3
