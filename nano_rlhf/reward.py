@@ -124,8 +124,7 @@ class _Checked:
             fail(raised(self.flag, self.name, e))
         except SystemExit as e:     # sys.exit(0) in a reward would end the run "successfully" with nothing saved
             fail(exited(self.flag, self.name, e))
-        if torch.is_tensor(out):
-            out = out.detach().flatten().tolist() if out.dim() <= 1 else None
+        out = as_list(out)
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                          for x in out):
             fail(f"{self.flag} {self.name}: must return a list of floats (one per completion), got {kind_of(out)}")
@@ -167,8 +166,19 @@ def _user_frames(e, n=3):
         if frames else ""
 
 
+def as_list(out):
+    """A user's answer as a list when it is a 1-D tensor or numpy array (one number per item); anything else as it
+    is, for the checks to describe (kind_of)."""
+    if (torch.is_tensor(out) or type(out).__module__ == "numpy") and getattr(out, "ndim", None) == 1:
+        return out.tolist()
+    return out
+
+
 def kind_of(x):
-    """What a user's function returned, in words: the type, or for a list the first element that is no number."""
+    """What a user's function returned, in words: the type, for a tensor or array its shape, or for a list the
+    first element that is no number."""
+    if hasattr(x, "ndim") and hasattr(x, "shape"):
+        return f"a {x.ndim}-D {type(x).__name__} of shape {tuple(x.shape)}"
     if isinstance(x, (list, tuple)):
         bad = next((v for v in x if not isinstance(v, (int, float)) or isinstance(v, bool)), None)
         return f"a {type(x).__name__} holding {type(bad).__name__} {bad!r}"
@@ -293,8 +303,7 @@ class _CheckedPairwise:
             fail(raised("--pair_judge", self.name, e))
         except SystemExit as e:
             fail(exited("--pair_judge", self.name, e))
-        if torch.is_tensor(out):
-            out = out.detach().flatten().tolist() if out.dim() <= 1 else None
+        out = as_list(out)
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                          for x in out):
             fail(f"--pair_judge {self.name}: must return a list of probabilities (one per pair), got "
