@@ -993,7 +993,7 @@ def main(argv=None):
                 masked_sq_dev(residuals, batch.response_mask, ev_sums[3] / n)]))
             metrics["train/explained_variance"] = explained_variance(*sq_devs)
         check_step(watch, step, (batch.response_mask.sum(1) - batch.has_eos).tolist(), batch.completions,
-                   batch.raw_scores.tolist(), opts.samples_per_prompt)
+                   batch.raw_scores.tolist(), opts.samples_per_prompt, batch.policy_mask.sum().item())
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
         if opts.compile_rollout:               # compiling (first steps, each new batch bucket) timed apart
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]
