@@ -147,7 +147,7 @@ class Options(FrozenModelOptions, RunOptions):
     max_new_tokens: int = 40      # response length limit {>= 1}
     temperature: float = 1.0      # sampling temperature; log-probs use logits / τ everywhere {> 0}
     max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = block_size − max_new_tokens {>= 0}
-    lr: float = 5e-5              # learning rate (constant after warm-up); 0.5-1.5B models: 5e-7 {>= 0}
+    lr: float = 5e-5              # learning rate (constant after warm-up); 0.5-1.5B models: 5e-7 {0 <= x <= 1e3}
     warmup_steps: int = 0         # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}

@@ -170,9 +170,9 @@ class Options(FrozenModelOptions, RunOptions):
     ptx_data: str = ""            # SFT JSONL for the pre-training mix (InstructGPT PPO-ptx); empty = off
     ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL {>= 0}
     ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX {>= 1}
-    lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {>= 0}
+    lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {0 <= x <= 1e3}
     critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 [with advantage=gae]
-                                  # {>= 0}
+                                  # {0 <= x <= 1e3}
     critic_warmup_steps: int = 5  # first N steps train only the critic (policy frozen), as OpenRLHF's
                                   # freezing_actor_steps [with advantage=gae] {>= 0}
     warmup_steps: int = 0         # linear learning-rate warm-up steps (then constant) {>= 0}

@@ -104,7 +104,7 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     max_new_tokens: int = 32      # longest sampled response [with method=d2o] {>= 1}
     temperature: float = 1.0      # sampling temperature of the K responses [with method=d2o] {> 0}
     tau: float = 0.1              # τ, the KL-regularisation strength [with method=dro] {> 0}
-    value_lr: float = 1e-4        # peak learning rate of the value model [with method=dro] {> 0}
+    value_lr: float = 1e-4        # peak learning rate of the value model [with method=dro] {0 < x <= 1e3}
     data: str = ""                # unpaired JSONL (kto, npo, d2o) or scored JSONL (dro); empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
@@ -116,7 +116,8 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
     max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs {>= 0}
     epochs: float = 1.0           # passes over the data when --max_steps is 0 {> 0}
-    lr: Optional[float] = None    # peak learning rate of the policy; none = 1e-5 for npo (the paper's), 1e-4 else {> 0}
+    lr: Optional[float] = None    # peak learning rate of the policy; none = 1e-5 for npo (the paper's), 1e-4 else
+                                  # {0 < x <= 1e3}
     warmup_steps: int = 10        # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}

@@ -25,7 +25,8 @@ Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x 
 (`inf`, `-inf` allowed). `none` is always allowed for an Optional field. A violation prints one line,
 `error: --lr must be > 0 (got -1.0)`, and exits with status 2 (argparse's status for a bad command line).
 A float option never takes `nan` (it fails no comparison), nor `inf` / `-inf` (an open range like {> 0} would
-let them through) unless its comment gives inf a meaning with "inf = ..." (`score_clip`: inf = no clipping).
+let them through) unless its comment gives inf a meaning with "inf = ..." (`score_clip`: inf = no clipping), nor a
+value float32 cannot hold (beyond ±3.4e38, or non-zero below 1.4e-45: see FLOAT32_MAX).
 A `seed` is an int in [0, 2**63).
 
 A comment may also say when the option applies, in brackets: `[with NAME]` (NAME is true, non-zero or non-empty),
@@ -205,23 +206,44 @@ def _bool(s):
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+# Every float option ends up in a float32 tensor (a coefficient, a rate, a score, a temperature) or beside one,
+# so its value must be a float32 number: a magnitude above float32's largest finite value cannot be stored (torch
+# raises "value cannot be converted to type float without overflow", mid-run), and a non-zero one below its
+# smallest subnormal is stored as 0 (a temperature of 1e-300 divides by zero). What such a value multiplies can
+# still overflow: a non-finite loss stops the run and a non-finite model is never saved (run.py), each one line.
+# One product is computed outside any such check: AdamW's step size lr/(1 − β1^t), a Python float torch casts to
+# float32 (a "value cannot be converted" stack). 1 − β1 >= 1.1e-16 for any β1 < 1, so every learning rate declares
+# {... <= 1e3}: 1e3/1.1e-16 ≈ 1e19 stays far inside float32 (tests/test_config.py checks each option *lr has it).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45      # the smallest float32 subnormal
+
+
+def _float32(v, s):
+    if abs(v) > FLOAT32_MAX and v not in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{s!r} is beyond float32's range (±3.4e38), the dtype it is computed in")
+    if v != 0 and abs(v) < FLOAT32_TINY:
+        raise argparse.ArgumentTypeError(f"{s!r} is 0 in float32 (the dtype it is computed in); pass 0 if 0 is meant")
+    return v
+
+
 def finite_float(s):
-    """float(s), refusing nan and ±inf (argparse turns the ValueError into a one-line error)."""
+    """float(s), refusing nan and ±inf, and a value float32 cannot hold (argparse turns the error into one line)."""
     v = float(s)
     if v != v or v in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
-    return v
+    return _float32(v, s)
 
 
 finite_float.__name__ = "float"
 
 
 def not_nan_float(s):
-    """float(s), refusing nan (for an option whose comment says what inf means)."""
+    """float(s), refusing nan and a finite value float32 cannot hold (for an option whose comment says what inf
+    means)."""
     v = float(s)
     if v != v:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}")
-    return v
+    return _float32(v, s)
 
 
 not_nan_float.__name__ = "float"

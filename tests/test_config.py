@@ -341,3 +341,57 @@ def test_every_rule_between_options_is_exit_2(script, argv, line, capsys):
         module.check_options(parse_args(module.Options, argv))
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {line}"), (e.value.code, err)
+
+
+# ---- numbers a float32 tensor can hold ---------------------------------------------------------------------------
+
+COMMANDS = {"train_sft": [], "train_rm": [], "train_dpo": [], "train_ppo": [], "train_listwise": [],
+            "train_unpaired": [], "train_online": [], "nano_rlhf.evaluate": ["--model", "m"], "nano_rlhf.label": [],
+            "nano_rlhf.merge": ["--base", "b", "--models", "m", "--method", "ties", "--out_dir", "o"]}
+
+
+def _float_fields(cls):
+    import dataclasses
+    import typing
+    hints = typing.get_type_hints(cls)
+    floats = (float, Optional[float], list[float], Optional[list[float]])
+    return [f.name for f in dataclasses.fields(cls) if hints[f.name] in floats]
+
+
+@pytest.mark.parametrize("module", sorted(COMMANDS))
+def test_every_float_option_takes_a_float32_number_and_nothing_beyond(module, capsys):
+    """The boundary of every float option of every script and tool: float32's largest finite value and its smallest
+    subnormal parse (or are refused by the option's own range or condition), one step past either is one line,
+    exit 2 (a torch cast raised mid-run, or the value became 0)."""
+    import importlib
+    cls = importlib.import_module(module).Options
+    names = _float_fields(cls)
+    assert names
+    for name in names:
+        for value, fits in (("3.4028e38", True), ("-3.4028e38", True), ("1.5e-45", True), ("3.41e38", False),
+                            ("-3.41e38", False), ("1e-46", False), ("-1e-46", False)):
+            try:
+                parse_args(cls, COMMANDS[module] + [f"--{name}", value])
+                refused = None
+            except SystemExit as e:
+                refused = (e.code, capsys.readouterr().err.strip())
+            if fits:
+                assert refused is None or refused[0] == 2 and ("must" in refused[1] or "applies only" in refused[1]), \
+                    (module, name, value, refused)
+            else:
+                assert refused and refused[0] == 2 and len(refused[1].splitlines()) == 1 and "float32" in refused[1], \
+                    (module, name, value, refused)
+
+
+@pytest.mark.parametrize("module", [m for m in sorted(COMMANDS) if m.startswith("train_")])
+def test_every_learning_rate_declares_its_float32_bound(module):
+    """AdamW's step lr/(1 − β1^t) is cast to float32 outside any finiteness check: each learning rate option
+    declares an upper bound <= 1e3 (nano_rlhf/cli.py says why)."""
+    import importlib
+    from nano_rlhf.cli import _field_comments
+    cls = importlib.import_module(module).Options
+    rates = [n for n in _float_fields(cls) if n == "lr" or n.endswith("_lr")]
+    assert rates
+    for name in rates:
+        rng = parse_range(_field_comments(cls)[name])
+        assert rng and any(op in ("<", "<=") and bound <= 1e3 for op, bound in rng[1]), (module, name, rng)

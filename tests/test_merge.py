@@ -122,7 +122,7 @@ def perturbed(model, seed, scale=0.02):
 def dirs(tmp_path_factory, tok):
     """A base policy (with tokenizer) and two 'fine-tuned' copies of it; the same for a reward model."""
     root = tmp_path_factory.mktemp("merge")
-    d = {k: str(root / k) for k in ("base", "a", "b", "rm_base", "rm_a", "rm_b", "wide")}
+    d = {k: str(root / k) for k in ("base", "a", "b", "rm_base", "rm_a", "rm_b", "wide", "big")}
     tiny_model(tok).save_pretrained(d["base"])
     tok.save(os.path.join(d["base"], "tokenizer.json"))
     for i, k in enumerate(("a", "b")):
@@ -132,6 +132,7 @@ def dirs(tmp_path_factory, tok):
     for i, k in enumerate(("rm_a", "rm_b")):
         perturbed(ScoreModel.from_pretrained(d["rm_base"]), seed=i + 5).save_pretrained(d[k])
     tiny_model(tok, n_embd=48).save_pretrained(d["wide"])
+    perturbed(GPT.from_pretrained(d["base"]), seed=7, scale=1e37).save_pretrained(d["big"])   # finite float32 deltas
     return d
 
 
@@ -188,6 +189,7 @@ def test_task_arithmetic_reward_model_and_overwrite(dirs, tmp_path, capsys):
     ("negative_ties", "--weights must be > 0 for ties"),
     ("overflow_ta", "the merged model holds non-finite values"),        # finite weights, an infinite product
     ("overflow_ties", "the merged model holds non-finite values"),
+    ("beyond_float32", "argument --weights: '1e308' is beyond float32's range"),
 ])
 def test_bad_inputs_one_line(dirs, tmp_path, capsys, case, needle):
     """A bad command line (a range, an option given where it does not apply, --weights against the others) is
@@ -202,13 +204,14 @@ def test_bad_inputs_one_line(dirs, tmp_path, capsys, case, needle):
              "scale_ta": (["--models", *m, "--scale", "2"], "task_arithmetic"),
              "density_ta": (["--models", *m, "--density", "0.2"], "task_arithmetic"),   # the default, typed
              "negative_ties": (["--models", *m, "--weights", "1", "-1e-3"], "ties"),
-             "overflow_ta": (["--models", *m, "--weights", "1e308", "1e308"], "task_arithmetic"),
-             "overflow_ties": (["--models", *m, "--scale", "1e300"], "ties")}[case]
+             "overflow_ta": (["--models", dirs["big"], dirs["big"], "--weights", "10", "10"], "task_arithmetic"),
+             "overflow_ties": (["--models", dirs["big"], dirs["b"], "--scale", "100"], "ties"),
+             "beyond_float32": (["--models", *m, "--weights", "1e308", "1e308"], "task_arithmetic")}[case]
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
         main(["--base", dirs["base"], *extra[0], "--method", extra[1], "--out_dir", str(out)])
     assert e.value.code == (2 if case in ("weights", "density0", "density2", "scale_ta", "density_ta",
-                                          "negative_ties") else 1)
+                                          "negative_ties", "beyond_float32") else 1)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     if case in ("shape", "class"):
