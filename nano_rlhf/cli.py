@@ -405,7 +405,8 @@ class RunOptions:
     stop_at: int = 0              # end this run after step N with a checkpoint (--resume later); 0 = never {>= 0}
     overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails
+                                  # (a timedelta: at most 1e6, two years) {0 < x <= 1e6}
     lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model; a reference
                                   # that is --init is then the policy with adapters off; 0 = off {>= 0}
     lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A [with lora_r>0] {> 0}
