@@ -96,7 +96,7 @@ def test_negative_exponent_and_unknown_option_are_one_line(capsys):
     block); an unknown option or a bad choice is one line too."""
     import train_dpo
     from nano_rlhf.cli import parse_args
-    for argv, needle in ((["--lr", "-1e-4"], "--lr must be > 0 (got -0.0001)"),
+    for argv, needle in ((["--lr", "-1e-4"], "--lr must satisfy 0 < x <= 1e3 (got -0.0001)"),
                          (["--no_such_option", "1"], "unrecognized arguments: --no_such_option"),
                          (["--loss", "nope"], "argument --loss: invalid choice")):
         with pytest.raises(SystemExit) as e:
