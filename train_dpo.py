@@ -395,12 +395,15 @@ def precompute_reference(opts, ref, examples, pad_id, device):
     shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares them."""
     values = torch.zeros(len(examples), 2, dtype=torch.float64)         # S_ref of each example's two rows
     mine = dist.rank_share(list(range(len(examples))))
+    progress = run_mod.Progress(len(mine), "precomputing the reference's log-probs", unit="pairs")
     for i in range(0, len(mine), opts.batch_size):
         idx = mine[i:i + opts.batch_size]
         batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
         with autocast(device, opts.dtype):
             s_ref = sequence_logps(ref, batch.ids, batch.attn, batch.resp)[0]
         values[idx] = torch.stack(s_ref.chunk(2), 1).double().cpu()
+        progress.update(len(idx))
+    progress.done()
     values = dist.all_reduce_sum(values)
     for e, row in zip(examples, values.tolist()):
         e.update(zip(REF_KEYS, row))

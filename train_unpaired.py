@@ -401,18 +401,21 @@ def precompute_reference(opts, ref, example_sets, pad_id, device):
     position, so shuffling cannot misalign them: TRL#2337). Each rank computes a shard of each set; an
     all-reduce shares them. The caller then drops the reference model."""
     t0 = time.time()
-    for examples in example_sets:
+    shares = [dist.rank_share(list(range(len(examples)))) for examples in example_sets]
+    progress = run_mod.Progress(sum(map(len, shares)), "precomputing the reference's log-probs", unit="examples")
+    for examples, mine in zip(example_sets, shares):
         values = torch.zeros(len(examples), 2, dtype=torch.float64)
-        mine = dist.rank_share(list(range(len(examples))))
         for i in range(0, len(mine), opts.batch_size):
             idx = mine[i:i + opts.batch_size]
             batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
             with autocast(device, opts.dtype):
                 columns = [sequence_logps(ref, r.ids, r.attn, r.resp)[0] for r in (batch.rows, batch.mismatched)]
             values[idx] = torch.stack(columns, 1).double().cpu()
+            progress.update(len(idx))
         values = dist.all_reduce_sum(values)
         for e, row in zip(examples, values.tolist()):
             e.update(zip(REF_KEYS, row))
+    progress.done()
     dist.print0(f"precomputed reference log-probs for {sum(map(len, example_sets)):,} examples in "
                 f"{time.time() - t0:.1f}s")
 
@@ -432,6 +435,7 @@ def draw_samples(opts, ref, prompts, tok, device):
     if dist.world().is_main:      # (the other ranks wait in broadcast_object: within --dist_timeout for this pass)
         gen = torch.Generator(device=device).manual_seed(opts.seed)
         K, block = opts.num_samples, ref.cfg.block_size
+        progress = run_mod.Progress(len(prompts) * K, "D2O: sampling the reference", unit="responses")
         for i in range(0, len(prompts), 32):
             chunk = prompts[i:i + 32]
             ids, attn = collate_prompts([list(p) for p in chunk for _ in range(K)], tok.pad_id)
@@ -445,6 +449,8 @@ def draw_samples(opts, ref, prompts, tok, device):
             rows = seq.tolist()
             for j, p in enumerate(chunk):
                 out[p] = [rows[r][:lengths[r]] for r in range(j * K, (j + 1) * K)]
+            progress.update(len(chunk) * K)
+        progress.done()
     return dist.broadcast_object(out)
 
 

@@ -533,10 +533,11 @@ sys.excepthook = _interrupted
 
 # ---- A tool's progress line (evaluate, label) ------------------------------------------------------------
 class Progress:
-    """A tool's progress on stderr (evaluate, label): `sampling out/ppo | 120/512 samples | 8.3/s | eta 0m47s`.
+    """A long pass's progress on stderr (evaluate's and label's sampling, a script's pass before its first step:
+    D2O's samples, precomputed reference log-probs): `sampling out/ppo | 120/512 samples | 8.3/s | eta 0m47s`.
     In a terminal one line updated in place at most every `every` seconds; in a log (stderr not a terminal) a plain
-    line every `log_every` seconds; the last one always at done(). Why: a command that samples for minutes and
-    prints nothing cannot be told from a hang."""
+    line every `log_every` seconds; the last one always at done(); rank 0 only. Why: a command that samples for
+    minutes and prints nothing cannot be told from a hang."""
 
     def __init__(self, total, what, unit="samples", stream=None, every=1.0, log_every=10.0, clock=time.time):
         import sys
@@ -546,6 +547,7 @@ class Progress:
         self.every = every if self.tty else log_every
         self.n, self.t0 = 0, clock()
         self.shown = self.t0
+        self.quiet = not dist.world().is_main
 
     def line(self):
         elapsed = max(self.clock() - self.t0, 1e-9)
@@ -561,12 +563,14 @@ class Progress:
 
     def done(self):
         self._show()
-        if self.tty:
+        if self.tty and not self.quiet:
             self.stream.write("\n")
             self.stream.flush()
 
     def _show(self):
         self.shown = self.clock()
+        if self.quiet:
+            return
         self.stream.write(("\r" + self.line() + "\033[K") if self.tty else self.line() + "\n")
         self.stream.flush()
 
