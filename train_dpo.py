@@ -124,7 +124,14 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
                                   # min(block_size, 1024) {>= 0}
 
 
-# ---- the one log-prob gather (train_listwise.py and train_unpaired.py import sequence_logps) -------
+def fill_defaults(opts):
+    """The defaults that depend on --loss, filled in right after parsing (run.json records the filled values)."""
+    opts.beta = DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
+    opts.alpha = {"cpo": 1.0, "tdpo": 0.5}.get(opts.loss, 0.01) if opts.alpha is None else opts.alpha
+    opts.out_dir = opts.out_dir or f"out/{opts.loss}"
+
+
+# ---- the one log-prob gather (copied into train_listwise.py and train_unpaired.py, kept identical) ----
 
 def _scored_logps(model, input_ids, attention_mask, response_mask):
     """log π(y_t | x, y_<t) of the scored tokens (N,), row by row in order, and where they are: the (B, T−1)
@@ -448,8 +455,8 @@ def evaluate_gathered(opts, policy, ref, examples, pad_id, device):
 
 
 def check_options(opts):
-    """Rules between options (each option's own range is declared on Options and checked by parse_args),
-    then the defaults that depend on --loss. A flag the loss would silently ignore is an error."""
+    """Rules between options (each option's own range is declared on Options and checked by parse_args).
+    A flag the loss would silently ignore is an error."""
     loss = opts.loss
     if opts.fsdp and opts.compile:
         fail("--compile with --fsdp is not supported; drop one of them", 2)
@@ -466,9 +473,6 @@ def check_options(opts):
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
-    opts.beta = DEFAULT_BETA.get(loss, 0.1) if opts.beta is None else opts.beta
-    opts.alpha = {"cpo": 1.0, "tdpo": 0.5}.get(loss, 0.01) if opts.alpha is None else opts.alpha
-    opts.out_dir = opts.out_dir or f"out/{loss}"
 
 
 def load_models(opts, tok):
@@ -549,7 +553,8 @@ def run_record(opts, files):
 # ---- training -----------------------------------------------------------------------------------
 
 def main(argv=None):
-    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "dpo", run_record, load=data_files)
+    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "dpo", run_record, load=data_files,
+                                            fill=fill_defaults)
     with input_errors():
         tok = run_mod.tokenizer(opts, run)
         policy, ref, max_length = load_models(opts, tok)

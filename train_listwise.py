@@ -84,6 +84,13 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     seed: int = 0                 # seed for data order
 
 
+def fill_defaults(opts):
+    """The defaults that depend on --loss, filled in right after parsing (run.json records the filled values)."""
+    opts.beta = 0.1 if opts.beta is None else opts.beta
+    opts.nll_coef = (0.0 if opts.loss == "lipo" else 1.0) if opts.nll_coef is None else opts.nll_coef
+    opts.out_dir = opts.out_dir or f"out/{opts.loss}"
+
+
 # ---- the losses: pure functions of (prompts, K) grids, per prompt (P,) ---------------------------------
 # p / s: the model's value of each completion; score: ψ; mask: which grid cells hold a completion (rows of
 # different K are padded; padded cells must hold finite values, e.g. 0).
@@ -302,8 +309,8 @@ def evaluate_gathered(opts, policy, ref, examples, pad_id, device):
 
 
 def check_options(opts):
-    """Rules between options (ranges are checked by parse_args), then the defaults that depend on --loss.
-    A flag the loss would silently ignore is an error."""
+    """Rules between options (ranges are checked by parse_args). A flag the loss would silently ignore is an
+    error."""
     if opts.fsdp and opts.compile:
         fail("--compile with --fsdp is not supported; drop one of them", 2)
     if opts.offload_frozen and opts.loss != "lipo":
@@ -311,9 +318,6 @@ def check_options(opts):
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
-    opts.beta = 0.1 if opts.beta is None else opts.beta
-    opts.nll_coef = (0.0 if opts.loss == "lipo" else 1.0) if opts.nll_coef is None else opts.nll_coef
-    opts.out_dir = opts.out_dir or f"out/{opts.loss}"
 
 
 def data_files(opts):
@@ -373,7 +377,7 @@ def run_record(opts, files):
 
 def main(argv=None):
     opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "listwise", run_record,
-                                           load=data_files)
+                                           load=data_files, fill=fill_defaults)
     with input_errors():
         tok = run_mod.tokenizer(opts, run)
         policy, ref = load_models(opts, tok)

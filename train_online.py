@@ -78,14 +78,14 @@ from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FrozenModelOptions, RunOptions
-from nano_rlhf.data import Batches, collate_prompts, default_path, load_prompts, pad_right, tokenize_prompts
-from nano_rlhf.evaluate import sample_and_score
+from nano_rlhf.data import (Batches, collate_prompts, default_path, load_prompts, pad_right, prompt_limit,
+                            tokenize_prompts)
+from nano_rlhf.evaluate import eval_metrics
 from nano_rlhf.model import GPT, token_logprobs
 from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model_dir as judge_dir, preference_matrix,
                               symmetric_preference)
 from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import SamplingOptions, cut_at_stop
-from nano_rlhf.summary import summarize
 from nano_rlhf.watch import Watch, check_step
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
@@ -146,7 +146,8 @@ class Options(FrozenModelOptions, RunOptions):
                                   # {>= 1}
     max_new_tokens: int = 40      # response length limit {>= 1}
     temperature: float = 1.0      # sampling temperature; log-probs use logits / τ everywhere {> 0}
-    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = block_size − max_new_tokens {>= 0}
+    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
+                                  # {>= 0}
     lr: float = 5e-5              # learning rate (constant after warm-up); 0.5-1.5B models: 5e-7 {0 <= x <= 1e3}
     warmup_steps: int = 0         # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
@@ -159,6 +160,19 @@ class Options(FrozenModelOptions, RunOptions):
     eval_interval: int = 20       # evaluate on held-out prompts every N steps (and at the end); 0 = end only {>= 0}
     eval_samples: int = 128       # held-out prompts sampled per evaluation {>= 1}
     save_interval: int = 50       # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
+
+
+def fill_defaults(opts):
+    """The defaults that depend on --method and --loss, filled in right after parsing (run.json records the filled
+    values): soft labels where the loss has a soft form and no --label_smoothing was asked for."""
+    if opts.method in PAIRWISE:
+        if opts.labels == "auto":
+            opts.labels = "soft" if opts.loss in SOFT_LOSSES and not opts.label_smoothing else "hard"
+        opts.beta = DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
+        opts.alpha = (1.0 if opts.loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
+    elif opts.method == "nash_md":
+        opts.beta = 0.1 if opts.beta is None else opts.beta
+    opts.out_dir = opts.out_dir or f"out/{opts.method}"
 
 
 # ---- the pairwise losses and the log-prob gather, as train_dpo.py and train_ppo.py have them (tests/test_layout.py
@@ -639,8 +653,6 @@ def check_options(opts):
         # view of the policy does not switch: it would sample from the adapted policy twice
         fail("--method nash_md with --lora_r needs a separate --ref DIR (not --init): its mixture sampler cannot "
              "use the policy with its adapters off as the reference", 2)
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)", 2)
     # the judge flags as train_ppo.py's SPO reads them (nano_rlhf/reward.py), refused before out_dir is touched
     check_specs(opts.judge or None, opts.pair_judge or None, opts.judge_template)
     llm = opts.judge.startswith(LLM)
@@ -664,16 +676,9 @@ def check_options(opts):
     if method in PAIRWISE:
         if opts.labels == "soft" and opts.loss not in SOFT_LOSSES:
             fail(f"--labels soft: --loss {opts.loss} has no soft-label form (only {' and '.join(SOFT_LOSSES)})", 2)
-        if opts.labels == "auto":
-            opts.labels = "soft" if opts.loss in SOFT_LOSSES and not opts.label_smoothing else "hard"
         if opts.labels == "soft" and opts.label_smoothing:
             fail("--labels soft sets each pair's label smoothing from the judge: pass --labels hard with "
                  "--label_smoothing", 2)
-        opts.beta = DEFAULT_BETA.get(opts.loss, 0.1) if opts.beta is None else opts.beta
-        opts.alpha = (1.0 if opts.loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
-    elif method == "nash_md":
-        opts.beta = 0.1 if opts.beta is None else opts.beta
-    opts.out_dir = opts.out_dir or f"out/{method}"
 
 
 def needs_reference(opts):
@@ -715,15 +720,6 @@ def load_models(opts, tok, run):
     return policy, init_ref, copy
 
 
-def tokenize_inputs(opts, tok, block, prompt_records):
-    """The tokenized prompts and their stats, cut to leave --max_new_tokens of the policy's block_size."""
-    max_prompt = opts.max_prompt_len or block - opts.max_new_tokens
-    if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
-        raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
-                         f"block_size {block}")
-    return tokenize_prompts(prompt_records, tok, max_prompt)
-
-
 def startup_line(opts, n_prompts, prompt_stats, step):
     """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
     return (f"{opts.method.upper()} | judge {opts.judge or '-'}"
@@ -738,7 +734,8 @@ def startup_line(opts, n_prompts, prompt_stats, step):
 
 
 def main(argv=None):
-    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "online", run_record)
+    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "online", run_record,
+                                        fill=fill_defaults)
     with input_errors():
         prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
         tok = run_mod.tokenizer(opts, run)
@@ -746,7 +743,8 @@ def main(argv=None):
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
                            prompts=texts, template=opts.judge_template)
-        prompts, prompt_stats = tokenize_inputs(opts, tok, policy.cfg.block_size, prompt_records)
+        prompts, prompt_stats = tokenize_prompts(prompt_records, tok, prompt_limit(
+            opts.max_prompt_len, opts.max_new_tokens, policy.cfg.block_size))
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     gold = reward_mod.builtin_gold(texts)
     run_mod.place(opts, world, {"policy": policy}, {"reference": init_ref, "reference copy": copy})
@@ -767,22 +765,8 @@ def main(argv=None):
 
     def evaluate(step):
         """Held-out prompts, pure sampling at T = 1 with a fixed seed, KL to the initial reference; rank 0 only."""
-        metrics = {}
-        with parallel.gathered(policy, init_ref):     # FSDP: rank 0 samples alone, on weights gathered on every rank
-            if world.is_main:
-                cols = {}
-                if judge.pointwise is not None and judge.pointwise is not gold:
-                    cols["rm_score" if isinstance(judge.pointwise, reward_mod.RewardModel) else "reward"] = \
-                        judge.pointwise
-                if gold is not None:
-                    cols["gold_reward"] = gold
-                samples = sample_and_score(policy, tok, eval_prompts, SamplingOptions(opts.max_new_tokens), seed=1234,
-                                           ref=init_ref, rewards=cols)
-                metrics = {f"eval/{k_}": v for k_, v in summarize(samples).items()
-                           if not k_.endswith("_se") and k_ != "n"}
-                run.log_samples(step, samples[:8])
-        dist.barrier()
-        return metrics
+        return eval_metrics(run, step, policy, tok, eval_prompts, SamplingOptions(opts.max_new_tokens), ref=init_ref,
+                            rewards=reward_mod.eval_columns(judge, gold), gathered=(init_ref,))
 
     def save(step):
         run_mod.save(opts, step, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})

@@ -5,6 +5,8 @@ SFT policy) and a reward R(prompt, completion) (frozen): a reward-model director
 programmatic reward (--reward gold), your own Python function (--reward module:function), or self-play
 (--reward selfplay, SPO): each sample's win rate against the other k − 1 samples of its prompt under a
 judge's preference (--judge and/or --pair_judge, nano_rlhf/reward.py), with no reward model fitted to it.
+(nano_rlhf/rollout.py's Models, loaded from the options by load_rollout_models; Safe RLHF adds a cost and its
+critic.)
 
 One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
   1. rollout   k samples per prompt at temperature τ (pure sampling), cut after the first stop token
@@ -31,52 +33,47 @@ One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
                variants, one flag each: --policy_loss dual_clip | gspo | cispo, --loss_agg, --dynamic_sampling,
                --overlong mask | penalty, --rollout_correction tis | mask (docs/algorithms.md, "RLVR variants")
                the first --critic_warmup_steps steps update the critic only (the policy waits for useful values)
+  Safe RLHF  with --cost_model / --cost (PPO-Lagrangian, Dai et al. 2024): a cost c(x, y) beside the score, its
+             own advantage A_c (a cost critic under gae), the KL split between the two (±β/2·KL_t), and the policy
+             trains on (A_r − λ·A_c)/(1 + λ); λ ≥ 0 rises while the mean episode cost J_C exceeds --cost_limit d:
+             log λ ← log λ + η·λ·(J_C − d)                                            (docs/algorithms.md)
 
-Run:
+Run (docs/usage.md: your own prompts and rewards, real families, --lora_r, torchrun and --fsdp):
     python train_ppo.py                                     # PPO: out/sft + out/rm -> out/ppo
     python train_ppo.py --advantage grpo --reward gold      # GRPO with the built-in task's verifiable reward
     python train_ppo.py --advantage grpo --reward my_rewards.py:score --prompts my_prompts.jsonl
     python train_ppo.py --advantage grpo --reward selfplay --judge out/rm      # SPO, the reward model as judge
-    python train_ppo.py --advantage grpo --reward selfplay --pair_judge my_judges.py:prefer   # a pairwise judge
-    python train_ppo.py --init qwen3_sft --reward_model qwen3_rm --prompts chat_prompts.jsonl --lr 1e-6 \
-        --critic_lr 5e-6 --grad_checkpoint --dtype bfloat16    # a real family: its chat template, stops at <|im_end|>
     torchrun --nproc_per_node 2 train_ppo.py --advantage grpo --reward gold
 
---lora_r R trains low-rank adapters on the frozen policy and critic (the critic's score head fully), as
-OpenRLHF's --lora_rank does for actor and critic (nano_rlhf/lora.py). The reference is then, when it is --init
-(no other --ref), the policy with its adapters switched off: no second copy in memory. The output directory
-holds the merged policy and out_dir/adapter its adapters alone in PEFT's layout.
-
-Choices and deviations: the score lands on the end-of-text token itself (TRL puts it one slot later, on
-padding); rloo feeds its advantage to the token-level clipped loss (TRL clips one sequence ratio); every
-forward uses position ids from the attention mask (left-padded prompts); log-probs always at temperature τ;
-groups of k samples live on one rank, so group statistics need no communication.
+Where we differ from TRL on purpose (docs/design.md, "PPO"): the score lands on the end-of-text token itself (TRL
+puts it one slot later, on padding); rloo feeds its advantage to the token-level clipped loss (TRL clips one
+sequence-level ratio). Groups of k samples live on one rank, so group statistics need no communication.
 """
 import contextlib
+import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora, parallel
+from nano_rlhf import dist, lora
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import rollout as rollout_mod
 from nano_rlhf import run as run_mod
+from nano_rlhf import tools as tools_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FrozenModelOptions, RunOptions
-from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, tokenize_prompts,
-                            tokenize_sft, training_length)
-from nano_rlhf.evaluate import sample_and_score
-from nano_rlhf.model import GPT, ScoreModel, token_logprobs
-from nano_rlhf.reward import Judge, load_judge
-from nano_rlhf.rollout import Rollout
-from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
-from nano_rlhf.sampling import SamplingOptions, sampling_copy
-from nano_rlhf.summary import summarize
+from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, prompt_limit,
+                            tokenize_prompts, tokenize_sft, training_length)
+from nano_rlhf.evaluate import eval_metrics
+from nano_rlhf.model import token_logprobs
+from nano_rlhf.rollout import Models, Rollout
+from nano_rlhf.run import Learner, autocast, fail, input_errors, lr_at, set_lr, warn_short_warmup
+from nano_rlhf.sampling import sampling_copy
 from nano_rlhf.watch import Watch, check_step
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
@@ -88,6 +85,7 @@ LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_s
 
 @dataclass
 class Options(FrozenModelOptions, RunOptions):
+    # ---- what is trained, from what, rewarded by what
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
     reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge /
                                   # --pair_judge), or module:function / file.py:function
@@ -106,6 +104,7 @@ class Options(FrozenModelOptions, RunOptions):
     eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
     eval_fraction: float = 0.05   # share of --prompts held out for evaluation when no --eval_prompts {0 < x < 1}
     out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
+    # ---- the rollout
     batch_size: int = 8           # prompts per device per step {>= 1}
     samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
     max_new_tokens: int = 40      # response length limit (also Dr. GRPO's constant normaliser) {>= 1}
@@ -114,18 +113,26 @@ class Options(FrozenModelOptions, RunOptions):
     share_prompt_prefill: bool = True  # the k samples of a prompt share one prefill of it (same tokens at a seed)
     compact_rollout: bool = True  # ended samples leave the decode batch (same tokens at a seed)
     rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
-    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens {>=
-                                  # 0}
+    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
+                                  # {>= 0}
+    tools: str = ""               # tools the policy may call in its rollouts: calculator and/or module:NAME /
+                                  # file.py:NAME, comma-separated (docs/usage.md, "Tools"); empty = none
+    max_turns: int = 4            # assistant turns a rollout may take, tool turns between them; --max_new_tokens
+                                  # bounds sampled and tool tokens together [with tools] {>= 1}
+    # ---- the KL to the reference
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate)
-    adaptive_kl: bool = False     # adapt β towards --kl_target (Ziegler et al. 2019)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate;
+                                                    # the group estimators fold Σk1 into the score)
+                                                    # [with advantage=gae|reinforce_pp and kl_in_loss=false]
+    adaptive_kl: bool = False     # adapt β multiplicatively towards --kl_target (Ziegler et al. 2019)
+                                  # [with kl_coef>0]
     kl_target: float = 1.0        # target KL per sequence for the adaptive controller [with adaptive_kl] {> 0}
     kl_horizon: int = 10000       # horizon (in samples) of the adaptive controller [with adaptive_kl] {>= 1}
     kl_in_loss: bool = False      # KL as β·(--kl_loss_estimator) per token in the loss instead of in the reward (GRPO
                                   # style) [with kl_coef>0]
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3 (GRPO's; its gradient is the FORWARD KL's), k2 (the
-                                                         # reverse KL's true gradient), k1 (no gradient in expectation)
-                                                         # [with kl_in_loss]
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3 (GRPO's: the FORWARD KL's gradient), k2 (the reverse
+                                                         # KL's), k1 (none in expectation) [with kl_in_loss]
+    # ---- the score
     missing_eos_penalty: Optional[float] = -3.0  # score given (replacing R) to a response without end-of-text (--reward
                                                  # selfplay: 0, the worst win rate); none = off; a score, bounded as
                                                  # every reward is (reward.MAX_SCORE) {-1e15 <= x <= 1e15}
@@ -134,6 +141,7 @@ class Options(FrozenModelOptions, RunOptions):
     score_warn: float = 3.0       # warn once if the mean raw score leaves the first step's mean ± this × its sd
                                   # (nano_rlhf/watch.py; collapsed responses are always warned about); 0 = off {>= 0}
     normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved [with reward=model]
+    # ---- advantages and the update
     gamma: float = 1.0            # GAE / reward-to-go discount [with advantage=gae|reinforce_pp] {0 <= x <= 1}
     lam: float = 0.95             # GAE λ [with advantage=gae] {0 <= x <= 1}
     ppo_epochs: int = 4           # passes over each rollout {>= 1}
@@ -141,16 +149,16 @@ class Options(FrozenModelOptions, RunOptions):
     micro_batch_size: int = 0     # sequences per forward/backward; 0 = the whole minibatch {>= 0}
     clip_eps: float = 0.2         # policy ratio clip ε {> 0}
     clip_high: Optional[float] = None  # upper clip ε_high (DAPO clip-higher); none = --clip_eps {> 0}
-    policy_loss: Literal["ppo", "dual_clip", "gspo", "cispo"] = "ppo"  # ppo: clipped token ratio; dual_clip: + a cap
-                                                                       # −c·A for A < 0; gspo: one length-normalised
-                                                                       # ratio per sequence (try --clip_eps 3e-4
-                                                                       # --clip_high 4e-4); cispo: clipped,
-                                                                       # stop-gradient IS weight on every token
+    policy_loss: Literal["ppo", "dual_clip", "gspo", "cispo"] = "ppo"  # ppo: clipped token ratio; dual_clip: caps
+                                                                       # −c·A for A < 0; gspo: one ratio a sequence
+                                                                       # (--clip_eps 3e-4 --clip_high 4e-4); cispo:
+                                                                       # a clipped, detached weight on every token
     dual_clip: float = 3.0        # the cap c [with policy_loss=dual_clip] {> 1}
     loss_agg: LossAgg = "auto"    # how token losses become the minibatch loss; auto = token_mean (dr_grpo:
                                   # seq_mean_token_sum_norm, gspo: seq_mean_token_mean)
+    # ---- RLVR variants (docs/algorithms.md, "RLVR variants")
     dynamic_sampling: bool = False  # DAPO: groups whose k rewards are all equal (no signal) are dropped and more
-                                    # prompts sampled until the batch is full
+                                    # prompts sampled until the batch is full [with advantage=rloo|grpo|dr_grpo]
     max_sampling_rounds: int = 3  # at most this many rollouts a step, then zero-spread groups fill the batch (logged)
                                   # [with dynamic_sampling] {>= 1}
     overlong: Literal["none", "mask", "penalty"] = "none"  # responses cut at --max_new_tokens: trained on as usual,
@@ -165,11 +173,28 @@ class Options(FrozenModelOptions, RunOptions):
                                                               # response [with rollout_correction!=none]
     correction_cap: float = 2.0   # C, the weight cap (tis) or the ratio range [1/C, C] kept (mask)
                                   # [with rollout_correction!=none] {> 1}
+    # ---- the critic, the entropy bonus, the pre-training mix
     value_clip: float = 0.2       # critic update clip ε_v; inf = no clipping [with advantage=gae] {> 0}
     entropy_coef: float = 0.0     # entropy bonus coefficient c_H {>= 0}
     ptx_data: str = ""            # SFT JSONL for the pre-training mix (InstructGPT PPO-ptx); empty = off
-    ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL {>= 0}
-    ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX {>= 1}
+                                  # [with ptx_coef>0]
+    ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL [with ptx_data] {>= 0}
+    ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX [with ptx_data] {>= 1}
+    # ---- Safe RLHF: a cost and a bound on its mean (PPO-Lagrangian; defaults are safe-rlhf's ppo-lag.sh)
+    cost_model: str = ""          # cost model directory (train_rm.py --objective cost); empty = no cost
+    cost: str = ""                # or a verifiable cost, module:function / file.py:function (called as --reward is)
+    cost_limit: float = 0.0       # d: the bound on the mean episode cost, in the cost's raw units (a cost model's 0 is
+                                  # its safe/unsafe boundary) [with cost_model or cost] {-1e15 <= x <= 1e15}
+    lambda_init: float = 1.0      # λ at the start [with cost_model or cost] {> 0}
+    lambda_lr: float = 0.1        # η, the step of log λ's gradient ascent [with cost_model or cost] {>= 0}
+    lambda_max: float = 5.0       # λ's cap; inf = none [with cost_model or cost] {> 0}
+    lambda_delay: int = 0         # steps before λ first moves [with cost_model or cost] {>= 0}
+    cost_window: int = 128        # J_C averages the last this many episode costs of each rank [with cost_model or
+                                  # cost] {>= 1}
+    cost_critic_init: Literal["auto", "cost_model", "policy"] = "auto"  # the cost critic's start; auto = the cost
+                                                                        # model if one [with cost_model or cost and
+                                                                        # advantage=gae]
+    # ---- optimisation, schedule, evaluation
     lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {0 <= x <= 1e3}
     critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 [with advantage=gae]
                                   # {0 <= x <= 1e3}
@@ -189,38 +214,20 @@ class Options(FrozenModelOptions, RunOptions):
                                   # is then the policy with adapters off; 0 = off {>= 0}
 
 
-# ---- the models ---------------------------------------------------------------------------------------
-
-@dataclass
-class Models:
-    """Frozen = requires_grad_(False), eval(), never wrapped in DDP, in no optimizer."""
-    policy: GPT                           # π_θ (trained)
-    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen);
-    #                                     SPO: a Judge
-    ref: Optional[GPT] = None             # π_ref (frozen; --lora_r: a lora.BaseView of the policy); None when β = 0
-    critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
-    gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
-
-
-@dataclass
-class Learner:
-    """A trained model: the bare module (what is saved), the DDP wrapper its forward/backward go through
-    (the module itself in one process) and its optimizer."""
-    model: torch.nn.Module
-    ddp: torch.nn.Module
-    opt: torch.optim.Optimizer
-
-    @classmethod
-    def of(cls, model, lr, opts):
-        return cls(model, *run_mod.prepare(opts, model, lr))     # DDP / FSDP; AdamW with --adam_eps
-
-    def step(self, grad_clip):
-        """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = parallel.clip_grad_norm(params, grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return norm
+def fill_defaults(opts):
+    """The defaults that depend on other options, filled in right after parsing (run.json records the filled
+    values)."""
+    opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
+    if opts.critic_init == "auto":
+        opts.critic_init = "reward_model" if opts.reward == "model" else "policy"
+    if opts.cost_critic_init == "auto":
+        opts.cost_critic_init = "cost_model" if opts.cost_model else "policy"
+    rollout_size = opts.batch_size * opts.samples_per_prompt
+    opts.micro_batch_size = opts.micro_batch_size or rollout_size // opts.num_minibatches
+    if opts.reward == "selfplay" and opts.missing_eos_penalty == -3.0:
+        # the default, made for scores of a few units: a win rate lies in [0, 1], so an unfinished sample gets the
+        # worst win rate instead
+        opts.missing_eos_penalty = 0.0
 
 
 # ---- log-probs and KL ----------------------------------------------------------------------------
@@ -366,13 +373,14 @@ class Advantages:
     adv: torch.Tensor                 # (B, R) per-token advantage (gae / reinforce_pp: before whitening)
     returns: Optional[torch.Tensor]   # (B, R) G_t = A_t + V_t, the critic's target (gae only)
     kl_penalty: torch.Tensor          # (B,) the KL part of each sequence's reward, −β·Σ_t KL_t (0 with KL in the loss)
+    cost_returns: Optional[torch.Tensor] = None  # (B, R) the cost critic's target (gae with a cost only)
 
 
 def sequence_kl(r: Rollout):
     """(B,) Σ_t k1_t, the sequence-level KL estimate (logged); 0 without a reference."""
     if r.ref_logprobs is None:
         return torch.zeros_like(r.scores)
-    return (kl_estimate(r.logprobs, r.ref_logprobs, "k1") * r.response_mask).sum(1)
+    return (kl_estimate(r.logprobs, r.ref_logprobs, "k1") * r.actions).sum(1)
 
 
 def advantages(r: Rollout, *, estimator, beta, kl_estimator="k1", kl_in_loss=False, k=1, gamma=1.0, lam=0.95):
@@ -381,7 +389,7 @@ def advantages(r: Rollout, *, estimator, beta, kl_estimator="k1", kl_in_loss=Fal
     if estimator in WHITENED:
         kl = torch.zeros_like(mask)
         if r.ref_logprobs is not None and not kl_in_loss:
-            kl = kl_estimate(r.logprobs, r.ref_logprobs, kl_estimator) * mask
+            kl = kl_estimate(r.logprobs, r.ref_logprobs, kl_estimator) * r.actions    # not on tool turns
         rewards = token_rewards(r.scores, kl, mask, beta)
         kl_penalty = -beta * kl.sum(1)
         if estimator == "gae":
@@ -519,6 +527,54 @@ class AdaptiveKL:
         self.beta *= 1 + err * n / self.horizon
 
 
+def lagrangian_advantage(adv_r, adv_c, lam):
+    """The policy's advantage under a cost constraint (Dai et al. 2024, "Safe RLHF", §3.3, normalised as safe-rlhf's
+    ppo_lag does): (A_r − λ·A_c)/(1 + λ). Dividing by 1 + λ keeps its scale (and so the clip range) as λ grows; as
+    λ → ∞ the policy only lowers the cost."""
+    return (adv_r - lam * adv_c) / (1 + lam)
+
+
+def lambda_step(log_lambda, episode_cost, limit, lr, lambda_max=math.inf):
+    """One step of gradient ascent of the multiplier on λ·(J_C − d) through log λ (λ = e^{log λ} stays > 0; Dai et
+    al. 2024 §3.3; safe-rlhf: SGD on −λ·(J_C − d)): ∂/∂log λ = λ·(J_C − d), so log λ ← log λ + η·λ·(J_C − d),
+    then λ ≤ λ_max. λ grows while the mean episode cost J_C is over the limit d and shrinks geometrically (never
+    to 0) while it is under."""
+    return min(log_lambda + lr * math.exp(log_lambda) * (episode_cost - limit), math.log(lambda_max))
+
+
+class Lagrange:
+    """PPO-Lagrangian's state: log λ, and the (sum, count) of the episode costs of each recent step over all ranks,
+    the same on every rank (so every rank takes the same step and holds the same λ, and rank 0's checkpoint
+    restores it exactly)."""
+
+    def __init__(self, lambda_init, window_steps):
+        self.log_lambda, self.steps = math.log(lambda_init), deque(maxlen=window_steps)
+
+    @property
+    def multiplier(self):
+        return math.exp(self.log_lambda)
+
+    def update(self, costs, opts, move=True):
+        """Add this step's episode costs (all ranks': one all-reduce) to the window, take λ's step on J_C, the mean
+        episode cost over the window (unless move is False: --lambda_delay); returns J_C."""
+        self.steps.append(tuple(dist.all_reduce_sum(torch.tensor([costs.double().sum().item(), costs.numel()],
+                                                                 dtype=torch.float64)).tolist()))
+        episode_cost = sum(c for c, _ in self.steps) / sum(n for _, n in self.steps)
+        if move:
+            self.log_lambda = lambda_step(self.log_lambda, episode_cost, opts.cost_limit, opts.lambda_lr,
+                                          opts.lambda_max)
+        return episode_cost
+
+
+def lagrangian_targets(r: Rollout, multiplier, beta, **estimator):
+    """PPO-Lagrangian's targets: the score's and the cost's advantages by the same estimator, the per-token KL
+    penalty split between them as safe-rlhf splits it (−β/2·KL_t with the score, +β/2·KL_t with the cost, so the
+    policy's KL weight is β/2 whatever λ), combined by lagrangian_advantage; the cost critic's returns beside."""
+    rt = advantages(r, beta=beta / 2, **estimator)
+    ct = advantages(replace(r, scores=r.costs, values=r.cost_values), beta=-beta / 2, **estimator)
+    return replace(rt, adv=lagrangian_advantage(rt.adv, ct.adv, multiplier), cost_returns=ct.returns)
+
+
 def token_mean_scale(global_count):
     """Multiplier of a micro-batch's SUMMED loss so the gradients DDP averages over ranks add up to the
     token-mean over all micro-batches of all ranks: × world_size undoes DDP's mean, ÷ the global count
@@ -541,17 +597,6 @@ def scores_from_reward(raw, has_eos, opts, rm_stats=None):
     return score
 
 
-def sampling_options(opts, tok):
-    """What the rollout samples and how the engine computes it (nano_rlhf.sampling.SamplingOptions): pure
-    sampling at τ up to the tokenizer's stop ids (end-of-text, the template's end-of-turn)."""
-    # under --fsdp the engine samples with the gathered weights themselves (an FSDP module cannot be copied
-    # into a sampling copy of another dtype; --rollout_dtype bfloat16 is refused with --fsdp)
-    return SamplingOptions(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, stop_ids=tok.stop_ids,
-                           pad_id=tok.pad_id, compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill,
-                           compact=opts.compact_rollout,
-                           dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
-
-
 @torch.no_grad()
 def rollout(next_prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
     """One step's Rollout, the one path: sample and score k completions of each prompt of next_prompts() (in rounds
@@ -570,24 +615,23 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
     k = opts.samples_per_prompt
     # the sampled tokens are all the update takes from generation: log-probs (π_old) are recomputed in
     # with_logprobs or in the update by the float32 policy, so a bfloat16 sampling copy keeps the ratio 1 at lr 0
-    r = rollout_mod.sample_groups(prompts, models.policy, tok, sampling_options(opts, tok), k, gen, gen_stats)
+    r = rollout_mod.sample_groups(prompts, models.policy, tok, rollout_mod.sampling_options(opts, tok), k, gen,
+                                  gen_stats, models.tools, opts.max_turns)
     prompt_texts = [p["text"] for p in prompts for _ in range(k)]
     raw, rm_stats, pref = rollout_mod.read_reward(models.reward, r, prompt_texts, k)
     device = r.response_mask.device
     if pref is not None:                                     # SPO: win rates within each prompt's k samples
         raw = selfplay_rewards(pref).view(-1).float().to(device)
-    gold = None
-    if models.gold is not None:
-        gold = raw if models.gold is models.reward else torch.tensor(models.gold(prompt_texts, r.completions),
-                                                                     dtype=torch.float32, device=device)
+    gold = raw if models.gold is models.reward else rollout_mod.read_reward(models.gold, r, prompt_texts, k)[0]
     scores = scores_from_reward(raw, r.has_eos.bool(), opts, rm_stats)
-    policy_mask = r.response_mask
+    costs = rollout_mod.read_reward(models.cost, r, prompt_texts, k)[0]
+    policy_mask = r.actions                                  # tool turns are context, never the policy's loss
     if opts.overlong == "penalty":
         buffer = opts.overlong_buffer or opts.max_new_tokens // 4
         scores = scores + overlong_penalty(r.response_mask.sum(1).long(), opts.max_new_tokens, buffer)
     elif opts.overlong == "mask":                            # DAPO's overlong filtering: no policy gradient from them
-        policy_mask = r.response_mask * r.has_eos[:, None]
-    return replace(r, scores=scores, raw_scores=raw, gold=gold, policy_mask=policy_mask)
+        policy_mask = policy_mask * r.has_eos[:, None]
+    return replace(r, scores=scores, raw_scores=raw, gold=gold, costs=costs, policy_mask=policy_mask)
 
 
 @torch.no_grad()
@@ -595,6 +639,7 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
     """The rollout with what the update needs: π_old's log-probs (unless the update's own first forward is π_old),
     the reference's, the critic's values, and the sampler/trainer correction (--rollout_correction)."""
     seq, attn, response_mask, device = r.query_response, r.attention_mask, r.response_mask, r.scores.device
+    actions = r.actions
     P = r.query_len
     # One update on the rollout it was sampled from, and no KL: π_old is the current policy, so its log-probs
     # come from the update's own forward (detached) and this extra forward is skipped (as TRL's GRPO does).
@@ -604,6 +649,7 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
     sampler_logprobs = torch.zeros_like(response_mask) if mismatch else None
     ref_logprobs = torch.zeros_like(response_mask) if models.ref is not None else None
     values = torch.zeros_like(response_mask) if models.critic is not None else None
+    cost_values = torch.zeros_like(response_mask) if models.cost_critic is not None else None
     # the sampler's log-probs: those of the sampling copy the engine decoded with (--rollout_dtype), recomputed
     # over the sampled sequences in one forward (the decode's own kernels may differ again in the last bits)
     sampler = (sampling_copy(models.policy, getattr(torch, opts.rollout_dtype))
@@ -619,26 +665,27 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
                 sampler_logprobs[mb] = logprobs[mb] if sampler is models.policy else response_logprobs(sampler, *batch)
             if ref_logprobs is not None:
                 ref_logprobs[mb] = response_logprobs(models.ref, *batch)
-            if values is not None:
-                values[mb] = models.critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
+            for critic, v in ((models.critic, values), (models.cost_critic, cost_values)):
+                if v is not None:
+                    v[mb] = critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
     models.policy.train()
     policy_mask, is_weight, stats = r.policy_mask, None, dict(r.stats)
     if mismatch:
         # per token, on the sampler's samples: KL(sampler ‖ trainer) (k3: ≥ 0, unbiased) — of order d²/2, below
         # metrics.jsonl's 6 decimals for a bf16 copy — and the mean |d|, d = log π_sampler − log π_old
-        n_resp = response_mask.sum().clamp(min=1)
-        stats["sampler_kl"] = ((kl_estimate(sampler_logprobs, logprobs, "k3") * response_mask).sum() / n_resp).item()
-        stats["sampler_abs_logratio"] = (((sampler_logprobs - logprobs).abs() * response_mask).sum() / n_resp).item()
+        n_resp = actions.sum().clamp(min=1)
+        stats["sampler_kl"] = ((kl_estimate(sampler_logprobs, logprobs, "k3") * actions).sum() / n_resp).item()
+        stats["sampler_abs_logratio"] = (((sampler_logprobs - logprobs).abs() * actions).sum() / n_resp).item()
     if opts.rollout_correction != "none":
-        w, hit = rollout_correction(logprobs, sampler_logprobs, response_mask, opts.rollout_correction,
+        w, hit = rollout_correction(logprobs, sampler_logprobs, actions, opts.rollout_correction,
                                     opts.correction_level, opts.correction_cap)
         stats["correction_hit"] = hit.item()
         if opts.rollout_correction == "tis":
             is_weight = w
         else:
             policy_mask = policy_mask * w
-    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, policy_mask=policy_mask,
-                   is_weight=is_weight, stats=stats)
+    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, cost_values=cost_values,
+                   policy_mask=policy_mask, is_weight=is_weight, stats=stats)
 
 
 # ---- update ----------------------------------------------------------------------------------------
@@ -683,9 +730,12 @@ def policy_objective(opts):
 
 
 def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: Optional[Learner], opts, beta, gen,
-           ptx: Optional[Ptx] = None):
-    """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critic only (warm-up).
+           ptx: Optional[Ptx] = None, cost_critic: Optional[Learner] = None):
+    """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critics only (warm-up).
     Returns named sums over this rank's tokens (and summed gradient norms) for the step's statistics."""
+    critics = [(name, c, old, ret) for name, c, old, ret in (    # (metric prefix, the critic, V_old, its returns G)
+        ("", critic, r.values, targets.returns), ("cost_", cost_critic, r.cost_values, targets.cost_returns))
+        if c is not None]
     world = dist.world()
     B = r.query_response.shape[0]
     mb_size = B // opts.num_minibatches
@@ -737,47 +787,55 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                         outside = (ratio < 1 - opts.clip_eps) | (ratio > 1 + clip_high)
                         sums["clipfrac"] += (outside.float() * mb_policy_mask).sum().item()
                         sums["ratio"] += (ratio * mb_policy_mask).sum().item()
-                if critic is not None:
-                    with sync(critic):
+                for name, c, old_values, returns in critics:
+                    with sync(c):
                         with autocast(seq.device, opts.dtype):
-                            new_values = critic.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
-                        v_loss, v_clipped = value_loss(new_values, r.values[i], targets.returns[i], opts.value_clip)
+                            new_values = c.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
+                        v_loss, v_clipped = value_loss(new_values, old_values[i], returns[i], opts.value_clip)
                         ((v_loss * mb_mask).sum() * token_mean_scale(n_tok)).backward()
-                    sums["value_loss"] += (v_loss.detach() * mb_mask).sum().item()
-                    sums["value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
+                    sums[f"{name}value_loss"] += (v_loss.detach() * mb_mask).sum().item()
+                    sums[f"{name}value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
             sums["updates"] += 1
             if policy is not None:
                 sums["grad_norm"] += policy.step(opts.grad_clip)
-            if critic is not None:
-                sums["critic_grad_norm"] += critic.step(opts.grad_clip)
+            for name, c, _, _ in critics:
+                sums[f"{name}critic_grad_norm"] += c.step(opts.grad_clip)
     return dict(sums)
+
+
+# ---- statistics over all ranks (the loop's; each a visible all-reduce around the pure functions above) ----
+
+def whiten_over_ranks(x, mask):
+    """masked_whiten over the valid tokens of ALL ranks: two passes (the mean, then the squared deviations around
+    it), one all-reduce each."""
+    n, total = dist.all_reduce_sum(masked_sums(x, mask))
+    mean = total / n.clamp(min=1)
+    return masked_whiten(x, mask, n, mean, dist.all_reduce_sum(masked_sq_dev(x, mask, mean)))
+
+
+def explained_variance_over_ranks(returns, values, mask):
+    """explained_variance of a critic over the valid tokens of ALL ranks: two passes over the returns and the
+    residuals, one all-reduce each."""
+    residuals = returns - values
+    sums = dist.all_reduce_sum(torch.cat([masked_sums(returns, mask), masked_sums(residuals, mask)]))
+    n = sums[0].clamp(min=1)
+    sq_devs = dist.all_reduce_sum(torch.stack([masked_sq_dev(returns, mask, sums[1] / n),
+                                               masked_sq_dev(residuals, mask, sums[3] / n)]))
+    return explained_variance(*sq_devs)
 
 
 # ---- set-up -----------------------------------------------------------------------------------------
 
 def check_options(opts):
     """Rules between options; each option's own range is declared on its Options field (checked on parsing)."""
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {opts.device}: no CUDA GPU is available (use --device cpu or auto)", 2)
     if opts.advantage in GROUP and opts.samples_per_prompt < 2:
         fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)", 2)
-    if opts.adaptive_kl and not opts.kl_coef > 0:
-        fail("--adaptive_kl needs --kl_coef > 0 (β is adapted multiplicatively)", 2)
-    if bool(opts.ptx_data) != (opts.ptx_coef > 0):
-        fail("the PTX term needs both --ptx_data FILE and --ptx_coef > 0", 2)
-    if opts.advantage in GROUP and opts.kl_estimator != "k1" and not opts.kl_in_loss:
-        fail(f"--advantage {opts.advantage} folds the sequence KL Σk1 into its reward; --kl_estimator "
-             f"{opts.kl_estimator} applies only with gae / reinforce_pp (the KL in the loss: --kl_in_loss, "
-             "with --kl_loss_estimator)", 2)
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
         fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function "
              f"(got {opts.reward!r})", 2)
     if opts.policy_loss == "gspo" and opts.advantage == "gae":
         fail("--policy_loss gspo weighs whole sequences: it needs a sequence-level advantage "
              "(--advantage rloo, grpo, dr_grpo or reinforce_pp), not gae's per-token one", 2)
-    if opts.dynamic_sampling and opts.advantage not in GROUP:
-        fail(f"--dynamic_sampling drops groups whose k rewards are equal: it needs a group estimator "
-             f"(--advantage rloo, grpo or dr_grpo), not {opts.advantage}", 2)
     if opts.overlong != "none" and opts.missing_eos_penalty is not None:
         fail(f"--overlong {opts.overlong} decides what a truncated response costs; pass --missing_eos_penalty none "
              "with it (that penalty would replace the score of the same responses)", 2)
@@ -793,172 +851,107 @@ def check_options(opts):
         if not (opts.judge or opts.pair_judge):
             fail("--reward selfplay needs a judge: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) "
                  "and/or --pair_judge module:function", 2)
-        if opts.missing_eos_penalty == -3.0:     # the default, made for scores of a few units: a win rate lies in
-            opts.missing_eos_penalty = 0.0       # [0, 1], so an unfinished sample gets the worst win rate instead
     rollout_size = opts.batch_size * opts.samples_per_prompt
     if rollout_size % opts.num_minibatches:
         fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x "
              f"--samples_per_prompt {opts.samples_per_prompt}) does not split into --num_minibatches "
              f"{opts.num_minibatches}", 2)
     mb_size = rollout_size // opts.num_minibatches
-    if mb_size % (opts.micro_batch_size or mb_size):
+    if mb_size % opts.micro_batch_size:
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
              f"{opts.micro_batch_size}", 2)
+    if opts.cost_model and opts.cost:
+        fail("pass one cost: --cost_model DIR or --cost module:function, not both", 2)
+    if opts.cost and not reward_mod.is_function_spec(opts.cost):
+        fail(f"--cost must be module:function or path/to/file.py:function (got {opts.cost!r}); a cost model "
+             "directory is --cost_model", 2)
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
-    opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
-    if opts.critic_init == "auto":
-        opts.critic_init = "reward_model" if opts.reward == "model" else "policy"
-    opts.micro_batch_size = opts.micro_batch_size or mb_size
 
 
-def load_models(opts, tok, prompt_texts, device, identity):
-    """Policy, reference (only if β > 0), reward and critic (only for gae); the reward on the device (run_mod.place
-    moves the others). With --lora_r the
-    policy and critic get adapters (what that adds to the run's identity goes into `identity`) and a
-    reference that is --init is the policy with its adapters off (lora.BaseView), not a second model."""
-    policy = GPT.from_pretrained(opts.init, dropout=0.0)      # dropout off: rollout log-probs must be reproducible
-    check_vocab(tok, policy.cfg, opts.init)
-    identity.update(lora.attach(policy, opts, opts.init))     # --lora_r: adapters, the base frozen
-    ref = None
-    if (opts.kl_coef > 0 or opts.adaptive_kl) and lora.shares_base(opts, opts.ref):
-        ref = lora.BaseView(policy)
-    elif opts.kl_coef > 0 or opts.adaptive_kl:               # with β = 0 no KL is ever computed: no reference
-        ref = GPT.from_pretrained(opts.ref or opts.init, dropout=0.0).requires_grad_(False).eval()
-        check_vocab(tok, ref.cfg, opts.ref or opts.init)
-    spec = opts.reward_model if opts.reward == "model" else opts.reward
-    if opts.reward == "selfplay":
-        reward = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=device,
-                            prompts=prompt_texts, batch_size=opts.micro_batch_size, template=opts.judge_template)
-    else:
-        reward = reward_mod.load_reward(spec, tokenizer=tok, device=device, prompts=prompt_texts,
-                                        batch_size=opts.micro_batch_size)
-    if isinstance(reward, reward_mod.RewardModel) and opts.normalize_score and not reward.has_stats:
-        dist.print0(f"note: {spec}/config.json has no reward_mean/reward_std; scores are not normalised")
-    critic = None
-    if opts.advantage == "gae":
-        src = opts.reward_model if opts.critic_init == "reward_model" else opts.init
-        critic = ScoreModel.from_pretrained(src, new_head=opts.critic_init == "policy", dropout=0.0)
-        check_vocab(tok, critic.cfg, src)                     # it reads the policy tokenizer's ids
-        identity.update(lora.attach(critic, opts, src, trainable=("score",), prefix="critic_lora", seed=opts.seed + 1))
-    for rm in (reward, getattr(reward, "pointwise", None)):
-        if isinstance(rm, reward_mod.RewardModel):
-            dist.check_same_weights(rm.model, "reward model")
-    return Models(policy=policy, reward=reward, ref=ref, critic=critic, gold=reward_mod.builtin_gold(prompt_texts))
-
-
-def tokenize_inputs(opts, tok, block, prompt_records, ptx_records):
+def tokenize_inputs(opts, tok, block, prompt_records, ptx_records, tools=None):
     """The tokenized prompts (and their stats) and the PTX batches, at the lengths the policy's block_size
     allows. Raises on bad input (one line via input_errors)."""
     world = dist.world()
-    # the sequence length, as --max_length's default in the other scripts: an --init model may declare 128k
-    # positions, which no prompt + response needs (and the KV cache would be sized by)
-    length = training_length(0, block, opts.init)
-    max_prompt = opts.max_prompt_len or length - opts.max_new_tokens
-    if max_prompt < 1 or max_prompt + opts.max_new_tokens > block:
-        raise ValueError(f"--max_prompt_len {max_prompt} + --max_new_tokens {opts.max_new_tokens} must fit in "
-                         f"block_size {block}" + ("" if opts.max_prompt_len else
-                                                  " (--max_prompt_len 0 = min(block_size, 1024) - --max_new_tokens)"))
-    prompts, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
+    prompts, prompt_stats = tokenize_prompts(prompt_records, tok, prompt_limit(opts.max_prompt_len,
+                                                                               opts.max_new_tokens, block),
+                                             tools=None if tools is None else tools.schemas)
     ptx = None
     if ptx_records is not None:
-        ptx_examples, _ = tokenize_sft(ptx_records, tok, length)
+        ptx_examples, _ = tokenize_sft(ptx_records, tok, training_length(0, block, opts.init))
         ptx = Ptx(Batches(len(ptx_examples), opts.ptx_batch_size, 1, world.rank, world.world_size, opts.seed),
                   ptx_examples, opts.ptx_coef, tok.pad_id)
     return prompts, prompt_stats, ptx
 
 
-def step_metrics(r: Rollout, targets: Advantages, sums, beta, k=1):
-    """Named per-step figures, averaged over all ranks: sequence means, token means and update means. k > 1
-    (a group estimator's samples per prompt) adds zero_spread, the share of groups whose k scores are all equal
-    (they teach a group estimator nothing)."""
-    seq = {"score": r.scores, "rm_score_raw": r.raw_scores, "kl": sequence_kl(r),
-           "non_score_reward": targets.kl_penalty, "response_length": r.response_mask.sum(1), "eos_rate": r.has_eos}
-    if k > 1:
-        seq["zero_spread"] = (~rollout_mod.group_spread(r.scores, k)).repeat_interleave(k).to(r.scores.dtype)
-    if r.gold is not None:
-        seq["gold_reward"] = r.gold
-    names = ["sequences", *seq, *sums]
-    local = [float(r.scores.shape[0]), *(v.sum().item() for v in seq.values()), *sums.values()]
-    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
-    metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
-    per_token = ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio", "value_loss", "value_clipfrac")
-    metrics.update({f"train/{k}": total[k] / max(total["tokens"], 1) for k in per_token if k in total})
-    per_update = max(total["updates"], 1)          # every rank counts its updates, so this also divides by ranks
-    metrics.update({f"train/{k}": total[k] / per_update for k in ("grad_norm", "critic_grad_norm") if k in total})
-    metrics["train/kl_coef"] = beta
-    for k in ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio"):    # over the policy loss's own tokens
-        if k in total and "policy_tokens" in total:
-            metrics[f"train/{k}"] = total[k] / max(total["policy_tokens"], 1)
-    if r.stats:       # rank means of the sampling's figures (dynamic sampling, sampler/trainer mismatch)
-        names = sorted(r.stats)
-        sums = dist.all_reduce_sum(torch.tensor([r.stats[k] for k in names], dtype=torch.float64))
-        means = sums / dist.world().world_size
-        metrics.update({f"train/{k}": v for k, v in zip(names, means.tolist())})
-    return metrics
-
-
 def main(argv=None):
-    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", run_record)
+    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", run_record,
+                                        fill=fill_defaults)
     with input_errors():
         prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
         ptx_records = load_records(opts.ptx_data, "sft") if opts.ptx_data else None
         tok = run_mod.tokenizer(opts, run)
         torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
-        models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device,
-                             run.identity)
+        models = rollout_mod.load_rollout_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records],
+                                                 world.device, run.identity)
         prompts, prompt_stats, ptx = tokenize_inputs(opts, tok, models.policy.cfg.block_size, prompt_records,
-                                                     ptx_records)
+                                                     ptx_records, models.tools)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     eval_prompts = eval_records[:opts.eval_samples]
-    run_mod.place(opts, world, {"policy": models.policy, "critic": models.critic}, {"ref": models.ref})
+    run_mod.place(opts, world, {"policy": models.policy, "critic": models.critic, "cost critic": models.cost_critic},
+                  {"ref": models.ref})
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
     models.ref = run_mod.frozen(opts, models.ref)
-    if isinstance(models.reward, reward_mod.RewardModel):
-        models.reward.model = run_mod.frozen(opts, models.reward.model)
+    for scorer in (models.reward, models.cost):
+        if isinstance(scorer, reward_mod.RewardModel):
+            scorer.model = run_mod.frozen(opts, scorer.model)
     policy = Learner.of(models.policy, opts.lr, opts)
     critic = Learner.of(models.critic, opts.critic_lr, opts) if models.critic is not None else None
-    trained = {"policy": policy, **({"critic": critic} if critic else {})}
+    cost_critic = Learner.of(models.cost_critic, opts.critic_lr, opts) if models.cost_critic is not None else None
+    trained = {"policy": policy, **({"critic": critic} if critic else {}),
+               **({"cost_critic": cost_critic} if cost_critic else {})}
     state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
-    run_mod.plan(opts, {"policy": models.policy, "critic": models.critic, "ref": models.ref,
-                       "reward": getattr(models.reward, "model", None)})
+    lag = None               # J_C's window: the steps that hold the last --cost_window episode costs of each rank
+    if models.cost is not None:
+        lag = Lagrange(opts.lambda_init, -(-opts.cost_window // (opts.batch_size * opts.samples_per_prompt)))
+    run_mod.plan(opts, {"policy": models.policy, "critic": models.critic, "cost_critic": models.cost_critic,
+                       "ref": models.ref, "reward": getattr(models.reward, "model", None),
+                       "cost": getattr(models.cost, "model", None)})
     watch = Watch(opts.score_warn)
     meta = run_mod.resume(opts, run, **state, data={"data": prompt_batches, "watch": watch})
     if meta:
         kl_ctl.beta = meta["kl_coef"]
+        if lag is not None:
+            lag.log_lambda = meta["log_lambda"]
+            lag.steps.extend(tuple(s) for s in meta["cost_window"])
         if ptx is not None and "ptx_data" in meta:
             ptx.batches.load_state_dict(meta["ptx_data"])
     dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
     warn_short_warmup(opts.max_steps, opts.warmup_steps)
-    run.show = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac",
-                "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward",
-                "eval/kl"]
+    run.show = ["train/score", "train/gold_reward", "train/cost", "train/lambda", "train/kl", "train/entropy",
+                "train/clipfrac", "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score",
+                "eval/reward", "eval/cost", "eval/kl"]
     run.loss_key = ["train/policy_loss", "train/value_loss"]
 
     def evaluate(step):
         """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps); rank 0 only."""
-        metrics = {}
-        # FSDP: rank 0 samples alone, so the models it uses are gathered (on every rank) for the duration
-        with parallel.gathered(models.policy, models.ref, getattr(models.reward, "model", None)):
-            if world.is_main:
-                samples = sample_and_score(models.policy, tok, eval_prompts,
-                                           replace(sampling_options(opts, tok), temperature=1.0), seed=1234,
-                                           ref=models.ref, rewards=eval_rewards(models, opts))
-                metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
-                run.log_samples(step, samples[:8])
-                for smp in samples[:3]:
-                    dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}")
-        dist.barrier()
-        return metrics
+        return eval_metrics(run, step, models.policy, tok, eval_prompts,
+                            replace(rollout_mod.sampling_options(opts, tok), temperature=1.0), ref=models.ref,
+                            rewards={**reward_mod.eval_columns(models.reward, models.gold),
+                                     **({"cost": models.cost} if models.cost is not None else {})},
+                            gathered=(models.ref, getattr(models.reward, "model", None),
+                                      getattr(models.cost, "model", None)), show=3, tools=models.tools,
+                            max_turns=opts.max_turns)
 
     def save(step):
         run_mod.save(opts, step, **state, data={"data": prompt_batches, "watch": watch,
                                                **({"ptx_data": ptx.batches} if ptx else {})},
-                    kl_coef=kl_ctl.beta)
+                    kl_coef=kl_ctl.beta, **({} if lag is None else {"log_lambda": lag.log_lambda,
+                                                                   "cost_window": list(lag.steps)}))
         save_model_dir(opts.out_dir, models.policy, tok)
 
     if run.step == 0 and opts.eval_interval:       # the starting point of the eval curves
@@ -970,28 +963,30 @@ def main(argv=None):
         batch = rollout(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats)
         t_gen = time.time() - t0
         beta = kl_ctl.beta
-        targets = advantages(batch, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,
-                             kl_in_loss=opts.kl_in_loss, k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
-        if opts.advantage in WHITENED:         # whiten over the valid tokens of ALL ranks: two passes, two all-reduces
-            n, total = dist.all_reduce_sum(masked_sums(targets.adv, batch.response_mask))
-            mean = total / n.clamp(min=1)
-            sq_dev = dist.all_reduce_sum(masked_sq_dev(targets.adv, batch.response_mask, mean))
-            targets.adv = masked_whiten(targets.adv, batch.response_mask, n, mean, sq_dev)
+        estimator = dict(estimator=opts.advantage, kl_estimator=opts.kl_estimator, kl_in_loss=opts.kl_in_loss,
+                         k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
+        if lag is None:
+            targets = advantages(batch, beta=beta, **estimator)
+        else:                                  # λ's step on this step's costs first, as safe-rlhf does
+            episode_cost = lag.update(batch.costs, opts, move=step > opts.lambda_delay)
+            targets = lagrangian_targets(batch, lag.multiplier, beta, **estimator)
+        if opts.advantage in WHITENED:
+            targets.adv = whiten_over_ranks(targets.adv, batch.actions)
         warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(batch, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
-                      gen=shuffle_gen, ptx=ptx)
-        metrics = step_metrics(batch, targets, sums, beta, opts.samples_per_prompt if opts.advantage in GROUP else 1)
+                      gen=shuffle_gen, ptx=ptx, cost_critic=cost_critic)
+        metrics = rollout_mod.step_metrics(batch, sequence_kl(batch), targets.kl_penalty, sums, beta,
+                                           opts.samples_per_prompt if opts.advantage in GROUP else 1)
         if opts.adaptive_kl:
             kl_ctl.update(metrics["train/kl"], dist.all_reduce_sum(float(batch.scores.shape[0])))
-        if critic is not None:                 # two passes over the returns and the residuals, one all-reduce each
-            residuals = targets.returns - batch.values
-            ev_sums = dist.all_reduce_sum(torch.cat([masked_sums(targets.returns, batch.response_mask),
-                                                     masked_sums(residuals, batch.response_mask)]))
-            n = ev_sums[0].clamp(min=1)
-            sq_devs = dist.all_reduce_sum(torch.stack([
-                masked_sq_dev(targets.returns, batch.response_mask, ev_sums[1] / n),
-                masked_sq_dev(residuals, batch.response_mask, ev_sums[3] / n)]))
-            metrics["train/explained_variance"] = explained_variance(*sq_devs)
+        if critic is not None:
+            metrics["train/explained_variance"] = explained_variance_over_ranks(targets.returns, batch.values,
+                                                                                batch.response_mask)
+        if cost_critic is not None:
+            metrics["train/cost_explained_variance"] = explained_variance_over_ranks(
+                targets.cost_returns, batch.cost_values, batch.response_mask)
+        if lag is not None:
+            metrics.update({"train/episode_cost": episode_cost, "train/lambda": lag.multiplier})
         check_step(watch, step, (batch.response_mask.sum(1) - batch.has_eos).tolist(), batch.completions,
                    batch.raw_scores.tolist(), opts.samples_per_prompt, batch.policy_mask.sum().item())
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
@@ -999,54 +994,44 @@ def main(argv=None):
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
-    run_mod.finish(run, state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None)},
+    run_mod.finish(run, state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None),
+                                          "cost model": getattr(models.cost, "model", None)},
                   saved=f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
+    if models.tools is not None:
+        models.tools.close()
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
+                           cost=models.cost, cost_critic=models.cost_critic, lagrange=lag,
                            optimizers=state["optimizers"], options=opts)
-
-
-def reward_model_dir(opts):
-    """--reward_model when the run reads it (the reward, or the critic's start), else "": a default out/rm that
-    a --reward gold run never opens is not an input (its files are not checksummed for --resume)."""
-    used = opts.reward == "model" or (opts.advantage == "gae" and opts.critic_init == "reward_model")
-    return opts.reward_model if used else ""
 
 
 def run_record(opts, _):
     """The inputs the run only reads (reward and judge code files too: an edited reward is another run) and its
-    data files; its options are its identity (nano_rlhf/run.py)."""
-    return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": reward_model_dir(opts),
+    data files; its options are its identity (nano_rlhf/run.py). A default out/rm that the run never opens (no
+    reward model, no critic from it) is no input: its files are not checksummed for --resume."""
+    rm_used = opts.reward == "model" or (opts.advantage == "gae" and opts.critic_init == "reward_model")
+    return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model if rm_used else "",
                         "reward": reward_mod.code_file(opts.reward),
                         "judge": reward_mod.model_dir(opts.judge) or reward_mod.code_file(opts.judge),
-                        "pair_judge": reward_mod.code_file(opts.pair_judge)},
+                        "pair_judge": reward_mod.code_file(opts.pair_judge), "cost_model": opts.cost_model,
+                        "cost": reward_mod.code_file(opts.cost),
+                        **{"tools" + (f".{i}" if i else ""): f
+                           for i, f in enumerate(tools_mod.code_files(opts.tools))}},
                 data_files={"prompts": opts.prompts or default_path("prompts"),
                             "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
 
 
 def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
     """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
-    return (f"{opts.advantage.upper()} | reward {opts.reward} | {n_prompts:,} prompts ({prompt_stats}) | "
-            f"{opts.batch_size} prompts x {opts.samples_per_prompt} samples x {dist.world().world_size} ranks per "
-            f"step | "
-            f"{opts.ppo_epochs} epochs x {opts.num_minibatches} minibatches of "
-            f"{opts.batch_size * opts.samples_per_prompt // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
+    B, k = opts.batch_size, opts.samples_per_prompt
+    return (f"{opts.advantage.upper()} | reward {opts.reward} | {n_prompts:,} prompts ({prompt_stats}) | {B} prompts x "
+            f"{k} samples x {dist.world().world_size} ranks per step | {opts.ppo_epochs} epochs x "
+            f"{opts.num_minibatches} minibatches of {B * k // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
             f"critic: {opts.critic_init if models.critic is not None else 'none'} | {opts.max_steps} steps"
+            + (f" | cost {opts.cost_model or opts.cost} <= {opts.cost_limit:g} (PPO-Lagrangian, λ from "
+               f"{opts.lambda_init:g})" if models.cost is not None else "")
             + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
                                               if isinstance(models.ref, lora.BaseView) else "")
             + (f" | resuming at step {step}" if step else ""))
-
-
-def eval_rewards(models: Models, opts):
-    """Evaluation columns: the trained reward (a reward model's raw score as rm_score, a function's as reward)
-    and the programmatic gold reward when one applies to these prompts. SPO: a win rate needs a group, so the
-    judge's own pointwise score stands in (none for a pairwise-only judge)."""
-    reward = models.reward.pointwise if isinstance(models.reward, Judge) else models.reward
-    cols = {} if reward is None else {"rm_score" if isinstance(reward, reward_mod.RewardModel) else "reward": reward}
-    if models.gold is not None and models.gold is reward:   # --reward gold (or --judge gold): one column, its name
-        return {"gold_reward": models.gold}
-    if models.gold is not None:
-        cols["gold_reward"] = models.gold
-    return cols
 
 
 if __name__ == "__main__":

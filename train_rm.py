@@ -46,7 +46,7 @@ from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import CompileOption, RunOptions
 from nano_rlhf.data import Batches, collate_pairs, tokenize_pairs, training_length
 from nano_rlhf.model import GPTConfig, ScoreModel, upcast
-from nano_rlhf.run import (autocast, check_device, check_finite, check_vocab, derive_max_steps, fail, input_errors,
+from nano_rlhf.run import (autocast, check_finite, check_vocab, derive_max_steps, fail, input_errors,
                            lr_at, set_lr)
 
 
@@ -275,7 +275,6 @@ def build_model(opts, tok):
 
 def check_options(opts):
     """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
-    check_device(opts.device)
     if opts.max_steps and opts.stop_at > opts.max_steps:
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
     if opts.fsdp and opts.compile:

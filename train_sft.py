@@ -42,7 +42,7 @@ from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import CompileOption, RunOptions
 from nano_rlhf.data import Batches, collate_packed, collate_sft, pack_sft, tokenize_sft, training_length
 from nano_rlhf.model import GPT, GPTConfig, token_logprobs
-from nano_rlhf.run import (autocast, check_device, check_finite, check_vocab, derive_max_steps, fail, input_errors,
+from nano_rlhf.run import (autocast, check_finite, check_vocab, derive_max_steps, fail, input_errors,
                            load_tokenizer, lr_at, set_lr)
 from nano_rlhf.tokenizer import Tokenizer
 
@@ -209,7 +209,6 @@ def evaluate_loss(model, examples, *, pad_id, batch_size, dtype):
 
 def check_options(opts):
     """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
-    check_device(opts.device)
     if opts.max_steps and opts.stop_at > opts.max_steps:
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
     if opts.fsdp and opts.compile:

@@ -126,6 +126,15 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     seed: int = 0                 # seed for data order, KTO's mismatched pairs and D2O's samples
     resume: bool = False          # continue from out_dir/state (D2O: with the saved samples)
     max_length: int = 0           # training length (prompts are left-truncated); 0 = min(block_size, 1024)
+
+
+def fill_defaults(opts):
+    """The defaults that depend on --method, filled in right after parsing (run.json records the filled values)."""
+    opts.alpha = opts.beta if opts.alpha is None else opts.alpha
+    # NPO: 1e-5, the paper's (its code's config/forget.yaml): at 1e-4 its forget term, a SUMMED sequence log-prob,
+    # wrecked the retain NLL of the built-in task's policy (0.90 -> 4.3 in 50 steps; docs/algorithms.md, NPO)
+    opts.lr = opts.lr if opts.lr is not None else (1e-5 if opts.method == "npo" else 1e-4)
+    opts.out_dir = opts.out_dir or f"out/{opts.method}"
                                   # [with method=kto] {>= 0}
 
 
@@ -498,11 +507,6 @@ def check_options(opts):
         fail(f"--method kto needs --batch_size >= 2 (got {opts.batch_size})", 2)
     if opts.offload_frozen and opts.precompute_ref:
         fail("--offload_frozen: this run holds no reference model (--precompute_ref)", 2)
-    opts.alpha = opts.beta if opts.alpha is None else opts.alpha
-    # NPO: 1e-5, the paper's (its code's config/forget.yaml): at 1e-4 its forget term, a SUMMED sequence log-prob,
-    # wrecked the retain NLL of the built-in task's policy (0.90 -> 4.3 in 50 steps; docs/algorithms.md, NPO)
-    opts.lr = opts.lr if opts.lr is not None else (1e-5 if method == "npo" else 1e-4)
-    opts.out_dir = opts.out_dir or f"out/{method}"
 
 
 def data_files(opts):
@@ -622,7 +626,7 @@ def run_record(opts, files):
 
 def main(argv=None):
     opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "unpaired", run_record,
-                                           load=data_files)
+                                           load=data_files, fill=fill_defaults)
     with input_errors():
         records = read_train_eval(opts, files)
         tok = run_mod.tokenizer(opts, run)

@@ -236,9 +236,10 @@ def _rl(a, advantage):
     import torch
     import train_ppo
     from nano_rlhf import dist
-    from nano_rlhf.run import adamw
+    from nano_rlhf.run import Learner, adamw
     from nano_rlhf.model import GPT, ScoreModel
     from nano_rlhf.reward import RewardModel
+    from nano_rlhf.rollout import Models
     tok = _bench_tokenizer()
     dist.setup("cpu")
     policy = _model(GPT).train()
@@ -253,9 +254,9 @@ def _rl(a, advantage):
         ref = copy.deepcopy(policy).requires_grad_(False).eval()
         reward = RewardModel(_model(ScoreModel).requires_grad_(False).eval(), tok)
         critic = _model(ScoreModel).train()
-    models = train_ppo.Models(policy=policy, reward=reward, ref=ref, critic=critic)
-    pi = train_ppo.Learner(policy, policy, adamw(policy, 1e-5, 0.0, eps=1e-5))
-    v = train_ppo.Learner(critic, critic, adamw(critic, 1e-5, 0.0, eps=1e-5)) if critic is not None else None
+    models = Models(policy=policy, reward=reward, ref=ref, critic=critic)
+    pi = Learner(policy, policy, adamw(policy, 1e-5, 0.0, eps=1e-5))
+    v = Learner(critic, critic, adamw(critic, 1e-5, 0.0, eps=1e-5)) if critic is not None else None
     prompts = [{"prompt": [t % 4000 + 2 for t in range(i * 32, i * 32 + 32)], "text": ""} for i in range(4)]
     gen, shuffle = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
     times = {"gen": []}

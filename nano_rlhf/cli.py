@@ -30,9 +30,10 @@ value float32 cannot hold (beyond ±3.4e38, or non-zero below 1.4e-45: see FLOAT
 A `seed` is an int in [0, 2**63).
 
 A comment may also say when the option applies, in brackets: `[with NAME]` (NAME is true, non-zero or non-empty),
-`[with NAME=a|b]`, `[with NAME!=a]`, `[with NAME>0]`, several joined by ` and `. An option given on the command
-line (whatever its value, the default included) where its condition is false would be silently ignored, so
-parse_args refuses it: one line, `error: --dual_clip applies only with --policy_loss dual_clip (got ppo)`, exit 2.
+`[with NAME=a|b]`, `[with NAME!=a]`, `[with NAME>0]`, several joined by ` and ` or ` or ` (`and` binds looser:
+`[with a or b and c]` is (a or b) and c). An option given on the command line (whatever its value, the default
+included) where its condition is false would be silently ignored, so parse_args refuses it: one line,
+`error: --dual_clip applies only with --policy_loss dual_clip (got ppo)`, exit 2.
 --help shows the condition as written.
 """
 import argparse
@@ -148,18 +149,24 @@ def check_ranges(opts):
 
 
 def parse_condition(comment: str):
-    """The [with ...] condition of a field comment as [(name, op, values)] (op: "true", "=", "!=", ">"), or None.
-    A bracket group that does not parse is a programming error (ValueError)."""
+    """The [with ...] condition of a field comment as a list of parts that must all hold, each a list of
+    alternatives of which one must hold ([with a or b and c]: (a or b) and c), each alternative (name, op, values)
+    (op: "true", "=", "!=", ">"); None without one. A bracket group that does not parse is a programming error
+    (ValueError)."""
     m = _WITH.search(comment or "")
     if m is None:
         return None
     out = []
     for part in m.group(1).split(" and "):
-        c = _COND.match(part.strip())
-        if c is None:
-            raise ValueError(f"bad condition [with {m.group(1)}] in option comment {comment!r}")
-        name, op, values, gt, bound = c.groups()
-        out.append((name, op or gt or "true", values.split("|") if values else [float(bound)] if gt else []))
+        alternatives = []
+        for alt in part.split(" or "):
+            c = _COND.match(alt.strip())
+            if c is None:
+                raise ValueError(f"bad condition [with {m.group(1)}] in option comment {comment!r}")
+            name, op, values, gt, bound = c.groups()
+            alternatives.append((name, op or gt or "true",
+                                 values.split("|") if values else [float(bound)] if gt else []))
+        out.append(alternatives)
     return out
 
 
@@ -187,12 +194,13 @@ def condition_violation(opts, name, given, comments):
     cond = parse_condition(comments.get(name, ""))
     if cond is None or name not in given:
         return None
-    failed = [(n, op, v) for n, op, v in cond if not _holds(getattr(opts, n), op, v)]
+    failed = [alts for alts in cond if not any(_holds(getattr(opts, n), op, v) for n, op, v in alts)]
     if not failed:
         return None
-    n, op, v = failed[0]
-    got = "" if op == "true" else f" (got {getattr(opts, n)})"
-    return f"--{name} applies only with {' and '.join(_says(*c) for c in cond)}{got}; here it would be ignored"
+    n, op, v = failed[0][0]
+    got = "" if op == "true" or len(failed[0]) > 1 else f" (got {getattr(opts, n)})"
+    says = " and ".join(" or ".join(_says(*c) for c in alts) for alts in cond)
+    return f"--{name} applies only with {says}{got}; here it would be ignored"
 
 
 def _bool(s):

@@ -46,6 +46,18 @@ def training_length(max_length: int, block_size: int, where: str) -> int:
     return max_length or min(block_size, DEFAULT_MAX_LENGTH)
 
 
+def prompt_limit(max_prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """The longest prompt a rollout keeps (longer ones are left-truncated): --max_prompt_len, or 0 = the training
+    length min(block_size, 1024) minus --max_new_tokens (a model may declare 128k positions, which no prompt +
+    response needs and the KV cache would be sized by). ValueError if prompt + response cannot fit block_size."""
+    limit = max_prompt_len or min(block_size, DEFAULT_MAX_LENGTH) - max_new_tokens
+    if limit < 1 or limit + max_new_tokens > block_size:
+        raise ValueError(f"--max_prompt_len {limit} + --max_new_tokens {max_new_tokens} must fit in block_size "
+                         f"{block_size}" + ("" if max_prompt_len else
+                                            " (--max_prompt_len 0 = min(block_size, 1024) - --max_new_tokens)"))
+    return limit
+
+
 def fit_prompt(prompt_ids: List[int], response_len: int, max_len: int):
     """Left-truncate the prompt so prompt + response fits in max_len; None if it cannot (drop)."""
     if len(prompt_ids) + response_len <= max_len:
@@ -170,11 +182,12 @@ def _tokenize_single(records, tok, max_len, fields):
     return out, st
 
 
-def tokenize_prompts(records, tok, max_prompt_len):
-    """Prompt rows -> [dict(prompt=ids, text=the prompt as given)], Stats (left-truncated to max_prompt_len)."""
+def tokenize_prompts(records, tok, max_prompt_len, tools=None):
+    """Prompt rows -> [dict(prompt=ids, text=the prompt as given)], Stats (left-truncated to max_prompt_len).
+    tools: the JSON schemas of the tools the prompts offer (the chat template renders them)."""
     out, st = [], Stats(kept=0, truncated=0)
     for r in records:
-        p = tok.render_prompt(r["prompt"])
+        p = tok.render_prompt(r["prompt"], tools=tools)
         if len(p) > max_prompt_len:
             p = p[-max_prompt_len:]
             st["truncated"] += 1

@@ -40,7 +40,7 @@ from typing import Literal, Optional
 
 import torch
 
-from . import dist
+from . import dist, parallel
 from . import reward as reward_mod
 from .checkpoint import atomic_write_text
 from .data import default_data
@@ -49,8 +49,9 @@ from .cli import ChatTemplate, parse_args
 from .data import DataError, collate_prompts, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
 from .run import Progress
-from .sampling import SamplingOptions, cut_at_stop, generate
+from .sampling import SamplingOptions, sample_responses
 from .summary import format_summary, format_table, summarize
+from .tools import ToolEnv
 
 
 def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
@@ -72,13 +73,15 @@ def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
 
 @torch.no_grad()
 def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_tokens=48), *, samples_per_prompt=1,
-                     seed=0, batch_size=64, ref=None, rewards=None, progress=None):
+                     seed=0, batch_size=64, ref=None, rewards=None, progress=None, tools=None, max_turns=1):
     """Generate for every prompt (records with "prompt") and score; returns one dict per sample.
     sampling: nano_rlhf.sampling.SamplingOptions (its stop_ids and pad_id default to the tokenizer's; each
     response is cut after its first stop token). seed: one generator for the whole call. rewards: {column
     name: reward(prompts, completions)} (nano_rlhf.reward); a reward model scores the very token ids sampled.
     ref: the reference for the KL column (the model itself: KL 0 without a forward). progress: a
-    run.Progress told of each batch (the command line's; the training loops' evaluations print nothing)."""
+    run.Progress told of each batch (the command line's; the training loops' evaluations print nothing). tools (a
+    nano_rlhf.tools.ToolBox): the prompts offer them and a response may call them, up to max_turns assistant
+    turns (its completion holds the tool turns; its KL counts only the tokens the policy sampled)."""
     model.eval()
     sampling = replace(sampling, stop_ids=tok.stop_ids if sampling.stop_ids is None else sampling.stop_ids,
                        pad_id=tok.pad_id if sampling.pad_id is None else sampling.pad_id)
@@ -86,7 +89,7 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
     if max_prompt < 1:
         raise ValueError(f"--max_new_tokens {sampling.max_new_tokens} leaves no room for a prompt in block_size "
                          f"{model.cfg.block_size}")
-    items, _ = tokenize_prompts(prompts, tok, max_prompt)
+    items, _ = tokenize_prompts(prompts, tok, max_prompt, tools=None if tools is None else tools.schemas)
     work = [(i, j) for i in range(len(items)) for j in range(samples_per_prompt)]
     # the prompts, the generator and the samples live where the model does (a CPU generator cannot draw on CUDA)
     device = next(model.parameters()).device
@@ -99,10 +102,9 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
         chunk = work[s:s + batch_size]
         ids, attn = collate_prompts([items[i]["prompt"] for i, _ in chunk], tok.pad_id)
         ids, attn = ids.to(device), attn.to(device)
-        seq = generate(model, ids, attn, sampling, gen)
         # end-of-text or the template's end-of-turn ends a response; its mask covers it, the padding after it not
-        resp, response_mask, length, has_eos = cut_at_stop(seq[:, ids.shape[1]:], sampling.stop_ids,
-                                                           sampling.pad_id)
+        resp, response_mask, length, has_eos, actions = sample_responses(
+            model, ids, attn, sampling, gen, env=None if tools is None else ToolEnv(tools, tok), max_turns=max_turns)
         seq = torch.cat([ids, resp], 1)
         full_attn = torch.cat([attn, response_mask.long()], 1)
         kl = None
@@ -111,8 +113,9 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
         elif ref is not None:
             lp = response_logprobs(model, seq, full_attn, response_mask, temperature)
             rlp = response_logprobs(ref, seq, full_attn, response_mask, temperature)
-            kl = (lp - rlp).sum(1)
-        texts = [tok.decode(resp[b, :length[b]].tolist()) for b in range(len(chunk))]
+            kl = ((lp - rlp) * actions).sum(1)
+        decode = tok.decode if tools is None else tok.decode_turns
+        texts = [decode(resp[b, :length[b]].tolist()) for b in range(len(chunk))]
         chunk_prompts = [prompts[i]["prompt"] for i, _ in chunk]
         scores = {name: (fn.score_tokens(seq, full_attn).tolist() if isinstance(fn, reward_mod.RewardModel)
                          else fn(chunk_prompts, texts)) for name, fn in rewards.items()}
@@ -126,6 +129,26 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
                 rec["kl"] = float(kl[b])
             out.append(rec)
     return out
+
+
+def eval_metrics(run, step, policy, tok, prompts, sampling, *, rewards, ref=None, gathered=(), show=0, tools=None,
+                 max_turns=1):
+    """A training loop's held-out evaluation: prompts sampled on rank 0 with a fixed seed (comparable across
+    steps), scored by `rewards` ({column: reward function}) and with ref the KL to it; returns the means as
+    {"eval/<column>": value} on rank 0 ({} on the others), logs 8 samples to the run and prints `show` of them
+    (tools, max_turns: as sample_and_score).
+    FSDP: rank 0 samples alone, so the policy and the `gathered` models are gathered on every rank meanwhile."""
+    metrics = {}
+    with parallel.gathered(policy, *gathered):
+        if dist.world().is_main:
+            samples = sample_and_score(policy, tok, prompts, sampling, seed=1234, ref=ref, rewards=rewards,
+                                       tools=tools, max_turns=max_turns)
+            metrics = {f"eval/{k}": v for k, v in summarize(samples).items() if not k.endswith("_se") and k != "n"}
+            run.log_samples(step, samples[:8])
+            for smp in samples[:show]:
+                dist.print0(f"  sample | {smp['prompt']!r} -> {smp['completion']!r}")
+    dist.barrier()
+    return metrics
 
 
 @dataclass

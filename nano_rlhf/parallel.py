@@ -357,10 +357,11 @@ def format_plan(rows, title=""):
     """The plan as a text table, in GiB per rank (MiB when the total is under 1 GiB)."""
     unit, div = ("GiB", 2**30) if rows[-1]["total"] >= 2**30 else ("MiB", 2**20)
     lines = [title] if title else []
-    lines.append(f"{'model':<8} {'params':>9} {'grads':>9} {'optim':>9} {'total':>9}  ({unit} per rank)")
+    w = max(8, *(len(r["model"]) for r in rows))
+    lines.append(f"{'model':<{w}} {'params':>9} {'grads':>9} {'optim':>9} {'total':>9}  ({unit} per rank)")
     for r in rows:
         cells = " ".join(f"{r[k] / div:>9.2f}" for k in ("params", "grads", "optim", "total"))
-        lines.append(f"{r['model']:<8} " + cells)
+        lines.append(f"{r['model']:<{w}} " + cells)
     return "\n".join(lines)
 
 

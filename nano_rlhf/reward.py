@@ -209,9 +209,20 @@ def code_file(spec):
 def load_function(spec, flag="--reward"):
     """Import a user's reward function at start-up; one-line errors (naming flag) for a missing module, file
     or function and for a non-callable."""
+    module, fn = load_object(spec, flag)
+    if not callable(fn):
+        where, name = spec.rsplit(":", 1)
+        fail(f"{flag} {spec}: {where}.{name} is a {type(fn).__name__}, not a function")
+    return _Checked(fn, spec, flag, module)
+
+
+def load_object(spec, flag="--reward", expected="module:function or path/to/file.py:function"):
+    """(module, object) named by `module:NAME` or `path/to/file.py:NAME`, imported at start-up; one-line errors
+    (naming flag) for a missing module, file or name. A file is imported under a private module name, once per
+    call (its top-level code runs again)."""
     where, name = spec.rsplit(":", 1)
     if not where or not name:
-        fail(f"{flag} {spec}: expected module:function or path/to/file.py:function")
+        fail(f"{flag} {spec}: expected {expected}")
     is_file = where.endswith(".py") or os.sep in where or "/" in where
     if is_file and not os.path.isfile(where):
         fail(f"{flag} {spec}: no such file {where}")
@@ -234,12 +245,10 @@ def load_function(spec, flag="--reward"):
         fail(f"{flag} {spec}: importing {where} raised {type(e).__name__}: {_first_line(e)}{_user_frames(e)}")
     except SystemExit as e:
         fail(f"{flag} {spec}: importing {where} called sys.exit({e.code!r}){_user_frames(e)}")
-    fn = getattr(module, name, None)
-    if fn is None:
+    obj = getattr(module, name, None)
+    if obj is None:
         fail(f"{flag} {spec}: {where} has no {name!r}")
-    if not callable(fn):
-        fail(f"{flag} {spec}: {where}.{name} is a {type(fn).__name__}, not a function")
-    return _Checked(fn, spec, flag, module)
+    return module, obj
 
 
 def load_reward(spec, *, tokenizer=None, device="cpu", prompts=None, batch_size=64, flag="--reward"):
@@ -419,6 +428,20 @@ LLM = "llm:"
 DEFAULT_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", "judge_default.txt")
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _PLACEHOLDER = re.compile(r"\{(prompt|response)\}")
+
+
+def eval_columns(reward, gold=None):
+    """The reward columns of a trained policy's evaluation (nano_rlhf.evaluate.sample_and_score's rewards): the
+    trained reward (a reward model's raw score as rm_score, a function's as reward) and the programmatic gold
+    reward when one applies to these prompts. A Judge (SPO): a win rate needs a group, so the judge's own
+    pointwise score stands in (none for a pairwise-only judge)."""
+    reward = reward.pointwise if isinstance(reward, Judge) else reward
+    cols = {} if reward is None else {"rm_score" if isinstance(reward, RewardModel) else "reward": reward}
+    if gold is not None and gold is reward:      # --reward gold (or --judge gold): one column, its name
+        return {"gold_reward": gold}
+    if gold is not None:
+        cols["gold_reward"] = gold
+    return cols
 
 
 def model_dir(spec):

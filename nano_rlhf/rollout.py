@@ -1,21 +1,25 @@
-"""Rollouts for a script that trains on its own samples (train_ppo.py): sample k completions per prompt with the
-rollout engine, cut each after its first stop token, read the reward (a reward model on the very ids sampled, a
-function on the decoded texts, or a judge's preferences within each prompt's group), and DAPO's sampling rounds;
-the Rollout container the update reads. Knows no loss, advantage or KL: what a reward becomes (normalised,
-clipped, penalised, a win rate) is the script's.
+"""Rollouts for a script that trains on its own samples (train_ppo.py): the models a rollout is sampled, scored and
+valued with (loaded from the script's options); k completions per prompt from the rollout engine, each cut after
+its first stop token; the reward read (a reward model on the very ids sampled, a function on the decoded texts, or
+a judge's preferences within each prompt's group) and a cost beside it; DAPO's sampling rounds; the Rollout
+container the update reads. Knows no loss, advantage or KL: what a reward becomes (normalised, clipped,
+penalised, a win rate) is the script's.
 
 B = prompts × k sequences, P = the longest prompt (left-padded), R = the longest response (right-padded).
 """
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from . import dist, parallel
+from . import dist, lora, parallel
 from .data import collate_prompts
-from .reward import Judge, RewardModel, preference_matrix
-from .sampling import cut_at_stop, generate
+from .model import GPT, ScoreModel
+from .reward import Judge, RewardModel, builtin_gold, load_function, load_judge, load_reward, preference_matrix
+from .run import check_vocab
+from .sampling import SamplingOptions, sample_responses
+from .tools import ToolBox, ToolEnv, load_tools
 
 
 @dataclass
@@ -30,11 +34,15 @@ class Rollout:
     scores: Optional[torch.Tensor] = None      # the reward the policy is trained on (the script's rule)
     raw_scores: Optional[torch.Tensor] = None  # the reward as the reward function returned it
     gold: Optional[torch.Tensor] = None        # a programmatic reward, logged only (built-in task prompts)
+    costs: Optional[torch.Tensor] = None       # the cost (Safe RLHF) as the cost model or function returned it
     # what the update reads, (B, R) each
-    policy_mask: Optional[torch.Tensor] = None  # the tokens the policy loss sees (response_mask, or with holes)
+    action_mask: Optional[torch.Tensor] = None  # the tokens the policy sampled: response_mask with holes at tool
+    #                                             turns (their KL and loss are not the policy's); None = response_mask
+    policy_mask: Optional[torch.Tensor] = None  # the tokens the policy loss sees (action_mask, or with more holes)
     logprobs: Optional[torch.Tensor] = None     # log π_old(y_t); None = the update's own first forward is π_old
     ref_logprobs: Optional[torch.Tensor] = None  # log π_ref(y_t); None when there is no KL
     values: Optional[torch.Tensor] = None       # V_old(x, y_≤t); None without a critic
+    cost_values: Optional[torch.Tensor] = None  # V_c,old(x, y_≤t); None without a cost critic
     is_weight: Optional[torch.Tensor] = None    # a per-token importance weight on the policy loss, detached
     stats: dict = field(default_factory=dict)   # per-step figures of the sampling (rounds, mismatch)
 
@@ -42,32 +50,115 @@ class Rollout:
     def query_len(self):
         return self.query_response.shape[1] - self.response_mask.shape[1]
 
+    @property
+    def actions(self):
+        """(B, R) the tokens the policy sampled (response_mask without tools)."""
+        return self.response_mask if self.action_mask is None else self.action_mask
+
+
+@dataclass
+class Models:
+    """Frozen = requires_grad_(False), eval(), never wrapped in DDP, in no optimizer."""
+    policy: GPT                           # π_θ (trained)
+    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen);
+    #                                     SPO: a Judge
+    ref: Optional[GPT] = None             # π_ref (frozen; --lora_r: a lora.BaseView of the policy); None when β = 0
+    critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
+    cost: Optional[Callable] = None       # costs = cost(prompts, completions): a cost model or function (frozen)
+    cost_critic: Optional[ScoreModel] = None  # V_c (trained; --advantage gae with a cost)
+    gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
+    tools: Optional[ToolBox] = None       # the tools the policy may call in its rollouts (--tools)
+
+
+def load_rollout_models(opts, tok, prompt_texts, device, identity):
+    """Policy, reference (only if β > 0), reward, the cost (if any) and the critics (only for gae); the reward and
+    the cost on the device (run_mod.place moves the others). With --lora_r the policy and critics get adapters
+    (what that adds to the run's identity goes into `identity`) and a reference that is --init is the policy with
+    its adapters off (lora.BaseView), not a second model."""
+    policy = GPT.from_pretrained(opts.init, dropout=0.0)      # dropout off: rollout log-probs must be reproducible
+    check_vocab(tok, policy.cfg, opts.init)
+    identity.update(lora.attach(policy, opts, opts.init))     # --lora_r: adapters, the base frozen
+    ref = None
+    if (opts.kl_coef > 0 or opts.adaptive_kl) and lora.shares_base(opts, opts.ref):
+        ref = lora.BaseView(policy)
+    elif opts.kl_coef > 0 or opts.adaptive_kl:               # with β = 0 no KL is ever computed: no reference
+        ref = GPT.from_pretrained(opts.ref or opts.init, dropout=0.0).requires_grad_(False).eval()
+        check_vocab(tok, ref.cfg, opts.ref or opts.init)
+    spec = opts.reward_model if opts.reward == "model" else opts.reward
+    if opts.reward == "selfplay":
+        reward = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=device,
+                            prompts=prompt_texts, batch_size=opts.micro_batch_size, template=opts.judge_template)
+    else:
+        reward = load_reward(spec, tokenizer=tok, device=device, prompts=prompt_texts,
+                                        batch_size=opts.micro_batch_size)
+    if isinstance(reward, RewardModel) and opts.normalize_score and not reward.has_stats:
+        dist.print0(f"note: {spec}/config.json has no reward_mean/reward_std; scores are not normalised")
+    cost = None
+    if opts.cost_model:
+        cost = RewardModel.from_dir(opts.cost_model, tok, device, opts.micro_batch_size)
+    elif opts.cost:
+        cost = load_function(opts.cost, "--cost")
+
+    def critic_from(src, new_head, prefix, seed):
+        c = ScoreModel.from_pretrained(src, new_head=new_head, dropout=0.0)
+        check_vocab(tok, c.cfg, src)                          # it reads the policy tokenizer's ids
+        identity.update(lora.attach(c, opts, src, trainable=("score",), prefix=prefix, seed=seed))
+        return c
+    critic = cost_critic = None
+    if opts.advantage == "gae":
+        critic = critic_from(opts.reward_model if opts.critic_init == "reward_model" else opts.init,
+                             opts.critic_init == "policy", "critic_lora", opts.seed + 1)
+    if opts.advantage == "gae" and cost is not None:
+        cost_critic = critic_from(opts.cost_model if opts.cost_critic_init == "cost_model" else opts.init,
+                                  opts.cost_critic_init == "policy", "cost_critic_lora", opts.seed + 2)
+    for rm, what in ((reward, "reward model"), (getattr(reward, "pointwise", None), "reward model"),
+                     (cost, "cost model")):
+        if isinstance(rm, RewardModel):
+            dist.check_same_weights(rm.model, what)
+    return Models(policy=policy, reward=reward, ref=ref, critic=critic, gold=builtin_gold(prompt_texts),
+                  cost=cost, cost_critic=cost_critic, tools=load_tools(opts.tools) if opts.tools else None)
+
 
 @torch.no_grad()
-def sample_groups(prompts, policy, tok, sampling, k, gen, gen_stats=None) -> Rollout:
+def sample_groups(prompts, policy, tok, sampling, k, gen, gen_stats=None, tools=None, max_turns=1) -> Rollout:
     """k completions per prompt, cut after the first stop token (end-of-text or the chat template's end-of-turn:
-    tok.stop_ids), decoded: a Rollout without signals yet. prompts: tokenized prompt records ({"prompt": ids})."""
+    tok.stop_ids), decoded: a Rollout without signals yet. prompts: tokenized prompt records ({"prompt": ids}).
+    tools (a nano_rlhf.tools.ToolBox): an assistant turn that calls tools gets their results as a tool turn and
+    samples on, up to max_turns turns (sampling.generate_turns); the tool turns are context, not actions (holes
+    in action_mask), and the completion's text holds them as the chat template renders them."""
     device = next(policy.parameters()).device
     q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
+    env = None if tools is None else ToolEnv(tools, tok)
     with parallel.gathered(policy):      # FSDP: one all-gather for the whole decoding, not one per token
-        seq = generate(dist.unwrap(policy), q_ids, q_mask, sampling, gen, gen_stats)
-    # response = tokens up to and including the first stop token, pad after it; its last real token is where
-    # the reward model reads the score (the end-of-turn token of a conversation)
-    resp, response_mask, length, has_eos = cut_at_stop(seq[:, q_ids.shape[1]:], tok.stop_ids, tok.pad_id)
+        # response = tokens up to and including the stop token that ends it, pad after it; its last real token is
+        # where the reward model reads the score (the end-of-turn token of a conversation)
+        resp, response_mask, length, has_eos, actions = sample_responses(
+            dist.unwrap(policy), q_ids, q_mask, sampling, gen, gen_stats, env, max_turns)
     response_mask = response_mask.float()
-    completions = [tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
-    return Rollout(query_response=torch.cat([q_ids, resp], 1),
-                   attention_mask=torch.cat([q_mask, response_mask.long()], 1), response_mask=response_mask,
-                   has_eos=has_eos.float(), completions=completions)
+    decode = tok.decode if env is None else tok.decode_turns
+    completions = [decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
+    r = Rollout(query_response=torch.cat([q_ids, resp], 1),
+                attention_mask=torch.cat([q_mask, response_mask.long()], 1), response_mask=response_mask,
+                has_eos=has_eos.float(), completions=completions,
+                action_mask=None if env is None else actions.float())
+    if env is not None:              # per sequence: tool calls, and those that came back as an error
+        r.stats.update(tool_calls=env.counts["calls"] / len(completions),
+                       tool_errors=sum(v for kind, v in tools.counts.items() if kind != "ok") / len(completions))
+        env.counts.clear()
+        tools.counts.clear()
+    return r
 
 
 @torch.no_grad()
 def read_reward(reward, r: Rollout, prompt_texts, k):
     """The reward of each sample as its source gives it: (raw (B,) float32 or None, the reward model's recorded
     (mean, std) or None, a judge's (G, k, k) preference matrices within each prompt's group or None). A reward
-    model scores the very ids sampled (no decode/re-encode round trip); a function the texts."""
+    model scores the very ids sampled (no decode/re-encode round trip); a function the texts. No reward (None):
+    (None, None, None)."""
     device = r.response_mask.device
+    if reward is None:
+        return None, None, None
     if isinstance(reward, Judge):
         rm = reward.pointwise if reward.pairwise is None else None
         ids_scores = rm.score_tokens(r.query_response, r.attention_mask) if isinstance(rm, RewardModel) else None
@@ -94,13 +185,15 @@ def join(parts, pad_id):
         dp, dr = P - p.query_len, R - p.response_mask.shape[1]
         return dict(query_response=F.pad(p.query_response, (dp, dr), value=pad_id),
                     attention_mask=F.pad(p.attention_mask, (dp, dr)), response_mask=F.pad(p.response_mask, (0, dr)),
-                    policy_mask=F.pad(p.policy_mask, (0, dr)))
+                    policy_mask=F.pad(p.policy_mask, (0, dr)),
+                    **({} if p.action_mask is None else {"action_mask": F.pad(p.action_mask, (0, dr))}))
     fitted = [fit(p) for p in parts]
     cat = {k: torch.cat([f[k] for f in fitted]) for k in fitted[0]}
-    gold = None if parts[0].gold is None else torch.cat([p.gold for p in parts])
-    return Rollout(gold=gold, scores=torch.cat([p.scores for p in parts]),
+    optional = {k: None if getattr(parts[0], k) is None else torch.cat([getattr(p, k) for p in parts])
+                for k in ("gold", "costs")}
+    return Rollout(scores=torch.cat([p.scores for p in parts]),
                    raw_scores=torch.cat([p.raw_scores for p in parts]), has_eos=torch.cat([p.has_eos for p in parts]),
-                   completions=[c for p in parts for c in p.completions], **cat)
+                   completions=[c for p in parts for c in p.completions], **cat, **optional)
 
 
 def take(r: Rollout, rows):
@@ -108,8 +201,8 @@ def take(r: Rollout, rows):
     rows_t = torch.as_tensor(rows, dtype=torch.long, device=r.scores.device)
     pick = {name: getattr(r, name)[rows_t] for name in ("query_response", "attention_mask", "response_mask",
                                                         "policy_mask", "scores", "raw_scores", "has_eos")}
-    return Rollout(gold=None if r.gold is None else r.gold[rows_t], completions=[r.completions[i] for i in rows],
-                   **pick)
+    optional = {k: None if getattr(r, k) is None else getattr(r, k)[rows_t] for k in ("gold", "costs", "action_mask")}
+    return Rollout(completions=[r.completions[i] for i in rows], **pick, **optional)
 
 
 @torch.no_grad()
@@ -134,3 +227,49 @@ def sample_rounds(draw, k, batch_size, max_rounds, pad_id):
     r.stats.update(zero_spread_groups=first_zero, sampling_rounds=float(len(parts)),
                    filled_groups=float(max(0, batch_size - int(spread.sum()))))
     return r
+
+
+def sampling_options(opts, tok):
+    """What a rollout samples and how the engine computes it (nano_rlhf.sampling.SamplingOptions), from the
+    script's options: pure sampling at τ up to the tokenizer's stop ids (end-of-text, the template's end-of-turn)."""
+    # under --fsdp the engine samples with the gathered weights themselves (an FSDP module cannot be copied
+    # into a sampling copy of another dtype; --rollout_dtype bfloat16 is refused with --fsdp)
+    return SamplingOptions(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, stop_ids=tok.stop_ids,
+                           pad_id=tok.pad_id, compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill,
+                           compact=opts.compact_rollout,
+                           dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
+
+
+def step_metrics(r: Rollout, seq_kl, kl_penalty, sums, beta, k=1):
+    """Named per-step figures, averaged over all ranks: sequence means (seq_kl: the script's Σ_t KL_t of each
+    sequence, kl_penalty: the KL part of its reward), token means and update means of the update's named sums.
+    k > 1 (a group estimator's samples per prompt) adds zero_spread, the share of groups whose k scores are all
+    equal (they teach a group estimator nothing)."""
+    seq = {"score": r.scores, "rm_score_raw": r.raw_scores, "kl": seq_kl,
+           "non_score_reward": kl_penalty, "response_length": r.response_mask.sum(1), "eos_rate": r.has_eos}
+    if k > 1:
+        seq["zero_spread"] = (~group_spread(r.scores, k)).repeat_interleave(k).to(r.scores.dtype)
+    if r.gold is not None:
+        seq["gold_reward"] = r.gold
+    if r.costs is not None:
+        seq["cost"] = r.costs
+    names = ["sequences", *seq, *sums]
+    local = [float(r.scores.shape[0]), *(v.sum().item() for v in seq.values()), *sums.values()]
+    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
+    metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
+    per_token = ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio", "value_loss", "value_clipfrac",
+                 "cost_value_loss", "cost_value_clipfrac")
+    metrics.update({f"train/{k}": total[k] / max(total["tokens"], 1) for k in per_token if k in total})
+    per_update = max(total["updates"], 1)          # every rank counts its updates, so this also divides by ranks
+    metrics.update({f"train/{k}": total[k] / per_update for k in ("grad_norm", "critic_grad_norm",
+                                                                  "cost_critic_grad_norm") if k in total})
+    metrics["train/kl_coef"] = beta
+    for k in ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio"):    # over the policy loss's own tokens
+        if k in total and "policy_tokens" in total:
+            metrics[f"train/{k}"] = total[k] / max(total["policy_tokens"], 1)
+    if r.stats:       # rank means of the sampling's figures (dynamic sampling, sampler/trainer mismatch)
+        names = sorted(r.stats)
+        sums = dist.all_reduce_sum(torch.tensor([r.stats[k] for k in names], dtype=torch.float64))
+        means = sums / dist.world().world_size
+        metrics.update({f"train/{k}": v for k, v in zip(names, means.tolist())})
+    return metrics

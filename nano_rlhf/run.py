@@ -52,6 +52,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -740,15 +741,19 @@ def warn_short_warmup(max_steps, warmup_steps, fix="raise --max_steps"):
 
 
 # ---- The set-up every training script shares, written once (as nanochat's `compute_init`) -------------------
-def start(Options, argv, doc, check, script, record, load=None):
-    """Parse the command line into Options (ranges checked), apply the script's cross-field rules
-    (check(opts): one line and exit on a bad combination, and the defaults that depend on other options),
-    start the distributed context, then — when the script reads inputs that must be valid before anything is
-    written — load(opts) (called on every rank; it raises or exits with one line on bad input), and last start
-    the run (out_dir checks, its lock, --report_to, --resume's record; nano_rlhf.run.start).
-    record(opts, data) -> {"identity": ..., "inputs": ..., "data_files": ...}: what defines the run.
+def start(Options, argv, doc, check, script, record, load=None, fill=None):
+    """Parse the command line into Options (ranges checked; --device one this machine has), fill in the defaults
+    that depend on other options (fill(opts), the script's `fill_defaults`, right after parsing: everything after
+    reads, and run.json records, the resolved values), apply the script's cross-field rules (check(opts): one
+    line and exit on a bad combination), start the distributed context, then — when the script reads inputs that
+    must be valid before anything is written — load(opts) (called on every rank; it raises or exits with one
+    line on bad input), and last start the run (out_dir checks, its lock, --report_to, --resume's record;
+    open_run). record(opts, data) -> {"identity": ..., "inputs": ..., "data_files": ...}: what defines the run.
     Returns (opts, the distributed context, the run, load's result or None)."""
     opts = parse_args(Options, argv, doc)
+    check_device(opts.device)
+    if fill is not None:
+        fill(opts)
     check(opts)
     world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
     data = load(opts) if load is not None else None
@@ -810,6 +815,27 @@ def prepare(opts, model, lr):
                             dtype=opts.dtype)
     betas = (getattr(opts, "beta1", 0.9), getattr(opts, "beta2", 0.95))
     return wrapped, adamw(model, lr, opts.weight_decay, betas, eps=getattr(opts, "adam_eps", 1e-8))
+
+
+@dataclass
+class Learner:
+    """A trained model: the bare module (what is saved), what its forward/backward go through (DDP / FSDP, or the
+    module itself in one process: prepare) and its optimizer."""
+    model: torch.nn.Module
+    ddp: torch.nn.Module
+    opt: torch.optim.Optimizer
+
+    @classmethod
+    def of(cls, model, lr, opts):
+        return cls(model, *prepare(opts, model, lr))
+
+    def step(self, grad_clip):
+        """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = parallel.clip_grad_norm(params, grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm
 
 
 def frozen(opts, model):

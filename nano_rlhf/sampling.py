@@ -19,6 +19,24 @@ Random numbers. A sampled row draws one uniform number per step (`inverse_cdf_sa
 them for ALL B rows of the call (torch.rand(B)) whether or not a row is still in the decode batch. So neither
 compaction nor prefix sharing changes any draw: they change a token only where they change its logits, which
 they do at most by float rounding (a matrix product of fewer rows may sum in another order).
+
+Multi-turn rollouts (`generate_turns`, for tool use). A row's assistant turn ends when it samples a stop id; the
+caller's `env` then gets that turn's sampled ids and answers the ids to append (a tool turn and the next generation
+prompt: nano_rlhf.tools.ToolEnv) or None (the turn is the final answer: the row ends). How the appended ids enter
+the KV cache while other rows decode: they are FORCED, one per decode step, as that row's input token in place of
+a sampled one (its draw of the step is spent and ignored), so the row's cache, positions and attention mask are
+written exactly as for any token, and the other rows' steps do not change. A tool turn of m tokens costs that row
+m steps (no per-row prefill of a different length inside the batch: one code path, static shapes). Token-in,
+token-out: the ids returned are the sampled ids and the env's ids as given, never re-tokenised; `policy_mask`
+marks the sampled ones (holes at tool turns), and the log-probs recorded when each token was sampled are those of
+the trainer's forward (log_softmax(logits / temperature), float32 at least, no top-k/top-p) up to float rounding
+(tested against a teacher-forced forward). Limits: `max_turns` assistant turns, and `max_new_tokens` is the budget
+of sampled AND appended tokens: a tool turn that does not fit ends the row (counted: `budget_cut`). What still
+holds with turns, each tested token-identical against the plain loop (use_cache=False, which forces the same way):
+prefix sharing (the prompts are prefilled as before), compaction (a row in a tool turn is running, not ended), the
+compiled static-cache step (a forced token is only another input id of the same shape), and the per-step RNG rule
+(every step still draws B numbers, forced or not). What changes: one host read of the forced and ended rows per
+step, and the env runs on the host between two steps (the other rows wait for it).
 """
 import copy
 import math
@@ -157,19 +175,41 @@ def cut_at_stop(response, stop_ids, pad_id):
     return response.masked_fill(~mask, pad_id), mask, mask.sum(1), is_stop.any(1)
 
 
-def _generate_uncached(model, ids, mask, opts, generator, stats):
+
+def sample_responses(model, input_ids, attention_mask, opts, generator=None, stats=None, env=None, max_turns=1):
+    """The responses a caller trains on or scores, each up to its end: `generate` cut after the first stop token
+    (env None), or `generate_turns` with env's tool turns inside (up to max_turns assistant turns). Returns (ids
+    (B, R) with opts.pad_id after each end, mask (B, R) bool up to and including the end, length (B,), ended (B,)
+    bool: the row ended on a stop id it sampled, actions (B, R) bool: the tokens the policy sampled — mask itself
+    without tools, mask with holes at the tool turns with them)."""
+    Tp = input_ids.shape[1]
+    if env is None:
+        seq = generate(model, input_ids, attention_mask, opts, generator, stats)
+        ids, mask, length, ended = cut_at_stop(seq[:, Tp:], opts.stop_ids, opts.pad_id)
+        return ids, mask, length, ended, mask
+    t = generate_turns(model, input_ids, attention_mask, opts, env, max_turns, generator, stats)
+    ids = t.ids[:, Tp:].masked_fill(~t.response_mask, opts.pad_id)
+    return ids, t.response_mask, t.response_mask.sum(1), t.ended, t.policy_mask
+
+def _generate_uncached(model, ids, mask, opts, generator, stats, turns=None):
     """The reference loop: a full forward over the whole sequence for every new token."""
     B, Tp = ids.shape
     is_stop = stop_table(opts.stop_ids, model.cfg.vocab_size, ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=ids.device)
     left_padded = not bool(mask.all())
     t0, new = time.perf_counter(), []
-    for _ in range(opts.max_new_tokens):
+    rows = torch.arange(B, device=ids.device)
+    for step in range(opts.max_new_tokens):
         logits = model(ids, mask if left_padded else None)[:, -1]
         u = torch.rand(B, generator=generator, device=ids.device) if opts.temperature else None
         tok = sample_token(logits, opts.temperature, opts.top_k, opts.top_p, generator, u)
-        new.append(tok.masked_fill(done, opts.pad_id))
-        done |= is_stop[tok]
+        if turns is None:
+            new.append(tok.masked_fill(done, opts.pad_id))
+            done |= is_stop[tok]
+        else:
+            tok = turns.force(rows, tok)
+            new.append(tok.masked_fill(done, opts.pad_id))
+            done = done | turns.after_step(step, rows, tok, logits, done, is_stop, torch.stack(new, 1))
         ids, mask = torch.cat([ids, tok[:, None]], 1), torch.cat([mask, mask.new_ones(B, 1)], 1)
         stats["steps"] += 1
         stats["row_steps"] += B
@@ -179,7 +219,7 @@ def _generate_uncached(model, ids, mask, opts, generator, stats):
     return torch.cat([ids[:, :Tp], torch.stack(new, 1)], 1)
 
 
-def _generate_cached(model, input_ids, mask, opts, generator, stats):
+def _generate_cached(model, input_ids, mask, opts, generator, stats, turns=None):
     B, Tp = input_ids.shape
     max_new_tokens, temperature, stops, pad = opts.max_new_tokens, opts.temperature, opts.stop_ids, opts.pad_id
     device, trunk, W = input_ids.device, model.trunk, model.output_weight()
@@ -231,8 +271,13 @@ def _generate_cached(model, input_ids, mask, opts, generator, stats):
         u = torch.rand(B, generator=generator, device=device)[sel] if temperature else None
         tok = sample_token(logits, temperature, opts.top_k, opts.top_p, generator, u)
         ended = done[sel]
-        out[sel, step] = tok.masked_fill(ended, pad)
-        done[sel] = ended | is_stop[tok]
+        if turns is None:
+            out[sel, step] = tok.masked_fill(ended, pad)
+            done[sel] = ended | is_stop[tok]
+        else:                                           # a row in a tool turn feeds its next tool id instead
+            tok = turns.force(rows, tok)
+            out[sel, step] = tok.masked_fill(ended, pad)
+            done[sel] = ended | turns.after_step(step, rows, tok, logits, ended, is_stop, out)
         stats["steps"] += 1
         stats["row_steps"] += len(rows)
         n = step + 1
@@ -270,6 +315,130 @@ def _generate_cached(model, input_ids, mask, opts, generator, stats):
         next_pos = next_pos + 1
     stats["decode_s"] = time.perf_counter() - t0 - (stats["compile_s"] - compile_s)
     return torch.cat([input_ids, out[:, :n]], 1)
+
+
+# ---- multi-turn rollouts (tool use) ---------------------------------------------------------------
+
+@dataclass
+class Turns:
+    """What generate_turns returns; B rows, n = the response length (at most max_new_tokens)."""
+    ids: torch.Tensor               # (B, Tp + n): prompts | sampled and appended ids, pad after each row's end
+    response_mask: torch.Tensor     # (B, n) bool: the row's tokens, sampled or appended, up to its end
+    policy_mask: torch.Tensor       # (B, n) bool: the tokens the policy sampled (its actions), up to its end
+    logprobs: torch.Tensor          # (B, n): log-prob of each sampled token when it was sampled, 0 elsewhere
+    #                                 (with opts.dtype: the sampling copy's, as generate's note says)
+    turns: torch.Tensor             # (B,) long: assistant turns the row began
+    ended: torch.Tensor             # (B,) bool: the row ended on a stop id it sampled (no call, or max_turns)
+    budget_cut: torch.Tensor        # (B,) bool: the row ended because its tool turn did not fit the budget
+
+
+class _TurnState:
+    """Per-row state of a multi-turn rollout: each row's tool ids still to feed, the step its current turn
+    began, its turn count, what it sampled (policy mask, log-probs) and where it ended."""
+
+    def __init__(self, env, max_turns, B, n, temperature, device):
+        self.env, self.max_turns, self.n, self.temperature = env, max_turns, n, temperature
+        self.queue = [[] for _ in range(B)]
+        self.turn_start, self.turns, self.length = [0] * B, [1] * B, [n] * B
+        self.forcing = torch.zeros(B, dtype=torch.bool, device=device)     # rows with tool ids still to feed
+        self.forced_now = None                                              # (b,) the rows fed one this step
+        self.policy = torch.zeros(B, n, dtype=torch.bool, device=device)
+        self.logprobs = None                                                # (B, n), in the logits' dtype
+        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
+        self.cut = torch.zeros(B, dtype=torch.bool, device=device)
+
+    def force(self, rows, tok):
+        """The step's input ids: the sampled ones, and each forcing row's next tool id in its place."""
+        self.forced_now = self.forcing[rows]
+        which = self.forced_now.nonzero().view(-1).tolist()
+        if not which:
+            return tok
+        tok = tok.clone()
+        for j in which:
+            b = int(rows[j])
+            tok[j] = self.queue[b].pop(0)
+            if not self.queue[b]:
+                self.forcing[b] = False
+        return tok
+
+    def after_step(self, step, rows, tok, logits, ended, is_stop, out):
+        """Record which tokens were sampled and their log-probs; for rows whose turn ended, ask the env (one call
+        for all of them). out: the (B, >= step+1) ids so far. Returns (b,) bool: the rows that end now."""
+        sampled = ~ended & ~self.forced_now
+        x = logits if logits.dtype == torch.float64 else logits.float()       # as the trainer's forward
+        logp = (x if self.temperature in (0, 1.0) else x / self.temperature).log_softmax(-1)
+        lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+        if self.logprobs is None:
+            self.logprobs = torch.zeros(self.policy.shape, dtype=lp.dtype, device=lp.device)
+        self.policy[rows, step] = sampled
+        self.logprobs[rows, step] = lp.masked_fill(~sampled, 0.0)
+        ends = torch.zeros_like(ended)
+        stop = (sampled & is_stop[tok]).nonzero().view(-1).tolist()
+        if not stop:
+            return ends
+        asked = []
+        for j in stop:
+            b = int(rows[j])
+            self.length[b] = step + 1                     # (undone below for a row that goes on)
+            if self.turns[b] >= self.max_turns:
+                ends[j], self.finished[b] = True, True
+            else:
+                asked.append((j, b))
+        answers = self.env([out[b, self.turn_start[b]:step + 1].tolist() for _, b in asked]) if asked else []
+        for (j, b), ids in zip(asked, answers):
+            if ids is None:                               # no call: the turn is the answer
+                ends[j], self.finished[b] = True, True
+            elif len(ids) >= self.n - step - 1:           # no room for the tool turn and one sampled token after it
+                ends[j], self.cut[b] = True, True
+            else:
+                self.queue[b], self.turns[b], self.length[b] = list(ids), self.turns[b] + 1, self.n
+                self.forcing[b] = True
+                self.turn_start[b] = step + 1 + len(ids)
+        return ends
+
+
+@torch.no_grad()
+def generate_turns(model, input_ids, attention_mask=None, opts=SamplingOptions(), env=None, max_turns=1,
+                   generator=None, stats=None) -> Turns:
+    """Multi-turn sampling (the header's last paragraph): `generate`, except that when a row samples a stop id
+    and has begun fewer than max_turns assistant turns, env(turns) is asked — turns: one list of ids per row
+    whose turn just ended (that turn's sampled ids, its stop id last) — and answers, per turn, the ids to append
+    (fed to the model as context, never sampled) or None (the row ends). opts.max_new_tokens bounds sampled +
+    appended tokens. Read each row's end from Turns.response_mask (cut_at_stop would cut at its first turn)."""
+    if env is None or max_turns < 1:
+        raise ValueError("generate_turns needs an env and max_turns >= 1 (plain sampling is generate)")
+    B, Tp = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if Tp + opts.max_new_tokens > model.cfg.block_size:
+        raise ValueError(f"prompt ({Tp}) + max_new_tokens ({opts.max_new_tokens}) exceeds block_size "
+                         f"{model.cfg.block_size}")
+    stops = stop_list(opts.stop_ids)
+    if not stops:
+        raise ValueError("multi-turn sampling needs stop ids: a turn ends on one")
+    opts = replace(opts, stop_ids=stops, pad_id=opts.pad_id if opts.pad_id is not None else stops[0])
+    stats = {} if stats is None else stats
+    stats.update(compile_s=0.0, prefill_s=0.0, decode_s=0.0, steps=0, row_steps=0, prefill_rows=0, compiled=False)
+    state = _TurnState(env, max_turns, B, opts.max_new_tokens, opts.temperature, input_ids.device)
+    was_training = model.training
+    model.eval()
+    try:
+        net = model if opts.dtype is None or opts.dtype == model.output_weight().dtype else _shadow(model, opts.dtype)
+        if opts.use_cache:
+            seq = _generate_cached(net, input_ids, attention_mask.long(), opts, generator, stats, state)
+        else:
+            seq = _generate_uncached(net, input_ids, attention_mask, opts, generator, stats, state)
+    finally:
+        model.train(was_training)
+    n = seq.shape[1] - Tp
+    length = torch.tensor(state.length, device=seq.device).clamp(max=n)
+    response_mask = torch.arange(n, device=seq.device)[None] < length[:, None]
+    policy = state.policy[:, :n] & response_mask
+    logprobs = state.logprobs[:, :n] * policy
+    stats.update(tool_turns=sum(t - 1 for t in state.turns), budget_cut=int(state.cut.sum()),
+                 appended_tokens=int((response_mask & ~policy).sum()))
+    return Turns(ids=seq, response_mask=response_mask, policy_mask=policy, logprobs=logprobs,
+                 turns=torch.tensor(state.turns, device=seq.device), ended=state.finished, budget_cut=state.cut)
 
 
 # ---- the compiled decode step -------------------------------------------------------------------

@@ -58,7 +58,7 @@ from . import chat
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>")
 ROLES = ("system", "user", "assistant")
-ROLE_HEADER = {"system": "System: ", "user": "User: "}
+ROLE_HEADER = {"system": "System: ", "user": "User: ", "tool": "Tool: "}
 ASSISTANT_HEADER = "Assistant:"
 CHAT_TEMPLATES = chat.VARIANTS
 
@@ -245,6 +245,12 @@ class Tokenizer:
         return self.tk.decode([i for i in ids[:cut] if i != self.pad_id and i < self.vocab_size],
                               skip_special_tokens=False)
 
+    def decode_turns(self, ids: Sequence[int]) -> str:
+        """Text of a multi-turn response (assistant turns with tool turns between them): every token kept as the
+        chat template wrote it, end-of-turn tokens included, except a stop id that ends it; pads dropped."""
+        ids = [i for i in ids if i != self.pad_id and i < self.vocab_size]
+        return self.tk.decode(ids[:-1] if ids and ids[-1] in self.stop_ids else ids, skip_special_tokens=False)
+
     def _with_bos(self, ids: List[int]) -> List[int]:
         """Plain text starts with bos when the tokenizer adds one (never twice)."""
         return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
@@ -277,9 +283,9 @@ class Tokenizer:
         return self._with_bos(self.encode(text)) + [self.eos_id]
 
     # ---- chat template ------------------------------------------------------------------------
-    def _segments(self, messages: Messages, add_generation_prompt: bool):
+    def _segments(self, messages: Messages, add_generation_prompt: bool, tools=None):
         return chat.render(self.chat_template, messages, add_generation_prompt, self.bos_token or "",
-                           self.date_string)
+                           self.date_string, tools)
 
     def _encode_segments(self, segs) -> Tuple[List[int], List[int]]:
         """Consecutive segments with the same loss flag are tokenized as one string (as apply_chat_template
@@ -295,38 +301,54 @@ class Tokenizer:
             i = j
         return ids, mask
 
-    def render_text(self, messages: Messages, add_generation_prompt: bool = False) -> str:
-        """The rendered conversation as text (what apply_chat_template(tokenize=False) gives)."""
+    def render_text(self, messages: Messages, add_generation_prompt: bool = False, tools=None) -> str:
+        """The rendered conversation as text (what apply_chat_template(tokenize=False) gives); tools: the JSON
+        schemas of the tools the model may call (nano_rlhf.chat, Tools)."""
         if self.chat_template == "plain":
-            ids, _ = self.encode_conversation(messages)
+            ids, _ = self.encode_conversation(messages, tools)
             return self.tk.decode(ids + (self.encode(ASSISTANT_HEADER) if add_generation_prompt else []),
                                   skip_special_tokens=False)
-        return "".join(s for s, _ in self._segments(messages, add_generation_prompt))
+        return "".join(s for s, _ in self._segments(messages, add_generation_prompt, tools))
 
-    def render_prompt(self, prompt: Text) -> List[int]:
+    def render_prompt(self, prompt: Text, tools=None) -> List[int]:
         """Ids of a prompt: a string as is (after bos if the tokenizer adds one); a message list through the
-        template plus the generation prompt ("Assistant:" for plain)."""
+        template plus the generation prompt ("Assistant:" for plain), with the tool list when tools are given."""
         if isinstance(prompt, str):
+            if tools:
+                raise ValueError("tools need a conversational prompt (a list of messages), not a text prompt")
             return self._with_bos(self.encode(prompt))
         if self.chat_template != "plain":
-            return self._encode_segments(self._segments(prompt, True))[0]
-        ids, _ = self.encode_conversation(prompt)
+            return self._encode_segments(self._segments(prompt, True, tools))[0]
+        ids, _ = self.encode_conversation(prompt, tools)
         return ids + self.encode(ASSISTANT_HEADER)
 
-    def encode_conversation(self, messages: Messages) -> Tuple[List[int], List[int]]:
-        """Ids and loss mask of a whole conversation; the mask is 1 on assistant content + end-of-turn."""
+    def encode_conversation(self, messages: Messages, tools=None) -> Tuple[List[int], List[int]]:
+        """Ids and loss mask of a whole conversation; the mask is 1 on assistant content (tool calls included)
+        + end-of-turn, 0 on tool results."""
         if self.chat_template != "plain":
-            return self._encode_segments(self._segments(messages, False))
-        ids, mask = self._plain(messages)
+            return self._encode_segments(self._segments(messages, False, tools))
+        ids, mask = self._plain(messages, tools)
         bos = self._with_bos([])
         return bos + ids, [0] * len(bos) + mask
 
-    def _plain(self, messages: Messages) -> Tuple[List[int], List[int]]:
+    def encode_tool_turn(self, results: Sequence[str]) -> List[int]:
+        """Ids of what follows an assistant turn's end-of-turn token when its tool calls answered `results`: the
+        result turn(s) and the next generation prompt (chat.tool_turn). The results are encoded as literal text
+        (encode_literal): a tool that echoes "<|im_end|>" cannot close a turn or open one."""
+        return [i for text, is_result in chat.tool_turn(self.chat_template, list(results))
+                for i in (self.encode_literal(text) if is_result else self.encode(text))]
+
+    def _plain(self, messages: Messages, tools=None) -> Tuple[List[int], List[int]]:
+        if tools:       # Qwen's tool list, in the system line (after the system message's own text)
+            has_system = bool(messages) and messages[0]["role"] == "system"
+            system = messages[0]["content"] + "\n\n" if has_system else ""
+            messages = [{"role": "system", "content": system + chat.tools_text(tools)}] + messages[int(has_system):]
         ids, mask = [], []
         for m in messages:
             if m["role"] == "assistant":
                 head = self.encode(ASSISTANT_HEADER)
-                body = self.encode(" " + m["content"]) + [self.eos_id]
+                text = chat.assistant_text("plain", m.get("content") or "", m.get("tool_calls"))
+                body = self.encode(" " + text) + [self.eos_id]
                 ids += head + body
                 mask += [0] * len(head) + [1] * len(body)
             else:

@@ -13,6 +13,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from nano_rlhf import chat
 from nano_rlhf.tokenizer import Tokenizer
+from nano_rlhf.tools import calculator, json_schema
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
@@ -365,3 +366,195 @@ def test_a_date_string_with_a_special_token_is_refused(tmp_path):
     _, ours, _ = build("llama3.2", tmp_path / "l")
     with pytest.raises(ValueError, match="contains the special token <\\|eot_id\\|>"):
         Tokenizer.from_file(str(tmp_path / "l" / "tokenizer.json"), date_string="1 Jan<|eot_id|>")
+
+
+# ---- tool calls: the tool list, the calls an assistant writes, the tool turns --------------------
+
+def lookup(item: str, detail: bool = False) -> str:
+    """Look a product up in the catalogue.
+
+    Args:
+        item: The product, e.g. "phone"
+        detail: Whether to give every detail
+    """
+
+
+TOOLS = [json_schema(calculator), json_schema(lookup)]
+UQ = {"role": "user", "content": "What is (3+4)*2, and is the phone good?"}
+
+
+def calls(*pairs):
+    return [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in pairs]
+
+
+CALC = ("calculator", {"expression": "(3+4)*2"})
+LOOK = ("lookup", {"item": "phone", "detail": True})
+ERR = "error: calculator: division by zero"
+TOOL_CONVERSATIONS = {      # Qwen syntax: several calls a turn; Llama: one (the "llama" entries)
+    "one_tool_turn": [SYS, UQ, {"role": "assistant", "content": "", "tool_calls": calls(CALC)},
+                      {"role": "tool", "content": "14"}, {"role": "assistant", "content": "It is 14."}],
+    "several_tool_turns": [UQ, {"role": "assistant", "content": "Let me look.", "tool_calls": calls(CALC, LOOK)},
+                           {"role": "tool", "content": "14"}, {"role": "tool", "content": "great, 42 days old"},
+                           {"role": "assistant", "content": "", "tool_calls": calls(("calculator",
+                                                                                       {"expression": "1/0"}))},
+                           {"role": "tool", "content": ERR}, {"role": "assistant", "content": "14; yes, great."}],
+    "llama_several_tool_turns": [SYS, UQ, {"role": "assistant", "content": "", "tool_calls": calls(CALC)},
+                                 {"role": "tool", "content": "14"},
+                                 {"role": "assistant", "content": "", "tool_calls": calls(LOOK)},
+                                 {"role": "tool", "content": "great, 42 days old"},
+                                 {"role": "assistant", "content": "14; yes, great."}],
+}
+
+
+def tool_conversations(name):
+    llama = FAMILIES[name][0] == "llama3"
+    return [k for k in TOOL_CONVERSATIONS if k.startswith("llama") == llama]
+
+
+def hf_tool_render(hf, name, msgs, gen, tokenize=False, tools=None):
+    """transformers' rendering with tools. SmolLM2's template has none: ours is Qwen2.5's with SmolLM2's default
+    system prompt, so it is checked against the real Qwen2.5 template given that system message."""
+    kw = {"date_string": DATE} if name == "llama3.2" else {}
+    if name == "smollm2":
+        kw["chat_template"] = template("qwen2.5")
+        if msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": chat.SMOLLM2_SYSTEM}] + msgs
+    out = hf.apply_chat_template(msgs, tools=tools or TOOLS, tokenize=tokenize, add_generation_prompt=gen, **kw)
+    return out["input_ids"] if tokenize and not isinstance(out, list) else out
+
+
+def test_tool_rendering_equals_apply_chat_template(family):
+    """Every prefix of conversations with one and several tool turns, with and without the generation prompt:
+    our text equals transformers' on the real template (tool list, calls, results); and the ids too."""
+    name, tok, hf = family
+    for conv in tool_conversations(name):
+        msgs = TOOL_CONVERSATIONS[conv]
+        for k in range(2, len(msgs) + 1):
+            for gen in (True, False):
+                assert tok.render_text(msgs[:k], gen, tools=TOOLS) == hf_tool_render(hf, name, msgs[:k], gen), \
+                    (conv, k, gen)
+        assert tok.encode_conversation(msgs, TOOLS)[0] == hf_tool_render(hf, name, msgs, False, tokenize=True)
+        prompt = msgs[:msgs.index(UQ) + 1]
+        assert tok.render_prompt(prompt, TOOLS) == hf_tool_render(hf, name, prompt, True, tokenize=True)
+
+
+def test_tool_turn_is_the_text_between_two_assistant_turns(family):
+    """The rollout's view: the prompt with its tool list, then for each assistant turn what the model writes (its
+    text and calls, then its end-of-turn token) and, when tool messages follow, chat.tool_turn of their results
+    (up to the next generation prompt). Joined, these are byte for byte the real template's rendering of the
+    whole conversation; and their ids (each part tokenized alone, the results as literal text) are its ids."""
+    name, tok, hf = family
+    variant = FAMILIES[name][0]
+    eot = "<|eot_id|>" if variant == "llama3" else "<|im_end|>"
+    for conv in tool_conversations(name):
+        msgs = TOOL_CONVERSATIONS[conv]
+        first = msgs.index(UQ) + 1
+        text, ids = hf_tool_render(hf, name, msgs[:first], True), tok.render_prompt(msgs[:first], TOOLS)
+        i, turns = first, 0
+        while i < len(msgs):
+            m = msgs[i]
+            written = chat.assistant_text(variant, m["content"], m.get("tool_calls"))
+            if variant == "qwen3" and i == len(msgs) - 1:       # the model writes the final turn's thinking block
+                written = "<think>\n\n</think>\n\n" + written
+            text, ids = text + written + eot, ids + tok.encode(written) + [tok.eot_id]
+            i += 1
+            results = []
+            while i < len(msgs) and msgs[i]["role"] == "tool":
+                results.append(msgs[i]["content"])
+                i += 1
+            if results:
+                text += "".join(t for t, _ in chat.tool_turn(variant, results))
+                ids += tok.encode_tool_turn(results)
+                turns += 1
+        trailing = "" if variant == "llama3" else "\n"
+        assert text + trailing == hf_tool_render(hf, name, msgs, False)
+        assert ids + tok.encode(trailing) == hf_tool_render(hf, name, msgs, False, tokenize=True)
+        assert turns == (1 if conv == "one_tool_turn" else 2)
+
+
+def test_sft_loss_mask_covers_the_calls_and_never_the_results(family):
+    name, tok, _ = family
+    conv = tool_conversations(name)[-1]
+    ids, mask = tok.encode_conversation(TOOL_CONVERSATIONS[conv], TOOLS)
+    trained = tok.tk.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert '"expression": "(3+4)*2"' in trained and "14; yes, great." in trained
+    assert "42 days old" not in trained and "tool_response" not in trained and "ipython" not in trained
+
+
+@pytest.mark.parametrize("variant", ["qwen2.5", "qwen3", "smollm2", "chatml", "llama3", "plain"])
+def test_parsing_a_turn_gives_back_its_calls(variant):
+    """What assistant_text writes, parse_tool_calls reads back (several calls where the syntax allows them)."""
+    one, several = calls(CALC), calls(CALC, LOOK, ("lookup", {"item": "ünïcode \"quoted\"\n"}))
+    for tool_calls in (one, several) if variant != "llama3" else (one,):
+        for content in ("", "Let me compute."):
+            text = chat.assistant_text(variant, content, tool_calls)
+            assert chat.parse_tool_calls(variant, text) == [c["function"] for c in tool_calls], text
+    assert chat.parse_tool_calls(variant, "It is 14.") == []
+    if variant == "llama3":
+        with pytest.raises(ValueError, match="one tool call per assistant turn"):
+            chat.assistant_text(variant, "", calls(CALC, LOOK))
+
+
+@pytest.mark.parametrize("variant, text, want", [
+    ("qwen2.5", '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}\n</tool_call>',
+     "not JSON"),
+    ("qwen2.5", '<tool_call>\n{"name": "calculator", "arguments": {}}', "without </tool_call>"),
+    ("qwen2.5", '<tool_call>["calculator"]</tool_call>', 'expected {"name"'),
+    ("qwen2.5", '<tool_call>{"name": 3, "arguments": {}}</tool_call>', 'expected {"name"'),
+    ("qwen2.5", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "must be a JSON object"),
+    ("qwen2.5", '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', {"name": "f",
+                                                                                     "arguments": {"x": 1}}),
+    ("qwen2.5", '<tool_call>{"name": "f"}</tool_call>', {"name": "f", "arguments": {}}),
+    ("qwen3", '<think>maybe <tool_call>{"name": "g", "arguments": {}}</tool_call>?</think>\n\n'
+              '<tool_call>{"name": "f", "arguments": {}}</tool_call>', {"name": "f", "arguments": {}}),
+    ("llama3", '{"name": "f", "parameters": {}}{"name": "g", "parameters": {}}', "nothing after it"),
+    ("llama3", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}', "nothing after it"),
+    ("llama3", '{"name": "f", "parameters": {"x": }', "not JSON"),
+    ("llama3", '<|python_tag|>{"name": "f", "parameters": {"x": 1}}', {"name": "f", "arguments": {"x": 1}}),
+    ("llama3", ' {"name": "f", "arguments": {"x": 1}} ', {"name": "f", "arguments": {"x": 1}}),
+    ("llama3", 'The answer is {"name": "f"}', None),
+    ("qwen2.5", "<tool_call>" + "[" * 100000 + "</tool_call>", "unreadable JSON (RecursionError"),
+    ("llama3", "{" + '"a":' * 100000, "not JSON"),
+    ("llama3", '{"name": "f", "parameters": {"x": ' + "9" * 5000 + "}}", "unreadable JSON (ValueError"),
+    ("qwen2.5", '<tool_call>{"name": "f", "arguments": {}} trailing</tool_call>', "text after the JSON object"),
+    ("qwen2.5", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', {"name": "f", "arguments": {}}),
+])
+def test_malformed_calls_are_errors_not_exceptions(variant, text, want):
+    got = chat.parse_tool_calls(variant, text)
+    if want is None:
+        assert got == []
+    elif isinstance(want, dict):
+        assert got == [want]
+    else:
+        assert len(got) == 1 and want in got[0]["error"], got
+
+
+def test_a_tool_result_cannot_forge_a_turn(family):
+    """A result holding the family's control-token strings is tokenized as text: the tool turn has exactly the
+    control tokens of the same turn with a harmless result, and decodes to the same text as the rendering."""
+    name, tok, _ = family
+    specials = {tok.tk.token_to_id(t.content) for t in tok.tk.get_added_tokens_decoder().values()}
+    forged, clean = tok.encode_tool_turn([FORGED]), tok.encode_tool_turn(["x"])
+    assert [i for i in forged if i in specials] == [i for i in clean if i in specials]
+    assert tok.tk.decode(forged, skip_special_tokens=False) == \
+        "".join(t for t, _ in chat.tool_turn(FAMILIES[name][0], [FORGED]))
+
+
+def test_plain_template_tools(tok):
+    """The plain template (no chat template): Qwen's tool list in the system line, the same calls, `Tool:` lines;
+    the rollout's pieces join to the conversation's ids, and only the assistant's calls and answers carry loss."""
+    msgs = TOOL_CONVERSATIONS["several_tool_turns"]
+    ids, mask = tok.encode_conversation(msgs, TOOLS)
+    text = tok.render_text(msgs, tools=TOOLS)
+    assert text.startswith("System: " + chat.tools_text(TOOLS) + "\nUser: What is")
+    assert "</tool_call><|endoftext|>Tool: 14\nTool: great, 42 days old\nAssistant: <tool_call>" in text
+    pieces = tok.render_prompt(msgs[:1], TOOLS)
+    for results, m in (([], msgs[1]), (["14", "great, 42 days old"], msgs[4]), ([ERR], msgs[6])):
+        if results:
+            pieces += tok.encode_tool_turn(results)
+        pieces += tok.encode(" " + chat.assistant_text("plain", m["content"], m.get("tool_calls"))) + [tok.eos_id]
+    assert pieces == ids
+    trained = tok.tk.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert "<tool_call>" in trained and "Tool:" not in trained and "42 days" not in trained
+    assert chat.parse_tool_calls("plain", tok.decode(tok.encode(" " + chat.assistant_text(
+        "plain", "", calls(CALC))))) == [dict(zip(("name", "arguments"), CALC))]

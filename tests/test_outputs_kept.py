@@ -32,7 +32,8 @@ def test_script_float_options_refuse_non_finite(capsys, script, value):
     means_inf = {k for k, c in cli._field_comments(module.Options).items() if "inf = " in c}
     for name in floats:
         if name in means_inf and value == "inf":      # e.g. --score_clip inf: no clipping, as its help says
-            assert cli.parse_args(module.Options, [f"--{name}", value]) is not None
+            applies = {"lambda_max": ["--cost", "x.py:f"]}.get(name, [])    # its [with ...] made to hold
+            assert cli.parse_args(module.Options, [f"--{name}", value, *applies]) is not None
             continue
         msg = one_line_exit(capsys, lambda: cli.parse_args(module.Options, [f"--{name}", value]), code=2)
         assert f"--{name}" in msg and ("finite" in msg or "expected a number" in msg or "must be" in msg)

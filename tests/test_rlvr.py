@@ -109,7 +109,7 @@ def test_micro_batches_do_not_change_the_update(tmp_path, sft_dir, rm_dir, agg):
 
 @pytest.mark.parametrize("extra, message", [
     (["--policy_loss", "gspo"], "--policy_loss gspo weighs whole sequences"),
-    (["--dynamic_sampling"], "--dynamic_sampling drops groups"),
+    (["--dynamic_sampling"], "--dynamic_sampling applies only with --advantage rloo or grpo or dr_grpo"),
     (["--advantage", "grpo", "--samples_per_prompt", "2", "--overlong", "mask"], "pass --missing_eos_penalty none"),
     (["--kl_loss_estimator", "k2"], "--kl_loss_estimator applies only with --kl_in_loss"),
     (["--advantage", "grpo", "--samples_per_prompt", "2", "--overlong", "penalty", "--missing_eos_penalty", "none",

@@ -12,7 +12,8 @@ from conftest import eos_prone, gae_only, prompt_rows, run, tiny_model, write_js
 from nano_rlhf import synthetic
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT
-from nano_rlhf.reward import Judge, load_judge, preference_matrix
+from nano_rlhf.reward import Judge, eval_columns, load_judge, preference_matrix
+from nano_rlhf.rollout import Models
 
 
 # ---- the win rate: Swamy et al. 2024, r(y) = P(y ≻ π_t), estimated on the other k − 1 samples --------------
@@ -111,7 +112,7 @@ def test_rollout_scores_are_win_rates_under_the_judge(tok, tmp_path):
                                for x, y in zip(a, b)]
     o = train_ppo.Options(reward="selfplay", samples_per_prompt=4, micro_batch_size=12, max_new_tokens=8,
                           missing_eos_penalty=-7.0)
-    models = train_ppo.Models(policy=policy, reward=Judge(pairwise=shorter))
+    models = Models(policy=policy, reward=Judge(pairwise=shorter))
     r = train_ppo.rollout(lambda: prompts, models, tok, o, torch.Generator().manual_seed(0))
     lengths = [len(c) for c in r.completions]
     assert len(set(lengths)) > 2, "the test needs completions of different lengths"
@@ -243,5 +244,4 @@ def test_gold_judge_loads_as_the_gold_reward():
     """--judge gold is the very gold function, so evaluation reports it once, as gold_reward."""
     prompt = synthetic.make_prompt(next(iter(synthetic.PRODUCTS)))
     judge = load_judge("gold", prompts=[prompt])
-    models = train_ppo.Models(policy=None, reward=judge, gold=judge.pointwise)
-    assert list(train_ppo.eval_rewards(models, train_ppo.Options())) == ["gold_reward"]
+    assert list(eval_columns(judge, judge.pointwise)) == ["gold_reward"]

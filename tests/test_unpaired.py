@@ -214,10 +214,10 @@ def test_npo_warns_once_when_the_retain_nll_runs_away(tmp_path, sft_dir, capsys)
 def test_npo_lr_defaults_to_the_papers_1e5_and_the_others_keep_1e4():
     for method, want in (("npo", 1e-5), ("d2o", 1e-4), ("dro", 1e-4)):
         o = tu.Options(method=method)
-        tu.check_options(o)
+        tu.fill_defaults(o)
         assert o.lr == want
     o = tu.Options(method="npo", lr=3e-4)
-    tu.check_options(o)
+    tu.fill_defaults(o)
     assert o.lr == 3e-4                                                # an explicit --lr is kept
 
 

@@ -1,0 +1,141 @@
+"""PPO-Lagrangian (Safe RLHF, Dai et al. 2024) in train_ppo.py: its functions against float64 formulas written
+from the paper and safe-rlhf's ppo_lag, and the loop end to end (the multiplier's steps, resume, DDP)."""
+import json
+import math
+
+import pytest
+import torch
+
+import train_ppo
+from conftest import metrics, prompt_rows, run, write_jsonl
+from test_ppo import main_exit, ppo_args
+from nano_rlhf.model import GPT, ScoreModel
+from nano_rlhf.rollout import Rollout
+
+# a verifiable cost: the share of the letter "e" in the response, minus 0.1 (so some responses are "safe", < 0)
+COST = """def cost(prompts, completions):
+    return [sum(ch == "e" for ch in c) / max(len(c), 1) - 0.1 for c in completions]
+"""
+
+
+def test_lagrangian_advantage_is_the_papers_normalised_combination():
+    g = torch.Generator().manual_seed(0)
+    a_r, a_c = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(3, 5, generator=g, dtype=torch.float64)
+    for lam in (0.0, 0.3, 1.0, 7.5, 1e6):
+        want = torch.tensor([[(a_r[i, t].item() - lam * a_c[i, t].item()) / (1.0 + lam) for t in range(5)]
+                             for i in range(3)], dtype=torch.float64)
+        assert torch.allclose(train_ppo.lagrangian_advantage(a_r, a_c, lam), want, rtol=1e-15, atol=1e-15)
+    assert torch.allclose(train_ppo.lagrangian_advantage(a_r, a_c, 1e12), -a_c, atol=1e-9)   # λ → ∞: the cost alone
+
+
+def test_lambda_step_is_gradient_ascent_on_the_lagrangian_through_log_lambda():
+    """safe-rlhf: log λ a parameter, loss −(J_C − d)·e^{log λ}, one SGD step of lr η; then the cap λ_max."""
+    for log_lam, j_c, d, lr in ((0.0, 0.7, 0.0, 0.1), (math.log(3.0), -0.4, 0.2, 0.05), (-2.0, 5.0, 1.0, 1.0)):
+        p = torch.tensor(log_lam, dtype=torch.float64, requires_grad=True)
+        (-(j_c - d) * p.exp()).backward()
+        want = (p - lr * p.grad).item()
+        assert train_ppo.lambda_step(log_lam, j_c, d, lr) == pytest.approx(want, rel=1e-15, abs=1e-15)
+    assert train_ppo.lambda_step(0.0, 100.0, 0.0, 1.0, lambda_max=5.0) == pytest.approx(math.log(5.0))
+    up, down = train_ppo.lambda_step(0.0, 0.5, 0.0, 0.1), train_ppo.lambda_step(0.0, -0.5, 0.0, 0.1)
+    assert up > 0 > down and math.exp(train_ppo.lambda_step(-30.0, -1e3, 0.0, 0.1)) > 0    # λ never reaches 0
+
+
+def test_the_kl_split_leaves_the_policy_a_kl_weight_of_half_beta_whatever_lambda():
+    """GRPO with a cost: the KL penalty enters the score's advantage as −β/2·(centred Σ KL) and the cost's as
+    +β/2·(centred Σ KL), so the combined advantage holds −β/2·(centred Σ KL) for any λ (safe-rlhf's split)."""
+    g = torch.Generator().manual_seed(1)
+    k, B, R = 4, 8, 6
+    mask = torch.ones(B, R, dtype=torch.float64)
+    r = Rollout(query_response=torch.zeros(B, 2 + R, dtype=torch.long), attention_mask=torch.ones(B, 2 + R),
+                response_mask=mask, has_eos=torch.ones(B), completions=[""] * B,
+                scores=torch.randn(B, generator=g, dtype=torch.float64),
+                costs=torch.randn(B, generator=g, dtype=torch.float64),
+                logprobs=-torch.rand(B, R, generator=g, dtype=torch.float64),
+                ref_logprobs=-torch.rand(B, R, generator=g, dtype=torch.float64))
+    beta = 0.2
+    kl = (r.logprobs - r.ref_logprobs).sum(1).view(-1, k)
+    centred_kl = (kl - kl.mean(1, keepdim=True)).view(-1)
+
+    def grpo(x):
+        x = x.view(-1, k)
+        return ((x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True) + 1e-4)).view(-1)
+    for lam in (0.0, 0.5, 4.0):
+        t = train_ppo.lagrangian_targets(r, lam, beta, estimator="grpo", k=k)
+        want = (grpo(r.scores) - lam * grpo(r.costs)) / (1 + lam) - beta / 2 * centred_kl
+        assert torch.allclose(t.adv[:, 0], want, atol=1e-12)
+
+
+def cost_args(tmp_path, sft_dir, rm_dir, out, *extra, steps=3):
+    (tmp_path / "cost.py").write_text(COST)
+    return ppo_args(tmp_path, sft_dir, rm_dir, out, "--cost", f"{tmp_path / 'cost.py'}:cost", "--lambda_lr", "0.5",
+                    *extra, steps=steps)
+
+
+def test_ppo_lagrangian_learns_lambda_trains_a_cost_critic_and_resumes_exactly(tmp_path, sft_dir, rm_dir):
+    a = train_ppo.main(cost_args(tmp_path, sft_dir, rm_dir, "a", "--cost_limit", "-1", "--save_interval", "0",
+                                 steps=4))
+    m = metrics(tmp_path / "a")
+    lam = [x["train/lambda"] for x in m]
+    assert all(b >= a for a, b in zip(lam, lam[1:])) and lam[0] > 1.0   # every cost is above −1: λ only rises...
+    assert lam[-1] == pytest.approx(5.0)                                 # ...to its cap --lambda_max 5
+    costs = [x["train/cost"] for x in m]
+    assert all(x["train/episode_cost"] >= min(costs) - 1e-9 for x in m) and "train/cost_value_loss" in m[0]
+    assert isinstance(a.cost_critic, ScoreModel) and isinstance(a.critic, ScoreModel)   # --cost: from the policy
+    train_ppo.main(cost_args(tmp_path, sft_dir, rm_dir, "b", "--cost_limit", "-1", "--save_interval", "0",
+                             "--stop_at", "2", steps=4))
+    b = train_ppo.main(cost_args(tmp_path, sft_dir, rm_dir, "b", "--cost_limit", "-1", "--save_interval", "0",
+                                 "--resume", steps=4))
+    assert b.lagrange.log_lambda == a.lagrange.log_lambda and list(b.lagrange.steps) == list(a.lagrange.steps)
+    for x, y in ((a.policy, b.policy), (a.cost_critic, b.cost_critic)):
+        assert all(torch.equal(p, q) for p, q in zip(x.state_dict().values(), y.state_dict().values()))
+    assert metrics(tmp_path / "b")[-1]["train/lambda"] == m[-1]["train/lambda"]
+
+
+def test_resume_refuses_a_changed_cost_limit(tmp_path, sft_dir, rm_dir, capfd):
+    train_ppo.main(cost_args(tmp_path, sft_dir, rm_dir, "r", "--stop_at", "1", steps=3))
+    code, err = main_exit(capfd, cost_args(tmp_path, sft_dir, rm_dir, "r", "--cost_limit", "0.5", "--resume",
+                                           steps=3))
+    assert code != 0 and "cost_limit 0.0 != 0.5" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("adv", ["grpo", "reinforce_pp"])
+def test_the_critic_free_estimators_take_the_cost_too(tmp_path, sft_dir, rm_dir, adv):
+    out = train_ppo.main(cost_args(tmp_path, sft_dir, rm_dir, adv, "--advantage", adv, "--cost_limit", "1",
+                                   steps=2))
+    assert out.cost_critic is None and out.lagrange is not None
+    lam = [x["train/lambda"] for x in metrics(tmp_path / adv)]
+    assert lam[1] < lam[0] < 1.0                                        # every cost is under 1: λ only falls
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--cost_limit", "0.5"], "--cost_limit applies only with --cost_model or --cost"),
+    (["--cost", "x.py:f", "--cost_model", "somewhere"], "pass one cost"),
+    (["--cost", "nocolon"], "--cost must be module:function"),
+    (["--cost_model", "/nonexistent/cost_model"], "/nonexistent/cost_model"),
+    (["--cost", "x.py:f", "--lambda_init", "0"], "--lambda_init must be > 0"),
+])
+def test_bad_cost_options_are_one_line(tmp_path, sft_dir, rm_dir, capfd, extra, message):
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra))
+    assert code != 0 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()
+
+
+SPY = """import json, os, sys
+import train_ppo
+out = train_ppo.main(sys.argv[1:])
+with open(os.path.join(os.environ["SPY_DIR"], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({"log_lambda": out.lagrange.log_lambda, "window": list(out.lagrange.steps),
+               "critic": [p.sum().item() for p in out.cost_critic.parameters()]}, f)
+"""
+
+
+def test_ddp_ranks_hold_the_same_lambda_and_cost_critic(tmp_path, sft_dir, rm_dir):
+    (tmp_path / "spy.py").write_text(SPY)
+    write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(16))
+    write_jsonl(tmp_path / "eval_prompts.jsonl", prompt_rows(4, seed=1))
+    run([str(tmp_path / "spy.py")] + cost_args(tmp_path, sft_dir, rm_dir, "ddp", "--batch_size", "2", steps=3),
+        nproc=2, env={"SPY_DIR": str(tmp_path)})
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert r0 == r1 and r0["log_lambda"] != 0.0
+    assert all(n == 2 * 2 * 1 for _, n in r0["window"])          # J_C counts both ranks' episodes every step
+    GPT.from_pretrained(str(tmp_path / "ddp"))

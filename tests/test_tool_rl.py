@@ -1,0 +1,75 @@
+"""train_ppo.py with --tools: a rollout whose assistant turns call tools is trained on exactly the tokens it sampled
+(the tool turns are context: no KL, no policy loss), and the trainer's log-probs equal the decode's."""
+import pytest
+import torch
+from numerics import FLOAT32_ATOL  # see tests/numerics.py
+
+import train_ppo
+from nano_rlhf import chat, sampling
+from nano_rlhf.model import GPT, GPTConfig
+from nano_rlhf.rollout import Models
+from nano_rlhf.sampling import SamplingOptions, generate_turns
+from nano_rlhf.tools import ToolEnv, load_tools
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1"])
+def test_a_tool_rollout_trains_only_the_policys_tokens(name, tmp_path, monkeypatch):
+    """A policy scripted to call the calculator, read the answer and end (sample_token replaced), through
+    train_ppo's own rollout path: the ids are the sampled ones plus the tool turn, the tool turn is a hole in
+    the action and policy masks, the sequence KL and the policy loss read only the actions, and the trainer's
+    recomputed log-probs equal those recorded at decode time (float32 sums of a few dozen terms: 2 × the
+    suite's FLOAT32_ATOL, as tests/test_turns.py argues)."""
+    from test_chat_templates import build, calls
+    name, tok, _ = build(name, tmp_path)
+    box = load_tools("calculator")
+    call = calls(("calculator", {"expression": "(3+4)*12/5"}))
+    first = tok.encode(chat.assistant_text(tok.chat_template, "", call)) + [tok.eot_id]
+    answer = tok.encode("It is 16.8.") + [tok.eot_id]
+    tool = tok.encode_tool_turn(["16.8"])
+    script = first + tool + answer
+    step = [0]
+
+    def scripted(logits, temperature, top_k, top_p, generator, u):
+        t = script[min(step[0], len(script) - 1)]
+        step[0] += 1
+        return torch.full((logits.shape[0],), t, dtype=torch.long)
+    monkeypatch.setattr(sampling, "sample_token", scripted)
+    prompt = [{"role": "user", "content": "What is (3+4)*12/5?"}]
+    p_ids = tok.render_prompt(prompt, box.schemas)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=len(p_ids) + len(script) + 8, n_layer=1, n_head=2, n_embd=16)
+    policy, ref = GPT(cfg).eval(), GPT(cfg).eval()
+    o = train_ppo.Options(advantage="grpo", samples_per_prompt=1, micro_batch_size=1, max_new_tokens=len(script) + 8,
+                          tools="calculator", max_turns=3, missing_eos_penalty=None)
+    models = Models(policy=policy, reward=lambda p, c: [float("16.8" in x) for x in c], ref=ref, tools=box)
+    r = train_ppo.rollout(lambda: [{"prompt": p_ids, "text": "What is (3+4)*12/5?"}], models, tok, o,
+                          torch.Generator().manual_seed(0))
+    n = int(r.response_mask[0].sum())
+    assert r.query_response[0].tolist() == p_ids + script and n == len(script)
+    hole = [1.0] * len(first) + [0.0] * len(tool) + [1.0] * len(answer)
+    assert r.action_mask[0].tolist() == hole and r.policy_mask[0].tolist() == hole
+    assert "16.8" in r.completions[0] and r.scores[0] == 1.0 and r.has_eos[0] == 1.0
+    assert r.stats["tool_calls"] == 1.0 and r.stats["tool_errors"] == 0.0
+    kl = ((r.logprobs - r.ref_logprobs) * torch.tensor([hole])).sum(1)
+    assert torch.allclose(train_ppo.sequence_kl(r), kl, atol=0, rtol=0)         # the tool turn holds no KL
+    step[0] = 0
+    decoded = generate_turns(policy, torch.tensor([p_ids]), None, SamplingOptions(
+        max_new_tokens=len(script) + 8, temperature=1.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id),
+        ToolEnv(box, tok), 3)
+    acts = decoded.policy_mask[0, :n]
+    assert torch.allclose(r.logprobs[0][acts], decoded.logprobs[0, :n][acts].float(), atol=2 * FLOAT32_ATOL, rtol=0)
+    # the update's policy loss sees the actions only: a tool token's log-prob has no gradient
+    adv = torch.ones_like(r.response_mask)
+    logp = r.logprobs.clone().requires_grad_(True)
+    pg, _ = train_ppo.policy_loss(logp, r.logprobs, adv)
+    train_ppo.aggregate_loss(pg, r.policy_mask, "token_mean", float(r.policy_mask.sum()), 1.0, n).backward()
+    assert (logp.grad[0, len(first):len(first) + len(tool)] == 0).all() and (logp.grad[0][acts] != 0).all()
+    box.close()
+
+
+def test_tools_options_are_declared(tmp_path, sft_dir, rm_dir, capfd):
+    from test_ppo import main_exit, ppo_args
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", "--max_turns", "2"))
+    assert code == 2 and "--max_turns applies only with --tools" in err
+    code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", "--tools", "nope"))
+    assert code != 0 and "--tools nope" in err and "Traceback" not in err and not (tmp_path / "x").exists()
