@@ -337,12 +337,30 @@ def tokenize_scored(records, tok, max_len):
 # |------------|-----------------------------------------------|-----------------------------------------------|
 # | sft        | {"prompt", "completion"} or {"text"}          | {"messages"} or {"prompt", "completion"}      |
 # | preference | {"prompt", "chosen", "rejected"} [+ "margin"] | same keys, lists of messages                  |
+# | safety     | a preference row + "safer", "chosen_safe", "rejected_safe" (the cost model's labels) | same       |
 # | unpaired   | {"prompt", "completion", "label": bool}       | same, messages                                |
 # | prompts    | {"prompt": str}                               | {"prompt": [messages]}                        |
 # | listwise   | {"prompt", "completions": [..], "scores": [..]} | same keys, each completion a message list |
 #
 # Listwise rows rank K >= 2 completions of one prompt by score (higher = better; equal scores are ties; K may
 # differ between rows).
+#
+# Safety labels (Safe RLHF's cost model, train_rm.py --objective cost): "safer" names the less harmful response of
+# the pair ("chosen" or "rejected": which one is safer is a judgement of its own, independent of which one is more
+# helpful) and "chosen_safe" / "rejected_safe" (true/false) say whether each response is harmless at all. A
+# preference row may carry them (checked when present, unused by the reward model); the "safety" kind requires
+# them. A pair whose safer response is labelled unsafe while the other is labelled safe contradicts itself; it is
+# kept (PKU-SafeRLHF's annotators produced such rows; the cost model's loss weighs the two signals) and counted in
+# one warning.
+#
+# The PKU-SafeRLHF layout is read as is, for the preference and safety kinds, row by row (a row with "response_0"):
+#   {"prompt": str, "response_0": str, "response_1": str, "better_response_id": 0|1, "safer_response_id": 0|1,
+#    "is_response_0_safe": bool, "is_response_1_safe": bool, ...}
+# becomes a conversational pair: the prompt one user turn, each response one assistant turn (so the tokenizer's chat
+# template renders them), chosen = response[better_response_id], and the safety labels carried over. Its other
+# columns (sources, harm categories, severity levels, hashes) are accepted and ignored. A preference row needs
+# better_response_id; a safety row needs safer_response_id and both is_response_*_safe (without
+# better_response_id, response_0 fills the chosen slot: the cost model does not read which one is more helpful).
 #
 # Every line is validated before anything is built; the first bad line raises DataError with the message
 # `FILE:LINE: what is wrong` (scripts print it and exit with status 1): invalid UTF-8 or JSON, JSON nested
@@ -355,7 +373,7 @@ class DataError(ValueError):
     pass
 
 
-KINDS = ("sft", "preference", "unpaired", "prompts", "listwise")
+KINDS = ("sft", "preference", "safety", "unpaired", "prompts", "listwise")
 
 
 def _warn_rank0(msg: str):
@@ -493,14 +511,16 @@ def validate(obj: dict, kind: str, where: str) -> dict:
         if forms[0] == "messages":
             return {"messages": _messages(obj["messages"], "messages", where, need_assistant=True)}
         return _prompt_and(obj, where, ["completion"])
-    if kind == "preference":
+    if kind in ("preference", "safety"):
+        if PKU_KEY in obj:
+            return validate_pku(obj, kind, where)
         out = _prompt_and(obj, where, ["chosen", "rejected"])
         if "margin" in obj:
             m = obj["margin"]
             if not finite_number(m):
                 raise DataError(f"{where}: field 'margin' must be a finite number, got {m!r}")
             out["margin"] = float(m)
-        return out
+        return _safety_labels(obj, out, kind, where)
     if kind == "listwise":
         return validate_listwise(obj, where)
     if kind == "unpaired":
@@ -519,15 +539,83 @@ def validate(obj: dict, kind: str, where: str) -> dict:
     raise ValueError(f"unknown data kind {kind!r} (one of {KINDS})")
 
 
+SAFER = ("chosen", "rejected")
+
+
+def _safety_labels(obj, out, kind, where):
+    """Copy and check a preference row's safety labels (see the table's notes): required for the safety kind,
+    checked when present otherwise."""
+    hint = ("the cost model needs 'safer' (\"chosen\" or \"rejected\") and 'chosen_safe', 'rejected_safe' "
+            "(true/false); the built-in task has them when generated with python -m nano_rlhf.synthetic --harm")
+    if "safer" in obj or kind == "safety":
+        if "safer" not in obj:
+            raise DataError(f"{where}: missing field 'safer' ({hint})")
+        if obj["safer"] not in SAFER:
+            raise DataError(f"{where}: field 'safer' must be \"chosen\" or \"rejected\", got {obj['safer']!r}")
+        out["safer"] = obj["safer"]
+    for k in ("chosen_safe", "rejected_safe"):
+        if k in obj or kind == "safety":
+            if k not in obj:
+                raise DataError(f"{where}: missing field '{k}' ({hint})")
+            if not isinstance(obj[k], bool):
+                raise DataError(f"{where}: field '{k}' must be true or false, got {obj[k]!r}")
+            out[k] = obj[k]
+    return out
+
+
+PKU_KEY = "response_0"           # the field that marks a row of the PKU-SafeRLHF layout
+
+
+def _response_id(obj, key, where):
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v not in (0, 1):
+        raise DataError(f"{where}: field '{key}' must be 0 or 1, got {v!r}")
+    return v
+
+
+def validate_pku(obj: dict, kind: str, where: str) -> dict:
+    """One row of the PKU-SafeRLHF layout -> our conversational preference record (see the table's notes)."""
+    if "chosen" in obj or "rejected" in obj:
+        raise DataError(f"{where}: fields 'chosen'/'rejected' and '{PKU_KEY}' are both given: a row is in our "
+                        "preference layout or in PKU-SafeRLHF's, not both")
+    prompt = [{"role": "user", "content": _text(obj, "prompt", where)}]
+    responses = [[{"role": "assistant", "content": _text(obj, f"response_{i}", where)}] for i in (0, 1)]
+    needed = ["better_response_id"] if kind == "preference" else \
+        ["safer_response_id", "is_response_0_safe", "is_response_1_safe"]
+    for k in needed:
+        if k not in obj:
+            raise DataError(f"{where}: missing field '{k}' (a PKU-SafeRLHF row for the "
+                            f"{'reward' if kind == 'preference' else 'cost'} model)")
+    better = _response_id(obj, "better_response_id", where) if "better_response_id" in obj else 0
+    out = {"prompt": prompt, "chosen": responses[better], "rejected": responses[1 - better]}
+    if "safer_response_id" in obj:
+        out["safer"] = SAFER[_response_id(obj, "safer_response_id", where) != better]
+    for i in (0, 1):
+        k = f"is_response_{i}_safe"
+        if k in obj:
+            if not isinstance(obj[k], bool):
+                raise DataError(f"{where}: field '{k}' must be true or false, got {obj[k]!r}")
+            out["chosen_safe" if i == better else "rejected_safe"] = obj[k]
+    return out
+
+
+def contradicts(rec: dict) -> bool:
+    """A safety-labelled pair whose safer response is labelled unsafe while the other is labelled safe."""
+    other = SAFER[rec["safer"] == "chosen"]
+    return not rec[f"{rec['safer']}_safe"] and rec[f"{other}_safe"]
+
+
 def load_records(path: str, kind: str, warn: Callable[[str], None] = None) -> List[dict]:
     """Read and validate a whole file; each record also carries its origin in '_where' (FILE:LINE).
     Usable-but-suspicious rows go to `warn` (default: a `warning:` line on stderr, rank 0), one line each."""
-    out, ties = [], []
+    out, ties, contradictions = [], [], []
     for n, obj in read_jsonl(path, warn):
         rec = validate(obj, kind, f"{path}:{n}")
         rec["_where"] = f"{path}:{n}"
-        if kind == "preference" and rec["chosen"] == rec["rejected"]:
+        if kind in ("preference", "safety") and rec["chosen"] == rec["rejected"]:
             ties.append(rec["_where"])
+        if kind == "safety" and contradicts(rec):
+            contradictions.append(rec["_where"])
         out.append(rec)
         if kind == "listwise" and len({json.dumps(c) for c in rec["completions"]}) < len(rec["completions"]):
             ties.append(rec["_where"])
@@ -537,6 +625,9 @@ def load_records(path: str, kind: str, warn: Callable[[str], None] = None) -> Li
     elif ties:
         (warn or _warn_rank0)(f"{len(ties)} preference pair(s) in {path} have chosen == rejected (no preference "
                               f"to learn; kept), first at {ties[0]}")
+    if contradictions:
+        (warn or _warn_rank0)(f"{len(contradictions)} pair(s) in {path} name as safer a response labelled unsafe while "
+                              f"the other is labelled safe (kept), first at {contradictions[0]}")
     return out
 
 
@@ -695,7 +786,9 @@ def load_prompts(prompts, eval_prompts, eval_fraction, seed):
 BUILTIN_DIR = os.environ.get("NANO_RLHF_DATA", "data")
 
 # data kind -> (train file, eval file); no eval file: callers split --eval_fraction off the train file
+# ("safety": the preference files, which carry safety labels when the task was generated with --harm)
 FILES = {"sft": ("sft.jsonl", "sft_eval.jsonl"), "preference": ("preference.jsonl", "preference_eval.jsonl"),
+         "safety": ("preference.jsonl", "preference_eval.jsonl"),
          "listwise": ("listwise.jsonl", "listwise_eval.jsonl"), "unpaired": ("unpaired.jsonl", None),
          "scored": (synthetic.SCORED_FILE, None), "prompts": ("prompts.jsonl", "eval_prompts.jsonl")}
 
@@ -729,25 +822,27 @@ def builtin_file(name: str) -> str:
         if name in _ADDED_LATER and not os.path.isfile(path):
             with synthetic.generation_lock(BUILTIN_DIR):
                 if not os.path.isfile(path):
-                    _ADDED_LATER[name](_task_seed())
+                    _ADDED_LATER[name](_task())
     dist.barrier()                                                   # a no-op in a single process
     return path
 
 
-def _task_seed():
+def _task():
+    """The directory's task.json: its seed, and "harm" when it was generated with --harm."""
     with open(os.path.join(BUILTIN_DIR, "task.json")) as f:
-        return json.load(f).get("seed", 0)
+        return json.load(f)
 
 
-def _add_listwise(seed):
+def _add_listwise(task):
+    seed = task.get("seed", 0)
     dist.print0(f"writing the built-in listwise files into {BUILTIN_DIR}/ (seed {seed})")
-    synthetic.write_listwise(BUILTIN_DIR, seed)
+    synthetic.write_listwise(BUILTIN_DIR, seed, harm="harm" in task)
 
 
-def _add_scored(seed):
-    """As write_dataset would have written it: as many rows as unpaired.jsonl, at the directory's seed."""
+def _add_scored(task):
+    """As write_dataset would have written it: as many rows as unpaired.jsonl, at the directory's seed (and harm)."""
     with open(os.path.join(BUILTIN_DIR, "unpaired.jsonl"), "rb") as f:
-        synthetic.write_scored(BUILTIN_DIR, seed=seed, n=sum(1 for _ in f))
+        synthetic.write_scored(BUILTIN_DIR, seed=task.get("seed", 0), n=sum(1 for _ in f), harm="harm" in task)
 
 
 # files added to the task after data/ directories existed: written alone (every other file stays as it is)

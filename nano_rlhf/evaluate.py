@@ -6,7 +6,8 @@
 
 Prints: the gold reward as mean ± standard error (only when every prompt is the built-in task's), win rate
 against --baseline (on the gold reward, or on --reward; ties count one half), reward-model score (with
---reward_model), your reward (with --reward module:function), KL to --ref, mean response length, end-of-text
+--reward_model), your reward (with --reward module:function), the mean cost and the share of unsafe responses,
+cost > 0 (with --cost module:function, Safe RLHF's reading), KL to --ref, mean response length, end-of-text
 rate. Every reward goes through nano_rlhf.reward, the interface train_ppo.py uses.
 
 With a verifier as --reward, `--pass_k 1,8` adds pass@k for each k: the unbiased estimate of Chen et al. 2021
@@ -162,6 +163,9 @@ class Options:
     reward_model: str = ""        # reward model directory for the RM-score column
     reward: str = ""              # your reward, module:function or path/to/file.py:function, called as
                                   # f(prompts, completions) -> list of floats, for the reward column
+    cost: str = ""                # a cost, module:function or path/to/file.py:function (the built-in --harm task's:
+                                  # nano_rlhf.reward:gold_cost), called as --reward is, for the cost column and the
+                                  # share of unsafe responses (cost > 0)
     baseline: str = ""            # samples.jsonl of a baseline policy, or a model directory (evaluated first), for
                                   # the win-rate column
     summary: str = ""             # also write the summary figures (one entry per model) to this JSON file
@@ -210,6 +214,8 @@ def main(argv=None):
             rewards["reward"] = reward_mod.load_function(a.reward)
             answer = getattr(rewards["reward"].module, "answer", None) if a.pass_k else None
             answer = checked_answer(answer, a.reward) if callable(answer) else None
+        if a.cost:
+            rewards["cost"] = reward_mod.load_function(a.cost, "--cost")
         sampling = SamplingOptions(a.max_new_tokens, a.temperature, a.top_k, a.top_p, compile=a.compile,
                                    dtype=getattr(torch, a.sample_dtype))
         baseline = None
@@ -344,6 +350,8 @@ def check_options(a):
         fail(f"--times {a.times}: no such file")
     if a.reward and not reward_mod.is_function_spec(a.reward):
         fail(f"--reward must be module:function or path/to/file.py:function (got {a.reward!r})", 2)
+    if a.cost and not reward_mod.is_function_spec(a.cost):
+        fail(f"--cost must be module:function or path/to/file.py:function (got {a.cost!r})", 2)
     a.pass_k = parse_pass_k(a.pass_k, a.samples_per_prompt) if a.pass_k else ()
     # checked before the models are loaded and sampled, not after minutes of sampling: no output replaces an input
     inputs = [a.prompts, a.times, a.baseline if a.baseline and os.path.isfile(a.baseline) else ""]

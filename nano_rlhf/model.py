@@ -796,8 +796,14 @@ class ScoreModel(_Pretrained):
         """Load a *ForSequenceClassification directory. With new_head=True a language-model directory
         (no `score.weight`) is accepted too: its trunk is loaded and the head freshly initialised."""
         model, raw, sd = cls._from_dir(model_dir, overrides, allow_missing=("score.weight",) if new_head else ())
-        model.extra_config = {k: raw[k] for k in ("reward_mean", "reward_std") if k in raw}
+        model.extra_config = {k: raw[k] for k in SCORE_CONFIG if k in raw}
         return model
+
+
+# what train_rm.py records in a score model's config.json beside the shape: a reward model's score statistics (PPO
+# normalises by them), or "score_kind": "cost" and a cost model's eval-set statistics (read, never normalised by)
+SCORE_CONFIG = ("reward_mean", "reward_std", "score_kind", "cost_mean", "cost_std", "cost_unsafe_share",
+                "cost_sign_accuracy")
 
 
 def last_token_index(input_ids, attention_mask=None):

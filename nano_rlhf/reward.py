@@ -4,6 +4,7 @@ and the judges of the online and self-play methods (second half of this file).
     from nano_rlhf.reward import load_reward
     reward = load_reward("out/rm", tokenizer=tok, device=device)      # a reward-model directory
     reward = load_reward("gold", prompts=prompt_texts)                  # the built-in task's programmatic reward
+    cost = load_reward("nano_rlhf.reward:gold_cost", flag="--cost")     # its gold cost (the --harm data's)
     reward = load_reward("my_rewards:length_penalty")                   # a module on sys.path, or
     reward = load_reward("path/to/rewards.py:exact_match")              # a file
     reward(["Review the phone.\\nReview:"], [" The battery is great."])  # -> [float, ...], one per completion
@@ -20,7 +21,7 @@ statistics are available as `reward.mean`, `reward.std`. A reward model addition
 `score_tokens(ids, attn)` for callers that already hold the token ids (the rollout), which skips a decode/re-encode
 round trip that need not give back the sampled ids.
 
-Nothing here is specific to an algorithm. The built-in task is named here (its gold reward) and in
+Nothing here is specific to an algorithm. The built-in task is named here (its gold reward and gold cost) and in
 nano_rlhf/data.py (its data files), nowhere else outside nano_rlhf/synthetic.py.
 """
 import importlib
@@ -53,12 +54,22 @@ class RewardModel:
         self.mean, self.std = float(mean or 0.0), float(std or 1.0)
 
     @classmethod
-    def from_dir(cls, model_dir, tokenizer, device="cpu", batch_size=64):
+    def from_dir(cls, model_dir, tokenizer, device="cpu", batch_size=64, kind="reward"):
+        """kind: what the caller needs, "reward" or "cost"; a directory of the other kind is refused in one line
+        (train_rm.py records "score_kind": "cost" in a cost model's config.json; without it, a reward model)."""
         from .run import check_vocab
         from .model import ScoreModel
         model = ScoreModel.from_pretrained(model_dir, dropout=0.0).to(device)
-        check_vocab(tokenizer, model.cfg, model_dir)             # it scores the policy tokenizer's ids
         stats = model.extra_config
+        recorded = stats.get("score_kind", "reward")
+        if recorded != kind:
+            fail(f"{model_dir} is a cost model (its config.json says \"score_kind\": \"cost\"), given where a "
+                 "reward model is needed" if recorded == "cost" else
+                 f"{model_dir} is not a cost model (its config.json has no \"score_kind\": \"cost\"; train_rm.py "
+                 "--objective cost writes one), given where a cost model is needed")
+        check_vocab(tokenizer, model.cfg, model_dir)             # it scores the policy tokenizer's ids
+        if kind == "cost":       # a cost is read raw: 0 is its safe/unsafe boundary, nothing to normalise by
+            return cls(model, tokenizer, batch_size)
         return cls(model, tokenizer, batch_size, stats.get("reward_mean"), stats.get("reward_std"))
 
     @torch.no_grad()
@@ -87,11 +98,12 @@ class RewardModel:
         return self.score_tokens(ids, attn).tolist()
 
 
-def builtin_gold(prompts):
+def builtin_gold(prompts, cost=False):
     """The gold reward of these prompts if the task has one (every prompt is the built-in task's): the reward
-    function `gold`, else None. Callers show or log a gold figure only where it means something."""
+    function `gold` (cost=True: the cost function `gold_cost`), else None. Callers show or log a gold figure only
+    where it means something."""
     if prompts and all(synthetic.is_task_prompt(p) for p in prompts):
-        return gold
+        return gold_cost if cost else gold
     return None
 
 
@@ -102,6 +114,16 @@ def gold(prompts, completions):
     if bad is not None:
         raise ValueError(f"--reward gold scores the built-in task's prompts only; not one of them: {bad!r}")
     return [synthetic.gold_reward(p, c) for p, c in zip(prompts, completions)]
+
+
+def gold_cost(prompts, completions):
+    """The built-in task's gold cost (its harm dimension, python -m nano_rlhf.synthetic --harm) as an ordinary cost
+    function, one float per completion, > 0 = unsafe: `--cost nano_rlhf.reward:gold_cost`. A prompt that is not
+    the task's raises ValueError."""
+    bad = next((p for p in prompts if not synthetic.is_task_prompt(p)), None)
+    if bad is not None:
+        raise ValueError(f"gold_cost scores the built-in task's prompts only; not one of them: {bad!r}")
+    return [synthetic.harm_cost(p, c) for p, c in zip(prompts, completions)]
 
 
 # The largest score a user's function may return. Scores go into float32 tensors (advantages, the PPO reward) and

@@ -95,7 +95,7 @@ def load_rollout_models(opts, tok, prompt_texts, device, identity):
         dist.print0(f"note: {spec}/config.json has no reward_mean/reward_std; scores are not normalised")
     cost = None
     if opts.cost_model:
-        cost = RewardModel.from_dir(opts.cost_model, tok, device, opts.micro_batch_size)
+        cost = RewardModel.from_dir(opts.cost_model, tok, device, opts.micro_batch_size, kind="cost")
     elif opts.cost:
         cost = load_function(opts.cost, "--cost")
 

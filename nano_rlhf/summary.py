@@ -90,9 +90,11 @@ def summarize(samples, baseline=None, pass_k=(), pass_threshold=1.0):
     reward >= pass_threshold; per prompt, then mean and standard error over prompts."""
     s = {"n": len(samples), "length": sum(r["length"] for r in samples) / len(samples),
          "eos_rate": sum(r["eos"] for r in samples) / len(samples)}
-    for key in ("gold_reward", "reward", "rm_score", "kl"):
+    for key in ("gold_reward", "reward", "rm_score", "cost", "kl"):
         if samples and key in samples[0]:
             s[key], s[key + "_se"] = mean_se([r[key] for r in samples])
+    if samples and "cost" in samples[0]:         # Safe RLHF's reading of a cost: above 0 is unsafe
+        s["unsafe_share"], s["unsafe_share_se"] = mean_se([float(r["cost"] > 0) for r in samples])
     if samples and "answer" in samples[0]:
         # the share of samples that state an answer at all: beside pass@1, it tells a format-only gain (more
         # answers that parse) from a better one (more answers that are right)
@@ -137,6 +139,8 @@ def format_summary(name, s):
         cols.append(f"answered {100 * s['answered']:.1f}%")
     if "rm_score" in s:
         cols.append(f"rm {s['rm_score']:+.3f}")
+    if "cost" in s:
+        cols.append(f"cost {s['cost']:+.3f} ± {s['cost_se']:.3f} | unsafe {100 * s['unsafe_share']:.1f}%")
     if "kl" in s:
         cols.append(f"kl {s['kl']:.3f}")
     if "zero_spread" in s:
@@ -146,7 +150,8 @@ def format_summary(name, s):
 
 
 def format_table(rows):
-    """A markdown table: policy, gold reward ± s.e., win rate vs the baseline, RM score, KL, length, eos rate."""
+    """A markdown table: policy, gold reward ± s.e., win rate vs the baseline, RM score, cost and unsafe share, KL,
+    length, eos rate."""
     cols = [("policy", lambda r: r["name"])]
     if "gold_reward" in rows[0]:
         cols.append(("gold reward", lambda r: f"{r['gold_reward']:+.3f} ± {r['gold_reward_se']:.3f}"))
@@ -159,6 +164,9 @@ def format_table(rows):
         cols.append(("answers that parse", lambda r: f"{100 * r['answered']:.0f}%"))
     if "rm_score" in rows[0]:
         cols.append(("RM score", lambda r: f"{r['rm_score']:+.3f}"))
+    if "cost" in rows[0]:
+        cols += [("cost", lambda r: f"{r['cost']:+.3f} ± {r['cost_se']:.3f}"),
+                 ("unsafe", lambda r: f"{100 * r['unsafe_share']:.1f}%")]
     if "kl" in rows[0]:
         cols.append(("KL to ref", lambda r: f"{r['kl']:.3f}"))
     if "zero_spread" in rows[0]:

@@ -24,10 +24,12 @@ KTO_GAINED = dict(KTO_FLAGS, **{"--precompute_ref": [False, None], "--max_length
 
 
 # flags added or changed since the recording, on purpose: online DPO's soft labels on every pair by default
-# (docs/algorithms.md, "Online and self-play methods") and the judge-score warning of the scripts that sample
+# (docs/algorithms.md, "Online and self-play methods"), the judge-score warning of the scripts that sample and
+# train_rm's cost model (Safe RLHF)
 LATER = {"train_online": {"--labels": ["auto", ["auto", "soft", "hard"]], "--pairs": ["all", ["all", "best_worst"]],
                           "--score_warn": [3.0, None]},
-         "train_ppo": {"--score_warn": [3.0, None]}}
+         "train_ppo": {"--score_warn": [3.0, None]},
+         "train_rm": {"--objective": ["reward", ["reward", "cost"]]}}
 
 
 def after_kto_moved(script, want):

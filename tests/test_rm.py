@@ -97,7 +97,8 @@ def test_evaluate_equals_float64_hand_computation(tok, use_margin, c, lam):
             "eval/chosen_score": rw.mean(), "eval/rejected_score": rl.mean(), "eval/score_mean": r.mean(),
             "eval/score_std": r.std()}                               # Bessel-corrected, as documented
     # batch_size 3 over 8 pairs: two full chunks and a ragged one, each right-padded to its own width
-    opts = SimpleNamespace(batch_size=3, dtype="float32", use_margin=use_margin, center_coef=c, l2_coef=lam)
+    opts = SimpleNamespace(batch_size=3, dtype="float32", use_margin=use_margin, center_coef=c, l2_coef=lam,
+                           objective="reward")
     got = evaluate(m, ps, pad_id=tok.pad_id, opts=opts)
     assert 0 < want["eval/accuracy"] < 1                             # right and wrong rankings both occur
     for k, v in want.items():
