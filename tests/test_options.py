@@ -28,7 +28,11 @@ KTO_GAINED = dict(KTO_FLAGS, **{"--precompute_ref": [False, None], "--max_length
 # train_rm's cost model (Safe RLHF)
 LATER = {"train_online": {"--labels": ["auto", ["auto", "soft", "hard"]], "--pairs": ["all", ["all", "best_worst"]],
                           "--score_warn": [3.0, None]},
-         "train_ppo": {"--score_warn": [3.0, None]},
+         "train_ppo": {"--score_warn": [3.0, None], "--cost_model": ["", None], "--cost": ["", None],
+                       "--cost_limit": [0.0, None], "--lambda_init": [1.0, None], "--lambda_lr": [0.1, None],
+                       "--lambda_max": [5.0, None], "--lambda_delay": [0, None], "--cost_window": [128, None],
+                       "--cost_critic_init": ["auto", ["auto", "cost_model", "policy"]], "--tools": ["", None],
+                       "--max_turns": [4, None]},
          "train_rm": {"--objective": ["reward", ["reward", "cost"]]}}
 
 
