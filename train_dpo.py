@@ -59,6 +59,7 @@ reference-model syncing (TR-DPO).
 """
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -402,7 +403,8 @@ def precompute_reference(opts, ref, examples, pad_id, device):
     shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares them."""
     values = torch.zeros(len(examples), 2, dtype=torch.float64)         # S_ref of each example's two rows
     mine = dist.rank_share(list(range(len(examples))))
-    progress = run_mod.Progress(len(mine), "precomputing the reference's log-probs", unit="pairs")
+    progress = run_mod.Progress(len(mine), "precomputing the reference's log-probs", unit="pairs",
+                                stream=sys.stdout)             # beside the training loop's progress lines
     for i in range(0, len(mine), opts.batch_size):
         idx = mine[i:i + opts.batch_size]
         batch = make_batch([examples[j] for j in idx], opts, pad_id, device)

@@ -411,7 +411,8 @@ def precompute_reference(opts, ref, example_sets, pad_id, device):
     all-reduce shares them. The caller then drops the reference model."""
     t0 = time.time()
     shares = [dist.rank_share(list(range(len(examples)))) for examples in example_sets]
-    progress = run_mod.Progress(sum(map(len, shares)), "precomputing the reference's log-probs", unit="examples")
+    progress = run_mod.Progress(sum(map(len, shares)), "precomputing the reference's log-probs", unit="examples",
+                                stream=sys.stdout)             # beside the training loop's progress lines
     for examples, mine in zip(example_sets, shares):
         values = torch.zeros(len(examples), 2, dtype=torch.float64)
         for i in range(0, len(mine), opts.batch_size):
@@ -444,7 +445,8 @@ def draw_samples(opts, ref, prompts, tok, device):
     if dist.world().is_main:      # (the other ranks wait in broadcast_object: within --dist_timeout for this pass)
         gen = torch.Generator(device=device).manual_seed(opts.seed)
         K, block = opts.num_samples, ref.cfg.block_size
-        progress = run_mod.Progress(len(prompts) * K, "D2O: sampling the reference", unit="responses")
+        progress = run_mod.Progress(len(prompts) * K, "D2O: sampling the reference", unit="responses",
+                                    stream=sys.stdout)         # beside the training loop's progress lines
         for i in range(0, len(prompts), 32):
             chunk = prompts[i:i + 32]
             ids, attn = collate_prompts([list(p) for p in chunk for _ in range(K)], tok.pad_id)

@@ -263,7 +263,7 @@ def test_d2o_resume_with_edited_samples_is_refused(tmp_path, sft_dir, capsys):
     """d2o_samples.jsonl is hashed like the data: a token id edited past the vocabulary between stop and resume is
     one line naming the file (it was a RuntimeError from the model's embedding), the checkpoint untouched."""
     tu.main(args(tmp_path, sft_dir, "r", "d2o", "--num_samples", "2", "--max_new_tokens", "6", "--stop_at", "1", steps=3))
-    assert "D2O: sampling the reference | " in capsys.readouterr().err                # the pass shows progress
+    assert "D2O: sampling the reference | " in capsys.readouterr().out                # the pass shows progress
     path = tmp_path / "r" / tu.SAMPLES_FILE
     rows = [json.loads(x) for x in open(path)]
     rows[0]["sample_ids"][0][0] = 99999
