@@ -66,7 +66,7 @@ from nano_rlhf import rollout as rollout_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf import tools as tools_mod
 from nano_rlhf.checkpoint import save_model_dir
-from nano_rlhf.cli import FrozenModelOptions, RunOptions
+from nano_rlhf.cli import FLOAT32_MAX, FrozenModelOptions, RunOptions
 from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, prompt_limit,
                             tokenize_prompts, tokenize_sft, training_length)
 from nano_rlhf.evaluate import eval_metrics
@@ -538,8 +538,10 @@ def lambda_step(log_lambda, episode_cost, limit, lr, lambda_max=math.inf):
     """One step of gradient ascent of the multiplier on λ·(J_C − d) through log λ (λ = e^{log λ} stays > 0; Dai et
     al. 2024 §3.3; safe-rlhf: SGD on −λ·(J_C − d)): ∂/∂log λ = λ·(J_C − d), so log λ ← log λ + η·λ·(J_C − d),
     then λ ≤ λ_max. λ grows while the mean episode cost J_C is over the limit d and shrinks geometrically (never
-    to 0) while it is under."""
-    return min(log_lambda + lr * math.exp(log_lambda) * (episode_cost - limit), math.log(lambda_max))
+    to 0) while it is under. λ multiplies float32 advantages, so it stays a float32 number (--lambda_max inf: e^{log λ}
+    would overflow Python's float a few steps later)."""
+    return min(log_lambda + lr * math.exp(log_lambda) * (episode_cost - limit), math.log(lambda_max),
+               math.log(FLOAT32_MAX))
 
 
 class Lagrange:
