@@ -126,6 +126,7 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     seed: int = 0                 # seed for data order, KTO's mismatched pairs and D2O's samples
     resume: bool = False          # continue from out_dir/state (D2O: with the saved samples)
     max_length: int = 0           # training length (prompts are left-truncated); 0 = min(block_size, 1024)
+                                  # [with method=kto] {>= 0}
 
 
 def fill_defaults(opts):
@@ -135,7 +136,6 @@ def fill_defaults(opts):
     # wrecked the retain NLL of the built-in task's policy (0.90 -> 4.3 in 50 steps; docs/algorithms.md, NPO)
     opts.lr = opts.lr if opts.lr is not None else (1e-5 if opts.method == "npo" else 1e-4)
     opts.out_dir = opts.out_dir or f"out/{opts.method}"
-                                  # [with method=kto] {>= 0}
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
