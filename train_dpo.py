@@ -59,6 +59,7 @@ reference-model syncing (TR-DPO).
 """
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -112,7 +113,8 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
     max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs {>= 0}
     epochs: float = 1.0           # passes over the data when --max_steps is 0 {> 0}
-    lr: float = 1e-4              # peak learning rate (built-in task); GPT-2-124M: 1e-6, 0.5-1.5B models: 5e-7 {> 0}
+    lr: float = 1e-4              # peak learning rate (built-in task); GPT-2-124M: 1e-6, 0.5-1.5B models: 5e-7
+                                  # {0 < x <= 1e3}
     warmup_steps: int = 10        # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
@@ -401,12 +403,16 @@ def precompute_reference(opts, ref, examples, pad_id, device):
     shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares them."""
     values = torch.zeros(len(examples), 2, dtype=torch.float64)         # S_ref of each example's two rows
     mine = dist.rank_share(list(range(len(examples))))
+    progress = run_mod.Progress(len(mine), "precomputing the reference's log-probs", unit="pairs",
+                                stream=sys.stdout)             # beside the training loop's progress lines
     for i in range(0, len(mine), opts.batch_size):
         idx = mine[i:i + opts.batch_size]
         batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
         with autocast(device, opts.dtype):
             s_ref = sequence_logps(ref, batch.ids, batch.attn, batch.resp)[0]
         values[idx] = torch.stack(s_ref.chunk(2), 1).double().cpu()
+        progress.update(len(idx))
+    progress.done()
     values = dist.all_reduce_sum(values)
     for e, row in zip(examples, values.tolist()):
         e.update(zip(REF_KEYS, row))
@@ -461,7 +467,7 @@ def check_options(opts):
              f"({'--precompute_ref' if opts.precompute_ref else f'--loss {loss} is reference-free'})", 2)
     if loss == "tdpo" and opts.precompute_ref:
         fail("--precompute_ref cannot be used with --loss tdpo: its KL term needs the reference's whole "
-             "next-token distribution at every response position, so the reference runs live")
+             "next-token distribution at every response position, so the reference runs live", 2)
     if opts.l1_coef and opts.fsdp:   # θ_init is held whole; under --fsdp the parameters are shards
         fail("--l1_coef with --fsdp is not supported yet (θ_init would have to be sharded like the policy)", 2)
     if opts.l1_coef and opts.lora_r:  # the penalty would fall on A and B, not on PAFT's merged delta B·A

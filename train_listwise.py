@@ -74,7 +74,8 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
     max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs {>= 0}
     epochs: float = 1.0           # passes over the data when --max_steps is 0 {> 0}
-    lr: float = 1e-4              # peak learning rate (built-in task); real models: as for DPO (5e-7 .. 1e-6) {> 0}
+    lr: float = 1e-4              # peak learning rate (built-in task); real models: as for DPO (5e-7 .. 1e-6)
+                                  # {0 < x <= 1e3}
     warmup_steps: int = 10        # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}

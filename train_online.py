@@ -148,7 +148,7 @@ class Options(FrozenModelOptions, RunOptions):
     temperature: float = 1.0      # sampling temperature; log-probs use logits / τ everywhere {> 0}
     max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
                                   # {>= 0}
-    lr: float = 5e-5              # learning rate (constant after warm-up); 0.5-1.5B models: 5e-7 {>= 0}
+    lr: float = 5e-5              # learning rate (constant after warm-up); 0.5-1.5B models: 5e-7 {0 <= x <= 1e3}
     warmup_steps: int = 0         # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
@@ -659,26 +659,26 @@ def check_options(opts):
     if opts.judge and not llm and opts.judge != reward_mod.GOLD and not reward_mod.is_function_spec(opts.judge) \
             and not os.path.isdir(opts.judge):
         fail(f"--judge {opts.judge}: not a directory, gold, llm:MODEL_DIR, or module:function / "
-             "path/to/file.py:function")
+             "path/to/file.py:function", 2)
     if opts.judge and not llm and reward_mod.is_function_spec(opts.judge):
         reward_mod.load_function(opts.judge, "--judge")          # its import errors name --judge, not --reward
     if method != "nash_md" and opts.samples_per_prompt < 2:
-        fail(f"--method {method} compares the samples of a prompt: it needs --samples_per_prompt >= 2")
+        fail(f"--method {method} compares the samples of a prompt: it needs --samples_per_prompt >= 2", 2)
     if opts.ref_update_every and not needs_reference(opts):
         fail(f"--ref_update_every has no effect with --method {method}" + (f" --loss {opts.loss} (reference-free)"
-                                                                      if method in PAIRWISE else ""))
+                                                                      if method in PAIRWISE else ""), 2)
     if method == "cringe" and opts.cringe_threshold is not None and not opts.judge:
-        fail("--cringe_threshold compares scores: it needs a pointwise --judge")
+        fail("--cringe_threshold compares scores: it needs a pointwise --judge", 2)
     if opts.missing_eos_penalty and (not opts.judge or opts.pair_judge):
         fail("--missing_eos_penalty lowers a --judge score: it needs a pointwise --judge and no --pair_judge "
-             "(whose preferences it would not change)")
+             "(whose preferences it would not change)", 2)
     # a flag the method would ignore is refused by the parser: each declares when it applies ([with ...])
     if method in PAIRWISE:
         if opts.labels == "soft" and opts.loss not in SOFT_LOSSES:
-            fail(f"--labels soft: --loss {opts.loss} has no soft-label form (only {' and '.join(SOFT_LOSSES)})")
+            fail(f"--labels soft: --loss {opts.loss} has no soft-label form (only {' and '.join(SOFT_LOSSES)})", 2)
         if opts.labels == "soft" and opts.label_smoothing:
             fail("--labels soft sets each pair's label smoothing from the judge: pass --labels hard with "
-                 "--label_smoothing")
+                 "--label_smoothing", 2)
 
 
 def needs_reference(opts):

@@ -66,7 +66,7 @@ from nano_rlhf import rollout as rollout_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf import tools as tools_mod
 from nano_rlhf.checkpoint import save_model_dir
-from nano_rlhf.cli import FrozenModelOptions, RunOptions
+from nano_rlhf.cli import FLOAT32_MAX, FrozenModelOptions, RunOptions
 from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, prompt_limit,
                             tokenize_prompts, tokenize_sft, training_length)
 from nano_rlhf.evaluate import eval_metrics
@@ -195,9 +195,9 @@ class Options(FrozenModelOptions, RunOptions):
                                                                         # model if one [with cost_model or cost and
                                                                         # advantage=gae]
     # ---- optimisation, schedule, evaluation
-    lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {>= 0}
+    lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {0 <= x <= 1e3}
     critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 [with advantage=gae]
-                                  # {>= 0}
+                                  # {0 <= x <= 1e3}
     critic_warmup_steps: int = 5  # first N steps train only the critic (policy frozen), as OpenRLHF's
                                   # freezing_actor_steps [with advantage=gae] {>= 0}
     warmup_steps: int = 0         # linear learning-rate warm-up steps (then constant) {>= 0}
@@ -538,8 +538,10 @@ def lambda_step(log_lambda, episode_cost, limit, lr, lambda_max=math.inf):
     """One step of gradient ascent of the multiplier on λ·(J_C − d) through log λ (λ = e^{log λ} stays > 0; Dai et
     al. 2024 §3.3; safe-rlhf: SGD on −λ·(J_C − d)): ∂/∂log λ = λ·(J_C − d), so log λ ← log λ + η·λ·(J_C − d),
     then λ ≤ λ_max. λ grows while the mean episode cost J_C is over the limit d and shrinks geometrically (never
-    to 0) while it is under."""
-    return min(log_lambda + lr * math.exp(log_lambda) * (episode_cost - limit), math.log(lambda_max))
+    to 0) while it is under. λ multiplies float32 advantages, so it stays a float32 number (--lambda_max inf: e^{log λ}
+    would overflow Python's float a few steps later)."""
+    return min(log_lambda + lr * math.exp(log_lambda) * (episode_cost - limit), math.log(lambda_max),
+               math.log(FLOAT32_MAX))
 
 
 class Lagrange:
@@ -829,39 +831,41 @@ def explained_variance_over_ranks(returns, values, mask):
 def check_options(opts):
     """Rules between options; each option's own range is declared on its Options field (checked on parsing)."""
     if opts.advantage in GROUP and opts.samples_per_prompt < 2:
-        fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)")
+        fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)", 2)
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
         fail(f"--reward must be model, gold, selfplay, or module:function / path/to/file.py:function "
-             f"(got {opts.reward!r})")
+             f"(got {opts.reward!r})", 2)
     if opts.policy_loss == "gspo" and opts.advantage == "gae":
         fail("--policy_loss gspo weighs whole sequences: it needs a sequence-level advantage "
-             "(--advantage rloo, grpo, dr_grpo or reinforce_pp), not gae's per-token one")
+             "(--advantage rloo, grpo, dr_grpo or reinforce_pp), not gae's per-token one", 2)
     if opts.overlong != "none" and opts.missing_eos_penalty is not None:
         fail(f"--overlong {opts.overlong} decides what a truncated response costs; pass --missing_eos_penalty none "
-             "with it (that penalty would replace the score of the same responses)")
+             "with it (that penalty would replace the score of the same responses)", 2)
     if opts.overlong == "penalty" and opts.overlong_buffer > opts.max_new_tokens:
-        fail(f"--overlong_buffer {opts.overlong_buffer} is longer than --max_new_tokens {opts.max_new_tokens}")
+        fail(f"--overlong_buffer {opts.overlong_buffer} is longer than --max_new_tokens {opts.max_new_tokens}", 2)
     if opts.fsdp and opts.rollout_dtype != "float32":
         fail("--rollout_dtype bfloat16 with --fsdp is not supported: the rollout samples with the gathered weights "
-             "(under --dtype bfloat16 on CUDA they are already bf16)")
+             "(under --dtype bfloat16 on CUDA they are already bf16)", 2)
     if opts.reward == "selfplay":
         if opts.samples_per_prompt < 2:
             fail("--reward selfplay needs --samples_per_prompt >= 2 (a sample's reward is its win rate against the "
-                 "others)")
+                 "others)", 2)
         if not (opts.judge or opts.pair_judge):
             fail("--reward selfplay needs a judge: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) "
-                 "and/or --pair_judge module:function")
+                 "and/or --pair_judge module:function", 2)
     rollout_size = opts.batch_size * opts.samples_per_prompt
     if rollout_size % opts.num_minibatches:
         fail(f"the rollout of {rollout_size} sequences per device (--batch_size {opts.batch_size} x "
              f"--samples_per_prompt {opts.samples_per_prompt}) does not split into --num_minibatches "
-             f"{opts.num_minibatches}")
+             f"{opts.num_minibatches}", 2)
     mb_size = rollout_size // opts.num_minibatches
     if mb_size % opts.micro_batch_size:
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
-             f"{opts.micro_batch_size}")
+             f"{opts.micro_batch_size}", 2)
     if opts.cost_model and opts.cost:
         fail("pass one cost: --cost_model DIR or --cost module:function, not both", 2)
+    if (opts.cost_model or opts.cost) and opts.lambda_init > opts.lambda_max:
+        fail(f"--lambda_init {opts.lambda_init:g} is above --lambda_max {opts.lambda_max:g}", 2)
     if opts.cost and not reward_mod.is_function_spec(opts.cost):
         fail(f"--cost must be module:function or path/to/file.py:function (got {opts.cost!r}); a cost model "
              "directory is --cost_model", 2)
@@ -988,7 +992,7 @@ def main(argv=None):
         if lag is not None:
             metrics.update({"train/episode_cost": episode_cost, "train/lambda": lag.multiplier})
         check_step(watch, step, (batch.response_mask.sum(1) - batch.has_eos).tolist(), batch.completions,
-                   batch.raw_scores.tolist(), opts.samples_per_prompt)
+                   batch.raw_scores.tolist(), opts.samples_per_prompt, batch.policy_mask.sum().item())
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
         if opts.compile_rollout:               # compiling (first steps, each new batch bucket) timed apart
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]

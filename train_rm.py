@@ -86,7 +86,7 @@ class Options(CompileOption, RunOptions):
     epochs: float = 1.0           # passes over the pairs when --max_steps is 0 (reward models overfit: keep it at 1) {>
                                   # 0}
     lr: float = 1e-3              # peak learning rate, decayed linearly to 0; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6
-                                  # {> 0}
+                                  # {0 < x <= 1e3}
     warmup_steps: int = 20        # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}

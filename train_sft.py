@@ -66,7 +66,7 @@ class Options(CompileOption, RunOptions):
     grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
     max_steps: int = 0            # optimizer steps; 0 = derived from --epochs {>= 0}
     epochs: float = 2.0           # passes over the data when --max_steps is 0 {> 0}
-    lr: float = 2e-3              # peak learning rate; GPT-2-124M: 1e-4, 0.5-1.5B models: 1e-5 {> 0}
+    lr: float = 2e-3              # peak learning rate; GPT-2-124M: 1e-4, 0.5-1.5B models: 1e-5 {0 < x <= 1e3}
     min_lr_ratio: float = 0.1     # cosine decay ends at this fraction of --lr {0 <= x <= 1}
     warmup_steps: int = 30        # linear warm-up steps {>= 0}
     weight_decay: float = 0.1     # AdamW decoupled weight decay (matrices only) {>= 0}

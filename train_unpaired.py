@@ -104,7 +104,7 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     max_new_tokens: int = 32      # longest sampled response [with method=d2o] {>= 1}
     temperature: float = 1.0      # sampling temperature of the K responses [with method=d2o] {> 0}
     tau: float = 0.1              # τ, the KL-regularisation strength [with method=dro] {> 0}
-    value_lr: float = 1e-4        # peak learning rate of the value model [with method=dro] {> 0}
+    value_lr: float = 1e-4        # peak learning rate of the value model [with method=dro] {0 < x <= 1e3}
     data: str = ""                # unpaired JSONL (kto, npo, d2o) or scored JSONL (dro); empty = built-in task
     eval_data: str = ""           # held-out JSONL of the same kind; empty = split --eval_fraction off --data
     eval_fraction: float = 0.05   # share of --data held out when no --eval_data is given {0 < x < 1}
@@ -116,7 +116,8 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     grad_accum: int = 1           # micro-steps per optimizer step {>= 1}
     max_steps: int = 0            # optimizer steps; 0 = as many as --epochs needs {>= 0}
     epochs: float = 1.0           # passes over the data when --max_steps is 0 {> 0}
-    lr: Optional[float] = None    # peak learning rate of the policy; none = 1e-5 for npo (the paper's), 1e-4 else {> 0}
+    lr: Optional[float] = None    # peak learning rate of the policy; none = 1e-5 for npo (the paper's), 1e-4 else
+                                  # {0 < x <= 1e3}
     warmup_steps: int = 10        # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
@@ -125,6 +126,7 @@ class Options(CompileOption, FrozenModelOptions, RunOptions):
     seed: int = 0                 # seed for data order, KTO's mismatched pairs and D2O's samples
     resume: bool = False          # continue from out_dir/state (D2O: with the saved samples)
     max_length: int = 0           # training length (prompts are left-truncated); 0 = min(block_size, 1024)
+                                  # [with method=kto] {>= 0}
 
 
 def fill_defaults(opts):
@@ -134,7 +136,6 @@ def fill_defaults(opts):
     # wrecked the retain NLL of the built-in task's policy (0.90 -> 4.3 in 50 steps; docs/algorithms.md, NPO)
     opts.lr = opts.lr if opts.lr is not None else (1e-5 if opts.method == "npo" else 1e-4)
     opts.out_dir = opts.out_dir or f"out/{opts.method}"
-                                  # [with method=kto] {>= 0}
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
@@ -409,18 +410,22 @@ def precompute_reference(opts, ref, example_sets, pad_id, device):
     position, so shuffling cannot misalign them: TRL#2337). Each rank computes a shard of each set; an
     all-reduce shares them. The caller then drops the reference model."""
     t0 = time.time()
-    for examples in example_sets:
+    shares = [dist.rank_share(list(range(len(examples)))) for examples in example_sets]
+    progress = run_mod.Progress(sum(map(len, shares)), "precomputing the reference's log-probs", unit="examples",
+                                stream=sys.stdout)             # beside the training loop's progress lines
+    for examples, mine in zip(example_sets, shares):
         values = torch.zeros(len(examples), 2, dtype=torch.float64)
-        mine = dist.rank_share(list(range(len(examples))))
         for i in range(0, len(mine), opts.batch_size):
             idx = mine[i:i + opts.batch_size]
             batch = make_batch([examples[j] for j in idx], opts, pad_id, device)
             with autocast(device, opts.dtype):
                 columns = [sequence_logps(ref, r.ids, r.attn, r.resp)[0] for r in (batch.rows, batch.mismatched)]
             values[idx] = torch.stack(columns, 1).double().cpu()
+            progress.update(len(idx))
         values = dist.all_reduce_sum(values)
         for e, row in zip(examples, values.tolist()):
             e.update(zip(REF_KEYS, row))
+    progress.done()
     dist.print0(f"precomputed reference log-probs for {sum(map(len, example_sets)):,} examples in "
                 f"{time.time() - t0:.1f}s")
 
@@ -440,6 +445,8 @@ def draw_samples(opts, ref, prompts, tok, device):
     if dist.world().is_main:      # (the other ranks wait in broadcast_object: within --dist_timeout for this pass)
         gen = torch.Generator(device=device).manual_seed(opts.seed)
         K, block = opts.num_samples, ref.cfg.block_size
+        progress = run_mod.Progress(len(prompts) * K, "D2O: sampling the reference", unit="responses",
+                                    stream=sys.stdout)         # beside the training loop's progress lines
         for i in range(0, len(prompts), 32):
             chunk = prompts[i:i + 32]
             ids, attn = collate_prompts([list(p) for p in chunk for _ in range(K)], tok.pad_id)
@@ -453,6 +460,8 @@ def draw_samples(opts, ref, prompts, tok, device):
             rows = seq.tolist()
             for j, p in enumerate(chunk):
                 out[p] = [rows[r][:lengths[r]] for r in range(j * K, (j + 1) * K)]
+            progress.update(len(chunk) * K)
+        progress.done()
     return dist.broadcast_object(out)
 
 
@@ -497,7 +506,7 @@ def check_options(opts):
         fail(msg, 2)
     method = opts.method      # a flag the method would ignore is refused by the parser ([with method=...])
     if method == "kto" and opts.batch_size < 2:     # z₀ of one example is its own log-ratio
-        fail(f"--method kto needs --batch_size >= 2 (got {opts.batch_size})")
+        fail(f"--method kto needs --batch_size >= 2 (got {opts.batch_size})", 2)
     if opts.offload_frozen and opts.precompute_ref:
         fail("--offload_frozen: this run holds no reference model (--precompute_ref)", 2)
 
@@ -607,8 +616,12 @@ def d2o_samples(opts, ref, examples, tok, block_size):
 
 
 def run_record(opts, files):
-    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
-    return dict(inputs={"init": opts.init, "ref": opts.ref}, data_files={k: v for k, v in files.items() if v})
+    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py); D2O's
+    samples, drawn once and read back by --resume, are hashed like its data (a file edited between stop and resume
+    is refused, not trained on)."""
+    samples = os.path.join(opts.out_dir, SAMPLES_FILE) if opts.method == "d2o" else None
+    return dict(inputs={"init": opts.init, "ref": opts.ref},
+                data_files={k: v for k, v in dict(files, d2o_samples=samples).items() if v})
 
 
 # ---- training -----------------------------------------------------------------------------------

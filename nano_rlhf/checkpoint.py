@@ -23,6 +23,7 @@ The state directory is written to `state.tmp/`, then swapped in with renames (st
 state.tmp -> state, delete state.old). A crash at any point leaves a complete `state/` or `state.old/`,
 and `load_state` takes whichever is complete.
 """
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -57,12 +58,19 @@ def _read_json(path):
 
 
 def atomic_write_text(path, text):
+    """path holds text whole, or (on any failure: a full disk, an interrupt) is as it was: written to a temporary
+    file beside it, then renamed over it; the temporary file never outlives a failure."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def write_json(path, obj):

@@ -25,7 +25,8 @@ Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x 
 (`inf`, `-inf` allowed). `none` is always allowed for an Optional field. A violation prints one line,
 `error: --lr must be > 0 (got -1.0)`, and exits with status 2 (argparse's status for a bad command line).
 A float option never takes `nan` (it fails no comparison), nor `inf` / `-inf` (an open range like {> 0} would
-let them through) unless its comment gives inf a meaning with "inf = ..." (`score_clip`: inf = no clipping).
+let them through) unless its comment gives inf a meaning with "inf = ..." (`score_clip`: inf = no clipping), nor a
+value float32 cannot hold (beyond ±3.4e38, or non-zero below 1.4e-45: see FLOAT32_MAX).
 A `seed` is an int in [0, 2**63).
 
 A comment may also say when the option applies, in brackets: `[with NAME]` (NAME is true, non-zero or non-empty),
@@ -124,9 +125,12 @@ def parse_range(comment: str):
 
 
 def range_violation(name: str, value, rng):
-    """The one-line message for a value outside its declared range, or None when it is inside."""
+    """The one-line message for a value outside its declared range, or None when it is inside (a list option:
+    the first of its values outside)."""
     if rng is None or value is None:
         return None
+    if isinstance(value, list):
+        return next(filter(None, (range_violation(name, v, rng) for v in value)), None)
     text, conds = rng
     if all(_OPS[op](value, bound) for op, bound in conds):
         return None
@@ -210,23 +214,44 @@ def _bool(s):
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+# Every float option ends up in a float32 tensor (a coefficient, a rate, a score, a temperature) or beside one,
+# so its value must be a float32 number: a magnitude above float32's largest finite value cannot be stored (torch
+# raises "value cannot be converted to type float without overflow", mid-run), and a non-zero one below its
+# smallest subnormal is stored as 0 (a temperature of 1e-300 divides by zero). What such a value multiplies can
+# still overflow: a non-finite loss stops the run and a non-finite model is never saved (run.py), each one line.
+# One product is computed outside any such check: AdamW's step size lr/(1 − β1^t), a Python float torch casts to
+# float32 (a "value cannot be converted" stack). 1 − β1 >= 1.1e-16 for any β1 < 1, so every learning rate declares
+# {... <= 1e3}: 1e3/1.1e-16 ≈ 1e19 stays far inside float32 (tests/test_config.py checks each option *lr has it).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45      # the smallest float32 subnormal
+
+
+def _float32(v, s):
+    if abs(v) > FLOAT32_MAX and v not in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{s!r} is beyond float32's range (±3.4e38), the dtype it is computed in")
+    if v != 0 and abs(v) < FLOAT32_TINY:
+        raise argparse.ArgumentTypeError(f"{s!r} is 0 in float32 (the dtype it is computed in); pass 0 if 0 is meant")
+    return v
+
+
 def finite_float(s):
-    """float(s), refusing nan and ±inf (argparse turns the ValueError into a one-line error)."""
+    """float(s), refusing nan and ±inf, and a value float32 cannot hold (argparse turns the error into one line)."""
     v = float(s)
     if v != v or v in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
-    return v
+    return _float32(v, s)
 
 
 finite_float.__name__ = "float"
 
 
 def not_nan_float(s):
-    """float(s), refusing nan (for an option whose comment says what inf means)."""
+    """float(s), refusing nan and a finite value float32 cannot hold (for an option whose comment says what inf
+    means)."""
     v = float(s)
     if v != v:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}")
-    return v
+    return _float32(v, s)
 
 
 not_nan_float.__name__ = "float"
@@ -250,19 +275,26 @@ def _optional(inner):
     return conv
 
 
-def build_parser(cls, description=None):
+def build_parser(cls, description=None, prog=None):
     hints = typing.get_type_hints(cls)
     comments = _field_comments(cls)
-    p = OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrors(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     # the fields cls declares itself (a script's algorithm and data) are listed in --help before the inherited ones
     own = vars(cls).get("__annotations__", {})
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         t = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw = {"default": default, "help": f"{comments.get(f.name, '')} (default: {default})"}
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kw = {"required": True, "help": f"{comments.get(f.name, '')} (required)"}
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kw = {"default": default, "help": f"{comments.get(f.name, '')} (default: {default})"}
         origin, args = typing.get_origin(t), typing.get_args(t)
+        if origin is typing.Union and type(None) in args and typing.get_origin(args[0]) is list:
+            t, origin, args = args[0], list, typing.get_args(args[0])     # Optional[list[X]]: none = not given
         floats = not_nan_float if "inf = " in comments.get(f.name, "") else finite_float
-        if origin is typing.Union and type(None) in args:
+        if origin is list:                    # list[X]: one or more values after the flag
+            kw.update(nargs="+", type=floats if args[0] is float else args[0])
+        elif origin is typing.Union and type(None) in args:
             inner = next(a for a in args if a is not type(None))
             kw["type"] = _optional(floats if inner is float else inner)
         elif origin is typing.Literal:
@@ -277,30 +309,18 @@ def build_parser(cls, description=None):
 
 class OneLineErrors(argparse.ArgumentParser):
     """argparse, but a bad command line is ONE line on stderr (`error: ...`, exit 2), like every other bad input,
-    instead of the usage block followed by the message."""
+    instead of the usage block followed by the message. A value that is a negative number in any notation
+    (`-1e-3`, `-inf`) is a value, also among a list option's values (`--weights -1e-3 1`): argparse's own rule
+    knows only `-1` and `-.5` and takes the others for an unknown option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(?:\d+\.?\d*(?:e[-+]?\d+)?|\.\d+(?:e[-+]?\d+)?|inf|nan)$",
+                                                   re.IGNORECASE)
 
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
         sys.exit(2)
-
-
-def _join_negative_numbers(argv):
-    """`--lr -1e-4` -> `--lr=-1e-4`: argparse takes a token starting with '-' that is not a plain negative number
-    (an exponent makes it not one) for an option, and then reports a missing value instead of the range error."""
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and argv[i + 1].startswith("-"):
-            try:
-                float(argv[i + 1])
-                out.append(f"{a}={argv[i + 1]}")
-                i += 2
-                continue
-            except ValueError:
-                pass
-        out.append(a)
-        i += 1
-    return out
 
 
 def given_options(cls, argv):
@@ -311,11 +331,11 @@ def given_options(cls, argv):
     return set(vars(p.parse_args(argv)))
 
 
-def parse_args(cls, argv=None, description=None):
+def parse_args(cls, argv=None, description=None, prog=None):
     """Parse argv (default sys.argv[1:]) into an instance of the dataclass `cls`: ranges first, then the options
     given where they do not apply (see the module docstring); each a one-line exit 2."""
-    argv = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
-    ns = build_parser(cls, description).parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser(cls, description, prog).parse_args(argv)
     opts = cls(**vars(ns))
     check_ranges(opts)
     given, comments = given_options(cls, argv), _field_comments(cls)
@@ -393,7 +413,8 @@ class RunOptions:
     stop_at: int = 0              # end this run after step N with a checkpoint (--resume later); 0 = never {>= 0}
     overwrite: bool = False       # allow a non-empty --out_dir that holds another run (never with --resume)
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # mirror metrics.jsonl to TensorBoard / W&B
-    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails {> 0}
+    dist_timeout: float = 10.0    # minutes a rank waits for the others in a collective before the run fails
+                                  # (a timedelta: at most 1e6, two years) {0 < x <= 1e6}
     lora_r: int = 0               # LoRA rank: train rank-r adapters on the frozen --init model; a reference
                                   # that is --init is then the policy with adapters off; 0 = off {>= 0}
     lora_alpha: float = 16.0      # LoRA scale α: the update is (α / r)·B·A [with lora_r>0] {> 0}

@@ -11,6 +11,7 @@ import os
 import random
 import re
 import sys
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -99,6 +100,7 @@ def setup(device: str = "auto", timeout_minutes: float = 10.0) -> Dist:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
         atexit.register(_leave_without_finalizing)
+        sys.excepthook = _peer_failed_hook(sys.excepthook)
     _CTX = Dist(rank, local, world, torch.device(device))
     return _CTX
 
@@ -149,6 +151,92 @@ def _leave_without_finalizing():
     printed). Before a clean end (an error), this does nothing and the interpreter exits as usual."""
     if _ENDED:
         end_process(1 if hasattr(sys, "last_value") or hasattr(sys, "last_exc") else 0)
+
+
+# ---- a rank that fails alone: one line on every rank, naming it ----------------------------------------------
+# A rank that stops with an error (fail(), or an uncaught exception) leaves its line in the process group's store
+# (torchrun's rendezvous store, held by the launcher, outlives the ranks). Its peers, blocked in a collective,
+# then see the connection drop (gloo: "Connection reset by peer") and would print that stack; instead each says,
+# in one line, which rank failed and why.
+_FAILED = "nano_rlhf/failed/rank"
+_LOST = ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe", "Timed out", "timed out")
+
+
+_SEEN = "nano_rlhf/seen/rank"
+
+
+def announce_failure(msg: str):
+    """Leave this rank's error for the others; returns the store to wait_until_named with (None in a single
+    process or once the group is gone)."""
+    if not (dist.is_available() and dist.is_initialized()) or _CTX.world_size < 2:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_FAILED}{_CTX.rank}", msg[:2000])
+        return store
+    except Exception:        # the store is unreachable: the peers say that a rank is gone, without its words
+        return None
+
+
+def wait_until_named(store, seconds=3.0):
+    """After announce_failure and the group's teardown (which breaks the peers' collectives): wait, at most
+    `seconds`, until every other rank has named this one or failed itself, so that torchrun, which stops the
+    other ranks once one exits, does not stop them before they said why."""
+    if store is None:
+        return
+    deadline = time.time() + seconds
+    others = [r for r in range(_CTX.world_size) if r != _CTX.rank]
+    try:
+        while others and time.time() < deadline:
+            others = [r for r in others if not store.check([f"{_FAILED}{r}"]) and not store.check([f"{_SEEN}{r}"])]
+            time.sleep(0.05)
+    except Exception:
+        pass
+
+
+def _failed_peer():
+    """(rank, its error) of the first other rank that announced one, else None."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for r in range(_CTX.world_size):
+            if r != _CTX.rank and store.check([f"{_FAILED}{r}"]):
+                return r, store.get(f"{_FAILED}{r}").decode("utf-8", "replace")
+    except Exception:
+        pass
+    return None
+
+
+def _lost_peer(value) -> bool:
+    """Is this exception a collective that broke because a peer is gone or never answered?"""
+    return (isinstance(value, getattr(dist, "DistError", ())) or isinstance(value, RuntimeError)
+            and any(s in str(value) for s in _LOST))
+
+
+def _peer_failed_hook(previous):
+    """sys.excepthook of a multi-process run: an exception raised because another rank failed is one line naming
+    that rank and its error (or, when it left none, that a peer is gone); any other exception is this rank's
+    own, announced to the others and shown with its stack (a bug). Ctrl-C keeps its own hook."""
+    def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt) or not dist.is_initialized():
+            return previous(kind, value, tb)
+        peer = _failed_peer()
+        if peer is None and not _lost_peer(value):
+            announce_failure(f"{kind.__name__}: {(str(value).splitlines() or [''])[0][:300]}")
+            return previous(kind, value, tb)
+        if peer is not None:
+            line = f"rank {peer[0]} failed: {peer[1].removeprefix('error: ')}; rank {_CTX.rank} stopped with it"
+        else:
+            first = re.sub(r"^\[[^\]]*\]\s*", "", (str(value).splitlines() or [""])[0]).split(". ")[0][:200]
+            line = (f"rank {_CTX.rank} stopped: a collective failed because another rank is gone or did not answer "
+                    f"within --dist_timeout ({first}); see that rank's output")
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        try:
+            dist.distributed_c10d._get_default_store().set(f"{_SEEN}{_CTX.rank}", "1")   # the failed rank may go
+        except Exception:
+            pass
+        atexit._run_exitfuncs()        # the run's clean-up (its lock, what a run that saved nothing created)
+        end_process(1)                 # then no finalization: a broken gloo group can abort it
+    return hook
 
 
 def world() -> Dist:

@@ -19,7 +19,7 @@ Wang et al. 2023), averaged over k-subsets of the n samples as pass@k is (`maj_a
 zero-spread share is the share of prompts whose samples all pass or all fail: GRPO's and RLOO's advantages are
 0 on every one of them (what DAPO's dynamic sampling drops).
 
-    python -m nano_rlhf.evaluate --model out/rsft --prompts data/reasoning/eval_prompts.jsonl \
+    python -m nano_rlhf.evaluate --model out/rsft --prompts data/reasoning/eval_prompts.jsonl \\
         --reward nano_rlhf.reasoning:reward --samples_per_prompt 8 --pass_k 1,8
 
 Conversational prompts (a list of messages) are rendered with the model's own chat template (recognised from
@@ -33,26 +33,25 @@ Default decoding is pure sampling at temperature 1 — the distribution RLHF opt
 KL to the reference is the sequence-level estimate Σ_t [log π(y_t) − log π_ref(y_t)] over the sampled
 response tokens (end-of-text included), averaged over samples: an unbiased estimate of KL(π ‖ π_ref).
 """
-import argparse
 import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Literal, Optional
 
 import torch
 
 from . import dist, parallel
 from . import reward as reward_mod
-from .checkpoint import write_json
+from .checkpoint import atomic_write_text
 from .data import default_data
 from .run import check_output_file, check_vocab, fail, load_tokenizer
-from .cli import OneLineErrors, finite_float
+from .cli import ChatTemplate, parse_args
 from .data import DataError, collate_prompts, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
 from .run import Progress
 from .sampling import SamplingOptions, sample_responses
 from .summary import format_summary, format_table, summarize
-from .tokenizer import CHAT_TEMPLATES
 from .tools import ToolEnv
 
 
@@ -153,51 +152,52 @@ def eval_metrics(run, step, policy, tok, prompts, sampling, *, rewards, ref=None
     return metrics
 
 
+@dataclass
+class Options:
+    model: list[str]              # policy directories (HF layout of GPT-2, Llama, Qwen2/3 + tokenizer.json);
+                                  # several give one table row each
+    prompts: str = ""             # prompts JSONL; empty = the built-in task's eval prompts
+    out: str = ""                 # samples JSONL to write (one --model only); empty = MODEL/eval_samples.jsonl for
+                                  # each model (a training run's own samples.jsonl is kept)
+    ref: str = ""                 # reference policy directory for the KL column
+    reward_model: str = ""        # reward model directory for the RM-score column
+    reward: str = ""              # your reward, module:function or path/to/file.py:function, called as
+                                  # f(prompts, completions) -> list of floats, for the reward column
+    cost: str = ""                # a cost, module:function or path/to/file.py:function (the built-in --harm task's:
+                                  # nano_rlhf.reward:gold_cost), called as --reward is, for the cost column and the
+                                  # share of unsafe responses (cost > 0)
+    baseline: str = ""            # samples.jsonl of a baseline policy, or a model directory (evaluated first), for
+                                  # the win-rate column
+    summary: str = ""             # also write the summary figures (one entry per model) to this JSON file
+    overwrite: bool = False       # replace an existing --out or --summary file (the default
+                                  # MODEL/eval_samples.jsonl, this tool's own, is always rewritten)
+    times: str = ""               # TSV of training wall-clock seconds (NAME<TAB>SECONDS, NAME = the model
+                                  # directory's basename), shown as a column (scripts/survey.sh writes one)
+    name: str = ""                # row label (one --model only); empty = the directory's name
+    temperature: float = 1.0      # sampling temperature; 0 = greedy {>= 0}
+    top_k: Optional[int] = None   # sample among the k most likely tokens only; none = all {>= 1}
+    top_p: Optional[float] = None  # nucleus sampling threshold; none = off {0 < x <= 1}
+    samples_per_prompt: int = 1   # samples per prompt {>= 1}
+    pass_k: str = ""              # comma list of k (e.g. 1,8): pass@k of --reward (and maj@k when its module
+                                  # defines answer()) from --samples_per_prompt >= k samples per prompt [with reward]
+    pass_threshold: float = 1.0   # a sample passes (for --pass_k) when its --reward score is at least this
+                                  # [with pass_k]
+    max_new_tokens: int = 48      # longest response {>= 1}
+    batch_size: int = 64          # prompts per generation batch {>= 1}
+    seed: int = 0                 # sampling seed (the same for every model)
+    compile: bool = False         # decode with a torch.compile'd static-cache step (compile time is paid once per
+                                  # batch bucket)
+    sample_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy of each model (log-probs
+                                                              # for the KL column stay float32)
+    device: str = "auto"          # cpu, cuda, cuda:N, or auto (a GPU when there is one)
+    chat_template: ChatTemplate = "auto"  # how conversational prompts are rendered; auto = recognised from the
+                                          # tokenizer's own template
+    date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the
+                                  # tokenizer, else the template's default
+
+
 def main(argv=None):
-    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, nargs="+", help="policy directories (HF layout of GPT-2, "
-                   "Llama, Qwen2/3 + tokenizer.json); "
-                   "several give one table row each")
-    p.add_argument("--prompts", default="", help="prompts JSONL (default: the built-in task's eval prompts)")
-    p.add_argument("--out", default="", help="samples JSONL to write (default: MODEL/eval_samples.jsonl for each "
-                   "model; a training run's own samples.jsonl is kept)")
-    p.add_argument("--ref", default="", help="reference policy directory for the KL column")
-    p.add_argument("--reward_model", default="", help="reward model directory for the RM-score column")
-    p.add_argument("--reward", default="", help="your reward, module:function or path/to/file.py:function, called as "
-                   "f(prompts, completions) -> list of floats, for the reward column")
-    p.add_argument("--cost", default="", help="a cost, module:function or path/to/file.py:function (the built-in "
-                   "--harm task's: nano_rlhf.reward:gold_cost), called as --reward is, for the cost column and the "
-                   "share of unsafe responses (cost > 0)")
-    p.add_argument("--baseline", default="", help="samples.jsonl of a baseline policy, or a model directory "
-                   "(evaluated first), for the win-rate column")
-    p.add_argument("--summary", default="", help="also write the summary figures (one entry per model) to this "
-                   "JSON file")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out or --summary file (the "
-                   "default MODEL/eval_samples.jsonl, this tool's own, is always rewritten)")
-    p.add_argument("--times", default="", help="TSV of training wall-clock seconds (NAME<TAB>SECONDS, NAME = the "
-                   "model directory's basename), shown as a column (scripts/survey.sh writes one)")
-    p.add_argument("--name", default="", help="row label when one model is given (default: the directory)")
-    p.add_argument("--temperature", type=finite_float, default=1.0, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens only")
-    p.add_argument("--top_p", type=finite_float, default=None, help="nucleus sampling threshold")
-    p.add_argument("--samples_per_prompt", type=int, default=1, help="samples per prompt")
-    p.add_argument("--pass_k", default="", help="comma list of k (e.g. 1,8): pass@k of --reward (and maj@k when "
-                   "its module defines answer()) from --samples_per_prompt >= k samples per prompt")
-    p.add_argument("--pass_threshold", type=finite_float, default=1.0, help="a sample passes (for --pass_k) when "
-                   "its --reward score is at least this")
-    p.add_argument("--max_new_tokens", type=int, default=48, help="longest response")
-    p.add_argument("--batch_size", type=int, default=64, help="prompts per generation batch")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every model)")
-    p.add_argument("--compile", action="store_true", help="decode with a torch.compile'd static-cache step "
-                   "(compile time is paid once per batch bucket)")
-    p.add_argument("--sample_dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the "
-                   "sampling copy of each model (log-probs for the KL column stay float32)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (a GPU when there is one)")
-    p.add_argument("--chat_template", default="auto", choices=CHAT_TEMPLATES, help="how conversational prompts are "
-                   "rendered; auto = recognised from the tokenizer's own template")
-    p.add_argument("--date_string", default="", help='Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one '
-                   "saved with the tokenizer, else the template's default")
-    a = p.parse_args(argv)
+    a = parse_args(Options, argv, __doc__, prog="python -m nano_rlhf.evaluate")
     check_options(a)
     times = read_times(a.times) if a.times else {}
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
@@ -223,7 +223,7 @@ def main(argv=None):
         if a.baseline and os.path.isdir(a.baseline):
             models = [a.baseline] + [m for m in models if os.path.normpath(m) != os.path.normpath(a.baseline)]
         elif a.baseline:
-            baseline = [json.loads(line) for line in open(a.baseline)]
+            baseline = read_baseline(a.baseline)
         for d in models:
             tok = load_tokenizer("", d, chat_template=a.chat_template, date_string=a.date_string, policy=True)
             model = GPT.from_pretrained(d, dropout=0.0).to(device).eval()
@@ -246,9 +246,7 @@ def main(argv=None):
                 baseline = samples
             summary = summarize(samples, baseline, a.pass_k, a.pass_threshold)
             out = a.out or os.path.join(d, EVAL_SAMPLES)
-            with open(out, "w") as f:
-                for r in samples:
-                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            write_output(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in samples))
             name = a.name if a.name and len(models) == 1 else os.path.basename(os.path.normpath(d))
             rows.append(dict(summary, name=name, model=d, temperature=a.temperature))
             print(format_summary(name, summary), flush=True)
@@ -262,7 +260,33 @@ def main(argv=None):
         print()
         print(format_table(rows))
     if a.summary:
-        write_json(a.summary, rows)
+        write_output(a.summary, json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
+def write_output(path, text):
+    """A file written whole or not at all (a temporary file renamed over it); a failure (a full disk, a directory
+    gone read-only) is one line and leaves the previous file, if any, as it was."""
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:
+        fail(f"{path}: cannot be written ({e.strerror or e}); nothing was written there")
+
+
+def read_baseline(path):
+    """--baseline's samples JSONL (evaluate's own output): one JSON object with a "prompt" per line, else one line
+    naming the file and line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"--baseline {path}:{n}: not JSON ({e}); expected a samples file written by "
+                                "nano_rlhf.evaluate, or a model directory") from None
+            if not isinstance(row, dict) or "prompt" not in row:
+                raise DataError(f"--baseline {path}:{n}: not a sample (a JSON object with a prompt)")
+            rows.append(row)
     return rows
 
 
@@ -286,12 +310,12 @@ def parse_pass_k(text, samples_per_prompt):
     try:
         ks = sorted({int(x) for x in text.split(",")})
     except ValueError:
-        fail(f"--pass_k must be a comma list of integers, e.g. 1,8 (got {text!r})")
+        fail(f"--pass_k must be a comma list of integers, e.g. 1,8 (got {text!r})", 2)
     if ks[0] < 1:
-        fail(f"--pass_k values must be >= 1 (got {text!r})")
+        fail(f"--pass_k values must be >= 1 (got {text!r})", 2)
     if ks[-1] > samples_per_prompt:
         fail(f"--pass_k {ks[-1]} needs --samples_per_prompt >= {ks[-1]} (got {samples_per_prompt}): pass@k is "
-             "estimated from n >= k samples of each prompt")
+             "estimated from n >= k samples of each prompt", 2)
     return tuple(ks)
 
 
@@ -314,39 +338,35 @@ EVAL_SAMPLES = "eval_samples.jsonl"     # the default output in each model direc
 
 
 def check_options(a):
-    """Every bad flag is one line before anything is loaded or written."""
+    """Every bad flag is one line before anything is loaded or written: the ranges and the options given where
+    they do not apply are refused by the parser (Options' comments); here what a declaration cannot say."""
     if dist.device_problem(a.device):
-        fail(dist.device_problem(a.device))
-    if a.out and len(a.model) > 1:
-        fail(f"--out takes one model; with several, each writes MODEL/{EVAL_SAMPLES}")
-    if not a.temperature >= 0:
-        fail(f"--temperature must be >= 0 (0 = greedy; got {a.temperature})")
-    if a.top_p is not None and not 0 < a.top_p <= 1:
-        fail(f"--top_p must be in (0, 1] (got {a.top_p})")
-    for name in ("max_new_tokens", "samples_per_prompt", "batch_size", "top_k"):
-        value = getattr(a, name)
-        if value is not None and value < 1:
-            fail(f"--{name} must be >= 1 (got {value})")
+        fail(dist.device_problem(a.device), 2)
+    for flag, value, instead in (("--out", a.out, f"each writes MODEL/{EVAL_SAMPLES}"),
+                                 ("--name", a.name, "each row is named after its directory")):
+        if value and len(a.model) > 1:
+            fail(f"{flag} applies to one --model; with {len(a.model)}, {instead}", 2)
     if a.times and not os.path.isfile(a.times):
         fail(f"--times {a.times}: no such file")
     if a.reward and not reward_mod.is_function_spec(a.reward):
-        fail(f"--reward must be module:function or path/to/file.py:function (got {a.reward!r})")
+        fail(f"--reward must be module:function or path/to/file.py:function (got {a.reward!r})", 2)
     if a.cost and not reward_mod.is_function_spec(a.cost):
-        fail(f"--cost must be module:function or path/to/file.py:function (got {a.cost!r})")
-    if a.pass_k and not a.reward:
-        fail("--pass_k needs a verifier: --reward module:function")
+        fail(f"--cost must be module:function or path/to/file.py:function (got {a.cost!r})", 2)
     a.pass_k = parse_pass_k(a.pass_k, a.samples_per_prompt) if a.pass_k else ()
     # checked before the models are loaded and sampled, not after minutes of sampling: no output replaces an input
     inputs = [a.prompts, a.times, a.baseline if a.baseline and os.path.isfile(a.baseline) else ""]
     dirs = list(a.model) + [a.ref, a.reward_model, a.baseline if a.baseline and os.path.isdir(a.baseline) else ""]
     if a.summary and a.out and os.path.realpath(a.summary) == os.path.realpath(a.out):
-        fail(f"--summary and --out are the same file ({a.out})")
-    for flag, path in (("--summary", a.summary), ("--out", a.out)):
+        fail(f"--summary and --out are the same file ({a.out})", 2)
+    outputs = [("--summary", a.summary), ("--out", a.out)]
+    for flag, path in outputs:
         if path:
             check_output_file(flag, path, inputs, [d for d in dirs if d])
             if os.path.isfile(path) and not a.overwrite:
                 fail(f"{flag} {path}: exists; pass --overwrite to replace it")
-
+    for d in a.model if not a.out else ():     # the default output, this tool's own: writable now, not after sampling
+        if os.path.isdir(d) and not os.access(d, os.W_OK):
+            fail(f"--model {d}: not writable, so {EVAL_SAMPLES} cannot be written there; pass --out FILE elsewhere")
 
 if __name__ == "__main__":
     main()

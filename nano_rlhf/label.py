@@ -65,6 +65,7 @@ class Options:
     max_new_tokens: int = 40      # response length limit (as train_ppo.py: a built-in prompt fits beside it) {>= 1}
     batch_size: int = 64          # sequences per generation batch and per judge batch {>= 1}
     threshold: Optional[float] = None  # unpaired: label = score >= this; none = above the group's median
+                                       # [with format=unpaired]
     max_prompts: int = 0          # label only the first N prompts; 0 = all {>= 0}
     seed: int = 0                 # sampling seed
     chat_template: ChatTemplate = "auto"  # how conversational prompts are rendered; auto = from the tokenizer
@@ -77,7 +78,7 @@ class Options:
 def check_options(o):
     """Every bad flag is one line before anything is loaded or sampled."""
     if not o.out:
-        fail("--out is required (the JSONL file to write)")
+        fail("--out is required (the JSONL file to write)", 2)
     if os.path.isfile(o.out) and not o.overwrite:
         fail(f"--out {o.out}: exists; pass --overwrite to replace it")
     if o.prompts and os.path.exists(o.prompts) and os.path.realpath(o.prompts) == os.path.realpath(o.out):
@@ -86,18 +87,17 @@ def check_options(o):
     if not os.path.isdir(o.model):
         fail(f"--model {o.model}: no such model directory")
     if not (o.judge or o.pair_judge):
-        fail("a judge is needed: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) and/or --pair_judge")
+        fail("a judge is needed: --judge (reward-model dir, gold, module:function, llm:MODEL_DIR) and/or --pair_judge",
+             2)
     if o.pair_judge and not reward_mod.is_function_spec(o.pair_judge):
-        fail(f"--pair_judge {o.pair_judge}: expected module:function or path/to/file.py:function")
-    if o.threshold is not None and o.format != "unpaired":
-        fail(f"--threshold labels unpaired data only (got --format {o.format})")
+        fail(f"--pair_judge {o.pair_judge}: expected module:function or path/to/file.py:function", 2)
     if o.samples_per_prompt < 2 and not (o.format == "scored" or o.format == "unpaired" and o.threshold is not None):
         fail(f"--format {o.format} needs --samples_per_prompt >= 2 (it compares the samples of a prompt; "
-             "only scored data, or unpaired data with --threshold, can label single samples)")
+             "only scored data, or unpaired data with --threshold, can label single samples)", 2)
     if o.pair_judge and o.samples_per_prompt < 2:
-        fail("--pair_judge needs --samples_per_prompt >= 2 (a score is a win rate against the other samples)")
+        fail("--pair_judge needs --samples_per_prompt >= 2 (a score is a win rate against the other samples)", 2)
     if dist.device_problem(o.device):
-        fail(dist.device_problem(o.device))
+        fail(dist.device_problem(o.device), 2)
 
 
 @torch.no_grad()
@@ -183,7 +183,7 @@ def records(prompts, texts, scores, o, counts):
 
 
 def main(argv=None):
-    o = parse_args(Options, argv, __doc__)
+    o = parse_args(Options, argv, __doc__, prog="python -m nano_rlhf.label")
     check_options(o)
     t0 = time.time()
     device = torch.device("cuda" if o.device == "auto" and torch.cuda.is_available() else
@@ -214,7 +214,10 @@ def main(argv=None):
     scores = group_scores(judge, [p for p in prompts for _ in range(k)], texts, k, rm_scores)
     counts = {"empty": 0, "too few": 0, "ties": 0, "at median": 0}
     rows = list(records(prompts, texts, scores, o, counts))
-    atomic_write_text(o.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    try:          # whole or not at all: a full disk leaves no half-written --out (nor a temporary file)
+        atomic_write_text(o.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    except OSError as e:
+        fail(f"--out {o.out}: cannot be written ({e.strerror or e}); nothing was written there")
     notes = [f"{v} {name}" for name, v in counts.items() if v]
     llm = judge.pointwise if (o.judge or "").startswith(LLM) else None
     if llm is not None and llm.unparsed:

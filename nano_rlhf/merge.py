@@ -44,13 +44,16 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 
 from . import tokenizer as tokenizer_mod
 from .checkpoint import RUN_FILES, OutDirLock
-from .cli import OneLineErrors, finite_float
+from .cli import parse_args
 from .model import GPT, ScoreModel, non_finite
+from .run import fail
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # What a merge writes into --out_dir; with the files of a training run, what --overwrite replaces (and nothing else)
@@ -241,39 +244,36 @@ def write_merged(base, merged_sd, out_dir, tokenizer_dirs, options, overwrite=Fa
         shutil.rmtree(aside)
 
 
+@dataclass
+class Options:
+    base: str                     # the model every --models entry was fine-tuned from
+    models: list[str]             # fine-tuned model directories to merge
+    method: Literal["task_arithmetic", "ties"]  # task_arithmetic: base + Σ w_i τ_i; ties: trim, elect a sign,
+                                                # disjoint mean (the module docstring)
+    out_dir: str                  # where the merged model is written
+    weights: Optional[list[float]] = None  # one weight per model (ties: each > 0); none = all 1
+    density: float = 0.2          # ties: the fraction of each task vector kept [with method=ties] {0 < x <= 1}
+    scale: float = 1.0            # ties: λ, the merged task vector's scale (scale --weights for task arithmetic)
+                                  # [with method=ties]
+    overwrite: bool = False       # replace the model (and a training run's files) in a non-empty --out_dir; other
+                                  # files are kept
+
+
 def parse_merge_args(argv=None):
-    p = OneLineErrors(prog="python -m nano_rlhf.merge", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True, help="the model every --models entry was fine-tuned from")
-    p.add_argument("--models", nargs="+", required=True, help="fine-tuned model directories to merge")
-    p.add_argument("--weights", nargs="+", type=finite_float, default=None,
-                   help="one weight per model (default: all 1)")
-    p.add_argument("--method", choices=("task_arithmetic", "ties"), required=True)
-    p.add_argument("--density", type=finite_float, default=None,
-                   help="ties: fraction of each task vector kept (default 0.2)")
-    p.add_argument("--scale", type=finite_float, default=None,
-                   help="ties: lambda, the merged task vector's scale (default 1)")
-    p.add_argument("--out_dir", required=True)
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the model (and a training run's files) in a non-empty --out_dir; other files are kept")
-    return p.parse_args(argv)
-
-
-def check_args(a):
-    """Every option error, before any model is loaded."""
+    """The command line as Options: ranges and the options given where they do not apply refused by the parser
+    (their comments), the rules between --weights and the other options here; each one line, exit 2."""
+    a = parse_args(Options, argv, __doc__.split("\n\n")[0], prog="python -m nano_rlhf.merge")
     if a.weights is None:
         a.weights = [1.0] * len(a.models)
     if len(a.weights) != len(a.models):
-        raise ValueError(f"--weights has {len(a.weights)} values for {len(a.models)} --models")
-    if a.method == "task_arithmetic":
-        if a.density is not None or a.scale is not None:
-            raise ValueError("--density and --scale apply to --method ties (scale --weights for task arithmetic)")
-    else:
-        a.density = 0.2 if a.density is None else a.density
-        a.scale = 1.0 if a.scale is None else a.scale
-        if not 0.0 < a.density <= 1.0:
-            raise ValueError(f"--density {a.density} is outside (0, 1]")
-        if any(w <= 0 for w in a.weights):
-            raise ValueError(f"--weights must be > 0 for ties, got {a.weights}")
+        fail(f"--weights has {len(a.weights)} values for {len(a.models)} --models", 2)
+    if a.method == "ties" and any(w <= 0 for w in a.weights):
+        fail(f"--weights must be > 0 for ties, got {a.weights}", 2)
+    return a
+
+
+def check_args(a):
+    """Every input and output path, before any model is loaded: a ValueError (one line, exit 1) otherwise."""
     inputs = [("--base", a.base)] + [("--models", d) for d in a.models]
     for flag, d in inputs:
         if not os.path.isdir(d):

@@ -146,8 +146,7 @@ class _Checked:
             fail(raised(self.flag, self.name, e))
         except SystemExit as e:     # sys.exit(0) in a reward would end the run "successfully" with nothing saved
             fail(exited(self.flag, self.name, e))
-        if torch.is_tensor(out):
-            out = out.detach().flatten().tolist() if out.dim() <= 1 else None
+        out = as_list(out)
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                          for x in out):
             fail(f"{self.flag} {self.name}: must return a list of floats (one per completion), got {kind_of(out)}")
@@ -189,8 +188,19 @@ def _user_frames(e, n=3):
         if frames else ""
 
 
+def as_list(out):
+    """A user's answer as a list when it is a 1-D tensor or numpy array (one number per item); anything else as it
+    is, for the checks to describe (kind_of)."""
+    if (torch.is_tensor(out) or type(out).__module__ == "numpy") and getattr(out, "ndim", None) == 1:
+        return out.tolist()
+    return out
+
+
 def kind_of(x):
-    """What a user's function returned, in words: the type, or for a list the first element that is no number."""
+    """What a user's function returned, in words: the type, for a tensor or array its shape, or for a list the
+    first element that is no number."""
+    if hasattr(x, "ndim") and hasattr(x, "shape"):
+        return f"a {x.ndim}-D {type(x).__name__} of shape {tuple(x.shape)}"
     if isinstance(x, (list, tuple)):
         bad = next((v for v in x if not isinstance(v, (int, float)) or isinstance(v, bool)), None)
         return f"a {type(x).__name__} holding {type(bad).__name__} {bad!r}"
@@ -324,8 +334,7 @@ class _CheckedPairwise:
             fail(raised("--pair_judge", self.name, e))
         except SystemExit as e:
             fail(exited("--pair_judge", self.name, e))
-        if torch.is_tensor(out):
-            out = out.detach().flatten().tolist() if out.dim() <= 1 else None
+        out = as_list(out)
         if not isinstance(out, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                          for x in out):
             fail(f"--pair_judge {self.name}: must return a list of probabilities (one per pair), got "
@@ -362,9 +371,10 @@ def check_specs(spec=None, pair_spec=None, template=""):
     """One line for a judge flag that is wrong on its face, from the flags alone (nothing is loaded), so a script
     can refuse it before its output directory is touched; load_judge starts with the same checks."""
     if spec is None and pair_spec is None:
-        fail("a judge is needed: give --judge (reward model, gold, module:function, llm:MODEL_DIR) and/or --pair_judge")
+        fail("a judge is needed: give --judge (reward model, gold, module:function, llm:MODEL_DIR) and/or --pair_judge",
+             2)
     if template and not (spec or "").startswith(LLM):
-        fail(f"--judge_template {template}: applies only to --judge llm:MODEL_DIR")
+        fail(f"--judge_template {template}: applies only to --judge llm:MODEL_DIR", 2)
     if spec is not None and spec.startswith(LLM):
         model_dir = spec[len(LLM):]
         if not model_dir or not os.path.isdir(model_dir):
@@ -373,9 +383,9 @@ def check_specs(spec=None, pair_spec=None, template=""):
     if pair_spec is not None:
         if pair_spec.startswith(LLM):
             fail(f"--pair_judge {pair_spec}: an LLM judge gives scores, not pairwise preferences; "
-                 f"use --judge {pair_spec}")
+                 f"use --judge {pair_spec}", 2)
         if not is_function_spec(pair_spec):
-            fail(f"--pair_judge {pair_spec}: expected module:function or path/to/file.py:function")
+            fail(f"--pair_judge {pair_spec}: expected module:function or path/to/file.py:function", 2)
 
 
 def load_judge(spec=None, pair_spec=None, *, tokenizer=None, device="cpu", prompts=None, batch_size=64,

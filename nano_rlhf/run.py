@@ -66,13 +66,16 @@ _current = None          # the live Run of this process (fail aborts it)
 
 
 def fail(msg: str, code: int = 1):
-    """Print one clear line to stderr and exit non-zero (all ranks do the same)."""
+    """Print one clear line to stderr and exit non-zero (all ranks do the same). Under torchrun the line is left
+    for the other ranks too: one that fails alone is named by them (dist.announce_failure)."""
+    store = dist.announce_failure(msg)
     print(f"error: {msg}", file=sys.stderr, flush=True)
     if _current is not None:       # the live Run (if any) releases its lock and undoes a run that saved nothing
         _current.abort()
     several = dist.world().world_size > 1
     dist.cleanup(sync=False)
     if several:                    # the interpreter's finalization can abort a rank (dist._leave_without_finalizing)
+        dist.wait_until_named(store)
         dist.end_process(code)
     sys.exit(code)
 
@@ -86,6 +89,28 @@ def check_finite(value: float, step: int, out_dir: str, what="loss"):
 def _inside(path, parent):
     path, parent = os.path.realpath(path), os.path.realpath(parent)
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def _no_state(out_dir):
+    """--resume's refusal of an out_dir without a checkpoint, naming a run an --overwrite run set aside and never
+    gave back (killed before its first save: SIGKILL, SIGTERM) and how to get it back."""
+    msg = f"--resume: {out_dir} has no saved state to resume from (no {out_dir}/state/meta.json)"
+    kept = sorted(n for n in os.listdir(out_dir) if n.startswith(".overwritten.")
+                  and find_state(os.path.join(out_dir, n)) is not None) if os.path.isdir(out_dir) else []
+    if kept:
+        aside = os.path.join(out_dir, kept[-1])
+        msg += (f"; {aside} holds the run that an --overwrite run set aside and was killed before its first save: "
+                f"to resume that run, move its files back (mv {aside}/* {out_dir}/ && rmdir {aside})")
+    return msg
+
+
+def _saved_step(out_dir):
+    """The step of out_dir's complete checkpoint (state/meta.json, else state.old/'s), or None."""
+    d = find_state(out_dir)
+    try:
+        return int(checkpoint._read_json(os.path.join(d, "meta.json"))["step"]) if d else None
+    except (checkpoint.StateError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _step_of(line):
@@ -138,8 +163,6 @@ class Run:
     def _check_out_dir(self):
         o, out = self.opts, self.out_dir
         resume, overwrite = getattr(o, "resume", False), getattr(o, "overwrite", False)
-        if resume and overwrite:
-            return "--overwrite and --resume contradict each other: --resume continues the run in --out_dir"
         for name, path in self.inputs.items():
             if os.path.isfile(path):
                 if (os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(out)
@@ -167,7 +190,7 @@ class Run:
             return msg
         present = sorted(self.before & set(RUN_FILES))
         if resume and find_state(out) is None:
-            return f"--resume: {out} has no saved state to resume from (no {out}/state/meta.json)"
+            return _no_state(out)
         if present and not resume and not overwrite:
             return (f"--out_dir {out} already holds a run ({', '.join(present)}); pass --resume to continue it "
                     "or --overwrite to replace it")
@@ -219,7 +242,7 @@ class Run:
         """None when the saved run.json describes this run, else the one-line refusal."""
         d = find_state(self.out_dir)
         if d is None:
-            return f"--resume: {self.out_dir} has no saved state to resume from (no {self.out_dir}/state/meta.json)"
+            return _no_state(self.out_dir)
         path = os.path.join(d, "run.json")
         if not os.path.isfile(path):
             return f"--resume: {path}: missing (a state saved without a run identity cannot be checked)"
@@ -293,7 +316,7 @@ class Run:
         # save, then evaluate: a failure in the evaluation (a user's reward, an overflow) costs no training
         stop_at = getattr(o, "stop_at", 0)
         if save is not None and (self._due(getattr(o, "save_interval", 0), step) or step == stop_at):
-            save(step)
+            self._save(save, step)
             self.saved, self.saved_step = True, step
             self._drop_set_aside()
         eval_due = evaluate is not None and self._due(getattr(o, "eval_interval", 0), step)
@@ -305,6 +328,29 @@ class Run:
         if step == stop_at and step < self.max_steps:
             dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
         return step == stop_at or step >= self.max_steps
+
+    def _save(self, save, step):
+        """save(step); a write that fails (a full disk, a directory gone read-only) is one line, not a stack: the
+        temporaries of the save go (state.tmp/, this process's FILE.tmpPID files) and the last complete
+        checkpoint, named, stays to --resume from."""
+        try:
+            save(step)
+        except OSError as e:
+            last = None
+            if self.main:
+                shutil.rmtree(os.path.join(self.out_dir, "state.tmp"), ignore_errors=True)
+                suffix = f".tmp{os.getpid()}"
+                for folder, dirs, files in os.walk(self.out_dir):
+                    dirs[:] = [d for d in dirs if not d.startswith(".overwritten.")]
+                    for name in files:
+                        if name.endswith(suffix):
+                            os.remove(os.path.join(folder, name))
+                last = _saved_step(self.out_dir)
+            if last is not None:        # a complete checkpoint (this step's state may be): never undone
+                self.saved, self.saved_step = True, last
+            kept = (f"the last complete checkpoint is step {last}: free space and continue with --resume"
+                    if last is not None else "nothing was saved")
+            fail(f"step {step}: writing the checkpoint to {self.out_dir} failed ({e.strerror or e}); {kept}")
 
     # ---- the end -----------------------------------------------------------------------------------
     def finish(self):
@@ -447,6 +493,8 @@ def open_run(opts, script, identity=None, inputs=None, data_files=None, max_step
     global _current
     if _current is not None:          # a previous run in this process ended without finish() (tests)
         _current.abort()
+    if getattr(opts, "resume", False) and getattr(opts, "overwrite", False):      # a bad command line: exit 2
+        fail("--overwrite and --resume contradict each other: --resume continues the run in --out_dir", 2)
     run = Run(opts, script, dict(identity or {}), inputs, data_files,
               getattr(opts, "max_steps", 0) if max_steps is None else max_steps)
     w = dist.world()
@@ -486,10 +534,11 @@ sys.excepthook = _interrupted
 
 # ---- A tool's progress line (evaluate, label) ------------------------------------------------------------
 class Progress:
-    """A tool's progress on stderr (evaluate, label): `sampling out/ppo | 120/512 samples | 8.3/s | eta 0m47s`.
+    """A long pass's progress on stderr (evaluate's and label's sampling, a script's pass before its first step:
+    D2O's samples, precomputed reference log-probs): `sampling out/ppo | 120/512 samples | 8.3/s | eta 0m47s`.
     In a terminal one line updated in place at most every `every` seconds; in a log (stderr not a terminal) a plain
-    line every `log_every` seconds; the last one always at done(). Why: a command that samples for minutes and
-    prints nothing cannot be told from a hang."""
+    line every `log_every` seconds; the last one always at done(); rank 0 only. Why: a command that samples for
+    minutes and prints nothing cannot be told from a hang."""
 
     def __init__(self, total, what, unit="samples", stream=None, every=1.0, log_every=10.0, clock=time.time):
         import sys
@@ -499,6 +548,7 @@ class Progress:
         self.every = every if self.tty else log_every
         self.n, self.t0 = 0, clock()
         self.shown = self.t0
+        self.quiet = not dist.world().is_main
 
     def line(self):
         elapsed = max(self.clock() - self.t0, 1e-9)
@@ -514,12 +564,14 @@ class Progress:
 
     def done(self):
         self._show()
-        if self.tty:
+        if self.tty and not self.quiet:
             self.stream.write("\n")
             self.stream.flush()
 
     def _show(self):
         self.shown = self.clock()
+        if self.quiet:
+            return
         self.stream.write(("\r" + self.line() + "\033[K") if self.tty else self.line() + "\n")
         self.stream.flush()
 

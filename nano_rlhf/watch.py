@@ -17,6 +17,9 @@ The thresholds, stated (docs/algorithms.md, "Online and self-play methods"):
             a prompt, every group's samples score the same (GRPO's, RLOO's, Dr. GRPO's advantages are all 0; a pair
             method finds no pair); with one, every score of the step is the same. E.g. a verifier that never
             passes on these prompts: the policy gradient is 0 and the run would only drift with the KL term
+  masked    every one of the run's first FLAT_STEPS steps trained on no token: every response was masked out of the
+            policy loss (--overlong mask with responses that all run to --max_new_tokens, --rollout_correction mask
+            rejecting every one): the update is 0 whatever the reward
   score     the step's mean judge score leaves mean₀ ± n·sd₀, mean₀ and sd₀ the mean and per-response standard
             deviation of the scores of the run's first step (the starting policy's samples), n = --score_warn.
             A step's mean over B responses has a spread of about sd₀/√B, so an honest step sits well inside;
@@ -116,12 +119,21 @@ class Watch:
         self.reference = None          # (mean₀, sd₀) of the first step's scores
         self.warned = []               # kinds already warned about
         self.flat = 0                  # the run's first steps without reward spread, while they last
+        self.masked = 0                # the run's first steps without a token in the policy loss, while they last
 
-    def check(self, step, counts, group_size, moments=None, flat=None):
+    def check(self, step, counts, group_size, moments=None, flat=None, trained=None):
         """The warnings this step newly raises (a list of lines, each naming the step); counts: response_counts,
-        moments: score_moments, flat: flat_groups, all summed over ranks (moments None: no judge score this step;
-        flat None: not checked)."""
+        moments: score_moments, flat: flat_groups, trained: the tokens in the policy loss, all summed over ranks
+        (moments None: no judge score this step; flat, trained None: not checked)."""
         out = []
+        if trained is not None and self.masked == step - 1 and step <= FLAT_STEPS:
+            self.masked += trained == 0
+            if self.masked == FLAT_STEPS and "masked" not in self.warned:
+                self.warned.append("masked")
+                out.append(f"warning: step {step}: nothing to learn from: in each of the first {FLAT_STEPS} steps "
+                           "every response was masked out of the policy loss (--overlong mask drops the responses "
+                           "cut at --max_new_tokens, --rollout_correction mask those the trainer disagrees on), so "
+                           "the update is 0; raise --max_new_tokens or drop the mask")
         if flat is not None and moments is not None and self.flat == step - 1 and step <= FLAT_STEPS:
             self.flat += no_signal(moments, flat, group_size)
             if self.flat == FLAT_STEPS and "no signal" not in self.warned:
@@ -149,21 +161,24 @@ class Watch:
 
     def state_dict(self):
         return {"reference": None if self.reference is None else list(self.reference), "warned": list(self.warned),
-                "flat": self.flat}
+                "flat": self.flat, "masked": self.masked}
 
     def load_state_dict(self, state):
         self.reference = None if state["reference"] is None else tuple(state["reference"])
         self.warned = list(state["warned"])
         self.flat = int(state["flat"])
+        self.masked = int(state["masked"])
 
 
-def check_step(watch, step, lengths, completions, scores, k):
-    """This step's collapse, no-signal and score warnings from the samples of every rank (collective); rank 0
-    prints them on stderr. lengths: each response's tokens, its stop token not counted; scores: the pointwise
-    scores as the judge gave them (before any normalising or penalty), a flat list, or None (a pairwise judge)."""
+def check_step(watch, step, lengths, completions, scores, k, trained=None):
+    """This step's collapse, no-signal, masked and score warnings from the samples of every rank (collective);
+    rank 0 prints them on stderr. lengths: each response's tokens, its stop token not counted; scores: the
+    pointwise scores as the judge gave them (before any normalising or penalty), a flat list, or None (a pairwise
+    judge); trained: this rank's tokens in the policy loss (None: every response token is)."""
     counts = response_counts(lengths, completions, k)
     flat = scores if scores is not None else []
-    total = dist.all_reduce_sum(torch.tensor(counts + score_moments(flat) + flat_groups(flat, k),
-                                             dtype=torch.float64)).tolist()
-    for line in watch.check(step, total[:4], k, total[4:7] if scores is not None else None, total[7:]):
+    total = dist.all_reduce_sum(torch.tensor(counts + score_moments(flat) + flat_groups(flat, k)
+                                             + [float(trained or 0)], dtype=torch.float64)).tolist()
+    for line in watch.check(step, total[:4], k, total[4:7] if scores is not None else None, total[7:9],
+                            total[9] if trained is not None else None):
         dist.print0(line, file=sys.stderr)

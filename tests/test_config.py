@@ -96,7 +96,7 @@ def test_negative_exponent_and_unknown_option_are_one_line(capsys):
     block); an unknown option or a bad choice is one line too."""
     import train_dpo
     from nano_rlhf.cli import parse_args
-    for argv, needle in ((["--lr", "-1e-4"], "--lr must be > 0 (got -0.0001)"),
+    for argv, needle in ((["--lr", "-1e-4"], "--lr must satisfy 0 < x <= 1e3 (got -0.0001)"),
                          (["--no_such_option", "1"], "unrecognized arguments: --no_such_option"),
                          (["--loss", "nope"], "argument --loss: invalid choice")):
         with pytest.raises(SystemExit) as e:
@@ -203,7 +203,7 @@ def test_every_declared_condition_names_an_option_of_its_script():
     import importlib
     from nano_rlhf.cli import _field_comments, parse_condition
     modules = ["train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired", "train_online",
-               "nano_rlhf.label"]
+               "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge"]
     seen = 0
     for name in modules:
         cls = importlib.import_module(name).Options
@@ -248,7 +248,7 @@ def test_no_help_line_of_an_options_class_is_lost():
     import tokenize
     lost = []
     for name in ("train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired",
-                 "train_online", "nano_rlhf.label", "nano_rlhf.cli"):
+                 "train_online", "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge", "nano_rlhf.cli"):
         module = importlib.import_module(name)
         for cls in vars(module).values():
             if not (inspect.isclass(cls) and cls.__module__ == module.__name__ and cls.__name__.endswith("Options")):
@@ -266,3 +266,133 @@ def test_no_help_line_of_an_options_class_is_lost():
                 else:
                     open_ = (row, open_[1]) if continues else None
     assert not lost, lost
+
+
+# ---- list and required options (the python -m tools: evaluate --model A B, merge --weights 1 -1e-3) --------------
+
+@dataclass
+class Listed:
+    models: list[str]             # one or more directories
+    weights: Optional[list[float]] = None  # one per model; none = all 1 {> -10}
+    scale: float = 1.0            # a scale [with models]
+
+
+def test_list_and_required_options(capsys):
+    o = parse_args(Listed, ["--models", "a", "b", "--weights", "1", "-1e-3", "--scale", "-2.5E+1"])
+    assert (o.models, o.weights, o.scale) == (["a", "b"], [1.0, -1e-3], -25.0)      # negative numbers, any notation
+    assert parse_args(Listed, ["--models", "a"]).weights is None
+    for argv, line in ((["--weights", "1"], "error: the following arguments are required: --models (see --help)"),
+                       (["--models", "a", "--weights", "1", "-11"], "error: --weights must be > -10 (got -11.0)"),
+                       (["--models", "a", "--weights", "nan"], "error: argument --weights: expected a finite number")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(Listed, argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith(line), err
+    assert "one or more directories (required)" in " ".join(build_parser(Listed).format_help().split())
+
+
+@pytest.mark.parametrize("tool, argv, line", [
+    ("nano_rlhf.evaluate", ["--model", "m", "--pass_threshold", "0.5"], "--pass_threshold applies only with --pass_k"),
+    ("nano_rlhf.evaluate", ["--model", "m", "--pass_k", "1"], "--pass_k applies only with --reward"),
+    ("nano_rlhf.merge", ["--base", "b", "--models", "m", "--method", "task_arithmetic", "--out_dir", "o", "--scale",
+                         "1.0"], "--scale applies only with --method ties (got task_arithmetic)"),
+    ("nano_rlhf.label", ["--out", "o", "--threshold", "0"], "--threshold applies only with --format unpaired"),
+])
+def test_the_tools_read_the_same_declarations(tool, argv, line, capsys):
+    """evaluate, merge and label parse their command lines from an Options class as the scripts do: an option
+    given where it does not apply is the same one line, exit 2, and --help shows when it applies."""
+    import importlib
+    cls = importlib.import_module(tool).Options
+    with pytest.raises(SystemExit) as e:
+        parse_args(cls, argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith(f"error: {line}"), err
+    assert "[with " in build_parser(cls).format_help()
+
+
+# ---- one exit code for a bad command line ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("script, argv, line", [
+    ("train_ppo", ["--advantage", "grpo", "--samples_per_prompt", "1"], "--advantage grpo needs --samples_per_prompt"),
+    ("train_ppo", ["--reward", "nonsense"], "--reward must be model, gold, selfplay"),
+    ("train_ppo", ["--policy_loss", "gspo"], "--policy_loss gspo weighs whole sequences"),
+    ("train_ppo", ["--overlong", "mask"], "--overlong mask decides what a truncated response costs"),
+    ("train_ppo", ["--fsdp", "--rollout_dtype", "bfloat16"], "--rollout_dtype bfloat16 with --fsdp"),
+    ("train_ppo", ["--reward", "selfplay"], "--reward selfplay needs a judge"),
+    ("train_ppo", ["--batch_size", "3", "--num_minibatches", "5"], "the rollout of "),
+    ("train_ppo", ["--cost_model", "c", "--cost", "c.py:f"], "pass one cost"),
+    ("train_online", ["--method", "sppo", "--samples_per_prompt", "1", "--judge", "gold"], "--method sppo compares"),
+    ("train_online", ["--method", "cringe", "--ref_update_every", "2", "--judge", "gold"], "--ref_update_every has no"),
+    ("train_online", ["--labels", "soft", "--loss", "simpo", "--judge", "gold"], "--labels soft: --loss simpo"),
+    ("train_online", ["--labels", "soft", "--label_smoothing", "0.1", "--judge", "gold"], "--labels soft sets each"),
+    ("train_online", ["--judge", "no/such/dir"], "--judge no/such/dir: not a directory, gold"),
+    ("train_dpo", ["--loss", "tdpo", "--precompute_ref"], "--precompute_ref cannot be used with --loss tdpo"),
+    ("train_unpaired", ["--method", "kto", "--batch_size", "1"], "--method kto needs --batch_size >= 2"),
+    ("train_sft", ["--max_steps", "2", "--stop_at", "3"], "--stop_at 3 is past --max_steps 2"),
+])
+def test_every_rule_between_options_is_exit_2(script, argv, line, capsys):
+    """A rule between options that a declaration cannot say, hand-written in a script's check_options, is a bad
+    command line like a range or an ignored option: one line, exit 2 (they mixed 1 and 2)."""
+    import importlib
+    module = importlib.import_module(script)
+    opts = parse_args(module.Options, argv)
+    getattr(module, "fill_defaults", lambda o: None)(opts)          # as run.start does, before check_options
+    with pytest.raises(SystemExit) as e:
+        module.check_options(opts)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {line}"), (e.value.code, err)
+
+
+# ---- numbers a float32 tensor can hold ---------------------------------------------------------------------------
+
+COMMANDS = {"train_sft": [], "train_rm": [], "train_dpo": [], "train_ppo": [], "train_listwise": [],
+            "train_unpaired": [], "train_online": [], "nano_rlhf.evaluate": ["--model", "m"], "nano_rlhf.label": [],
+            "nano_rlhf.merge": ["--base", "b", "--models", "m", "--method", "ties", "--out_dir", "o"]}
+
+
+def _float_fields(cls):
+    import dataclasses
+    import typing
+    hints = typing.get_type_hints(cls)
+    floats = (float, Optional[float], list[float], Optional[list[float]])
+    return [f.name for f in dataclasses.fields(cls) if hints[f.name] in floats]
+
+
+@pytest.mark.parametrize("module", sorted(COMMANDS))
+def test_every_float_option_takes_a_float32_number_and_nothing_beyond(module, capsys):
+    """The boundary of every float option of every script and tool: float32's largest finite value and its smallest
+    subnormal parse (or are refused by the option's own range or condition), one step past either is one line,
+    exit 2 (a torch cast raised mid-run, or the value became 0)."""
+    import importlib
+    cls = importlib.import_module(module).Options
+    names = _float_fields(cls)
+    assert names
+    for name in names:
+        for value, fits in (("3.4028e38", True), ("-3.4028e38", True), ("1.5e-45", True), ("3.41e38", False),
+                            ("-3.41e38", False), ("1e-46", False), ("-1e-46", False)):
+            try:
+                parse_args(cls, COMMANDS[module] + [f"--{name}", value])
+                refused = None
+            except SystemExit as e:
+                refused = (e.code, capsys.readouterr().err.strip())
+            if fits:
+                assert refused is None or refused[0] == 2 and ("must" in refused[1] or "applies only" in refused[1]), \
+                    (module, name, value, refused)
+            else:
+                assert refused and refused[0] == 2 and len(refused[1].splitlines()) == 1 and "float32" in refused[1], \
+                    (module, name, value, refused)
+
+
+@pytest.mark.parametrize("module", [m for m in sorted(COMMANDS) if m.startswith("train_")])
+def test_every_learning_rate_declares_its_float32_bound(module):
+    """AdamW's step lr/(1 − β1^t) is cast to float32 outside any finiteness check: each learning rate option
+    declares an upper bound <= 1e3 (nano_rlhf/cli.py says why)."""
+    import importlib
+    from nano_rlhf.cli import _field_comments
+    cls = importlib.import_module(module).Options
+    rates = [n for n in _float_fields(cls) if n == "lr" or n.endswith("_lr") and n != "lambda_lr"]   # (λ's step
+    # is Python arithmetic on log λ, not AdamW's)
+    assert rates
+    for name in rates:
+        rng = parse_range(_field_comments(cls)[name])
+        assert rng and any(op in ("<", "<=") and bound <= 1e3 for op, bound in rng[1]), (module, name, rng)

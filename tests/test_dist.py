@@ -122,6 +122,42 @@ def test_a_multi_process_run_ends_with_its_own_exit_code_and_output(tmp_path, ho
     assert "terminate called" not in p.stderr
 
 
+PEER_SCRIPT = """import os, sys
+from nano_rlhf import dist
+from nano_rlhf.run import fail
+ctx = dist.setup("cpu")
+dist.all_reduce_sum(1.0)
+if ctx.rank == 1:
+    if sys.argv[1] == "fail":            # what a user reward that raises becomes (reward.py)
+        fail("--reward r.py:score raised ValueError: rank one is broken (at r.py:4 in score)")
+    if sys.argv[1] == "raise":           # a bug: its stack on its own rank
+        raise ValueError("a bug on rank one")
+    os.kill(os.getpid(), 9)              # killed: no word left
+dist.all_reduce_sum(1.0)                 # rank 0 waits here for a rank that is gone
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["fail", "raise", "kill"])
+def test_a_rank_that_fails_alone_is_named_by_the_others_in_one_line(tmp_path, how):
+    """Rank 1 fails while rank 0 waits in a collective: rank 0 prints one line naming rank 1 and its error (left in
+    torchrun's store), or that a rank is gone when it left none (killed), instead of gloo's "Connection reset by
+    peer" stack; only a bug shows a stack, on its own rank. ("[rankN]:" marks what a rank's own excepthook
+    printed; torchrun's launcher adds its own report after.)"""
+    (tmp_path / "peer.py").write_text(PEER_SCRIPT)
+    p = run([str(tmp_path / "peer.py"), how], nproc=2, check=False, timeout=120)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+    assert p.returncode != 0 and "unreachable" not in p.stdout and "[rank0]" not in p.stderr, p.stderr
+    if how == "kill":
+        assert errors == [errors[0]] and errors[0].startswith("error: rank 0 stopped: a collective failed because "
+                                                              "another rank is gone"), p.stderr
+        return
+    said = ("--reward r.py:score raised ValueError: rank one is broken (at r.py:4 in score)" if how == "fail"
+            else "ValueError: a bug on rank one")
+    assert f"error: rank 1 failed: {said}; rank 0 stopped with it" in errors, p.stderr
+    assert ("[rank1]: Traceback" in p.stderr) == (how == "raise"), p.stderr
+
+
 ABORTS_ONCE = """import os, sys
 out, tries = sys.argv[2], sys.argv[3]
 n = int(open(tries).read()) + 1 if os.path.exists(tries) else 1

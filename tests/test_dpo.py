@@ -55,10 +55,12 @@ def test_reference_is_frozen_and_never_optimised(tmp_path, sft_dir):
 
 
 @pytest.mark.parametrize("loss", ["dpo", "ipo"])
-def test_precomputed_reference_gives_the_same_losses(tmp_path, sft_dir, loss):
+def test_precomputed_reference_gives_the_same_losses(tmp_path, sft_dir, loss, capsys):
     train_dpo.main(dpo_args(tmp_path, sft_dir, "live", loss, "--eval_interval", "3"))
+    capsys.readouterr()
     out = train_dpo.main(dpo_args(tmp_path, sft_dir, "pre", loss, "--eval_interval", "3", "--precompute_ref"))
     assert out.ref is None                              # the reference model was dropped
+    assert "precomputing the reference's log-probs | " in capsys.readouterr().out      # the pass shows progress
     a, b = metrics(tmp_path / "live"), metrics(tmp_path / "pre")
     for x, y in zip(a, b):
         for k in x:

@@ -40,8 +40,8 @@ def test_gold_column_only_when_every_prompt_is_the_builtin_task(tmp_path, sft_di
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--top_p", "0"], "--top_p must be in (0, 1]"),
-    (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
+    (["--top_p", "0"], "--top_p must satisfy 0 < x <= 1 (got 0.0)"),
+    (["--top_p", "1.5"], "--top_p must satisfy 0 < x <= 1"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
     (["--max_new_tokens", "-5"], "--max_new_tokens must be >= 1"),
@@ -50,19 +50,35 @@ def test_gold_column_only_when_every_prompt_is_the_builtin_task(tmp_path, sft_di
     (["--top_k", "-1"], "--top_k must be >= 1"),
     (["--batch_size", "0"], "--batch_size must be >= 1"),
     (["--reward", "nocolon"], "--reward must be module:function"),
+    (["--seed", str(2 ** 70)], "a seed must be in [0, 2**63)"),
+    (["--seed", "-1"], "a seed must be in [0, 2**63)"),
+    (["--pass_k", "1"], "--pass_k applies only with --reward; here it would be ignored"),
+    (["--pass_threshold", "0.5"], "--pass_threshold applies only with --pass_k; here it would be ignored"),
+    (["--reward", "nano_rlhf.reasoning:reward", "--pass_k", "2"], "--pass_k 2 needs --samples_per_prompt >= 2"),
+    (["--model", "a", "b"], "--out applies to one --model; with 2, each writes MODEL/eval_samples.jsonl"),
     (["--reward", "no_such_module_q:f"], "cannot import module"),
 ])
 def test_bad_flags_one_line_nothing_written(tmp_path, sft_dir, prompts, capfd, extra, message):
     """main() in this process (its exit code and the stderr file descriptor): a start-up each would be ~2.5 s;
-    test_a_bad_flag_is_one_line_from_the_shell runs one whole process."""
+    test_a_bad_flag_is_one_line_from_the_shell runs one whole process. A bad command line (a range, an option
+    that would be ignored, a rule between options) is exit 2, as in every script; a bad input exit 1."""
     out = tmp_path / "s.jsonl"
     capfd.readouterr()
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), *extra])
     lines = capfd.readouterr().err.strip().splitlines()
-    assert isinstance(e.value.code, int) and e.value.code != 0, e.value.code
+    assert e.value.code == (1 if "cannot import" in message else 2), e.value.code
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert not out.exists()
+
+
+def test_name_with_several_models_is_refused(sft_dir, capsys):
+    """--name labels one row: with several models it would be ignored."""
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", sft_dir, sft_dir, "--name", "x"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == ("error: --name applies to one --model; with 2, each row is named after its "
+                                         "directory"), err
 
 
 def test_a_bad_flag_is_one_line_from_the_shell(tmp_path, sft_dir, prompts):
@@ -183,3 +199,49 @@ def test_evaluate_shows_sampling_progress_on_stderr(tmp_path, sft_dir, prompts, 
     evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(tmp_path / "s.jsonl")])
     captured = capsys.readouterr()
     assert f"sampling {sft_dir} |" in captured.err and "eta " in captured.err and "sampling" not in captured.out
+
+
+def test_a_full_disk_leaves_no_half_written_output(tmp_path, sft_dir, prompts, capsys, monkeypatch):
+    """The disk filling up while --out is written: one error line after the progress lines, no stack, and no
+    truncated --out nor temporary file; the previous --out stays whole."""
+    import errno
+    import os
+    out = tmp_path / "s.jsonl"
+    out.write_text("the previous samples\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--overwrite",
+                       "--max_new_tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and [x for x in err if not x.startswith("sampling ")] == [
+        f"error: {out}: cannot be written (No space left on device); nothing was written there"], err
+    assert out.read_text() == "the previous samples\n" and sorted(os.listdir(tmp_path)) == ["prompts.jsonl", "s.jsonl"]
+
+
+def test_a_read_only_model_directory_is_refused_before_sampling(tmp_path, sft_dir, prompts, capsys, monkeypatch):
+    """Without --out each model's samples go to MODEL/eval_samples.jsonl: a directory that cannot take it is one
+    line before any model is loaded (not after the sampling). os.access is asked, as the check asks it (root
+    writes into a mode-555 directory, so the test cannot make one)."""
+    import os
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if os.path.realpath(p) == os.path.realpath(sft_dir)
+                        else real(p, mode))
+    monkeypatch.setattr(evaluate.GPT, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", sft_dir, "--prompts", prompts])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err == (f"error: --model {sft_dir}: not writable, so eval_samples.jsonl cannot be "
+                                         "written there; pass --out FILE elsewhere"), err
+
+
+def test_a_baseline_file_that_is_not_samples_names_the_file_and_line(tmp_path, sft_dir, prompts, capsys):
+    bad = tmp_path / "baseline.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\nnot json\n')
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(tmp_path / "s.jsonl"), "--baseline",
+                       str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith(f"error: --baseline {bad}:2: not JSON"), err

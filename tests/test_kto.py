@@ -80,10 +80,12 @@ def test_reference_is_frozen_and_never_optimised(tmp_path, sft_dir):
     assert any(not torch.equal(a, b) for a, b in zip(out.policy.state_dict().values(), fresh.state_dict().values()))
 
 
-def test_precomputed_reference_gives_the_same_losses(tmp_path, sft_dir):
+def test_precomputed_reference_gives_the_same_losses(tmp_path, sft_dir, capsys):
     train_unpaired.main(kto_args(tmp_path, sft_dir, "live", "--eval_interval", "3"))
+    capsys.readouterr()
     out = train_unpaired.main(kto_args(tmp_path, sft_dir, "pre", "--eval_interval", "3", "--precompute_ref"))
     assert out.ref is None                              # the reference model was dropped
+    assert "precomputing the reference's log-probs | " in capsys.readouterr().out      # the pass shows progress
     a, b = metrics(tmp_path / "live"), metrics(tmp_path / "pre")
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):

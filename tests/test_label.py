@@ -135,25 +135,45 @@ def test_no_overwrite_without_the_flag(setup, sft_dir):
     assert not [f for f in os.listdir(setup) if ".tmp" in f]       # the atomic write left nothing behind
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--judge", ""], "a judge is needed"),
-    (["--pair_judge", "/nonexistent"], "--pair_judge /nonexistent: expected module:function"),
-    (["--pair_judge", "no_such_module_xyz:f"], "--pair_judge no_such_module_xyz:f: cannot import module"),
-    (["--judge", "/nonexistent/rm"], "/nonexistent/rm"),
-    (["--judge", "llm:/nonexistent/judge"], "--judge llm:/nonexistent/judge: no such model directory"),
-    (["--judge", "gold"], "gold scores the built-in task's prompts only"),
-    (["--judge_template", "t.txt"], "--judge_template t.txt: applies only to --judge llm:"),
-    (["--threshold", "1"], "--threshold labels unpaired data only"),
-    (["--samples_per_prompt", "1"], "--format pairs needs --samples_per_prompt >= 2"),
-    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such model directory"),
+@pytest.mark.parametrize("extra,message,code", [
+    (["--judge", ""], "a judge is needed", 2),
+    (["--pair_judge", "/nonexistent"], "--pair_judge /nonexistent: expected module:function", 2),
+    (["--pair_judge", "no_such_module_xyz:f"], "--pair_judge no_such_module_xyz:f: cannot import module", 1),
+    (["--judge", "/nonexistent/rm"], "/nonexistent/rm", 1),
+    (["--judge", "llm:/nonexistent/judge"], "--judge llm:/nonexistent/judge: no such model directory", 1),
+    (["--judge", "gold"], "gold scores the built-in task's prompts only", 1),
+    (["--judge_template", "t.txt"], "--judge_template t.txt: applies only to --judge llm:", 2),
+    (["--threshold", "1"], "--threshold applies only with --format unpaired (got pairs); here it would be ignored", 2),
+    (["--samples_per_prompt", "1"], "--format pairs needs --samples_per_prompt >= 2", 2),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such model directory", 1),
 ])
-def test_bad_inputs_are_one_line(setup, sft_dir, capsys, extra, message):
+def test_bad_inputs_are_one_line(setup, sft_dir, capsys, extra, message, code):
+    """A bad command line (an option that would be ignored, a rule between options) is exit 2, as in every script;
+    a bad input exit 1."""
     with pytest.raises(SystemExit) as e:
         label.main(label_args(setup, sft_dir, "o.jsonl", *extra))
     err = capsys.readouterr().err
-    assert e.value.code != 0 and message in err and err.startswith("error: "), err
+    assert e.value.code == code and message in err and err.startswith("error: "), (e.value.code, err)
     assert len(err.strip().splitlines()) == 1
     assert not (setup / "o.jsonl").exists()
+
+
+def test_a_full_disk_leaves_no_half_written_output(setup, sft_dir, capsys, monkeypatch):
+    """The disk filling up while --out is written: one error line after the progress lines, no stack, and no
+    half-written --out nor OUT.tmpPID; a previous --out stays whole."""
+    import errno
+    out = setup / "o.jsonl"
+    out.write_text("the previous labels\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(SystemExit) as e:
+        label.main(label_args(setup, sft_dir, "o.jsonl", "--overwrite"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and [x for x in err if not x.startswith("sampling ")] == [
+        f"error: --out {out}: cannot be written (No space left on device); nothing was written there"], err
+    assert out.read_text() == "the previous labels\n" and not [f for f in os.listdir(setup) if ".tmp" in f]
 
 
 # ---- the LLM judge -------------------------------------------------------------------------------------

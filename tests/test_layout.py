@@ -147,10 +147,10 @@ def test_every_module_attribute_used_is_defined_there():
     assert not wrong, "\n".join(sorted(set(wrong)))
 
 
-# Defined in several modules on purpose (docs/design.md lists them): the entry points of the tools (main and the
-# check of their options, as in every script), and what every task implements: its reward, its prompt, its
+# Defined in several modules on purpose (docs/design.md lists them): the entry points of the tools (main, their
+# command line and its check, as in every script), and what every task implements: its reward, its prompt, its
 # files and the phrasings of its prompts.
-PROTOCOL = {"main", "check_options", "reward", "make_prompt", "write_dataset", "PHRASINGS"}
+PROTOCOL = {"main", "Options", "check_options", "reward", "make_prompt", "write_dataset", "PHRASINGS"}
 
 
 def test_no_public_name_is_defined_in_two_package_modules():

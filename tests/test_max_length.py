@@ -128,7 +128,7 @@ def test_ppo_prompt_length_default_follows_the_training_length(tmp_path, long_di
     _data(tmp_path)
     seen = []
 
-    def spy(records, tok, max_prompt_len):
+    def spy(records, tok, max_prompt_len, tools=None):
         seen.append(max_prompt_len)
         raise _Stop
     argv = ["--prompts", str(tmp_path / "prompts.jsonl"), "--init", long_dir, "--reward_model", rm_dir,

@@ -122,7 +122,7 @@ def perturbed(model, seed, scale=0.02):
 def dirs(tmp_path_factory, tok):
     """A base policy (with tokenizer) and two 'fine-tuned' copies of it; the same for a reward model."""
     root = tmp_path_factory.mktemp("merge")
-    d = {k: str(root / k) for k in ("base", "a", "b", "rm_base", "rm_a", "rm_b", "wide")}
+    d = {k: str(root / k) for k in ("base", "a", "b", "rm_base", "rm_a", "rm_b", "wide", "big")}
     tiny_model(tok).save_pretrained(d["base"])
     tok.save(os.path.join(d["base"], "tokenizer.json"))
     for i, k in enumerate(("a", "b")):
@@ -132,6 +132,7 @@ def dirs(tmp_path_factory, tok):
     for i, k in enumerate(("rm_a", "rm_b")):
         perturbed(ScoreModel.from_pretrained(d["rm_base"]), seed=i + 5).save_pretrained(d[k])
     tiny_model(tok, n_embd=48).save_pretrained(d["wide"])
+    perturbed(GPT.from_pretrained(d["base"]), seed=7, scale=1e37).save_pretrained(d["big"])   # finite float32 deltas
     return d
 
 
@@ -179,15 +180,20 @@ def test_task_arithmetic_reward_model_and_overwrite(dirs, tmp_path, capsys):
 @pytest.mark.parametrize("case, needle", [
     ("shape", "n_embd=48"),
     ("weights", "--weights has 1 values for 2 --models"),
-    ("density0", "--density 0.0 is outside (0, 1]"),
-    ("density2", "--density 1.5 is outside (0, 1]"),
+    ("density0", "--density must satisfy 0 < x <= 1 (got 0.0)"),
+    ("density2", "--density must satisfy 0 < x <= 1 (got 1.5)"),
     ("class", "a ScoreModel directory"),
     ("missing", "no such model directory"),
-    ("scale_ta", "--density and --scale apply to --method ties"),
+    ("scale_ta", "--scale applies only with --method ties (got task_arithmetic); here it would be ignored"),
+    ("density_ta", "--density applies only with --method ties (got task_arithmetic)"),
+    ("negative_ties", "--weights must be > 0 for ties"),
     ("overflow_ta", "the merged model holds non-finite values"),        # finite weights, an infinite product
     ("overflow_ties", "the merged model holds non-finite values"),
+    ("beyond_float32", "argument --weights: '1e308' is beyond float32's range"),
 ])
 def test_bad_inputs_one_line(dirs, tmp_path, capsys, case, needle):
+    """A bad command line (a range, an option given where it does not apply, --weights against the others) is
+    exit 2, as for the training scripts; a bad input or an impossible merge exit 1."""
     m = [dirs["a"], dirs["b"]]
     extra = {"shape": (["--models", dirs["a"], dirs["wide"]], "ties"),
              "weights": (["--models", *m, "--weights", "1"], "ties"),
@@ -196,12 +202,16 @@ def test_bad_inputs_one_line(dirs, tmp_path, capsys, case, needle):
              "class": (["--models", dirs["a"], dirs["rm_a"]], "ties"),
              "missing": (["--models", dirs["a"], str(tmp_path / "nope")], "ties"),
              "scale_ta": (["--models", *m, "--scale", "2"], "task_arithmetic"),
-             "overflow_ta": (["--models", *m, "--weights", "1e308", "1e308"], "task_arithmetic"),
-             "overflow_ties": (["--models", *m, "--scale", "1e300"], "ties")}[case]
+             "density_ta": (["--models", *m, "--density", "0.2"], "task_arithmetic"),   # the default, typed
+             "negative_ties": (["--models", *m, "--weights", "1", "-1e-3"], "ties"),
+             "overflow_ta": (["--models", dirs["big"], dirs["big"], "--weights", "10", "10"], "task_arithmetic"),
+             "overflow_ties": (["--models", dirs["big"], dirs["b"], "--scale", "100"], "ties"),
+             "beyond_float32": (["--models", *m, "--weights", "1e308", "1e308"], "task_arithmetic")}[case]
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
         main(["--base", dirs["base"], *extra[0], "--method", extra[1], "--out_dir", str(out)])
-    assert e.value.code == 1
+    assert e.value.code == (2 if case in ("weights", "density0", "density2", "scale_ta", "density_ta",
+                                          "negative_ties", "beyond_float32") else 1)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     if case in ("shape", "class"):

@@ -109,3 +109,24 @@ def test_online_script_tiny_end_to_end(tmp_path):
         rows = json.loads((tmp_path / "out" / task / "results.json").read_text())
         assert [r["name"] for r in rows] == ["sft"] + variants
     assert (tmp_path / "out" / "online_curves.png").exists()
+
+
+@pytest.mark.slow      # SFT, a reward model, a cost model, PPO and PPO-Lagrangian, a few steps each
+def test_safe_script_tiny_end_to_end(tmp_path):
+    """scripts/safe.sh (TINY=1, one seed, one cost limit): the harm data, a cost model that train_ppo accepts as
+    --cost_model, every policy trained and loadable, each scored by the gold reward and the gold cost, the table with
+    the Lagrangian's final λ, and the curves."""
+    env = dict(os.environ, TINY="1", SEEDS="0", LIMITS="0", OUT=str(tmp_path / "out"), PYTHON=sys.executable)
+    p = subprocess.run(["bash", "scripts/safe.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    from nano_rlhf.model import GPT
+    out = tmp_path / "out"
+    assert json.loads((out / "cm" / "config.json").read_text())["score_kind"] == "cost"
+    for name in ("ppo", "ppo_lag_d0"):
+        GPT.from_pretrained(str(out / "seed0" / name))
+    per_seed = json.loads((out / "seed0" / "results.json").read_text())
+    assert [r["name"] for r in per_seed] == ["sft", "ppo", "ppo_lag_d0"]
+    assert all("cost" in r and "unsafe_share" in r for r in per_seed)
+    rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    assert rows["ppo"]["final λ"] == [None, None] and rows["ppo_lag_d0"]["final λ"][0] > 0
+    assert (out / "safe_curves.png").exists() or "matplotlib is not installed" in p.stdout

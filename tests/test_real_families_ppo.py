@@ -202,16 +202,15 @@ def test_evaluate_module_on_real_family(family, tmp_path, monkeypatch):
     from nano_rlhf.sampling import SamplingOptions
     model = GPT.from_pretrained(str(d)).eval()
     ends = []
-    orig = evaluate.generate
+    orig = evaluate.sample_responses
 
     def spy(model, ids, *args, **kw):
-        seq = orig(model, ids, *args, **kw)
-        ends.append((ids.shape[1], seq))
-        return seq
-    monkeypatch.setattr(evaluate, "generate", spy)
+        out = orig(model, ids, *args, **kw)
+        ends.append(out[0])                      # the responses, each cut after its end
+        return out
+    monkeypatch.setattr(evaluate, "sample_responses", spy)
     got = evaluate.sample_and_score(model, tok, prompt_rows(16), SamplingOptions(max_new_tokens=8))
-    P, seq = ends[0]
-    for s, row in zip(got, seq[:, P:]):
+    for s, row in zip(got, ends[0]):
         if s["eos"]:
             assert row[s["length"] - 1] == tok.eot_id
 

@@ -276,7 +276,7 @@ def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
     (["--pass_k", "2"], "--pass_k 2 needs --samples_per_prompt >= 2 (got 1)"),
     (["--pass_k", "0"], "--pass_k values must be >= 1"),
     (["--pass_k", "1,x"], "--pass_k must be a comma list of integers"),
-    (["--pass_k", "1", "--reward", ""], "--pass_k needs a verifier"),
+    (["--pass_k", "1", "--reward", ""], "--pass_k applies only with --reward; here it would be ignored"),
 ])
 def test_bad_pass_k_is_one_line_before_sampling(tmp_path, sft_dir, capsys, monkeypatch, extra, message):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Compute 1 + 2."}])
@@ -286,7 +286,7 @@ def test_bad_pass_k_is_one_line_before_sampling(tmp_path, sft_dir, capsys, monke
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), *args, *extra])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code != 0 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert not out.exists()
 
 

@@ -110,6 +110,25 @@ def test_user_function_may_return_a_tensor(tmp_path):
     assert load_reward(f"{tmp_path / 'user.py'}:ok")(["p"] * 3, ["c"] * 3) == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("body, message", [
+    ("torch.zeros(len(completions), 2)", "got a 2-D Tensor of shape (2, 2)"),      # it said "got NoneType"
+    ("torch.tensor(1.0)", "got a 0-D Tensor of shape ()"),
+    ("numpy.zeros((len(completions), 1))", "got a 2-D ndarray of shape (2, 1)"),
+    ("numpy.ones(len(completions))", None),                                         # 1-D: one score each
+])
+def test_a_tensor_or_array_answer_is_taken_when_1d_and_described_by_its_shape(tmp_path, capsys, body, message):
+    (tmp_path / "shaped.py").write_text(f"import numpy, torch\ndef f(prompts, completions):\n    return {body}\n")
+    f = load_reward(f"{tmp_path / 'shaped.py'}:f")
+    if message is None:
+        assert f(["p", "q"], ["a", "b"]) == [1.0, 1.0]
+        return
+    with pytest.raises(SystemExit):
+        f(["p", "q"], ["a", "b"])
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --reward {tmp_path / 'shaped.py'}:f: must return a list of floats (one per completion), " \
+                  f"{message}", err
+
+
 def test_gold_refuses_other_prompts_at_load(tmp_path):
     (tmp_path / "call.py").write_text(f"from nano_rlhf.reward import load_reward\n"
                                       f"load_reward('gold', prompts=[{TASK!r}, {OTHER!r}])\n")

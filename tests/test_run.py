@@ -298,7 +298,7 @@ def test_non_empty_out_dir_needs_resume_or_overwrite(toy, capsys):
     assert fails(toy, [], capsys) == ("error: --out_dir out/toy already holds a run (metrics.jsonl, samples.jsonl, "
                                       "state, tokenizer.json); pass --resume to continue it or --overwrite to "
                                       "replace it")
-    assert "contradict" in fails(toy, ["--resume", "--overwrite"], capsys)
+    assert "contradict" in fails(toy, ["--resume", "--overwrite"], capsys, code=2)      # a bad command line
     toy.main(["--overwrite", "--max_steps", "2"])
     assert "are replaced at this run's first save" in capsys.readouterr().out
     assert [json.loads(ln)["step"] for ln in open("out/toy/metrics.jsonl")] == [2]
@@ -474,3 +474,53 @@ def test_a_model_with_a_non_finite_weight_is_never_saved(tmp_path, capsys):
     assert e.value.code == 1 and err.startswith("error: step 2: the policy model holds non-finite weights"), err
     assert sorted(os.listdir(tmp_path / "o" / "state")) == before
     assert json.load(open(tmp_path / "o" / "state" / "meta.json"))["step"] == 1
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_last_checkpoint(toy, capsys, monkeypatch):
+    """A checkpoint write that fails (ENOSPC here, at step 2 after step 1 was saved) is one line naming the step
+    and the checkpoint that is kept, not an OSError stack; nothing half-written stays (state.tmp/, a FILE.tmpPID
+    of a model directory's atomic write), and --resume goes on from step 1."""
+    import errno
+    from nano_rlhf import checkpoint
+    real, calls = checkpoint.save_file, []
+
+    def full_at_step_2(tensors, path, *a, **k):
+        calls.append(path)
+        if len(calls) > 3:              # step 1 wrote model, optimizer and RNG; step 2 runs out of space
+            open(os.path.join("out/toy", f"model.safetensors.tmp{os.getpid()}"), "w").write("half")
+            real(tensors, path, *a, **k)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, path, *a, **k)
+    monkeypatch.setattr(checkpoint, "save_file", full_at_step_2)
+    assert fails(toy, ["--save_interval", "1", "--max_steps", "3"], capsys) == (
+        "error: step 2: writing the checkpoint to out/toy failed (No space left on device); the last complete "
+        "checkpoint is step 1: free space and continue with --resume")
+    assert not [n for n in os.listdir("out/toy") if n.startswith("state.") or ".tmp" in n], os.listdir("out/toy")
+    assert json.load(open("out/toy/state/meta.json"))["step"] == 1
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    toy.main(["--save_interval", "1", "--max_steps", "3", "--resume"])
+    assert json.load(open("out/toy/state/meta.json"))["step"] == 3
+
+
+def test_resume_after_an_overwrite_killed_before_its_first_save_names_the_set_aside_run(toy, tmp_path, capsys):
+    """An --overwrite run set the previous run aside in out_dir/.overwritten.* and was killed (SIGTERM) before
+    its first save: --resume finds no state, and says where the previous run is and how to get it back; done,
+    that run resumes."""
+    import signal
+    toy.main(["--save_interval", "2", "--max_steps", "2"])
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    second = subprocess.Popen([sys.executable, toy.path, "--overwrite", "--sleep", "30"], cwd=str(tmp_path), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "started" in [second.stdout.readline().strip() for _ in range(2)]    # after its --overwrite note
+        second.send_signal(signal.SIGTERM)
+    finally:
+        second.wait()
+    (aside,) = [n for n in os.listdir("out/toy") if n.startswith(".overwritten.")]
+    assert fails(toy, ["--resume", "--max_steps", "3"], capsys) == (
+        f"error: --resume: out/toy has no saved state to resume from (no out/toy/state/meta.json); out/toy/{aside} "
+        "holds the run that an --overwrite run set aside and was killed before its first save: to resume that run, "
+        f"move its files back (mv out/toy/{aside}/* out/toy/ && rmdir out/toy/{aside})")
+    subprocess.run(f"mv out/toy/{aside}/* out/toy/ && rmdir out/toy/{aside}", shell=True, check=True)
+    toy.main(["--resume", "--max_steps", "3"])
+    assert json.load(open("out/toy/state/meta.json"))["step"] == 3

@@ -28,6 +28,16 @@ def test_lagrangian_advantage_is_the_papers_normalised_combination():
     assert torch.allclose(train_ppo.lagrangian_advantage(a_r, a_c, 1e12), -a_c, atol=1e-9)   # λ → ∞: the cost alone
 
 
+def test_lambda_stays_a_float32_number_without_a_cap():
+    """--lambda_max inf with a cost far over its limit: λ stops at float32's largest value (it multiplies float32
+    advantages) instead of e^{log λ} overflowing Python's float a few steps on (an OverflowError stack)."""
+    from nano_rlhf.cli import FLOAT32_MAX
+    log_lam = 0.0
+    for _ in range(5):
+        log_lam = train_ppo.lambda_step(log_lam, 10.0, 0.0, 1e3)
+    assert log_lam == math.log(FLOAT32_MAX) and math.isfinite(math.exp(log_lam))
+
+
 def test_lambda_step_is_gradient_ascent_on_the_lagrangian_through_log_lambda():
     """safe-rlhf: log λ a parameter, loss −(J_C − d)·e^{log λ}, one SGD step of lr η; then the cap λ_max."""
     for log_lam, j_c, d, lr in ((0.0, 0.7, 0.0, 0.1), (math.log(3.0), -0.4, 0.2, 0.05), (-2.0, 5.0, 1.0, 1.0)):
@@ -113,6 +123,8 @@ def test_the_critic_free_estimators_take_the_cost_too(tmp_path, sft_dir, rm_dir,
     (["--cost", "nocolon"], "--cost must be module:function"),
     (["--cost_model", "/nonexistent/cost_model"], "/nonexistent/cost_model"),
     (["--cost", "x.py:f", "--lambda_init", "0"], "--lambda_init must be > 0"),
+    (["--cost", "x.py:f", "--lambda_init", "6"], "--lambda_init 6 is above --lambda_max 5"),
+    (["--cost", "x.py:f", "--cost_limit", "nan"], "--cost_limit"),
 ])
 def test_bad_cost_options_are_one_line(tmp_path, sft_dir, rm_dir, capfd, extra, message):
     code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", *extra))

@@ -220,7 +220,7 @@ def test_one_sample_per_prompt_is_refused_in_one_line(tmp_path, sft_dir):
     (["--judge", "gold", "--judge_template", "t.txt"], "--judge_template t.txt: applies only to --judge llm:"),
     (["--judge", "gold"], "gold scores the built-in task's prompts only"),
     (["--reward", "model", "--judge", "gold"], "--judge applies only with --reward selfplay"),
-    (["--judge", "gold", "--score_clip", "2"], "--score_clip applies only with --reward model"),
+    (["--judge", "gold", "--score_clip", "5.0"], "--score_clip applies only with --reward model (got selfplay)"),
 ])
 def test_bad_selfplay_options_are_one_line(tmp_path, sft_dir, capsys, extra, message):
     with pytest.raises(SystemExit) as e:

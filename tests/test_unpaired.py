@@ -259,6 +259,23 @@ def test_d2o_resume_without_its_samples_is_refused(tmp_path, sft_dir, capsys):
                    f"{tmp_path / 'r' / tu.SAMPLES_FILE}: missing")
 
 
+def test_d2o_resume_with_edited_samples_is_refused(tmp_path, sft_dir, capsys):
+    """d2o_samples.jsonl is hashed like the data: a token id edited past the vocabulary between stop and resume is
+    one line naming the file (it was a RuntimeError from the model's embedding), the checkpoint untouched."""
+    tu.main(args(tmp_path, sft_dir, "r", "d2o", "--num_samples", "2", "--max_new_tokens", "6", "--stop_at", "1", steps=3))
+    assert "D2O: sampling the reference | " in capsys.readouterr().out                # the pass shows progress
+    path = tmp_path / "r" / tu.SAMPLES_FILE
+    rows = [json.loads(x) for x in open(path)]
+    rows[0]["sample_ids"][0][0] = 99999
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = {f: (tmp_path / "r" / "state" / f).read_bytes() for f in os.listdir(tmp_path / "r" / "state")}
+    one_line_error(capsys, lambda: tu.main(args(tmp_path, sft_dir, "r", "d2o", "--num_samples", "2", "--max_new_tokens",
+                                                "6", "--resume", steps=3)),
+                   f"--resume: {tmp_path / 'r'} was saved by a different run (saved != now): data sha256 differs "
+                   f"({tu.SAMPLES_FILE})")
+    assert {f: (tmp_path / "r" / "state" / f).read_bytes() for f in os.listdir(tmp_path / "r" / "state")} == before
+
+
 def test_overwrite_takes_the_previous_runs_value_model_and_samples_too(tmp_path, sft_dir):
     """value/ (DRO) and d2o_samples.jsonl (D2O) belong to their run like its model: --overwrite replaces them with
     the rest, so a new run never sits next to another run's value model or samples."""

@@ -123,6 +123,38 @@ def test_grpo_on_a_reward_that_never_passes_warns_that_it_cannot_learn(tmp_path,
                      "scored the same") == 1, err
 
 
+def test_every_response_masked_for_the_first_steps_warns_once_and_survives_a_resume():
+    from nano_rlhf.watch import FLAT_STEPS
+    w = Watch(3.0)
+    lines = [w.check(s, [8, 40, 0, 0], 2, trained=0.0) for s in range(1, FLAT_STEPS + 3)]
+    assert [len(x) for x in lines] == [0] * (FLAT_STEPS - 1) + [1, 0, 0]
+    assert lines[FLAT_STEPS - 1][0].startswith(f"warning: step {FLAT_STEPS}: nothing to learn from: in each of the "
+                                               f"first {FLAT_STEPS} steps every response was masked out")
+    w = Watch(3.0)                                       # one step that trained on a token: never
+    assert all(w.check(s, [8, 40, 0, 0], 2, trained=0.0 if s != 3 else 5.0) == [] for s in range(1, 9))
+    w, resumed = Watch(3.0), Watch(3.0)
+    for s in range(1, FLAT_STEPS):
+        w.check(s, [8, 40, 0, 0], 2, trained=0.0)
+    resumed.load_state_dict(w.state_dict())
+    assert len(resumed.check(FLAT_STEPS, [8, 40, 0, 0], 2, trained=0.0)) == 1
+
+
+def test_grpo_whose_every_response_is_masked_warns_that_it_cannot_learn(tmp_path, sft_dir, rm_dir, capsys):
+    """train_ppo end to end: --overlong mask with responses that all run to --max_new_tokens 1 trains on no token;
+    the warning names step 5 once."""
+    from test_ppo import ppo_args
+
+    import train_ppo
+    (tmp_path / "length.py").write_text("def reward(prompts, completions):\n"
+                                        "    return [float(len(c)) for c in completions]\n")
+    train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "m", "--advantage", "grpo", "--reward",
+                            f"{tmp_path / 'length.py'}:reward", "--missing_eos_penalty", "none", "--overlong", "mask",
+                            "--max_new_tokens", "1", steps=5))
+    err = capsys.readouterr().err
+    assert err.count("warning: step 5: nothing to learn from: in each of the first 5 steps every response was masked "
+                     "out of the policy loss") == 1, err
+
+
 @pytest.mark.parametrize("script", ["train_dpo", "train_unpaired", "train_online", "train_ppo"])
 def test_a_run_shorter_than_its_warm_up_says_so(script, tmp_path, sft_dir, rm_dir, capsys):
     """--warmup_steps 5 on a 3-step run: the learning rate never reaches --lr, and every trainer says so once at
