@@ -27,6 +27,13 @@ its tokenizer_config.json; --chat_template names one, --date_string fixes Llama 
 at the first stop token: end-of-text or the template's end-of-turn (<|eot_id|>, <|im_end|>), both counted in
 the end-of-text rate.
 
+With --tools (train_ppo.py's value: calculator, module:NAME, path/to/file.py:NAME) the conversational prompts
+offer the tools and a response may call them, up to --max_turns assistant turns, --max_new_tokens bounding the
+sampled and the tool tokens together (nano_rlhf.sampling.generate_turns, as in training). A sample's completion
+is the transcript (tool calls and results in the template's markup; the built-in verifiers score its final
+turn); its KL counts only the tokens the policy sampled; `tool_calls` and `malformed_calls` count the calls it
+wrote (written_calls), and the summary adds tool calls per answer and the share of malformed calls.
+
 Default decoding is pure sampling at temperature 1 — the distribution RLHF optimises. Greedy decoding
 (--temperature 0) hides how much probability the policy still puts on bad answers.
 
@@ -41,7 +48,7 @@ from typing import Literal, Optional
 
 import torch
 
-from . import dist, parallel
+from . import chat, dist, parallel
 from . import reward as reward_mod
 from .checkpoint import atomic_write_text
 from .data import default_data
@@ -52,7 +59,7 @@ from .model import GPT, token_logprobs
 from .run import Progress
 from .sampling import SamplingOptions, sample_responses
 from .summary import format_summary, format_table, summarize
-from .tools import ToolEnv
+from .tools import ToolEnv, load_tools
 
 
 def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
@@ -82,7 +89,8 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
     ref: the reference for the KL column (the model itself: KL 0 without a forward). progress: a
     run.Progress told of each batch (the command line's; the training loops' evaluations print nothing). tools (a
     nano_rlhf.tools.ToolBox): the prompts offer them and a response may call them, up to max_turns assistant
-    turns (its completion holds the tool turns; its KL counts only the tokens the policy sampled)."""
+    turns (its completion holds the tool turns; its KL counts only the tokens the policy sampled; its record
+    counts the calls it wrote, `tool_calls`, and the malformed ones, `malformed_calls`: see written_calls)."""
     model.eval()
     sampling = replace(sampling, stop_ids=tok.stop_ids if sampling.stop_ids is None else sampling.stop_ids,
                        pad_id=tok.pad_id if sampling.pad_id is None else sampling.pad_id)
@@ -117,6 +125,8 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
             kl = ((lp - rlp) * actions).sum(1)
         decode = tok.decode if tools is None else tok.decode_turns
         texts = [decode(resp[b, :length[b]].tolist()) for b in range(len(chunk))]
+        calls = [written_calls(tok, resp[b, :length[b]].tolist(), actions[b, :length[b]].tolist())
+                 for b in range(len(chunk))] if tools is not None else None
         chunk_prompts = [prompts[i]["prompt"] for i, _ in chunk]
         scores = {name: (fn.score_tokens(seq, full_attn).tolist() if isinstance(fn, reward_mod.RewardModel)
                          else fn(chunk_prompts, texts)) for name, fn in rewards.items()}
@@ -128,8 +138,27 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
             rec.update({name: float(s[b]) for name, s in scores.items()})
             if kl is not None:
                 rec["kl"] = float(kl[b])
+            if calls is not None:
+                rec["tool_calls"] = len(calls[b])
+                rec["malformed_calls"] = sum("error" in c for c in calls[b])
             out.append(rec)
     return out
+
+
+def written_calls(tok, ids, actions):
+    """The tool calls a policy wrote in one multi-turn response, in order, as chat.parse_tool_calls reads them
+    ({"error"} for a malformed one): those of every assistant turn (a run of sampled tokens, actions = 1) that
+    ended on the template's end-of-turn, as nano_rlhf.tools.ToolEnv parses them — the last turn's too when
+    --max_turns stopped the row before they could run."""
+    calls, turn = [], []
+    for t, a in zip(ids + [None], actions + [0]):
+        if a:
+            turn.append(t)
+            continue
+        if turn and turn[-1] == tok.eot_id:
+            calls += chat.parse_tool_calls(tok.chat_template, tok.decode(turn))
+        turn = []
+    return calls
 
 
 def eval_metrics(run, step, policy, tok, prompts, sampling, *, rewards, ref=None, gathered=(), show=0, tools=None,
@@ -194,6 +223,10 @@ class Options:
                                           # tokenizer's own template
     date_string: str = ""         # Llama 3 "Today Date" (e.g. "26 Jul 2024"); empty = the one saved with the
                                   # tokenizer, else the template's default
+    tools: str = ""               # tools the policy may call, as train_ppo.py's --tools: calculator and/or
+                                  # module:NAME / path/to/file.py:NAME (the prompts must be conversations)
+    max_turns: int = 4            # assistant turns a response may take, tool turns between them; --max_new_tokens
+                                  # bounds sampled and tool tokens together [with tools] {>= 1}
 
 
 def main(argv=None):
@@ -202,6 +235,7 @@ def main(argv=None):
     times = read_times(a.times) if a.times else {}
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     rows = []
+    box = load_tools(a.tools) if a.tools else None          # a bad spec is one line, before any model loads
     try:
         prompts = load_records(a.prompts or default_data("prompts", "eval"), "prompts")
         ref = GPT.from_pretrained(a.ref, dropout=0.0).to(device).eval() if a.ref else None
@@ -237,7 +271,7 @@ def main(argv=None):
             progress = Progress(len(prompts) * a.samples_per_prompt, f"sampling {d}")
             samples = sample_and_score(model, tok, prompts, sampling, samples_per_prompt=a.samples_per_prompt,
                                        seed=a.seed, batch_size=a.batch_size, ref=model if same else ref,
-                                       rewards=rewards, progress=progress)
+                                       rewards=rewards, progress=progress, tools=box, max_turns=a.max_turns)
             progress.done()
             if answer is not None:
                 for r in samples:
@@ -253,6 +287,9 @@ def main(argv=None):
     except (DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        if box is not None:
+            box.close()
     for r in rows:
         if os.path.basename(os.path.normpath(r["model"])) in times:
             r["train_seconds"] = times[os.path.basename(os.path.normpath(r["model"]))]

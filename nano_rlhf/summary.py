@@ -95,6 +95,11 @@ def summarize(samples, baseline=None, pass_k=(), pass_threshold=1.0):
             s[key], s[key + "_se"] = mean_se([r[key] for r in samples])
     if samples and "cost" in samples[0]:         # Safe RLHF's reading of a cost: above 0 is unsafe
         s["unsafe_share"], s["unsafe_share_se"] = mean_se([float(r["cost"] > 0) for r in samples])
+    if samples and "tool_calls" in samples[0]:     # tool use (evaluate --tools): calls written per response, and
+        # the share of them that were malformed (0 when none was written)
+        s["tool_calls"], s["tool_calls_se"] = mean_se([r["tool_calls"] for r in samples])
+        n_calls = sum(r["tool_calls"] for r in samples)
+        s["malformed_share"] = sum(r["malformed_calls"] for r in samples) / n_calls if n_calls else 0.0
     if samples and "answer" in samples[0]:
         # the share of samples that state an answer at all: beside pass@1, it tells a format-only gain (more
         # answers that parse) from a better one (more answers that are right)
@@ -145,6 +150,8 @@ def format_summary(name, s):
         cols.append(f"kl {s['kl']:.3f}")
     if "zero_spread" in s:
         cols.append(f"zero-spread {100 * s['zero_spread']:.1f}%")
+    if "tool_calls" in s:
+        cols.append(f"calls {s['tool_calls']:.2f} | malformed {100 * s['malformed_share']:.1f}%")
     cols += [f"len {s['length']:.1f}", f"eos {100 * s['eos_rate']:.1f}%"]
     return " | ".join(cols)
 
@@ -171,6 +178,9 @@ def format_table(rows):
         cols.append(("KL to ref", lambda r: f"{r['kl']:.3f}"))
     if "zero_spread" in rows[0]:
         cols.append(("zero-spread prompts", lambda r: f"{100 * r['zero_spread']:.0f}%"))
+    if "tool_calls" in rows[0]:
+        cols += [("tool calls / answer", lambda r: f"{r['tool_calls']:.2f}"),
+                 ("malformed calls", lambda r: f"{100 * r['malformed_share']:.1f}%")]
     cols += [("length", lambda r: f"{r['length']:.1f}"), ("eos rate", lambda r: f"{100 * r['eos_rate']:.0f}%")]
     if any("train_seconds" in r for r in rows):
         cols.append(("training time", lambda r: f"{r['train_seconds']:.0f} s" if "train_seconds" in r else "—"))

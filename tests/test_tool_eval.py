@@ -1,0 +1,70 @@
+"""python -m nano_rlhf.evaluate --tools: a policy scripted to write a malformed call, then a good one, then its
+answer, on a tiny checkpoint with Qwen2.5's real template: the tool turns run, the verifier scores the final
+answer, and the summary reports calls per answer and the share of malformed ones beside every usual key."""
+import json
+
+import torch
+
+from nano_rlhf import chat, evaluate, sampling
+from nano_rlhf.model import GPT, GPTConfig
+from nano_rlhf.tools import load_tools
+
+
+def test_evaluate_with_tools_counts_calls_and_malformed_ones(tmp_path, monkeypatch, capsys):
+    from test_chat_templates import build
+    _, tok, _ = build("qwen2.5", tmp_path / "m")
+    box = load_tools("calculator")
+    bad = "<tool_call>\nnot json\n</tool_call>"
+    good = chat.assistant_text("qwen2.5", "", [{"name": "calculator", "arguments": {"expression": "3+4*2"}}])
+    turns = []
+    for text in (bad, good):
+        (result,) = box.run(chat.parse_tool_calls("qwen2.5", text))
+        turns += tok.encode(text) + [tok.eot_id] + tok.encode_tool_turn([result.text])
+    assert result.text == "11"
+    script = turns + tok.encode("Answer: 11") + [tok.eot_id]
+    step = [0]
+
+    def scripted(logits, temperature, top_k, top_p, generator, u):     # every row writes the script
+        t = script[min(step[0], len(script) - 1)]
+        step[0] += 1
+        return torch.full((logits.shape[0],), t, dtype=torch.long)
+    monkeypatch.setattr(sampling, "sample_token", scripted)
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=512, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
+        str(tmp_path / "m"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "Compute 3 + 4 * 2."}]}) + "\n")
+    summary = tmp_path / "s.json"
+    rows = evaluate.main(["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--tools", "calculator",
+                          "--max_turns", "3", "--max_new_tokens", str(len(script) + 4), "--reward",
+                          "nano_rlhf.reasoning:reward", "--summary", str(summary), "--out", str(tmp_path / "o.jsonl")])
+    (sample,) = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert sample["completion"] == tok.decode_turns(script) and sample["eos"]
+    assert (sample["tool_calls"], sample["malformed_calls"], sample["reward"]) == (2, 1, 1.0)
+    (row,) = json.loads(summary.read_text())
+    assert row == rows[0] and (row["tool_calls"], row["malformed_share"]) == (1.0 * 2, 0.5)
+    assert {"n", "length", "eos_rate", "reward", "reward_se", "name", "model", "temperature"} <= set(row)
+    assert "calls 2.00 | malformed 50.0%" in capsys.readouterr().out
+
+
+def test_written_calls_reads_each_ended_turn_as_the_tool_env_does(tmp_path):
+    from test_chat_templates import build
+    _, tok, _ = build("qwen2.5", tmp_path)
+    call = chat.assistant_text("qwen2.5", "", [{"name": "c", "arguments": {}}] * 2)
+    first, tool = tok.encode(call) + [tok.eot_id], tok.encode_tool_turn(["1", "2"])
+    cut = tok.encode(call)                              # a turn cut by the budget: no end-of-turn, never run
+    ids = first + tool + cut
+    acts = [1] * len(first) + [0] * len(tool) + [1] * len(cut)
+    assert evaluate.written_calls(tok, ids, acts) == [{"name": "c", "arguments": {}}] * 2
+    assert evaluate.written_calls(tok, ids + [tok.eot_id], acts + [1]) == [{"name": "c", "arguments": {}}] * 4
+
+
+def test_evaluate_tool_flags_are_checked_before_any_model_loads(tmp_path, capfd):
+    import pytest
+    for args, words in ((["--max_turns", "2"], "--max_turns applies only with --tools"),
+                        (["--tools", "nope"], "--tools nope: not a built-in tool"),
+                        (["--tools", "calculator", "--max_turns", "0"], "--max_turns")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["--model", str(tmp_path / "none"), "--out", str(tmp_path / "o.jsonl")] + args)
+        err = capfd.readouterr().err
+        assert e.value.code != 0 and words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
