@@ -510,6 +510,8 @@ def _messages(v, key, where, need_assistant=False, only_assistant=False, tool_na
             raise DataError(f"{at}.role: {role!r} is not one of {', '.join(ROLES)}")
         if only_assistant and role != "assistant":
             raise DataError(f"{at}.role: must be 'assistant' (a response), got {role!r}")
+        if m.get("tool_calls") is not None and role != "assistant":
+            raise DataError(f"{at}: a {role} message with 'tool_calls' (only the assistant calls tools)")
         if role != "tool" and pending:
             raise DataError(f"{where}: {key}[{caller}] makes {pending} tool call(s) that get no 'tool' result "
                             f"before {key}[{i}] ({role})")

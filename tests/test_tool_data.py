@@ -133,6 +133,8 @@ BAD_TOOL_ROWS = [  # (kind, row, expected words): each one `FILE:LINE: ...` line
                           {"role": "assistant", "content": "", "tool_calls": [calc_call("1")]},
                           {"role": "tool", "content": {"value": 1}}, {"role": "assistant", "content": "1"}]},
      "messages[2]: field 'content' must be a string"),
+    ("sft", {"messages": [{"role": "user", "content": "q", "tool_calls": [calc_call("1")]},
+                          {"role": "assistant", "content": "1"}]}, "messages[0]: a user message with 'tool_calls'"),
     ("sft", dict(tool_row(), tools=[{"type": "function", "function": {"name": "search"}}]),
      "tool_calls[0].function.name: 'calculator' is not one of the row's tools (search)"),
     ("sft", dict(tool_row(), tools=[{"type": "function"}]), "tools[0] must be a JSON schema"),
