@@ -166,14 +166,15 @@ def tokenize_pairs(records, tok, max_len):
     out, st = [], Stats(kept=0, truncated=0, dropped=0)
     for r in records:
         p = _rendered(r, tok.render_prompt, r["prompt"], r.get("tools"))
-        c, j = _rendered(r, tok.encode_response, r["chosen"]), _rendered(r, tok.encode_response, r["rejected"])
+        (c, cm), (j, jm) = (_rendered(r, tok.encode_response_and_mask, r[k]) for k in ("chosen", "rejected"))
         fp = fit_prompt(p, max(len(c), len(j)), max_len)
         if fp is None:
             st["dropped"] += 1
             continue
         st["kept"] += 1
         st["truncated"] += len(fp) < len(p)
-        out.append({"prompt": fp, "chosen": c, "rejected": j, "margin": r.get("margin", 0.0)})
+        masks = {f"{k}_mask": m for k, m in (("chosen", cm), ("rejected", jm)) if 0 in m}   # tool turns: context
+        out.append({"prompt": fp, "chosen": c, "rejected": j, "margin": r.get("margin", 0.0), **masks})
     return out, st
 
 
@@ -244,12 +245,13 @@ def collate_sft(examples, pad_id):
 
 def collate_pairs(pairs, pad_id):
     """Preference pairs -> one right-padded batch of 2B sequences, chosen rows first then rejected
-    (one forward for both halves), with attention mask, response mask (B2, T) and margins (B,)."""
+    (one forward for both halves), with attention mask, response mask (B2, T) and margins (B,). A response with
+    tool turns scores its assistant tokens only ("chosen_mask" / "rejected_mask", from tokenize_pairs)."""
     seqs, resp = [], []
     for key in ("chosen", "rejected"):
         for p in pairs:
             seqs.append(p["prompt"] + p[key])
-            resp.append([0] * len(p["prompt"]) + [1] * len(p[key]))
+            resp.append([0] * len(p["prompt"]) + p.get(f"{key}_mask", [1] * len(p[key])))
     ids = pad_right(seqs, pad_id)
     attn = pad_right([[1] * len(s) for s in seqs], 0)
     margin = torch.tensor([float(p.get("margin", 0.0)) for p in pairs])
@@ -263,14 +265,15 @@ def tokenize_listwise(records, tok, max_len):
     out, st = [], Stats(kept=0, truncated=0, dropped=0)
     for r in records:
         p = _rendered(r, tok.render_prompt, r["prompt"], r.get("tools"))
-        comps = [_rendered(r, tok.encode_response, c) for c in r["completions"]]
+        comps, masks = zip(*(_rendered(r, tok.encode_response_and_mask, c) for c in r["completions"]))
         fp = fit_prompt(p, max(len(c) for c in comps), max_len)
         if fp is None:
             st["dropped"] += 1
             continue
         st["kept"] += 1
         st["truncated"] += len(fp) < len(p)
-        out.append({"prompt": fp, "completions": comps, "scores": list(r["scores"])})
+        tool = {"masks": list(masks)} if any(0 in m for m in masks) else {}       # tool turns: context
+        out.append({"prompt": fp, "completions": list(comps), "scores": list(r["scores"]), **tool})
     return out, st
 
 
@@ -280,9 +283,9 @@ def collate_listwise(examples, pad_id):
     group (R,) = the row's prompt index in the batch, scores (R,)."""
     seqs, resp, group, scores = [], [], [], []
     for g, e in enumerate(examples):
-        for c, s in zip(e["completions"], e["scores"]):
+        for c, s, m in zip(e["completions"], e["scores"], e.get("masks", [None] * len(e["completions"]))):
             seqs.append(e["prompt"] + c)
-            resp.append([0] * len(e["prompt"]) + [1] * len(c))
+            resp.append([0] * len(e["prompt"]) + (m or [1] * len(c)))      # m: a response with tool turns
             group.append(g)
             scores.append(s)
     return (pad_right(seqs, pad_id), pad_right([[1] * len(x) for x in seqs], 0), pad_right(resp, 0),
@@ -493,11 +496,13 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")   # OpenAI's rule for a function
                                                   # write a name into JSON unescaped
 
 
-def _messages(v, key, where, need_assistant=False, only_assistant=False, tool_names=None):
+def _messages(v, key, where, need_assistant=False, only_assistant=False, tool_names=None, tool_results=False):
     """A message list, checked: roles, contents, assistant `tool_calls` and `tool` results (each result answers
     a call of the assistant turn before it, as many results as calls). A call turn may close a trained list (SFT
-    messages, a response: the model learns to call), never a prompt. tool_names: the row's `tools`, which every
-    call must name. Returns the messages normalised (calls as {"type": "function", "function": {...}})."""
+    messages, a response: the model learns to call), never a prompt. only_assistant: a response, assistant
+    messages (and with tool_results, the results of their calls between them: the kinds whose scored mask skips
+    them), starting and ending with the assistant's. tool_names: the row's `tools`, which every call must name.
+    Returns the messages normalised (calls as {"type": "function", "function": {...}})."""
     if not isinstance(v, list) or not v:
         raise DataError(f"{where}: field '{key}' must be a non-empty list of messages")
     out, pending, caller = [], 0, None
@@ -508,8 +513,9 @@ def _messages(v, key, where, need_assistant=False, only_assistant=False, tool_na
         role = m.get("role")
         if role not in ROLES:
             raise DataError(f"{at}.role: {role!r} is not one of {', '.join(ROLES)}")
-        if only_assistant and role != "assistant":
-            raise DataError(f"{at}.role: must be 'assistant' (a response), got {role!r}")
+        if only_assistant and not (role == "assistant" or role == "tool" and tool_results and i > 0):
+            hint = ", or a tool result after its call" if tool_results and i > 0 else ""
+            raise DataError(f"{at}.role: must be 'assistant' (a response{hint}), got {role!r}")
         if m.get("tool_calls") is not None and role != "assistant":
             raise DataError(f"{at}: a {role} message with 'tool_calls' (only the assistant calls tools)")
         if role != "tool" and pending:
@@ -535,6 +541,8 @@ def _messages(v, key, where, need_assistant=False, only_assistant=False, tool_na
             out.append({"role": "assistant", "content": content or "", "tool_calls": calls})
         else:
             out.append({"role": role, "content": _text(m, "content", f"{at}")})
+    if only_assistant and v[-1]["role"] != "assistant":
+        raise DataError(f"{where}: field '{key}' ends with a tool result: a response ends with the assistant's turn")
     if pending and not (need_assistant or only_assistant):
         raise DataError(f"{where}: field '{key}' ends with {pending} tool call(s) that get no 'tool' result (a "
                         f"prompt gives the results of its calls)")
@@ -600,8 +608,9 @@ def _tools(obj, where, conversational):
     return tools, names
 
 
-def _prompt_and(obj, where, keys):
-    """Validate prompt + response fields: all strings, or prompt messages + assistant-message responses."""
+def _prompt_and(obj, where, keys, tool_results=False):
+    """Validate prompt + response fields: all strings, or prompt messages + assistant-message responses (with
+    tool_results, tool turns between them too)."""
     if "prompt" not in obj:
         raise DataError(f"{where}: missing field 'prompt'")
     tools, names = _tools(obj, where, isinstance(obj["prompt"], list))
@@ -610,7 +619,7 @@ def _prompt_and(obj, where, keys):
         for k in keys:
             if k not in obj:
                 raise DataError(f"{where}: missing field '{k}'")
-            out[k] = _messages(obj[k], k, where, only_assistant=True, tool_names=names)
+            out[k] = _messages(obj[k], k, where, only_assistant=True, tool_names=names, tool_results=tool_results)
         return dict(out, tools=tools) if tools else out
     out = {"prompt": _text(obj, "prompt", where)}
     for k in keys:
@@ -637,7 +646,7 @@ def validate(obj: dict, kind: str, where: str) -> dict:
     if kind in ("preference", "safety"):
         if PKU_KEY in obj:
             return validate_pku(obj, kind, where)
-        out = _prompt_and(obj, where, ["chosen", "rejected"])
+        out = _prompt_and(obj, where, ["chosen", "rejected"], tool_results=True)
         if "margin" in obj:
             m = obj["margin"]
             if not finite_number(m):
@@ -803,7 +812,7 @@ def validate_listwise(obj: dict, where: str) -> dict:
     for i, c in enumerate(comps):
         key = f"completions[{i}]"
         if chat:
-            out.append(_messages(c, key, where, only_assistant=True, tool_names=names))
+            out.append(_messages(c, key, where, only_assistant=True, tool_names=names, tool_results=True))
         elif isinstance(c, list):
             raise DataError(f"{where}: field '{key}' is a message list but 'prompt' is a string; use one format")
         else:

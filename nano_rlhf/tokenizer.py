@@ -386,6 +386,15 @@ class Tokenizer:
             return self.encode(response) + [self.eos_id]
         return self._response(response)[0]
 
+    def encode_response_and_mask(self, response: Text) -> Tuple[List[int], List[int]]:
+        """encode_response's ids and which of them are the model's: every one, except in a response holding tool
+        results (a multi-turn response), where only the assistant turns' content + end-of-turn are (the tool turns
+        and the generation prompts between are context)."""
+        if isinstance(response, str) or not any(m["role"] == "tool" for m in response):
+            ids = self.encode_response(response)
+            return ids, [1] * len(ids)
+        return self._response(response)
+
     def encode_prompt_response(self, prompt: Text, response: Text) -> Tuple[List[int], List[int]]:
         """ids = prompt ids + response ids, tokenized separately (the seam rule); mask = 0 on the prompt, 1 on
         the response and its closing eos / end-of-turn (for a multi-message response, 1 on assistant content

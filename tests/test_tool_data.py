@@ -282,3 +282,40 @@ def test_a_response_may_be_a_call(name, tmp_path):
     for k, e in (("chosen", "(3+4)*2"), ("rejected", "3+4*2")):
         text = chat.assistant_text(tok.chat_template, "", [calc_call(e)]) + chat.END_OF_TURN[tok.chat_template]
         assert tok.tk.decode(pair[k], skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1"])
+def test_responses_with_tool_turns_score_the_assistant_tokens_only(name, tmp_path):
+    """A preference (or listwise) response may be a whole tool use: call, result, answer. Its scored tokens are
+    the assistant turns' (call, answer, end-of-turn tokens); the result and the template text around it are
+    context. The unpaired kinds keep responses to assistant messages (their collates score every token)."""
+    import json
+    from test_chat_templates import build
+    from nano_rlhf.data import DataError, collate_listwise, collate_pairs, load_records, tokenize_listwise, \
+        tokenize_pairs
+    _, tok, _ = build(name, tmp_path)
+    msgs = tool_row()["messages"]
+    row = {"prompt": msgs[:1], "chosen": msgs[1:], "rejected": [{"role": "assistant", "content": "It is 15."}],
+           "tools": schemas()}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (pair,), _ = tokenize_pairs(load_records(str(path), "preference"), tok, 4096)
+    ids, _, resp, _ = collate_pairs([pair], tok.pad_id)
+    eot = chat.END_OF_TURN[tok.chat_template]
+    want = chat.assistant_text(tok.chat_template, "", msgs[1]["tool_calls"]) + eot + "It is 14." + eot
+    assert tok.tk.decode(ids[0][resp[0].bool()].tolist(), skip_special_tokens=False) == want
+    assert "TOOLSAYS" in tok.tk.decode(pair["chosen"]) and "rejected_mask" not in pair
+    assert resp[1].sum() == len(pair["rejected"])
+    lw = tmp_path / "lw.jsonl"
+    lw.write_text(json.dumps({"prompt": msgs[:1], "completions": [msgs[1:], row["rejected"]], "scores": [1, 0],
+                              "tools": schemas()}) + "\n")
+    (ex,), _ = tokenize_listwise(load_records(str(lw), "listwise"), tok, 4096)
+    ids2, _, resp2, _, _ = collate_listwise([ex], tok.pad_id)
+    assert tok.tk.decode(ids2[0][resp2[0].bool()].tolist(), skip_special_tokens=False) == want
+    bad = tmp_path / "u.jsonl"
+    bad.write_text(json.dumps({"prompt": msgs[:1], "completion": msgs[1:], "label": True}) + "\n")
+    with pytest.raises(DataError, match=r"u.jsonl:1: completion\[1\].role: must be 'assistant' \(a response\)"):
+        load_records(str(bad), "unpaired")
+    path.write_text(json.dumps(dict(row, chosen=msgs[1:3])) + "\n")
+    with pytest.raises(DataError, match="field 'chosen' ends with a tool result"):
+        load_records(str(path), "preference")
