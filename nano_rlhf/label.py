@@ -25,6 +25,11 @@ rows only), scored train_unpaired.py --method dro's. A row carries one signal, a
 DRO refuses a row with both (which one to learn from would be a guess). Empty responses are left out (the data
 loaders refuse empty text); responses cut at --max_new_tokens are kept (the judge sees them as they are).
 
+With --tools (train_ppo.py's value) the conversational prompts offer the tools and a response may call them, up
+to --max_turns assistant turns (nano_rlhf.sampling.sample_responses, as in training); the judge reads the
+transcript (the built-in verifiers its final answer) and each response is written as messages — assistant turns
+with their `tool_calls`, a `tool` message per result — in rows that list the tools (pairs and listwise only: their
+responses may hold tool turns). A sample no row can hold (an answered malformed call, an empty turn) is left out.
 Sampling is pure sampling at --temperature with one seeded generator over the prompts in file order, so a
 seed (and --batch_size) fixes the output byte for byte. The file is written to OUT.tmpPID and renamed.
 """
@@ -38,7 +43,7 @@ from typing import Literal, Optional
 
 import torch
 
-from . import dist, reward as reward_mod
+from . import chat, dist, reward as reward_mod
 from .checkpoint import atomic_write_text
 from .data import default_data
 from .run import check_output_file, check_vocab, fail, input_errors, load_tokenizer
@@ -47,7 +52,8 @@ from .data import collate_prompts, load_records, tokenize_prompts
 from .reward import LLM, load_judge, preference_matrix
 from .cli import ChatTemplate
 from .run import Progress
-from .sampling import SamplingOptions, cut_at_stop, generate
+from .sampling import SamplingOptions, cut_at_stop, generate, sample_responses
+from .tools import ToolEnv, load_tools
 
 
 @dataclass
@@ -73,6 +79,10 @@ class Options:
                                   # default
     device: str = "auto"          # cpu, cuda, or auto
     overwrite: bool = False       # replace an existing --out
+    tools: str = ""               # tools the policy may call, as train_ppo.py's --tools: calculator and/or
+                                  # module:NAME / path/to/file.py:NAME (conversational prompts; pairs or listwise)
+    max_turns: int = 4            # assistant turns a response may take, tool turns between them; --max_new_tokens
+                                  # bounds sampled and tool tokens together [with tools] {>= 1}
 
 
 def check_options(o):
@@ -98,25 +108,42 @@ def check_options(o):
         fail("--pair_judge needs --samples_per_prompt >= 2 (a score is a win rate against the other samples)", 2)
     if dist.device_problem(o.device):
         fail(dist.device_problem(o.device), 2)
+    if o.tools and o.format not in ("pairs", "listwise"):
+        fail(f"--tools writes responses holding tool turns, which the pairs and listwise kinds read; --format "
+             f"{o.format}'s responses are assistant messages only", 2)
 
 
 @torch.no_grad()
-def sample(model, tok, items, k, o, device, rm=None, progress=None):
+def sample(model, tok, items, k, o, device, rm=None, progress=None, box=None):
     """k completions per tokenized prompt, prompt-major (the samples of prompt i are rows i·k … i·k + k − 1),
     each cut after its first stop token. Returns (texts, finished flags, scores): with a reward model `rm`,
     its raw scores of the very ids sampled (no decode/re-encode round trip, which need not give the sampled ids
     back), each response closed as train_rm.py scored them: a response cut at --max_new_tokens gets the end
-    token (end-of-text, or the template's end-of-turn) appended, in the position the prompts left free."""
+    token (end-of-text, or the template's end-of-turn) appended, in the position the prompts left free.
+    box (a ToolBox): responses call its tools, up to --max_turns turns (sampling.sample_responses); the texts are
+    then transcripts (Tokenizer.decode_turns) and a fourth value gives each as messages (transcript_messages)."""
     rows = [it["prompt"] for it in items for _ in range(k)]
     ends = [tok.eos_id if isinstance(it["text"], str) else tok.eot_id for it in items for _ in range(k)]
     gen = torch.Generator(device=device).manual_seed(o.seed)
     sampling = SamplingOptions(o.max_new_tokens, o.temperature, stop_ids=tok.stop_ids, pad_id=tok.pad_id)
-    texts, finished, scores = [], [], []
+    texts, finished, scores, messages = [], [], [], []
     for s in range(0, len(rows), o.batch_size):
         ids, mask = collate_prompts(rows[s:s + o.batch_size], tok.pad_id)
         ids, mask = ids.to(device), mask.to(device)
-        seq = generate(model, ids, mask, sampling, gen)
-        resp, response_mask, _, ended = cut_at_stop(seq[:, ids.shape[1]:], tok.stop_ids, tok.pad_id)
+        if box is None:
+            seq = generate(model, ids, mask, sampling, gen)
+            resp, response_mask, _, ended = cut_at_stop(seq[:, ids.shape[1]:], tok.stop_ids, tok.pad_id)
+        else:
+            env, seen = ToolEnv(box, tok), {}
+
+            def recorded(turns):                 # each answered turn's results, by its ids, for the messages
+                out = env(turns)
+                seen.update({tuple(t): r for t, r in zip(turns, env.results) if r is not None})
+                return out
+            resp, response_mask, length, ended, actions = sample_responses(model, ids, mask, sampling, gen,
+                                                                           env=recorded, max_turns=o.max_turns)
+            messages += [transcript_messages(tok, resp[b, :length[b]].tolist(), actions[b, :length[b]].tolist(),
+                                             seen) for b in range(len(resp))]
         if rm is not None:
             cut = ~ended
             end = torch.tensor(ends[s:s + o.batch_size], device=device)
@@ -125,10 +152,43 @@ def sample(model, tok, items, k, o, device, rm=None, progress=None):
             block = rm.model.cfg.block_size      # a judge with a shorter context reads each row's last tokens
             scores.append(rm.score_tokens(closed[:, -block:], attn[:, -block:]).double().cpu())
         finished += ended.tolist()
-        texts += [tok.decode(row) for row in resp.tolist()]
+        texts += [tok.decode(row) if box is None else tok.decode_turns(row) for row in resp.tolist()]
         if progress is not None:
             progress.update(len(resp))
-    return texts, finished, torch.cat(scores) if rm is not None else None
+    return texts, finished, torch.cat(scores) if rm is not None else None, messages if box is not None else None
+
+
+def transcript_messages(tok, ids, actions, seen):
+    """A multi-turn response as the messages a data row holds: each assistant turn (a run of sampled ids,
+    actions = 1) with its calls as `tool_calls` and its text without them as content (chat.final_turn), then a
+    `tool` message per result where a tool turn follows it (`seen`: the results of each answered turn, by its
+    ids). None when no data row can hold it: a malformed call that was answered (its error result answers no
+    call), or an assistant turn with neither text nor calls. The data loader renders these messages again:
+    the ids need not be the sampled ones (a call written with other spacing), as for any labelled text."""
+    variant, out, turn = tok.chat_template, [], []
+    for t, a in zip(ids + [None], actions + [0]):
+        if a:
+            turn.append(t)
+            continue
+        if not turn:
+            continue
+        text = tok.decode(turn)
+        answered = t is not None and turn[-1] == tok.eot_id and tuple(turn) in seen
+        calls = chat.parse_tool_calls(variant, text) if turn[-1] == tok.eot_id else []
+        if any("error" in c for c in calls):
+            if answered:
+                return None
+            calls = []          # the last turn's malformed call, never run: its text is the answer as written
+        content = chat.final_turn(text, variant) if calls else text
+        if not calls and not content.strip():
+            return None
+        out.append({"role": "assistant", "content": content} if not calls else
+                   {"role": "assistant", "content": content, "tool_calls": [{"type": "function", "function": c}
+                                                                            for c in calls]})
+        if answered:
+            out += [{"role": "tool", "content": r} for r in seen[tuple(turn)]]
+        turn = []
+    return out
 
 
 def group_scores(judge, prompts, completions, k, scores=None):
@@ -145,19 +205,26 @@ def response(prompt, text):
     return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
 
 
-def records(prompts, texts, scores, o, counts):
-    """The output rows of one format from G prompts, their G·k texts and (G, k) scores."""
+def records(prompts, texts, scores, o, counts, messages=None, tools=None):
+    """The output rows of one format from G prompts, their G·k texts and (G, k) scores. messages: with --tools,
+    each sample's transcript as messages (transcript_messages; None: no row can hold it, left out and counted
+    "unwritable"), the response field of its rows, which list `tools` (the schemas)."""
     k = scores.shape[1]
     for g, prompt in enumerate(prompts):
-        group = [(texts[g * k + i], float(scores[g, i])) for i in range(k)]
-        kept = [(t, s) for t, s in group if t.strip()]
-        counts["empty"] += k - len(kept)
+        if messages is None:
+            group = [(response(prompt, texts[g * k + i]), float(scores[g, i])) for i in range(k)]
+            kept = [(r, s) for i, (r, s) in enumerate(group) if texts[g * k + i].strip()]
+            counts["empty"] += k - len(kept)
+        else:
+            group = [(messages[g * k + i], float(scores[g, i])) for i in range(k)]
+            kept = [(r, s) for r, s in group if r is not None]
+            counts["unwritable"] += k - len(kept)
+        extra = {"tools": tools} if tools else {}
         if o.format == "listwise":
             if len(kept) < 2:
                 counts["too few"] += 1
                 continue
-            yield {"prompt": prompt, "completions": [response(prompt, t) for t, _ in kept],
-                   "scores": [s for _, s in kept]}
+            yield {"prompt": prompt, "completions": [r for r, _ in kept], "scores": [s for _, s in kept], **extra}
         elif o.format == "pairs":
             if not kept:
                 counts["too few"] += 1
@@ -167,18 +234,18 @@ def records(prompts, texts, scores, o, counts):
             if best[1] == worst[1]:
                 counts["ties"] += 1
                 continue
-            yield {"prompt": prompt, "chosen": response(prompt, best[0]), "rejected": response(prompt, worst[0]),
-                   "score_chosen": best[1], "score_rejected": worst[1]}
+            yield {"prompt": prompt, "chosen": best[0], "rejected": worst[0], "score_chosen": best[1],
+                   "score_rejected": worst[1], **extra}
         elif o.format == "scored":
-            for t, s in kept:
-                yield {"prompt": prompt, "completion": response(prompt, t), "score": s}
+            for r, s in kept:
+                yield {"prompt": prompt, "completion": r, "score": s}
         else:
             cut = o.threshold if o.threshold is not None else statistics.median(s for _, s in group)
-            for t, s in kept:
+            for r, s in kept:
                 if o.threshold is None and s == cut:
                     counts["at median"] += 1
                     continue
-                yield {"prompt": prompt, "completion": response(prompt, t),
+                yield {"prompt": prompt, "completion": r,
                        "label": s >= cut if o.threshold is not None else s > cut}
 
 
@@ -189,6 +256,7 @@ def main(argv=None):
     device = torch.device("cuda" if o.device == "auto" and torch.cuda.is_available() else
                           "cpu" if o.device == "auto" else o.device)
     from .model import GPT
+    box = load_tools(o.tools) if o.tools else None          # a bad spec is one line, before any model loads
     with input_errors():
         prompt_records = load_records(o.prompts or default_data("prompts"), "prompts")
         if o.max_prompts:
@@ -204,16 +272,19 @@ def main(argv=None):
         prompts = [r["prompt"] for r in prompt_records]
         judge = load_judge(o.judge or None, o.pair_judge or None, tokenizer=tok, device=device, prompts=prompts,
                            batch_size=o.batch_size, template=o.judge_template)
-        items, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt)
+        items, prompt_stats = tokenize_prompts(prompt_records, tok, max_prompt,
+                                               tools=None if box is None else box.schemas)
     k = o.samples_per_prompt
     rm = judge.pointwise if judge.pairwise is None and isinstance(judge.pointwise, reward_mod.RewardModel) else None
     progress = Progress(len(items) * k, f"sampling {o.model}")
-    texts, finished, rm_scores = sample(model, tok, items, k, o, device, rm, progress)
+    texts, finished, rm_scores, messages = sample(model, tok, items, k, o, device, rm, progress, box)
     progress.done()
+    if box is not None:
+        box.close()
     t_sample = time.time() - t0
     scores = group_scores(judge, [p for p in prompts for _ in range(k)], texts, k, rm_scores)
-    counts = {"empty": 0, "too few": 0, "ties": 0, "at median": 0}
-    rows = list(records(prompts, texts, scores, o, counts))
+    counts = {"empty": 0, "unwritable": 0, "too few": 0, "ties": 0, "at median": 0}
+    rows = list(records(prompts, texts, scores, o, counts, messages, None if box is None else box.schemas))
     try:          # whole or not at all: a full disk leaves no half-written --out (nor a temporary file)
         atomic_write_text(o.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     except OSError as e:

@@ -670,10 +670,11 @@ class ToolEnv:
     the chat template's syntax (chat.parse_tool_calls), run (the calls of all rows in one box.run, in order), and
     the tool turn's ids (tok.encode_tool_turn: the results, then the next generation prompt) — or None when the
     turn holds no call, or ended on a stop id other than the template's end-of-turn (end-of-text ends the row).
-    counts: turns seen, turns with calls, calls, and the box's results by kind."""
+    counts: turns seen, turns with calls, calls, and the box's results by kind. results: the last call's result
+    texts, a list per turn (None for a turn without calls), for a caller that writes the transcript as messages."""
 
     def __init__(self, box: ToolBox, tok):
-        self.box, self.tok, self.counts = box, tok, Counter()
+        self.box, self.tok, self.counts, self.results = box, tok, Counter(), []
 
     def __call__(self, turns):
         found = []
@@ -684,8 +685,8 @@ class ToolEnv:
             found.append(calls)
         results = iter(self.box.run([c for calls in found for c in calls]))
         self.counts.update(turns=len(turns), tool_turns=sum(map(bool, found)), calls=sum(map(len, found)))
-        return [self.tok.encode_tool_turn([next(results).text for _ in calls]) if calls else None
-                for calls in found]
+        self.results = [[next(results).text for _ in calls] if calls else None for calls in found]
+        return [self.tok.encode_tool_turn(texts) if texts else None for texts in self.results]
 
 
 def load_tools(spec: str, timeout_s=TIMEOUT_S, max_output_chars=MAX_OUTPUT_CHARS, workers=1) -> ToolBox:

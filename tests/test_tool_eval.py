@@ -68,3 +68,53 @@ def test_evaluate_tool_flags_are_checked_before_any_model_loads(tmp_path, capfd)
             evaluate.main(["--model", str(tmp_path / "none"), "--out", str(tmp_path / "o.jsonl")] + args)
         err = capfd.readouterr().err
         assert e.value.code != 0 and words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_label_with_tools_writes_tool_turns_as_messages(tmp_path, monkeypatch):
+    """label --tools: a scripted policy calls the calculator and answers; the rows hold the response as messages
+    (call, result, answer) with the tools listed, read back as listwise data whose scored tokens skip the result."""
+    from test_chat_templates import build
+    from nano_rlhf import label
+    from nano_rlhf.data import collate_listwise, load_records, tokenize_listwise
+    _, tok, _ = build("qwen2.5", tmp_path / "m")
+    box = load_tools("calculator")
+    call = {"name": "calculator", "arguments": {"expression": "3+4*2"}}
+    text = chat.assistant_text("qwen2.5", "", [call])
+    script = tok.encode(text) + [tok.eot_id] + tok.encode_tool_turn(["11"]) + tok.encode("Answer: 11") + [tok.eot_id]
+    step = [0]
+
+    def scripted(logits, temperature, top_k, top_p, generator, u):
+        t = script[min(step[0], len(script) - 1)]
+        step[0] += 1
+        return torch.full((logits.shape[0],), t, dtype=torch.long)
+    monkeypatch.setattr(sampling, "sample_token", scripted)
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=512, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
+        str(tmp_path / "m"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "Compute 3 + 4 * 2."}]}) + "\n")
+    out = tmp_path / "lw.jsonl"
+    rows = label.main(["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--judge",
+                       "nano_rlhf.reasoning:reward", "--format", "listwise", "--samples_per_prompt", "2", "--tools",
+                       "calculator", "--max_turns", "3", "--max_new_tokens", str(len(script) + 4), "--out", str(out)])
+    want = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+            {"role": "tool", "content": "11"}, {"role": "assistant", "content": "Answer: 11"}]
+    assert rows == [{"prompt": json.loads(prompts.read_text())["prompt"], "completions": [want, want],
+                     "scores": [1.0, 1.0], "tools": box.schemas}]
+    (ex,), _ = tokenize_listwise(load_records(str(out), "listwise"), tok, 4096)
+    ids, _, resp, _, _ = collate_listwise([ex], tok.pad_id)
+    assert ids[0][resp[0].bool()].tolist() == tok.encode(text) + [tok.eot_id] + tok.encode("Answer: 11") + [tok.eot_id]
+    assert ex["completions"][0] == script                   # re-rendered: the very ids sampled, here
+
+
+def test_label_tools_need_pairs_or_listwise(tmp_path, capfd):
+    import pytest
+    from nano_rlhf import label
+    with pytest.raises(SystemExit) as e:
+        label.main(["--model", str(tmp_path), "--judge", "gold", "--format", "scored", "--tools", "calculator",
+                    "--out", str(tmp_path / "o.jsonl")])
+    err = capfd.readouterr().err
+    assert e.value.code == 2 and "--format scored's responses are assistant messages only" in err
+    with pytest.raises(SystemExit):
+        label.main(["--model", str(tmp_path), "--judge", "gold", "--max_turns", "2", "--out", str(tmp_path / "o")])
+    assert "--max_turns applies only with --tools" in capfd.readouterr().err
