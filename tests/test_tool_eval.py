@@ -118,3 +118,23 @@ def test_label_tools_need_pairs_or_listwise(tmp_path, capfd):
     with pytest.raises(SystemExit):
         label.main(["--model", str(tmp_path), "--judge", "gold", "--max_turns", "2", "--out", str(tmp_path / "o")])
     assert "--max_turns applies only with --tools" in capfd.readouterr().err
+
+
+def test_transcript_messages_leaves_out_what_no_row_can_hold(tmp_path):
+    from test_chat_templates import build
+    from nano_rlhf.label import transcript_messages
+    _, tok, _ = build("qwen2.5", tmp_path)
+    bad = tok.encode("<tool_call>\nnot json\n</tool_call>") + [tok.eot_id]
+    good = tok.encode(chat.assistant_text("qwen2.5", "", [{"name": "c", "arguments": {}}])) + [tok.eot_id]
+    answer = tok.encode("It is 1.") + [tok.eot_id]
+
+    def messages(first, results):
+        tool = tok.encode_tool_turn(results)
+        ids = first + tool + answer
+        return transcript_messages(tok, ids, [1] * len(first) + [0] * len(tool) + [1] * len(answer),
+                                   {tuple(first): results})
+    assert messages(bad, ["error: malformed tool call"]) is None           # its error answers no call
+    assert [m["role"] for m in messages(good, ["1"])] == ["assistant", "tool", "assistant"]
+    # a final turn's malformed call, never run, stays as the text the policy wrote
+    assert transcript_messages(tok, bad, [1] * len(bad), {}) == [
+        {"role": "assistant", "content": "<tool_call>\nnot json\n</tool_call>"}]
