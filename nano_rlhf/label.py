@@ -163,8 +163,9 @@ def transcript_messages(tok, ids, actions, seen):
     actions = 1) with its calls as `tool_calls` and its text without them as content (chat.final_turn), then a
     `tool` message per result where a tool turn follows it (`seen`: the results of each answered turn, by its
     ids). None when no data row can hold it: a malformed call that was answered (its error result answers no
-    call), or an assistant turn with neither text nor calls (a result is text: the box replaces what is not). The data loader renders these messages again:
-    the ids need not be the sampled ones (a call written with other spacing), as for any labelled text."""
+    call), or an assistant turn with neither text nor calls (a result is text: the box replaces what is not).
+    The data loader renders these messages again: the ids need not be the sampled ones (a call written with
+    other spacing), as for any labelled text."""
     variant, out, turn = tok.chat_template, [], []
     for t, a in zip(ids + [None], actions + [0]):
         if a:
