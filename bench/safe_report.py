@@ -88,7 +88,7 @@ def plot(out_dir, variants, png):
                     label=v, lw=1.8)
             ax.set_title(title)
             ax.set_xlabel("step")
-    axes[0].legend(fontsize=8)
+    axes[-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print(f"wrote {png}")
