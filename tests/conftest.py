@@ -362,3 +362,18 @@ def gae_only(args):
         else:
             out.append(a)
     return out
+
+
+def scripted_policy(monkeypatch, script):
+    """Make every row of every sampling call write `script` (nano_rlhf.sampling.sample_token replaced: the i-th
+    sampled token of the call is script[i], the last one repeated after its end). Returns the position counter
+    ([0]): set it back to 0 to replay the script in a second call."""
+    from nano_rlhf import sampling
+    step = [0]
+
+    def scripted(logits, temperature, top_k, top_p, generator, u):
+        t = script[min(step[0], len(script) - 1)]
+        step[0] += 1
+        return torch.full((logits.shape[0],), t, dtype=torch.long)
+    monkeypatch.setattr(sampling, "sample_token", scripted)
+    return step

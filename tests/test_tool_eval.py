@@ -4,8 +4,9 @@ answer, and the summary reports calls per answer and the share of malformed ones
 import json
 
 import torch
+from conftest import scripted_policy
 
-from nano_rlhf import chat, evaluate, sampling
+from nano_rlhf import chat, evaluate
 from nano_rlhf.model import GPT, GPTConfig
 from nano_rlhf.tools import load_tools
 
@@ -22,13 +23,7 @@ def test_evaluate_with_tools_counts_calls_and_malformed_ones(tmp_path, monkeypat
         turns += tok.encode(text) + [tok.eot_id] + tok.encode_tool_turn([result.text])
     assert result.text == "11"
     script = turns + tok.encode("Answer: 11") + [tok.eot_id]
-    step = [0]
-
-    def scripted(logits, temperature, top_k, top_p, generator, u):     # every row writes the script
-        t = script[min(step[0], len(script) - 1)]
-        step[0] += 1
-        return torch.full((logits.shape[0],), t, dtype=torch.long)
-    monkeypatch.setattr(sampling, "sample_token", scripted)
+    scripted_policy(monkeypatch, script)
     torch.manual_seed(0)
     GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=512, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
         str(tmp_path / "m"))
@@ -81,13 +76,7 @@ def test_label_with_tools_writes_tool_turns_as_messages(tmp_path, monkeypatch):
     call = {"name": "calculator", "arguments": {"expression": "3+4*2"}}
     text = chat.assistant_text("qwen2.5", "", [call])
     script = tok.encode(text) + [tok.eot_id] + tok.encode_tool_turn(["11"]) + tok.encode("Answer: 11") + [tok.eot_id]
-    step = [0]
-
-    def scripted(logits, temperature, top_k, top_p, generator, u):
-        t = script[min(step[0], len(script) - 1)]
-        step[0] += 1
-        return torch.full((logits.shape[0],), t, dtype=torch.long)
-    monkeypatch.setattr(sampling, "sample_token", scripted)
+    scripted_policy(monkeypatch, script)
     torch.manual_seed(0)
     GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=512, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
         str(tmp_path / "m"))

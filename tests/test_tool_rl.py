@@ -2,10 +2,11 @@
 (the tool turns are context: no KL, no policy loss), and the trainer's log-probs equal the decode's."""
 import pytest
 import torch
+from conftest import scripted_policy
 from numerics import FLOAT32_ATOL  # see tests/numerics.py
 
 import train_ppo
-from nano_rlhf import chat, sampling
+from nano_rlhf import chat
 from nano_rlhf.model import GPT, GPTConfig
 from nano_rlhf.rollout import Models
 from nano_rlhf.sampling import SamplingOptions, generate_turns
@@ -27,13 +28,7 @@ def test_a_tool_rollout_trains_only_the_policys_tokens(name, tmp_path, monkeypat
     answer = tok.encode("It is 16.8.") + [tok.eot_id]
     tool = tok.encode_tool_turn(["16.8"])
     script = first + tool + answer
-    step = [0]
-
-    def scripted(logits, temperature, top_k, top_p, generator, u):
-        t = script[min(step[0], len(script) - 1)]
-        step[0] += 1
-        return torch.full((logits.shape[0],), t, dtype=torch.long)
-    monkeypatch.setattr(sampling, "sample_token", scripted)
+    step = scripted_policy(monkeypatch, script)
     prompt = [{"role": "user", "content": "What is (3+4)*12/5?"}]
     p_ids = tok.render_prompt(prompt, box.schemas)
     torch.manual_seed(0)

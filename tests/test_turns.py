@@ -4,6 +4,7 @@ the static-cache step and the per-step RNG rule kept (token-identical to the pla
 limits; and nano_rlhf.tools.ToolEnv between a tokenizer's turns and the tools."""
 import pytest
 import torch
+from conftest import scripted_policy
 from numerics import FLOAT32_ATOL, assert_close64  # see tests/numerics.py
 
 from nano_rlhf import chat, sampling
@@ -221,13 +222,7 @@ def test_a_scripted_policy_calls_the_calculator_through_the_real_template(name, 
     first = tok.encode(chat.assistant_text(variant, "", call)) + [tok.eot_id]
     answer = tok.encode("It is 16.8.") + [tok.eot_id]
     script = first + tok.encode_tool_turn(["16.8"]) + answer
-    step = [0]
-
-    def scripted(logits, temperature, top_k, top_p, generator, u):
-        t = script[min(step[0], len(script) - 1)]
-        step[0] += 1
-        return torch.full((logits.shape[0],), t, dtype=torch.long)
-    monkeypatch.setattr(sampling, "sample_token", scripted)
+    scripted_policy(monkeypatch, script)
     torch.manual_seed(0)
     budget = len(script) + 8
     m = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=len(p_ids) + budget, n_layer=1, n_head=2, n_embd=16))
