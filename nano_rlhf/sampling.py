@@ -33,7 +33,7 @@ the trainer's forward (log_softmax(logits / temperature), float32 at least, no t
 (tested against a teacher-forced forward). Limits: `max_turns` assistant turns, and `max_new_tokens` is the budget
 of sampled AND appended tokens: a tool turn that does not fit ends the row (counted: `budget_cut`). What still
 holds with turns, each tested token-identical against the plain loop (use_cache=False, which forces the same way):
-prefix sharing (the prompts are prefilled as before), compaction (a row in a tool turn is running, not ended), the
+prefix sharing (the prompts are prefilled as in generate), compaction (a row in a tool turn is running, not ended), the
 compiled static-cache step (a forced token is only another input id of the same shape), and the per-step RNG rule
 (every step still draws B numbers, forced or not). What changes: one host read of the forced and ended rows per
 step, and the env runs on the host between two steps (the other rows wait for it).
