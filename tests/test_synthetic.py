@@ -139,7 +139,7 @@ def test_default_data_adds_a_file_an_old_data_directory_lacks(tmp_path, monkeypa
 FIRST_RUN = """
 import os, sys, time
 from nano_rlhf import data as data_mod, synthetic
-synthetic.write_dataset.__defaults__ = (0, 400, 300, 200, 50, 40, 0.05, 20)
+synthetic.write_dataset.__defaults__ = (0, 400, 300, 200, 50, 40, 0.05, 20, False)
 replace = os.replace
 os.replace = lambda a, b: (time.sleep(0.2), replace(a, b))
 open(sys.argv[1] + ".ready", "w").close()
