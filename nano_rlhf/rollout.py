@@ -89,8 +89,7 @@ def load_rollout_models(opts, tok, prompt_texts, device, identity):
         reward = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=device,
                             prompts=prompt_texts, batch_size=opts.micro_batch_size, template=opts.judge_template)
     else:
-        reward = load_reward(spec, tokenizer=tok, device=device, prompts=prompt_texts,
-                                        batch_size=opts.micro_batch_size)
+        reward = load_reward(spec, tokenizer=tok, device=device, prompts=prompt_texts, batch_size=opts.micro_batch_size)
     if isinstance(reward, RewardModel) and opts.normalize_score and not reward.has_stats:
         dist.print0(f"note: {spec}/config.json has no reward_mean/reward_std; scores are not normalised")
     cost = None
