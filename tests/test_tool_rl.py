@@ -68,3 +68,31 @@ def test_tools_options_are_declared(tmp_path, sft_dir, rm_dir, capfd):
     assert code == 2 and "--max_turns applies only with --tools" in err
     code, err = main_exit(capfd, ppo_args(tmp_path, sft_dir, rm_dir, "x", "--tools", "nope"))
     assert code != 0 and "--tools nope" in err and "Traceback" not in err and not (tmp_path / "x").exists()
+
+
+def test_gae_runs_through_tool_turns_as_environment_transitions():
+    """The rule (docs/usage.md, tools): a tool turn's tokens are environment transitions — no KL penalty (they are
+    not the policy's actions), reward 0, discounted by γ and λ like any step, valued by the critic — so GAE's
+    recursion runs through them unchanged. A hand-made trajectory (act, act, tool, tool, act, end) against a float64
+    recursion written from Schulman et al. 2016, eq. 16."""
+    g = torch.Generator().manual_seed(3)
+    R, beta, gamma, lam, score = 6, 0.2, 0.9, 0.8, 1.7
+    acts = [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    lp, ref = (-torch.rand(1, R, generator=g, dtype=torch.float64) for _ in range(2))
+    values = torch.randn(1, R, generator=g, dtype=torch.float64)
+    from nano_rlhf.rollout import Rollout
+    r = Rollout(query_response=torch.zeros(1, 2 + R, dtype=torch.long), attention_mask=torch.ones(1, 2 + R),
+                response_mask=torch.ones(1, R, dtype=torch.float64), has_eos=torch.ones(1), completions=[""],
+                scores=torch.tensor([score], dtype=torch.float64), logprobs=lp, ref_logprobs=ref, values=values,
+                action_mask=torch.tensor([acts], dtype=torch.float64))
+    t = train_ppo.advantages(r, estimator="gae", beta=beta, gamma=gamma, lam=lam)
+    rewards = [-beta * (lp[0, i].item() - ref[0, i].item()) * acts[i] + (score if i == R - 1 else 0.0)
+               for i in range(R)]
+    adv, nxt = [0.0] * R, 0.0
+    for i in reversed(range(R)):
+        v_next = values[0, i + 1].item() if i + 1 < R else 0.0
+        nxt = rewards[i] + gamma * v_next - values[0, i].item() + gamma * lam * nxt
+        adv[i] = nxt
+    assert torch.allclose(t.adv[0], torch.tensor(adv, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert torch.allclose(t.returns[0], torch.tensor(adv, dtype=torch.float64) + values[0], atol=1e-12, rtol=0)
+    assert t.kl_penalty[0].item() == pytest.approx(sum(rewards) - score, abs=1e-12)   # the tool turn holds none
