@@ -96,3 +96,55 @@ def test_gae_runs_through_tool_turns_as_environment_transitions():
     assert torch.allclose(t.adv[0], torch.tensor(adv, dtype=torch.float64), atol=1e-12, rtol=0)
     assert torch.allclose(t.returns[0], torch.tensor(adv, dtype=torch.float64) + values[0], atol=1e-12, rtol=0)
     assert t.kl_penalty[0].item() == pytest.approx(sum(rewards) - score, abs=1e-12)   # the tool turn holds none
+
+
+SPY = """import json, os, sys
+import torch
+from nano_rlhf import sampling
+import train_ppo
+script = json.loads(os.environ["SCRIPT_" + os.environ["RANK"]])     # each rank writes its own script
+step = [0]
+def scripted(logits, temperature, top_k, top_p, generator, u):
+    step[0] += 1
+    return torch.full((logits.shape[0],), script[min(step[0] - 1, len(script) - 1)], dtype=torch.long)
+real = sampling.generate_turns
+def turns(*a, **k):                      # each sampling call replays the script from its start
+    step[0] = 0
+    return real(*a, **k)
+sampling.sample_token, sampling.generate_turns = scripted, turns
+out = train_ppo.main(sys.argv[1:])
+digest = sum(p.double().sum().item() for p in out.policy.parameters())
+with open(os.path.join(os.environ["SPY_DIR"], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({"policy": digest}, f)
+"""
+
+
+def test_ddp_ranks_taking_different_numbers_of_turns_stay_in_step(tmp_path):
+    """Two ranks, one whose policy calls the calculator (two assistant turns) and one that answers at once: no
+    collective inside the rollout loop, so neither waits for the other's turns; both finish with identical weights
+    (run.finish checks) and the metrics count the calls of one rank's samples."""
+    import json
+    from test_chat_templates import build, calls
+    from conftest import metrics, run, write_jsonl
+    name, tok, _ = build("qwen2.5", tmp_path / "m")
+    call = calls(("calculator", {"expression": "6*7"}))
+    answer = tok.encode("It is 42.") + [tok.eot_id]
+    with_tool = tok.encode(chat.assistant_text(tok.chat_template, "", call)) + [tok.eot_id] + \
+        tok.encode_tool_turn(["42"]) + answer
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
+        str(tmp_path / "m"))
+    (tmp_path / "spy.py").write_text(SPY)
+    (tmp_path / "r.py").write_text("def reward(p, c):\n    return [float('42' in x.split('tool')[-1]) for x in c]\n")
+    rows = [{"prompt": [{"role": "user", "content": f"What is 6*7? ({i})"}]} for i in range(8)]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    write_jsonl(tmp_path / "e.jsonl", rows[:2])
+    run([str(tmp_path / "spy.py"), "--init", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.jsonl"),
+         "--eval_prompts", str(tmp_path / "e.jsonl"), "--advantage", "grpo", "--reward", f"{tmp_path / 'r.py'}:reward",
+         "--tools", "calculator", "--max_turns", "3", "--max_new_tokens", str(len(with_tool) + 4), "--batch_size", "1",
+         "--samples_per_prompt", "2", "--max_steps", "2", "--eval_interval", "0", "--out_dir", str(tmp_path / "o")],
+        nproc=2, env={"SPY_DIR": str(tmp_path), "SCRIPT_0": json.dumps(with_tool), "SCRIPT_1": json.dumps(answer)})
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert r0 == r1
+    m = metrics(tmp_path / "o")
+    assert len(m) == 2 and all(x["train/tool_calls"] == pytest.approx(0.5) for x in m)   # rank 0: 1 a sample
