@@ -11,6 +11,16 @@ from nano_rlhf.model import GPT, GPTConfig
 from nano_rlhf.tools import load_tools
 
 
+
+def checkpoint_and_prompt(tmp_path, tok):
+    """A tiny random checkpoint beside the tokenizer build() wrote into tmp_path/m, and one maths prompt file."""
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=512, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
+        str(tmp_path / "m"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "Compute 3 + 4 * 2."}]}) + "\n")
+    return prompts
+
 def test_evaluate_with_tools_counts_calls_and_malformed_ones(tmp_path, monkeypatch, capsys):
     from test_chat_templates import build
     _, tok, _ = build("qwen2.5", tmp_path / "m")
@@ -24,11 +34,7 @@ def test_evaluate_with_tools_counts_calls_and_malformed_ones(tmp_path, monkeypat
     assert result.text == "11"
     script = turns + tok.encode("Answer: 11") + [tok.eot_id]
     scripted_policy(monkeypatch, script)
-    torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=512, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
-        str(tmp_path / "m"))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "Compute 3 + 4 * 2."}]}) + "\n")
+    prompts = checkpoint_and_prompt(tmp_path, tok)
     summary = tmp_path / "s.json"
     rows = evaluate.main(["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--tools", "calculator",
                           "--max_turns", "3", "--max_new_tokens", str(len(script) + 4), "--reward",
@@ -77,11 +83,7 @@ def test_label_with_tools_writes_tool_turns_as_messages(tmp_path, monkeypatch):
     text = chat.assistant_text("qwen2.5", "", [call])
     script = tok.encode(text) + [tok.eot_id] + tok.encode_tool_turn(["11"]) + tok.encode("Answer: 11") + [tok.eot_id]
     scripted_policy(monkeypatch, script)
-    torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=512, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
-        str(tmp_path / "m"))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "Compute 3 + 4 * 2."}]}) + "\n")
+    prompts = checkpoint_and_prompt(tmp_path, tok)
     out = tmp_path / "lw.jsonl"
     rows = label.main(["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--judge",
                        "nano_rlhf.reasoning:reward", "--format", "listwise", "--samples_per_prompt", "2", "--tools",
