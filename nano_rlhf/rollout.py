@@ -129,6 +129,7 @@ def sample_groups(prompts, policy, tok, sampling, k, gen, gen_stats=None, tools=
     q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
     env = None if tools is None else ToolEnv(tools, tok)
+    seen = None if tools is None else dict(tools.counts)    # the box's counts before this rollout (evaluation adds too)
     with parallel.gathered(policy):      # FSDP: one all-gather for the whole decoding, not one per token
         # response = tokens up to and including the stop token that ends it, pad after it; its last real token is
         # where the reward model reads the score (the end-of-turn token of a conversation)
@@ -142,10 +143,8 @@ def sample_groups(prompts, policy, tok, sampling, k, gen, gen_stats=None, tools=
                 has_eos=has_eos.float(), completions=completions,
                 action_mask=None if env is None else actions.float())
     if env is not None:              # per sequence: tool calls, and those that came back as an error
-        r.stats.update(tool_calls=env.counts["calls"] / len(completions),
-                       tool_errors=sum(v for kind, v in tools.counts.items() if kind != "ok") / len(completions))
-        env.counts.clear()
-        tools.counts.clear()
+        errors = sum(v - seen.get(kind, 0) for kind, v in tools.counts.items() if kind != "ok")
+        r.stats.update(tool_calls=env.counts["calls"] / len(completions), tool_errors=errors / len(completions))
     return r
 
 
