@@ -43,7 +43,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 PARTS = ("env", "correctness", "sft", "grpo", "rollout")
-LIMITS = {"env": 40, "correctness": 170, "sft": 100, "grpo": 120, "rollout": 200}   # seconds per part on a GPU
+LIMITS = {"env": 40, "correctness": 170, "sft": 150, "grpo": 120, "rollout": 200}   # seconds per part on a GPU
 
 # model shapes (random weights): GPTConfig fields, with the HF config class and its fields
 SHAPES = {

@@ -519,3 +519,56 @@ def test_compiled_rollout_equals_eager_at_temperature_0():
     record("compiled_rollout", compile_s=round(compiled_stats["compile_s"], 2), first_call_s=round(first, 2),
            second_call_s=round(second, 3), eager_decode_s=round(eager_stats["decode_s"], 3),
            tokens_compared=compared, tokens=n * ids.shape[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tool_rollout_on_device(tmp_path, monkeypatch, dtype):
+    """train_ppo's rollout with the calculator on the device (a policy scripted to call it, read the answer and
+    end): the ids are the sampled ones plus the tool turn, the tool turn is a hole in the action mask, and the
+    trainer's recomputed log-probs equal the decode's on the actions — within 2 × FLOAT32_ATOL in float32
+    (tests/test_turns.py's argument); in bf16 the two differ by bf16 rounding and the gap is measured."""
+    import train_ppo
+    from nano_rlhf import chat, sampling
+    from nano_rlhf.model import GPT, GPTConfig
+    from nano_rlhf.rollout import Models
+    from nano_rlhf.tools import ToolEnv, load_tools
+    from test_chat_templates import build, calls
+    _, tok, _ = build("qwen2.5", tmp_path)
+    box = load_tools("calculator")
+    first = tok.encode(chat.assistant_text(tok.chat_template, "", calls(("calculator", {"expression": "6*7"})))) + \
+        [tok.eot_id]
+    tool, answer = tok.encode_tool_turn(["42"]), tok.encode("It is 42.") + [tok.eot_id]
+    script = first + tool + answer
+    step = [0]
+
+    def scripted(logits, temperature, top_k, top_p, generator, u):
+        step[0] += 1
+        return torch.full((logits.shape[0],), script[min(step[0] - 1, len(script) - 1)], dtype=torch.long,
+                          device=logits.device)
+    monkeypatch.setattr(sampling, "sample_token", scripted)
+    p_ids = tok.render_prompt([{"role": "user", "content": "What is 6*7?"}], box.schemas)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=len(p_ids) + len(script) + 8, n_layer=2, n_head=4,
+                    n_embd=64)
+    policy, ref = GPT(cfg).to(DEVICE).eval(), GPT(cfg).to(DEVICE).eval()
+    o = train_ppo.Options(advantage="grpo", samples_per_prompt=1, micro_batch_size=1, max_new_tokens=len(script) + 8,
+                          tools="calculator", max_turns=3, missing_eos_penalty=None, dtype=dtype,
+                          device=DEVICE.type)
+    models = Models(policy=policy, reward=lambda p, c: [float("42" in x) for x in c], ref=ref, tools=box)
+    r = train_ppo.rollout(lambda: [{"prompt": p_ids, "text": "What is 6*7?"}], models, tok, o,
+                          torch.Generator(device=DEVICE).manual_seed(0))
+    n = int(r.response_mask[0].sum())
+    hole = [1.0] * len(first) + [0.0] * len(tool) + [1.0] * len(answer)
+    assert r.query_response[0].tolist() == p_ids + script and r.action_mask[0].tolist() == hole
+    assert r.scores[0] == 1.0 and r.stats["tool_calls"] == 1.0
+    step[0] = 0
+    from nano_rlhf.run import autocast
+    with autocast(DEVICE, dtype):
+        decoded = sampling.generate_turns(policy, torch.tensor([p_ids], device=DEVICE), None, sampling.SamplingOptions(
+            max_new_tokens=len(script) + 8, temperature=1.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id),
+            ToolEnv(box, tok), 3)
+    acts = decoded.policy_mask[0, :n].to(r.logprobs.device)
+    gap = float((r.logprobs[0][acts] - decoded.logprobs[0, :n].to(r.logprobs.device)[acts].float()).abs().max())
+    record(f"tool_rollout/{dtype}", max_abs_logp_diff=gap, actions=int(acts.sum()), tool_tokens=len(tool))
+    box.close()
+    assert gap == gap and gap <= (2 * FLOAT32_ATOL if dtype == "float32" else 0.1)
