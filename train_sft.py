@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora, parallel
+from nano_rlhf import chat, dist, lora, parallel
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import CompileOption, RunOptions
@@ -106,10 +106,16 @@ def sft_nll(model, input_ids, attention_mask, loss_mask, position_ids=None, doc_
 # ---- data and tokenizer ----------------------------------------------------------------------------
 
 def record_texts(records):
-    """The plain text of each SFT record, to train a tokenizer on."""
+    """The plain text of each SFT record, to train a tokenizer on: what the plain template shows the model, tool
+    lists and calls included (so that their fixed markup gets tokens of its own)."""
     def flat(value):
-        return value if isinstance(value, str) else "".join(f"{m['role'].title()}: {m['content']}\n" for m in value)
+        if isinstance(value, str):
+            return value
+        return "".join(f"{m['role'].title()}: "
+                       f"{chat.assistant_text('plain', m.get('content') or '', m.get('tool_calls'))}\n" for m in value)
     for r in records:
+        if r.get("tools"):
+            yield chat.plain_tools_text(r["tools"])
         if "text" in r:
             yield r["text"]
         elif "messages" in r:

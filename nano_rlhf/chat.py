@@ -31,15 +31,17 @@ assistant message's `tool_calls` ([{"type": "function", "function": {"name", "ar
 OpenAI write them; a bare {"name", "arguments"} is read too) and `tool` messages (Llama's `ipython` too):
 
 - `qwen` syntax (qwen2.5, qwen3; smollm2, chatml, plain borrow it): the tool list in the system turn, one JSON
-  schema a line; a call `<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>`, several a turn, after the
-  turn's text; results `\n<tool_response>\n{r}\n</tool_response>`, consecutive ones in one user turn.
+  schema a line (plain: signatures, below); a call `<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>`,
+  several a turn, after the turn's text; results `\n<tool_response>\n{r}\n</tool_response>`, consecutive ones in one
+  user turn.
 - `llama` syntax (llama3): the tool list opens the first user turn, each schema JSON indented by 4, and the system
   header gains "Environment: ipython"; a call is the whole turn, `{"name": N, "parameters": {...}}`, one a turn;
   a result is an `ipython` turn holding the result JSON-quoted (`"14"`: the template tojson's a string too).
 
 SmolLM2's and bare ChatML's templates have no tool section: they borrow Qwen2.5's syntax (SmolLM2 with its own
 default system prompt, ChatML with none, as Qwen3), which those models were not trained on. The plain template
-(nano_rlhf/tokenizer.py) writes Qwen's tool list in its system line, the same calls, and `Tool: {r}` lines. Llama:
+(nano_rlhf/tokenizer.py) writes a compact tool list in its system line (`plain_tools_text`: a signature a tool,
+on one line), Qwen's calls, and `Tool: {r}` lines. Llama:
 the template drops an assistant message's text when it holds a call, and a second call in a turn is refused.
 `parse_tool_calls` reads an assistant turn's text back into calls; `tool_turn` gives the text between the end of
 an assistant turn and the next generation (the result turn(s) and the generation prompt), as `render` writes it;
@@ -255,8 +257,22 @@ def tojson(x, indent=None) -> str:
 
 
 def tools_text(tools) -> str:
-    """Qwen's tool section of the system turn (also SmolLM2's, ChatML's and plain's)."""
+    """Qwen's tool section of the system turn (also SmolLM2's and ChatML's)."""
     return QWEN_TOOLS_HEAD + "".join("\n" + tojson(t) for t in tools) + QWEN_TOOLS_TAIL
+
+
+def plain_tools_text(tools) -> str:
+    """The plain template's tool list: `Tools: name(arg: type, opt?: type): description; ...`. The plain
+    template serves models trained here from scratch, whose context is a few hundred tokens: Qwen's section
+    (~900 characters for the calculator alone) would fill it, and such a model reads the list as a fixed string."""
+    def signature(t):
+        f = t.get("function", t)
+        params = f.get("parameters", {})
+        required = set(params.get("required", []))
+        args = ", ".join(f"{a}{'' if a in required else '?'}: {spec.get('type', 'any')}"
+                         for a, spec in params.get("properties", {}).items())
+        return f"{f['name']}({args})" + (f": {f['description']}" if f.get("description") else "")
+    return "Tools: " + "; ".join(signature(t) for t in tools)
 
 
 def _call(tool_call):
@@ -290,8 +306,9 @@ def tool_turn(variant: str, results) -> Segments:
     """What follows an assistant turn's end-of-turn token when its calls answered `results` (one string each),
     up to and including the next generation prompt, as `render` writes it: a list of (text, is_result) pieces,
     so that a caller can tokenize the results (untrusted text) apart from the template's own tokens."""
-    if variant == "plain":
-        return [p for r in results for p in (("Tool: ", False), (r, True), ("\n", False))] + [("Assistant:", False)]
+    if variant == "plain":     # the space goes with the result, as " 6" is one token of a BPE trained on "Tool: 6"
+        return [p for r in results for p in (("Tool:", False), (" " + r, True), ("\n", False))] + \
+            [("Assistant:", False)]
     if variant == "llama3":
         return [p for r in results for p in (("<|start_header_id|>ipython<|end_header_id|>\n\n", False),
                                              (tojson(r), True), ("<|eot_id|>", False))] + \

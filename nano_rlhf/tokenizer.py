@@ -58,7 +58,7 @@ from . import chat
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>")
 ROLES = ("system", "user", "assistant", "tool")   # a tool message: a tool's result
-ROLE_HEADER = {"system": "System: ", "user": "User: ", "tool": "Tool: "}
+ROLE_HEADER = {"system": "System: ", "user": "User: "}        # a tool turn: chat.tool_turn("plain", ...)
 ASSISTANT_HEADER = "Assistant:"
 CHAT_TEMPLATES = chat.VARIANTS
 
@@ -339,10 +339,11 @@ class Tokenizer:
                 for i in (self.encode_literal(text) if is_result else self.encode(text))]
 
     def _plain(self, messages: Messages, tools=None) -> Tuple[List[int], List[int]]:
-        if tools:       # Qwen's tool list, in the system line (after the system message's own text)
+        if tools:       # the compact tool list, in the system line (after the system message's own text)
             has_system = bool(messages) and messages[0]["role"] == "system"
             system = messages[0]["content"] + "\n\n" if has_system else ""
-            messages = [{"role": "system", "content": system + chat.tools_text(tools)}] + messages[int(has_system):]
+            messages = [{"role": "system", "content": system + chat.plain_tools_text(tools)}] + \
+                messages[int(has_system):]
         ids, mask = [], []
         for m in messages:
             if m["role"] == "assistant":
@@ -351,6 +352,11 @@ class Tokenizer:
                 body = self.encode(" " + text) + [self.eos_id]
                 ids += head + body
                 mask += [0] * len(head) + [1] * len(body)
+            elif m["role"] == "tool":   # tokenized as a rollout's tool turn is (chat.tool_turn), id for id
+                seg = [i for text, is_result in chat.tool_turn("plain", [m["content"]])[:-1]
+                       for i in (self.encode_literal(text) if is_result else self.encode(text))]
+                ids += seg
+                mask += [0] * len(seg)
             else:
                 seg = self.encode(ROLE_HEADER[m["role"]] + m["content"] + "\n")
                 ids += seg

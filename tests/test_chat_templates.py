@@ -540,13 +540,33 @@ def test_a_tool_result_cannot_forge_a_turn(family):
         "".join(t for t, _ in chat.tool_turn(FAMILIES[name][0], [FORGED]))
 
 
+def test_plain_tool_turns_tokenize_as_the_rollout_appends_them():
+    """A BPE trained on tool transcripts (train_sft's record_texts) merges across the plain template's seams —
+    " 14" is one token there — so SFT data must be tokenized as the rollout tokenizes a tool turn: the
+    conversation's ids equal prompt + each assistant turn + eos + encode_tool_turn, id for id, and the result's
+    digits are one token in both."""
+    import train_sft
+    msgs = TOOL_CONVERSATIONS["several_tool_turns"]
+    rows = [{"messages": msgs, "tools": TOOLS}] * 50 + [{"messages": [UQ, {"role": "tool", "content": "14"}]}] * 50
+    tok = Tokenizer.train(list(train_sft.record_texts(rows)), vocab_size=400)
+    assert tok.encode(" 14") == tok.encode_literal(" 14") and len(tok.encode(" 14")) == 1
+    ids, mask = tok.encode_conversation(msgs, TOOLS)
+    pieces = tok.render_prompt(msgs[:1], TOOLS)
+    for results, m in (([], msgs[1]), (["14", "great, 42 days old"], msgs[4]), ([ERR], msgs[6])):
+        if results:
+            pieces += tok.encode_tool_turn(results)
+        pieces += tok.encode(" " + chat.assistant_text("plain", m["content"], m.get("tool_calls"))) + [tok.eos_id]
+    assert pieces == ids
+    assert tok.tk.decode(ids, skip_special_tokens=False) == tok.render_text(msgs, tools=TOOLS)
+
+
 def test_plain_template_tools(tok):
-    """The plain template (no chat template): Qwen's tool list in the system line, the same calls, `Tool:` lines;
+    """The plain template (no chat template): a compact tool list in the system line, Qwen's calls, `Tool:` lines;
     the rollout's pieces join to the conversation's ids, and only the assistant's calls and answers carry loss."""
     msgs = TOOL_CONVERSATIONS["several_tool_turns"]
     ids, mask = tok.encode_conversation(msgs, TOOLS)
     text = tok.render_text(msgs, tools=TOOLS)
-    assert text.startswith("System: " + chat.tools_text(TOOLS) + "\nUser: What is")
+    assert text.startswith("System: " + chat.plain_tools_text(TOOLS) + "\nUser: What is")
     assert "</tool_call><|endoftext|>Tool: 14\nTool: great, 42 days old\nAssistant: <tool_call>" in text
     pieces = tok.render_prompt(msgs[:1], TOOLS)
     for results, m in (([], msgs[1]), (["14", "great, 42 days old"], msgs[4]), ([ERR], msgs[6])):
