@@ -28,6 +28,13 @@ carry forward (so the earlier steps stay right), sometimes a slip copying the fi
 `malformed_rate` (5%) stop after the steps without an answer statement, and 10% skip the steps and answer at
 once. Step and answer formats vary. task.json records the share the verifier accepts.
 
+Tool demonstrations (`--tool_rate R`, default 0: the files above, byte for byte): the same problems and phrasings
+written as conversations for `--tools calculator` — prompts as one user turn, SFT rows as `messages` with the
+calculator's schema in `tools` — where a share R of the demonstrations call the calculator: half of them on the
+whole expression (then state its value), half on the first step only (then work the rest by hand, with the same
+slips as the other demonstrations). The other demonstrations are the tool-free ones, unchanged. Tool decisions
+draw from their own random stream, so the problems are those of the tool-free files at the same seed.
+
 Held out: a problem (its operands and operators, whatever the phrasing) is an evaluation problem when a fixed
 hash of it falls in EVAL_SHARE; eval_prompts.jsonl draws only those (distinct ones), sft*.jsonl and
 prompts.jsonl never. The split does not depend on --seed, so no seed's training data holds another seed's
@@ -53,6 +60,14 @@ PHRASINGS = ["Compute {}.", "What is {}?", "Calculate {}.", "Work out {}."]
 SUFFIX = "\nSolution:"
 ANSWER_FORMATS = [("Answer: {}", 0.5), ("So the answer is {}.", 0.3), ("The answer is {}.", 0.2)]
 SKIP_STEPS = 0.10                  # share of demonstrations that answer without steps
+
+# the built-in calculator's schema as nano_rlhf.tools.json_schema builds it (a test pins them equal): written out
+# so that this data tool does not import torch
+CALCULATOR_SCHEMA = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression exactly.",
+    "parameters": {"type": "object", "properties": {"expression": {
+        "type": "string", "description": 'numbers with + - * / // % ** and parentheses, e.g. "(3 + 4) * 12 / 5"'}},
+        "required": ["expression"]}, "return": {"type": "string"}}}
 
 _EXPR = re.compile(r"-?\d+(?:\s*[-+*×]\s*-?\d+)+")
 _TOKEN = re.compile(r"\d+|[-+*×]")
@@ -191,6 +206,28 @@ def demonstration(rng, nums, ops, wrong_rate=0.25, malformed_rate=0.05):
     return " " + text, ("malformed" if malformed else "wrong" if wrong else "correct")
 
 
+def tool_demonstration(rng, nums, ops, whole, wrong_rate=0.25):
+    """(assistant and tool messages, kind): a demonstration that calls the calculator on the whole expression
+    (whole) or on its first step, reads the answer from the tool turn, and (first step) works the rest by hand,
+    where a step slips with probability wrong_rate and the later steps carry it forward."""
+    work, final = steps(nums, ops)
+    if whole or len(work) == 1:
+        call, value, rest, kind = expression(nums, ops), final, "", "correct"
+    else:
+        a, o, b, value = work[0]
+        slip = None
+        if rng.random() < wrong_rate:
+            i = rng.randrange(1, len(work))
+            slip = (i, _slip(rng, steps(nums, ops)[0][i][3]))
+        work, final = steps(nums, ops, slip)
+        call, kind = f"{a} {o} {b}", "wrong" if slip else "correct"
+        rest = ". ".join(f"{a} {o} {b} = {c}" for a, o, b, c in work[1:]) + ". "
+    fmt = rng.choices([f for f, _ in ANSWER_FORMATS], [w for _, w in ANSWER_FORMATS])[0]
+    calls = [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": call}}}]
+    return [{"role": "assistant", "content": "", "tool_calls": calls}, {"role": "tool", "content": str(value)},
+            {"role": "assistant", "content": rest + fmt.format(final)}], kind
+
+
 # ---- files --------------------------------------------------------------------------------------
 
 def _write(path, rows):
@@ -201,35 +238,56 @@ def _write(path, rows):
 
 
 def write_dataset(out_dir, seed=0, n_sft=20000, n_prompts=2000, n_eval_prompts=256, wrong_rate=0.25,
-                  malformed_rate=0.05, eval_fraction=0.05):
+                  malformed_rate=0.05, eval_fraction=0.05, tool_rate=0.0):
     """Write sft.jsonl, sft_eval.jsonl (the first eval_fraction of the demonstrations), prompts.jsonl,
     eval_prompts.jsonl and task.json (last) into out_dir, each atomically; byte-identical at a seed.
+    tool_rate > 0: conversations offering the calculator, that share of the demonstrations calling it.
     Returns task.json's content."""
     rng = random.Random(f"reasoning:{seed}")
+    tool_rng = random.Random(f"reasoning-tools:{seed}")     # its own stream: the problems stay the same
+    tools = [CALCULATOR_SCHEMA] if tool_rate > 0 else None
     sft, kinds = [], {"correct": 0, "wrong": 0, "malformed": 0}
+    n_tool = 0
     for _ in range(n_sft):
         nums, ops = sample_problem(rng, held_out=False)
         completion, kind = demonstration(rng, nums, ops, wrong_rate, malformed_rate)
+        prompt = make_prompt(nums, ops, rng.randrange(len(PHRASINGS)))
+        if not tools:
+            sft.append({"prompt": prompt, "completion": completion})
+        elif tool_rng.random() < tool_rate:
+            turns, kind = tool_demonstration(tool_rng, nums, ops, tool_rng.random() < 0.5, wrong_rate)
+            sft.append({"messages": [{"role": "user", "content": prompt}] + turns, "tools": tools})
+            n_tool += 1
+        else:
+            sft.append({"messages": [{"role": "user", "content": prompt},
+                                     {"role": "assistant", "content": completion.lstrip(" ")}], "tools": tools})
         kinds[kind] += 1
-        sft.append({"prompt": make_prompt(nums, ops, rng.randrange(len(PHRASINGS))), "completion": completion})
-    prompts = [{"prompt": make_prompt(*sample_problem(rng, False), rng.randrange(len(PHRASINGS)))}
-               for _ in range(n_prompts)]
+
+    def prompt_row(nums, ops):
+        text = make_prompt(nums, ops, rng.randrange(len(PHRASINGS)))
+        return {"prompt": [{"role": "user", "content": text}] if tools else text}
+    prompts = [prompt_row(*sample_problem(rng, False)) for _ in range(n_prompts)]
     evals, seen = [], set()
     while len(evals) < n_eval_prompts:         # distinct problems (there are thousands to draw from)
         nums, ops = sample_problem(rng, held_out=True)
         if expression(nums, ops) not in seen:
             seen.add(expression(nums, ops))
-            evals.append({"prompt": make_prompt(nums, ops, rng.randrange(len(PHRASINGS)))})
+            evals.append(prompt_row(nums, ops))
     n_sft_eval = max(1, int(n_sft * eval_fraction))
     files = {"sft.jsonl": sft[n_sft_eval:], "sft_eval.jsonl": sft[:n_sft_eval], "prompts.jsonl": prompts,
              "eval_prompts.jsonl": evals}
     os.makedirs(out_dir, exist_ok=True)
     for name, rows in files.items():
         _write(os.path.join(out_dir, name), rows)
-    accepted = reward([r["prompt"] for r in sft], [r["completion"] for r in sft])
+    if tools:       # the prompt is the first turn; the completion, the transcript's final answer
+        accepted = reward([r["messages"][0]["content"] for r in sft], [r["messages"][-1]["content"] for r in sft])
+    else:
+        accepted = reward([r["prompt"] for r in sft], [r["completion"] for r in sft])
     task = {"task": "reasoning", "seed": seed, "counts": {k: len(v) for k, v in files.items()},
             "demonstrations": kinds, "demo_pass_rate": sum(accepted) / len(accepted),
             "wrong_rate": wrong_rate, "malformed_rate": malformed_rate, "eval_share": EVAL_SHARE}
+    if tools:
+        task.update(tool_rate=tool_rate, tool_demonstrations=n_tool, tools=["calculator"])
     tmp = os.path.join(out_dir, f"task.json.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(task, f, indent=2)
@@ -247,6 +305,8 @@ def main(argv=None):
     p.add_argument("--wrong_rate", type=float, default=0.25, help="share of answered demonstrations whose answer "
                    "is wrong")
     p.add_argument("--malformed_rate", type=float, default=0.05, help="share of demonstrations with no answer")
+    p.add_argument("--tool_rate", type=float, default=0.0, help="share of demonstrations that call the calculator; "
+                   "> 0 writes conversations for --tools calculator (0: the tool-free files)")
     a = p.parse_args(argv)
     # p.error: one line and exit 2, as for a malformed flag (common.fail would import torch into this light tool)
     if a.n_sft < 2 or a.n_prompts < 1 or a.n_eval_prompts < 1:
@@ -255,12 +315,13 @@ def main(argv=None):
         p.error(f"--n_eval_prompts {a.n_eval_prompts}: at most 5000 distinct held-out problems are drawn")
     if not 0 <= a.seed < 2 ** 63:
         p.error(f"--seed must be in [0, 2**63) (got {a.seed})")
-    for name in ("wrong_rate", "malformed_rate"):
+    for name in ("wrong_rate", "malformed_rate", "tool_rate"):
         if not 0 <= getattr(a, name) <= 1:
             p.error(f"--{name} must be in [0, 1] (got {getattr(a, name)})")
     if os.path.exists(a.out_dir) and not os.path.isdir(a.out_dir):
         p.error(f"--out_dir {a.out_dir}: is a file")
-    t = write_dataset(a.out_dir, a.seed, a.n_sft, a.n_prompts, a.n_eval_prompts, a.wrong_rate, a.malformed_rate)
+    t = write_dataset(a.out_dir, a.seed, a.n_sft, a.n_prompts, a.n_eval_prompts, a.wrong_rate, a.malformed_rate,
+                      tool_rate=a.tool_rate)
     print(f"wrote {a.out_dir}/: " + ", ".join(f"{k} {v}" for k, v in t["counts"].items()))
     print(f"demonstrations: {t['demonstrations']} | the verifier accepts {100 * t['demo_pass_rate']:.1f}%")
     return t

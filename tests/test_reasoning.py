@@ -319,3 +319,46 @@ def test_across_seeds_learns_by_the_one_definition():
     assert not noisy[1]["learns"] and noisy[2]["learns"]                   # 0.03 < 2 x 0.02; 0.1 > 2 x 0.01
     table = summary.format_seed_table(list(rows.values()))
     assert "| a | 0.620 ± 0.020 | 0.020 | 3 | +0.120 | yes |" in table
+
+
+def test_tool_demonstrations_are_an_option_that_leaves_the_tool_free_files_alone(tmp_path):
+    """--tool_rate: the same problems and phrasings as conversations offering the calculator (its schema as
+    nano_rlhf.tools builds it), that share of the demonstrations calling it — on the whole expression (the tool's
+    answer is the value) or on the first step (the rest by hand) — each call's result what the calculator answers,
+    each final answer read by the verifier from the last turn; at 0 the tool-free files byte for byte."""
+    from nano_rlhf.tools import calculator, json_schema
+    assert reasoning.CALCULATOR_SCHEMA == json_schema(calculator)
+    kw = dict(seed=1, n_sft=600, n_prompts=50, n_eval_prompts=20)
+    reasoning.write_dataset(str(tmp_path / "plain"), **kw)
+    reasoning.write_dataset(str(tmp_path / "zero"), **kw, tool_rate=0.0)
+    reasoning.write_dataset(str(tmp_path / "tools"), **kw, tool_rate=0.3)
+    for name in ("sft.jsonl", "sft_eval.jsonl", "prompts.jsonl", "eval_prompts.jsonl", "task.json"):
+        assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "zero" / name).read_bytes()
+    for name in ("prompts.jsonl", "eval_prompts.jsonl"):     # the same prompts, as one user turn
+        plain = [json.loads(x)["prompt"] for x in open(tmp_path / "plain" / name)]
+        conv = [json.loads(x)["prompt"] for x in open(tmp_path / "tools" / name)]
+        assert conv == [[{"role": "user", "content": p}] for p in plain]
+    plain = [json.loads(x) for x in open(tmp_path / "plain" / "sft.jsonl")]
+    rows = [json.loads(x) for x in open(tmp_path / "tools" / "sft.jsonl")]
+    assert [r["messages"][0]["content"] for r in rows] == [r["prompt"] for r in plain]
+    assert all(r["tools"] == [reasoning.CALCULATOR_SCHEMA] for r in rows)
+    calling = [r for r in rows if len(r["messages"]) > 2]
+    assert 0.2 < len(calling) / len(rows) < 0.4
+    whole = 0
+    for r, p in zip(rows, plain):
+        if len(r["messages"]) == 2:              # a tool-free demonstration, unchanged
+            assert r["messages"][1] == {"role": "assistant", "content": p["completion"][1:]}
+            continue
+        user, call, tool, final = r["messages"]
+        expr = call["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert call["content"] == "" and tool == {"role": "tool", "content": calculator(expr)}
+        whole += reasoning._EXPR.findall(user["content"])[-1] == expr
+        if reasoning._EXPR.findall(user["content"])[-1] == expr:   # the whole expression: its value is the answer
+            assert reasoning.answer(final["content"]) == tool["content"]
+    assert 0.3 < whole / len(calling) < 0.8      # half whole-expression calls, plus the 2-operand first steps
+    task = json.loads((tmp_path / "tools" / "task.json").read_text())
+    rows += [json.loads(x) for x in open(tmp_path / "tools" / "sft_eval.jsonl")]
+    accepted = reasoning.reward([r["messages"][0]["content"] for r in rows],
+                                [r["messages"][-1]["content"] for r in rows])
+    assert task["tool_demonstrations"] == sum(len(r["messages"]) > 2 for r in rows)
+    assert task["demo_pass_rate"] == sum(accepted) / len(accepted)
