@@ -69,7 +69,7 @@ from nano_rlhf.cli import FLOAT32_MAX, FrozenModelOptions, RunOptions
 from nano_rlhf.data import (Batches, SFTBatches, load_prompts, load_records, prompt_limit, tokenize_prompts,
                             tokenize_sft, training_length)
 from nano_rlhf.model import token_logprobs
-from nano_rlhf.rollout import Models, Rollout
+from nano_rlhf.rollout import Models, Rollout, RolloutOptions
 from nano_rlhf.run import Learner, autocast, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import sampling_copy
 from nano_rlhf.watch import Watch, check_step
@@ -82,41 +82,9 @@ LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_s
 
 
 @dataclass
-class Options(FrozenModelOptions, RunOptions):
-    # ---- what is trained, from what, rewarded by what
+class Options(RolloutOptions, FrozenModelOptions, RunOptions):
+    # ---- what is trained (its models, prompts and rollout: nano_rlhf/rollout.py's RolloutOptions)
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
-    reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge /
-                                  # --pair_judge), or module:function / file.py:function
-    judge: str = ""               # pointwise judge, preferences by Bradley-Terry (reward-model dir, gold,
-                                  # module:function, llm:MODEL_DIR) [with reward=selfplay]
-    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b) (used over --judge)
-                                  # [with reward=selfplay]
-    judge_template: str = ""      # --judge llm:MODEL_DIR: template file with {prompt} and {response}; empty =
-                                  # nano_rlhf/templates/judge_default.txt [with reward=selfplay]
-    init: str = "out/sft"         # policy to start from (also the reference unless --ref)
-    ref: str = ""                 # reference policy directory; empty = --init
-    reward_model: str = "out/rm"  # reward model directory (with --reward model)
-    critic_init: Literal["auto", "reward_model", "policy"] = "auto"  # critic trunk+head from; auto = RM if used
-                                                                     # [with advantage=gae]
-    prompts: str = ""             # RL prompts JSONL {"prompt": ...}; empty = built-in task
-    eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
-    eval_fraction: float = 0.05   # share of --prompts held out for evaluation when no --eval_prompts {0 < x < 1}
-    out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
-    # ---- the rollout
-    batch_size: int = 8           # prompts per device per step {>= 1}
-    samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
-    max_new_tokens: int = 40      # response length limit (also Dr. GRPO's constant normaliser) {>= 1}
-    temperature: float = 1.0      # sampling temperature; log-probs use logits / temperature everywhere {> 0}
-    compile_rollout: bool = False # decode with a torch.compile'd static-cache step (compiles once per batch bucket)
-    share_prompt_prefill: bool = True  # the k samples of a prompt share one prefill of it (same tokens at a seed)
-    compact_rollout: bool = True  # ended samples leave the decode batch (same tokens at a seed)
-    rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
-    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
-                                  # {>= 0}
-    tools: str = ""               # tools the policy may call in its rollouts: calculator and/or module:NAME /
-                                  # file.py:NAME, comma-separated (docs/usage.md, "Tools"); empty = none
-    max_turns: int = 4            # assistant turns a rollout may take, tool turns between them; --max_new_tokens
-                                  # bounds sampled and tool tokens together [with tools] {>= 1}
     # ---- the KL to the reference
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate;
