@@ -63,10 +63,8 @@ a group (Nash-MD: the sample and its opponent in both orders), in one call per s
 import copy
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
-from statistics import median
 from types import SimpleNamespace
 from typing import Literal, Optional
 
@@ -86,7 +84,7 @@ from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model
                               symmetric_preference)
 from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import SamplingOptions, cut_at_stop
-from nano_rlhf.watch import Watch, check_step
+from nano_rlhf.watch import Watch, check_step, watch_kl
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
 # the pairwise losses of train_dpo.py (its --loss table minus tdpo, whose token KL needs the reference's hidden
@@ -374,20 +372,6 @@ def cringe_labels(scores, threshold=None):
         key = scores.tolist()
         labels[key.index(max(key))], labels[key.index(min(key))] = 1, -1
     return labels
-
-
-def kl_jump(history, kl, floor, factor=3.0, window=10, min_history=5):
-    """Has the KL to the reference jumped? True when kl > floor nats and kl > factor × the median of the last
-    `window` values of history (the previous steps' KL), given at least min_history of them. Why a median: the
-    per-step KL is a k-sample Monte-Carlo estimate, and a single noisy step must neither trigger the warning nor
-    hide a later jump. Why both tests: early in a run the KL starts at 0, so any growth is a large ratio (the
-    floor); late, a few nats may be a normal budget, so only a sudden multiple of it is news (the ratio). A slow
-    drift moves the median along with the KL and never warns; a run-away like 1 → 15 nats within a few steps
-    (online DPO hacking a reward model on a held-back task, the over-optimisation of Gao et al. 2023) does."""
-    recent = history[-window:]
-    if len(recent) < max(min_history, 1):
-        return False
-    return kl > floor and kl > factor * max(median(recent), 0.0)
 
 
 # ---- sampling ----------------------------------------------------------------------------------
@@ -827,19 +811,6 @@ def main(argv=None):
     run_mod.finish(run, {"policy": policy}, {"reference": init_ref},
                   saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, init_ref=init_ref, judge=judge, optimizer=optimizer, options=opts)
-
-
-def watch_kl(watch, kl, floor, step):
-    """--kl_warn: one warning (rank 0) the first time the KL to the initial reference jumps (kl_jump: above
-    `floor` nats and a multiple of the previous steps' median); watch.history: train/kl of the steps so far."""
-    if not watch.warned and kl_jump(watch.history, kl, floor) and dist.world().is_main:
-        watch.warned = True
-        print(f"warning: step {step}: the KL to the initial reference jumped to {kl:.2f} "
-              f"nats (median {median(watch.history[-10:] or [0.0]):.2f} over the previous steps): the policy "
-              "may be exploiting a blind spot of the judge; compare train/score with an independent measure of "
-              "quality, and see docs/algorithms.md, 'Online and self-play methods'",
-              file=sys.stderr, flush=True)
-    watch.history.append(kl)
 
 
 def step_metrics(samples: Samples, scores, stats, gold):

@@ -52,7 +52,7 @@ sequence-level ratio). Groups of k samples live on one rank, so group statistics
 import contextlib
 import math
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Literal, Optional
@@ -64,14 +64,12 @@ from nano_rlhf import dist, lora
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import rollout as rollout_mod
 from nano_rlhf import run as run_mod
-from nano_rlhf import tools as tools_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FLOAT32_MAX, FrozenModelOptions, RunOptions
-from nano_rlhf.data import (Batches, collate_sft, default_path, load_prompts, load_records, prompt_limit,
-                            tokenize_prompts, tokenize_sft, training_length)
-from nano_rlhf.evaluate import eval_metrics
+from nano_rlhf.data import (Batches, SFTBatches, load_prompts, load_records, prompt_limit, tokenize_prompts,
+                            tokenize_sft, training_length)
 from nano_rlhf.model import token_logprobs
-from nano_rlhf.rollout import Models, Rollout
+from nano_rlhf.rollout import Models, Rollout, RolloutOptions
 from nano_rlhf.run import Learner, autocast, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import sampling_copy
 from nano_rlhf.watch import Watch, check_step
@@ -84,41 +82,9 @@ LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_s
 
 
 @dataclass
-class Options(FrozenModelOptions, RunOptions):
-    # ---- what is trained, from what, rewarded by what
+class Options(RolloutOptions, FrozenModelOptions, RunOptions):
+    # ---- what is trained (its models, prompts and rollout: nano_rlhf/rollout.py's RolloutOptions)
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
-    reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge /
-                                  # --pair_judge), or module:function / file.py:function
-    judge: str = ""               # pointwise judge, preferences by Bradley-Terry (reward-model dir, gold,
-                                  # module:function, llm:MODEL_DIR) [with reward=selfplay]
-    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b) (used over --judge)
-                                  # [with reward=selfplay]
-    judge_template: str = ""      # --judge llm:MODEL_DIR: template file with {prompt} and {response}; empty =
-                                  # nano_rlhf/templates/judge_default.txt [with reward=selfplay]
-    init: str = "out/sft"         # policy to start from (also the reference unless --ref)
-    ref: str = ""                 # reference policy directory; empty = --init
-    reward_model: str = "out/rm"  # reward model directory (with --reward model)
-    critic_init: Literal["auto", "reward_model", "policy"] = "auto"  # critic trunk+head from; auto = RM if used
-                                                                     # [with advantage=gae]
-    prompts: str = ""             # RL prompts JSONL {"prompt": ...}; empty = built-in task
-    eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
-    eval_fraction: float = 0.05   # share of --prompts held out for evaluation when no --eval_prompts {0 < x < 1}
-    out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
-    # ---- the rollout
-    batch_size: int = 8           # prompts per device per step {>= 1}
-    samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
-    max_new_tokens: int = 40      # response length limit (also Dr. GRPO's constant normaliser) {>= 1}
-    temperature: float = 1.0      # sampling temperature; log-probs use logits / temperature everywhere {> 0}
-    compile_rollout: bool = False # decode with a torch.compile'd static-cache step (compiles once per batch bucket)
-    share_prompt_prefill: bool = True  # the k samples of a prompt share one prefill of it (same tokens at a seed)
-    compact_rollout: bool = True  # ended samples leave the decode batch (same tokens at a seed)
-    rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
-    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
-                                  # {>= 0}
-    tools: str = ""               # tools the policy may call in its rollouts: calculator and/or module:NAME /
-                                  # file.py:NAME, comma-separated (docs/usage.md, "Tools"); empty = none
-    max_turns: int = 4            # assistant turns a rollout may take, tool turns between them; --max_new_tokens
-                                  # bounds sampled and tool tokens together [with tools] {>= 1}
     # ---- the KL to the reference
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate;
@@ -544,30 +510,6 @@ def lambda_step(log_lambda, episode_cost, limit, lr, lambda_max=math.inf):
                math.log(FLOAT32_MAX))
 
 
-class Lagrange:
-    """PPO-Lagrangian's state: log λ, and the (sum, count) of the episode costs of each recent step over all ranks,
-    the same on every rank (so every rank takes the same step and holds the same λ, and rank 0's checkpoint
-    restores it exactly)."""
-
-    def __init__(self, lambda_init, window_steps):
-        self.log_lambda, self.steps = math.log(lambda_init), deque(maxlen=window_steps)
-
-    @property
-    def multiplier(self):
-        return math.exp(self.log_lambda)
-
-    def update(self, costs, opts, move=True):
-        """Add this step's episode costs (all ranks': one all-reduce) to the window, take λ's step on J_C, the mean
-        episode cost over the window (unless move is False: --lambda_delay); returns J_C."""
-        self.steps.append(tuple(dist.all_reduce_sum(torch.tensor([costs.double().sum().item(), costs.numel()],
-                                                                 dtype=torch.float64)).tolist()))
-        episode_cost = sum(c for c, _ in self.steps) / sum(n for _, n in self.steps)
-        if move:
-            self.log_lambda = lambda_step(self.log_lambda, episode_cost, opts.cost_limit, opts.lambda_lr,
-                                          opts.lambda_max)
-        return episode_cost
-
-
 def lagrangian_targets(r: Rollout, multiplier, beta, **estimator):
     """PPO-Lagrangian's targets: the score's and the cost's advantages by the same estimator, the per-token KL
     penalty split between them as safe-rlhf splits it (−β/2·KL_t with the score, +β/2·KL_t with the cost, so the
@@ -640,37 +582,16 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
 def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
     """The rollout with what the update needs: π_old's log-probs (unless the update's own first forward is π_old),
     the reference's, the critic's values, and the sampler/trainer correction (--rollout_correction)."""
-    seq, attn, response_mask, device = r.query_response, r.attention_mask, r.response_mask, r.scores.device
-    actions = r.actions
-    P = r.query_len
     # One update on the rollout it was sampled from, and no KL: π_old is the current policy, so its log-probs
     # come from the update's own forward (detached) and this extra forward is skipped (as TRL's GRPO does).
     mismatch = opts.rollout_dtype != "float32" or opts.rollout_correction != "none"
     need_old = models.ref is not None or opts.ppo_epochs > 1 or opts.num_minibatches > 1 or mismatch
-    logprobs = torch.zeros_like(response_mask) if need_old else None
-    sampler_logprobs = torch.zeros_like(response_mask) if mismatch else None
-    ref_logprobs = torch.zeros_like(response_mask) if models.ref is not None else None
-    values = torch.zeros_like(response_mask) if models.critic is not None else None
-    cost_values = torch.zeros_like(response_mask) if models.cost_critic is not None else None
     # the sampler's log-probs: those of the sampling copy the engine decoded with (--rollout_dtype), recomputed
     # over the sampled sequences in one forward (the decode's own kernels may differ again in the last bits)
-    sampler = (sampling_copy(models.policy, getattr(torch, opts.rollout_dtype))
-               if mismatch and opts.rollout_dtype != "float32" else models.policy)
-    models.policy.eval()
-    for i in range(0, seq.shape[0], opts.micro_batch_size):
-        mb = slice(i, i + opts.micro_batch_size)
-        batch = (seq[mb], attn[mb], response_mask[mb], opts.temperature)
-        with autocast(device, opts.dtype):
-            if logprobs is not None:
-                logprobs[mb] = response_logprobs(models.policy, *batch)
-            if sampler_logprobs is not None:
-                sampler_logprobs[mb] = logprobs[mb] if sampler is models.policy else response_logprobs(sampler, *batch)
-            if ref_logprobs is not None:
-                ref_logprobs[mb] = response_logprobs(models.ref, *batch)
-            for critic, v in ((models.critic, values), (models.cost_critic, cost_values)):
-                if v is not None:
-                    v[mb] = critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
-    models.policy.train()
+    sampler = (sampling_copy(models.policy, getattr(torch, opts.rollout_dtype)) if opts.rollout_dtype != "float32"
+               else models.policy) if mismatch else None
+    r, sampler_logprobs = rollout_mod.forwards(r, models, response_logprobs, opts, old=need_old, sampler=sampler)
+    logprobs, actions = r.logprobs, r.actions
     policy_mask, is_weight, stats = r.policy_mask, None, dict(r.stats)
     if mismatch:
         # per token, on the sampler's samples: KL(sampler ‖ trainer) (k3: ≥ 0, unbiased) — of order d²/2, below
@@ -686,34 +607,24 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
             is_weight = w
         else:
             policy_mask = policy_mask * w
-    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, cost_values=cost_values,
-                   policy_mask=policy_mask, is_weight=is_weight, stats=stats)
+    return replace(r, policy_mask=policy_mask, is_weight=is_weight, stats=stats)
 
 
 # ---- update ----------------------------------------------------------------------------------------
 
-@dataclass
-class Ptx:
-    """The pre-training mix (InstructGPT PPO-ptx): SFT batches whose NLL joins the policy loss."""
-    batches: Batches
-    examples: list
-    coef: float
-    pad_id: int
-
-
-def ptx_backward(policy: Learner, ptx: Ptx, opts):
-    """γ_ptx · NLL of one SFT batch (token-mean over all ranks), backward without gradient sync."""
+def ptx_backward(policy: Learner, ptx: SFTBatches, opts):
+    """The pre-training mix (InstructGPT PPO-ptx): γ_ptx · NLL of the next SFT batch (token-mean over all ranks),
+    backward without gradient sync."""
     world = dist.world()
     device = next(policy.model.parameters()).device
-    ids, attn, loss_mask = (t.to(device) for t in collate_sft([ptx.examples[i] for i in ptx.batches.next_step()[0]],
-                                                              ptx.pad_id))
+    ids, attn, loss_mask = (t.to(device) for t in ptx.next_batch())
     targets = loss_mask[:, 1:].bool()
     n_global = dist.all_reduce_sum(float(targets.sum()))
     with policy.ddp.no_sync() if world.enabled else contextlib.nullcontext():
         with autocast(device, opts.dtype):
             hidden = policy.ddp(ids, attn, select=F.pad(targets, (0, 1)), return_hidden=True)
             nll = -token_logprobs(hidden, policy.model.output_weight(), ids[:, 1:][targets]).sum()
-        (ptx.coef * nll * token_mean_scale(n_global)).backward()
+        (opts.ptx_coef * nll * token_mean_scale(n_global)).backward()
 
 
 def policy_objective(opts):
@@ -732,7 +643,7 @@ def policy_objective(opts):
 
 
 def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: Optional[Learner], opts, beta, gen,
-           ptx: Optional[Ptx] = None, cost_critic: Optional[Learner] = None):
+           ptx: Optional[SFTBatches] = None, cost_critic: Optional[Learner] = None):
     """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critics only (warm-up).
     Returns named sums over this rank's tokens (and summed gradient norms) for the step's statistics."""
     critics = [(name, c, old, ret) for name, c, old, ret in (    # (metric prefix, the critic, V_old, its returns G)
@@ -874,23 +785,8 @@ def check_options(opts):
         fail(msg, 2)
 
 
-def tokenize_inputs(opts, tok, block, prompt_records, ptx_records, tools=None):
-    """The tokenized prompts (and their stats) and the PTX batches, at the lengths the policy's block_size
-    allows. Raises on bad input (one line via input_errors)."""
-    world = dist.world()
-    prompts, prompt_stats = tokenize_prompts(prompt_records, tok, prompt_limit(opts.max_prompt_len,
-                                                                               opts.max_new_tokens, block),
-                                             tools=None if tools is None else tools.schemas)
-    ptx = None
-    if ptx_records is not None:
-        ptx_examples, _ = tokenize_sft(ptx_records, tok, training_length(0, block, opts.init))
-        ptx = Ptx(Batches(len(ptx_examples), opts.ptx_batch_size, 1, world.rank, world.world_size, opts.seed),
-                  ptx_examples, opts.ptx_coef, tok.pad_id)
-    return prompts, prompt_stats, ptx
-
-
 def main(argv=None):
-    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", run_record,
+    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", rollout_mod.run_record,
                                         fill=fill_defaults)
     with input_errors():
         prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
@@ -899,42 +795,34 @@ def main(argv=None):
         torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
         models = rollout_mod.load_rollout_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records],
                                                  world.device, run.identity)
-        prompts, prompt_stats, ptx = tokenize_inputs(opts, tok, models.policy.cfg.block_size, prompt_records,
-                                                     ptx_records, models.tools)
+        block = models.policy.cfg.block_size         # prompts and PTX examples fit the policy's context
+        prompts, prompt_stats = tokenize_prompts(prompt_records, tok, prompt_limit(opts.max_prompt_len,
+                                                                                   opts.max_new_tokens, block),
+                                                 tools=None if models.tools is None else models.tools.schemas)
+        ptx = None if ptx_records is None else SFTBatches(
+            tokenize_sft(ptx_records, tok, training_length(0, block, opts.init))[0], opts.ptx_batch_size, tok.pad_id,
+            world.rank, world.world_size, opts.seed)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     eval_prompts = eval_records[:opts.eval_samples]
     run_mod.place(opts, world, {"policy": models.policy, "critic": models.critic, "cost critic": models.cost_critic},
                   {"ref": models.ref})
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
-    models.ref = run_mod.frozen(opts, models.ref)
-    for scorer in (models.reward, models.cost):
-        if isinstance(scorer, reward_mod.RewardModel):
-            scorer.model = run_mod.frozen(opts, scorer.model)
-    policy = Learner.of(models.policy, opts.lr, opts)
-    critic = Learner.of(models.critic, opts.critic_lr, opts) if models.critic is not None else None
-    cost_critic = Learner.of(models.cost_critic, opts.critic_lr, opts) if models.cost_critic is not None else None
-    trained = {"policy": policy, **({"critic": critic} if critic else {}),
-               **({"cost_critic": cost_critic} if cost_critic else {})}
+    trained = rollout_mod.ready_models(opts, models)    # the frozen models placed, the trained ones wrapped
+    policy, critic, cost_critic = trained["policy"], trained.get("critic"), trained.get("cost_critic")
     state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
-    lag = None               # J_C's window: the steps that hold the last --cost_window episode costs of each rank
-    if models.cost is not None:
-        lag = Lagrange(opts.lambda_init, -(-opts.cost_window // (opts.batch_size * opts.samples_per_prompt)))
-    run_mod.plan(opts, {"policy": models.policy, "critic": models.critic, "cost_critic": models.cost_critic,
-                       "ref": models.ref, "reward": getattr(models.reward, "model", None),
-                       "cost": getattr(models.cost, "model", None)})
+    lag = None if models.cost is None else rollout_mod.Lagrange(opts.lambda_init, opts.cost_window,
+                                                                 opts.batch_size * opts.samples_per_prompt)
     watch = Watch(opts.score_warn)
-    meta = run_mod.resume(opts, run, **state, data={"data": prompt_batches, "watch": watch})
+    orders = {"data": prompt_batches, "watch": watch, **({"ptx_data": ptx} if ptx else {})}   # resumable positions
+    meta = run_mod.resume(opts, run, **state, data=orders)
     if meta:
         kl_ctl.beta = meta["kl_coef"]
         if lag is not None:
-            lag.log_lambda = meta["log_lambda"]
-            lag.steps.extend(tuple(s) for s in meta["cost_window"])
-        if ptx is not None and "ptx_data" in meta:
-            ptx.batches.load_state_dict(meta["ptx_data"])
-    dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
+            lag.load_state_dict(meta)
+    dist.print0(rollout_mod.startup_line(opts, models, len(prompts), prompt_stats, run.step))
     warn_short_warmup(opts.max_steps, opts.warmup_steps)
     run.show = ["train/score", "train/gold_reward", "train/cost", "train/lambda", "train/kl", "train/entropy",
                 "train/clipfrac", "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score",
@@ -942,20 +830,10 @@ def main(argv=None):
     run.loss_key = ["train/policy_loss", "train/value_loss"]
 
     def evaluate(step):
-        """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps); rank 0 only."""
-        return eval_metrics(run, step, models.policy, tok, eval_prompts,
-                            replace(rollout_mod.sampling_options(opts, tok), temperature=1.0), ref=models.ref,
-                            rewards={**reward_mod.eval_columns(models.reward, models.gold),
-                                     **({"cost": models.cost} if models.cost is not None else {})},
-                            gathered=(models.ref, getattr(models.reward, "model", None),
-                                      getattr(models.cost, "model", None)), show=3, tools=models.tools,
-                            max_turns=opts.max_turns)
+        return rollout_mod.held_out_metrics(run, step, models, tok, eval_prompts, opts)
 
     def save(step):
-        run_mod.save(opts, step, **state, data={"data": prompt_batches, "watch": watch,
-                                               **({"ptx_data": ptx.batches} if ptx else {})},
-                    kl_coef=kl_ctl.beta, **({} if lag is None else {"log_lambda": lag.log_lambda,
-                                                                   "cost_window": list(lag.steps)}))
+        run_mod.save(opts, step, **state, data=orders, kl_coef=kl_ctl.beta, **({} if lag is None else lag.state_dict()))
         save_model_dir(opts.out_dir, models.policy, tok)
 
     if run.step == 0 and opts.eval_interval:       # the starting point of the eval curves
@@ -972,7 +850,10 @@ def main(argv=None):
         if lag is None:
             targets = advantages(batch, beta=beta, **estimator)
         else:                                  # λ's step on this step's costs first, as safe-rlhf does
-            episode_cost = lag.update(batch.costs, opts, move=step > opts.lambda_delay)
+            episode_cost = lag.episode_cost(batch.costs)
+            if step > opts.lambda_delay:
+                lag.log_lambda = lambda_step(lag.log_lambda, episode_cost, opts.cost_limit, opts.lambda_lr,
+                                             opts.lambda_max)
             targets = lagrangian_targets(batch, lag.multiplier, beta, **estimator)
         if opts.advantage in WHITENED:
             targets.adv = whiten_over_ranks(targets.adv, batch.actions)
@@ -1006,36 +887,6 @@ def main(argv=None):
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
                            cost=models.cost, cost_critic=models.cost_critic, lagrange=lag,
                            optimizers=state["optimizers"], options=opts)
-
-
-def run_record(opts, _):
-    """The inputs the run only reads (reward and judge code files too: an edited reward is another run) and its
-    data files; its options are its identity (nano_rlhf/run.py). A default out/rm that the run never opens (no
-    reward model, no critic from it) is no input: its files are not checksummed for --resume."""
-    rm_used = opts.reward == "model" or (opts.advantage == "gae" and opts.critic_init == "reward_model")
-    return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model if rm_used else "",
-                        "reward": reward_mod.code_file(opts.reward),
-                        "judge": reward_mod.model_dir(opts.judge) or reward_mod.code_file(opts.judge),
-                        "pair_judge": reward_mod.code_file(opts.pair_judge), "cost_model": opts.cost_model,
-                        "cost": reward_mod.code_file(opts.cost),
-                        **{"tools" + (f".{i}" if i else ""): f
-                           for i, f in enumerate(tools_mod.code_files(opts.tools))}},
-                data_files={"prompts": opts.prompts or default_path("prompts"),
-                            "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
-
-
-def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
-    """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
-    B, k = opts.batch_size, opts.samples_per_prompt
-    return (f"{opts.advantage.upper()} | reward {opts.reward} | {n_prompts:,} prompts ({prompt_stats}) | {B} prompts x "
-            f"{k} samples x {dist.world().world_size} ranks per step | {opts.ppo_epochs} epochs x "
-            f"{opts.num_minibatches} minibatches of {B * k // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
-            f"critic: {opts.critic_init if models.critic is not None else 'none'} | {opts.max_steps} steps"
-            + (f" | cost {opts.cost_model or opts.cost} <= {opts.cost_limit:g} (PPO-Lagrangian, λ from "
-               f"{opts.lambda_init:g})" if models.cost is not None else "")
-            + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
-                                              if isinstance(models.ref, lora.BaseView) else "")
-            + (f" | resuming at step {step}" if step else ""))
 
 
 if __name__ == "__main__":

@@ -344,6 +344,18 @@ class Batches:
         self.epoch, self.pos, self._perm = d["epoch"], d["pos"], None
 
 
+class SFTBatches(Batches):
+    """Batches of tokenized SFT examples drawn beside another loop (PPO-ptx's pre-training mix): each next_batch()
+    is this rank's share of the next global batch, collated (collate_sft); resumable as Batches."""
+
+    def __init__(self, examples, batch_size, pad_id, rank=0, world_size=1, seed=0):
+        super().__init__(len(examples), batch_size, 1, rank, world_size, seed)
+        self.examples, self.pad_id = examples, pad_id
+
+    def next_batch(self):
+        return collate_sft([self.examples[i] for i in self.next_step()[0]], self.pad_id)
+
+
 # ---- scored single responses (DRO; NPO and D2O read the unpaired kind; the rows: below) ---------
 
 def tokenize_scored(records, tok, max_len):

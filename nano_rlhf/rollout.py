@@ -1,25 +1,32 @@
 """Rollouts for a script that trains on its own samples (train_ppo.py): the models a rollout is sampled, scored and
-valued with (loaded from the script's options); k completions per prompt from the rollout engine, each cut after
-its first stop token; the reward read (a reward model on the very ids sampled, a function on the decoded texts, or
-a judge's preferences within each prompt's group) and a cost beside it; DAPO's sampling rounds; the Rollout
-container the update reads. Knows no loss, advantage or KL: what a reward becomes (normalised, clipped,
-penalised, a win rate) is the script's.
+valued with (loaded from the script's options, the inputs they read recorded, made ready for the loop, described
+in the start-up line); k completions per prompt from the rollout engine, each cut after its first stop token; the
+reward read (a reward model on the very ids sampled, a function on the decoded texts, or a judge's preferences
+within each prompt's group) and a cost beside it; DAPO's sampling rounds; the Rollout container the update reads
+and the models' forwards over it; the window of episode costs a Lagrange multiplier steps on; the held-out
+evaluation. Knows no loss, advantage or KL: what a reward becomes (normalised, clipped, penalised, a win rate),
+the log-prob gather and λ's step are the script's.
 
 B = prompts × k sequences, P = the longest prompt (left-padded), R = the longest response (right-padded).
 """
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import dist, lora, parallel
-from .data import collate_prompts
+from . import run as run_mod
+from .data import collate_prompts, default_path
+from .evaluate import eval_metrics
 from .model import GPT, ScoreModel
-from .reward import Judge, RewardModel, builtin_gold, load_function, load_judge, load_reward, preference_matrix
-from .run import check_vocab
+from .reward import (Judge, RewardModel, builtin_gold, code_file, eval_columns, load_function, load_judge,
+                     load_reward, model_dir, preference_matrix)
+from .run import Learner, autocast, check_vocab
 from .sampling import SamplingOptions, sample_responses
-from .tools import ToolBox, ToolEnv, load_tools
+from .tools import ToolBox, ToolEnv, code_files, load_tools
 
 
 @dataclass
@@ -54,6 +61,48 @@ class Rollout:
     def actions(self):
         """(B, R) the tokens the policy sampled (response_mask without tools)."""
         return self.response_mask if self.action_mask is None else self.action_mask
+
+
+@dataclass
+class RolloutOptions:
+    """The options of what a rollout loads, reads and samples (load_rollout_models, run_record, sampling_options,
+    sample_groups), declared once for the script's Options to take: `class Options(RolloutOptions, ...)` (train_ppo.py;
+    nano_rlhf/cli.py lists them in --help with the script's own options)."""
+    # ---- what is trained, from what, rewarded by what
+    advantage: str = "gae"        # the advantage estimator; a critic is loaded for gae only (the script's Options
+                                  # declares this option again, with its estimators)
+    reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge /
+                                  # --pair_judge), or module:function / file.py:function
+    judge: str = ""               # pointwise judge, preferences by Bradley-Terry (reward-model dir, gold,
+                                  # module:function, llm:MODEL_DIR) [with reward=selfplay]
+    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b) (used over --judge)
+                                  # [with reward=selfplay]
+    judge_template: str = ""      # --judge llm:MODEL_DIR: template file with {prompt} and {response}; empty =
+                                  # nano_rlhf/templates/judge_default.txt [with reward=selfplay]
+    init: str = "out/sft"         # policy to start from (also the reference unless --ref)
+    ref: str = ""                 # reference policy directory; empty = --init
+    reward_model: str = "out/rm"  # reward model directory (with --reward model)
+    critic_init: Literal["auto", "reward_model", "policy"] = "auto"  # critic trunk+head from; auto = RM if used
+                                                                     # [with advantage=gae]
+    prompts: str = ""             # RL prompts JSONL {"prompt": ...}; empty = built-in task
+    eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
+    eval_fraction: float = 0.05   # share of --prompts held out for evaluation when no --eval_prompts {0 < x < 1}
+    out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
+    # ---- the rollout
+    batch_size: int = 8           # prompts per device per step {>= 1}
+    samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
+    max_new_tokens: int = 40      # response length limit (also Dr. GRPO's constant normaliser) {>= 1}
+    temperature: float = 1.0      # sampling temperature; log-probs use logits / temperature everywhere {> 0}
+    compile_rollout: bool = False # decode with a torch.compile'd static-cache step (compiles once per batch bucket)
+    share_prompt_prefill: bool = True  # the k samples of a prompt share one prefill of it (same tokens at a seed)
+    compact_rollout: bool = True  # ended samples leave the decode batch (same tokens at a seed)
+    rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
+    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
+                                  # {>= 0}
+    tools: str = ""               # tools the policy may call in its rollouts: calculator and/or module:NAME /
+                                  # file.py:NAME, comma-separated (docs/usage.md, "Tools"); empty = none
+    max_turns: int = 4            # assistant turns a rollout may take, tool turns between them; --max_new_tokens
+                                  # bounds sampled and tool tokens together [with tools] {>= 1}
 
 
 @dataclass
@@ -116,6 +165,39 @@ def load_rollout_models(opts, tok, prompt_texts, device, identity):
             dist.check_same_weights(rm.model, what)
     return Models(policy=policy, reward=reward, ref=ref, critic=critic, gold=builtin_gold(prompt_texts),
                   cost=cost, cost_critic=cost_critic, tools=load_tools(opts.tools) if opts.tools else None)
+
+
+def run_record(opts, _):
+    """The inputs the run only reads (reward and judge code files too: an edited reward is another run) and its
+    data files; its options are its identity (nano_rlhf/run.py). A default out/rm that the run never opens (no
+    reward model, no critic from it) is no input: its files are not checksummed for --resume."""
+    rm_used = opts.reward == "model" or (opts.advantage == "gae" and opts.critic_init == "reward_model")
+    return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model if rm_used else "",
+                        "reward": code_file(opts.reward),
+                        "judge": model_dir(opts.judge) or code_file(opts.judge),
+                        "pair_judge": code_file(opts.pair_judge), "cost_model": opts.cost_model,
+                        "cost": code_file(opts.cost),
+                        **{"tools" + (f".{i}" if i else ""): f for i, f in enumerate(code_files(opts.tools))}},
+                data_files={"prompts": opts.prompts or default_path("prompts"),
+                            "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
+
+
+def ready_models(opts, models: Models):
+    """The models ready for the loop, once run.place has put them on the device: the frozen ones (reference,
+    reward and cost models) placed by --fsdp / --frozen / --offload_frozen, the trained ones wrapped with their
+    optimizers (the policy at --lr, the critics at --critic_lr), the memory plan printed. Returns the trained
+    ones, {"policy", "critic", "cost_critic": Learner}, the critics only where there are some."""
+    models.ref = run_mod.frozen(opts, models.ref)
+    for scorer in (models.reward, models.cost):
+        if isinstance(scorer, RewardModel):
+            scorer.model = run_mod.frozen(opts, scorer.model)
+    trained = {name: Learner.of(m, lr, opts) for name, m, lr in (
+        ("policy", models.policy, opts.lr), ("critic", models.critic, opts.critic_lr),
+        ("cost_critic", models.cost_critic, opts.critic_lr)) if m is not None}
+    run_mod.plan(opts, {"policy": models.policy, "critic": models.critic, "cost_critic": models.cost_critic,
+                        "ref": models.ref, "reward": getattr(models.reward, "model", None),
+                        "cost": getattr(models.cost, "model", None)})
+    return trained
 
 
 @torch.no_grad()
@@ -227,6 +309,38 @@ def sample_rounds(draw, k, batch_size, max_rounds, pad_id):
     return r
 
 
+@torch.no_grad()
+def forwards(r: Rollout, models: Models, logprobs_of, opts, old=True, sampler=None):
+    """The rollout with what the update reads from the models, computed over its sequences in micro-batches of
+    --micro_batch_size with the policy in eval mode: π_old's log-probs (old), the reference's, the critics' values;
+    and the sampler's log-probs (sampler: the sampling copy, or the policy itself: then π_old's), returned beside
+    it, (B, R) or None. logprobs_of(model, ids, attn, response_mask, temperature): the script's gather."""
+    seq, attn, response_mask, device = r.query_response, r.attention_mask, r.response_mask, r.scores.device
+    P = r.query_len
+    logprobs = torch.zeros_like(response_mask) if old else None
+    sampler_logprobs = torch.zeros_like(response_mask) if sampler is not None else None
+    ref_logprobs = torch.zeros_like(response_mask) if models.ref is not None else None
+    values = torch.zeros_like(response_mask) if models.critic is not None else None
+    cost_values = torch.zeros_like(response_mask) if models.cost_critic is not None else None
+    models.policy.eval()
+    for i in range(0, seq.shape[0], opts.micro_batch_size):
+        mb = slice(i, i + opts.micro_batch_size)
+        batch = (seq[mb], attn[mb], response_mask[mb], opts.temperature)
+        with autocast(device, opts.dtype):
+            if logprobs is not None:
+                logprobs[mb] = logprobs_of(models.policy, *batch)
+            if sampler_logprobs is not None:
+                sampler_logprobs[mb] = logprobs[mb] if sampler is models.policy else logprobs_of(sampler, *batch)
+            if ref_logprobs is not None:
+                ref_logprobs[mb] = logprobs_of(models.ref, *batch)
+            for critic, v in ((models.critic, values), (models.cost_critic, cost_values)):
+                if v is not None:
+                    v[mb] = critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
+    models.policy.train()
+    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values,
+                   cost_values=cost_values), sampler_logprobs
+
+
 def sampling_options(opts, tok):
     """What a rollout samples and how the engine computes it (nano_rlhf.sampling.SamplingOptions), from the
     script's options: pure sampling at τ up to the tokenizer's stop ids (end-of-text, the template's end-of-turn)."""
@@ -271,3 +385,57 @@ def step_metrics(r: Rollout, seq_kl, kl_penalty, sums, beta, k=1):
         means = sums / dist.world().world_size
         metrics.update({f"train/{k}": v for k, v in zip(names, means.tolist())})
     return metrics
+
+
+class Lagrange:
+    """PPO-Lagrangian's multiplier as state, its step left to the script: log λ, and the (sum, count) of the episode
+    costs of each recent step over all ranks, the same on every rank (so every rank takes the same step and holds
+    the same λ, and rank 0's checkpoint restores it exactly). The window: the fewest steps that hold the last
+    `cost_window` episode costs of each rank, at costs_per_step a step."""
+
+    def __init__(self, lambda_init, cost_window, costs_per_step):
+        self.log_lambda = math.log(lambda_init)
+        self.steps = deque(maxlen=-(-cost_window // costs_per_step))
+
+    @property
+    def multiplier(self):
+        return math.exp(self.log_lambda)
+
+    def episode_cost(self, costs):
+        """Add this step's episode costs (all ranks': one all-reduce) to the window; returns J_C, the mean episode
+        cost over the window."""
+        self.steps.append(tuple(dist.all_reduce_sum(torch.tensor([costs.double().sum().item(), costs.numel()],
+                                                                 dtype=torch.float64)).tolist()))
+        return sum(c for c, _ in self.steps) / sum(n for _, n in self.steps)
+
+    def state_dict(self):
+        return {"log_lambda": self.log_lambda, "cost_window": list(self.steps)}
+
+    def load_state_dict(self, meta):
+        self.log_lambda = meta["log_lambda"]
+        self.steps.extend(tuple(s) for s in meta["cost_window"])
+
+
+def held_out_metrics(run, step, models: Models, tok, prompts, opts):
+    """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps), scored by the reward,
+    the gold reward and the cost where there are some, with the KL to the reference; rank 0 only."""
+    return eval_metrics(run, step, models.policy, tok, prompts, replace(sampling_options(opts, tok), temperature=1.0),
+                        ref=models.ref, rewards={**eval_columns(models.reward, models.gold),
+                                                 **({"cost": models.cost} if models.cost is not None else {})},
+                        gathered=(models.ref, getattr(models.reward, "model", None),
+                                  getattr(models.cost, "model", None)), show=3, tools=models.tools,
+                        max_turns=opts.max_turns)
+
+
+def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
+    """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
+    B, k = opts.batch_size, opts.samples_per_prompt
+    return (f"{opts.advantage.upper()} | reward {opts.reward} | {n_prompts:,} prompts ({prompt_stats}) | {B} prompts x "
+            f"{k} samples x {dist.world().world_size} ranks per step | {opts.ppo_epochs} epochs x "
+            f"{opts.num_minibatches} minibatches of {B * k // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
+            f"critic: {opts.critic_init if models.critic is not None else 'none'} | {opts.max_steps} steps"
+            + (f" | cost {opts.cost_model or opts.cost} <= {opts.cost_limit:g} (PPO-Lagrangian, λ from "
+               f"{opts.lambda_init:g})" if models.cost is not None else "")
+            + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
+                                              if isinstance(models.ref, lora.BaseView) else "")
+            + (f" | resuming at step {step}" if step else ""))

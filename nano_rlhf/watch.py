@@ -1,5 +1,6 @@
 """Watching a run that trains on its own samples (train_online.py, train_ppo.py) for the failures that raise no
-error: the responses collapse, or the judge's score runs far beyond anything it gave the starting policy.
+error: the responses collapse, the judge's score runs far beyond anything it gave the starting policy, or the KL
+to the initial reference jumps (train_online.py's --kl_warn: kl_jump, watch_kl).
 
 Both are the shape of reward hacking (Gao et al. 2023): a judge is trusted only near the responses it was built
 on, and a policy optimised against it finds where it is wrong — often very short or empty answers, or one
@@ -24,9 +25,12 @@ The thresholds, stated (docs/algorithms.md, "Online and self-play methods"):
             deviation of the scores of the run's first step (the starting policy's samples), n = --score_warn.
             A step's mean over B responses has a spread of about sd₀/√B, so an honest step sits well inside;
             a reward in [0, 1] with sd₀ near ½ cannot leave at n = 3, and is not meant to (nothing to hack).
+  kl        the step's KL to the initial reference is above --kl_warn nats and 3 × the median of the last 10 steps'
+            (given 5 of them): a sudden run-away, not a slow drift (kl_jump says why)
 """
 import math
 import sys
+from statistics import median
 from typing import Optional
 
 import torch
@@ -182,3 +186,30 @@ def check_step(watch, step, lengths, completions, scores, k, trained=None):
     for line in watch.check(step, total[:4], k, total[4:7] if scores is not None else None, total[7:9],
                             total[9] if trained is not None else None):
         dist.print0(line, file=sys.stderr)
+
+
+def kl_jump(history, kl, floor, factor=3.0, window=10, min_history=5):
+    """Has the KL to the reference jumped? True when kl > floor nats and kl > factor × the median of the last
+    `window` values of history (the previous steps' KL), given at least min_history of them. Why a median: the
+    per-step KL is a k-sample Monte-Carlo estimate, and a single noisy step must neither trigger the warning nor
+    hide a later jump. Why both tests: early in a run the KL starts at 0, so any growth is a large ratio (the
+    floor); late, a few nats may be a normal budget, so only a sudden multiple of it is news (the ratio). A slow
+    drift moves the median along with the KL and never warns; a run-away like 1 → 15 nats within a few steps
+    (online DPO hacking a reward model on a held-back task, the over-optimisation of Gao et al. 2023) does."""
+    recent = history[-window:]
+    if len(recent) < max(min_history, 1):
+        return False
+    return kl > floor and kl > factor * max(median(recent), 0.0)
+
+
+def watch_kl(watch, kl, floor, step):
+    """--kl_warn: one warning (rank 0) the first time the KL to the initial reference jumps (kl_jump: above
+    `floor` nats and a multiple of the previous steps' median); watch.history: train/kl of the steps so far."""
+    if not watch.warned and kl_jump(watch.history, kl, floor) and dist.world().is_main:
+        watch.warned = True
+        print(f"warning: step {step}: the KL to the initial reference jumped to {kl:.2f} "
+              f"nats (median {median(watch.history[-10:] or [0.0]):.2f} over the previous steps): the policy "
+              "may be exploiting a blind spot of the judge; compare train/score with an independent measure of "
+              "quality, and see docs/algorithms.md, 'Online and self-play methods'",
+              file=sys.stderr, flush=True)
+    watch.history.append(kl)

@@ -5,7 +5,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from nano_rlhf.cli import build_parser, parse_args, parse_range, range_violation
+from nano_rlhf.cli import RunOptions, build_parser, parse_args, parse_range, range_violation
 
 
 @dataclass
@@ -118,11 +118,21 @@ class Sub(Base):
     note: float = 2.0             # said again by the subclass {> 1}
 
 
+@dataclass
+class Group:
+    temperature: float = 1.0      # an option group a package module declares for the scripts of its subject {> 0}
+
+
+@dataclass
+class Script(Group, RunOptions):
+    lr: float = 3e-4              # peak learning rate {> 0}
+    log_interval: int = 1         # said again by the script {>= 1}
+
 def test_an_inherited_field_keeps_its_help_and_range_and_a_redeclared_one_takes_the_subclass(capsys):
     text = " ".join(build_parser(Sub).format_help().split())
     assert "print every N steps {>= 1} (default: 10)" in text
     assert "said again by the subclass {> 1} (default: 2.0)" in text and "said by the base" not in text
-    assert text.index("--lr") < text.index("--log_interval")      # the subclass's own fields are listed first
+    assert text.index("--lr") > text.index("--log_interval")      # a field's place is where it is first declared
     assert parse_args(Sub, ["--log_interval", "3"]).log_interval == 3
     with pytest.raises(SystemExit) as e:
         parse_args(Sub, ["--log_interval", "0"])
@@ -130,6 +140,15 @@ def test_an_inherited_field_keeps_its_help_and_range_and_a_redeclared_one_takes_
     with pytest.raises(SystemExit):
         parse_args(Sub, ["--note", "1"])       # the subclass's range, not the base's {>= 0}
     assert capsys.readouterr().err == "error: --note must be > 1 (got 1.0)\n"
+
+
+def test_help_lists_the_script_s_options_and_its_option_groups_before_the_shared_run_options():
+    """--help: the script's own options and an option group it takes from a package module (rollout.RolloutOptions)
+    first, each in its declared place, then the run options every script shares (cli.RunOptions); a run option the
+    script declares again is the script's."""
+    text = " ".join(build_parser(Script).format_help().split())
+    assert text.index("--log_interval") < text.index("--temperature") < text.index("--lr") < text.index("--device")
+    assert "said again by the script {>= 1} (default: 1)" in text
 
 
 @dataclass
@@ -248,7 +267,8 @@ def test_no_help_line_of_an_options_class_is_lost():
     import tokenize
     lost = []
     for name in ("train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired",
-                 "train_online", "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge", "nano_rlhf.cli"):
+                 "train_online", "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge", "nano_rlhf.cli",
+                 "nano_rlhf.rollout"):
         module = importlib.import_module(name)
         for cls in vars(module).values():
             if not (inspect.isclass(cls) and cls.__module__ == module.__name__ and cls.__name__.endswith("Options")):

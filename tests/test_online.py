@@ -10,6 +10,7 @@ import torch
 
 import train_online as T
 from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
+from nano_rlhf import watch as watch_mod
 from nano_rlhf.model import GPT
 from nano_rlhf.reward import Judge, preference_matrix, symmetric_preference
 
@@ -168,7 +169,7 @@ def group_matrix(upper):
 def test_kl_jump_warns_on_a_jump_not_on_drift_noise_or_small_values():
     """kl_jump on synthetic per-step KL series: the first value flagged, or None."""
     def first(series, floor=2.0):
-        return next((t for t in range(len(series)) if T.kl_jump(series[:t], series[t], floor)), None)
+        return next((t for t in range(len(series)) if watch_mod.kl_jump(series[:t], series[t], floor)), None)
     # issue 23's shape: about 1 nat for a while, then a run-away to 15 within a few steps
     jump = [0.0, 0.2, 0.5, 0.8, 1.0, 1.1, 0.9, 1.0, 1.2, 1.0, 1.1, 3.0, 6.5, 15.3]
     assert first(jump) == 12                       # 3.0 is under 3x the median 1.0; 6.5 is not
@@ -183,13 +184,14 @@ def test_kl_jump_warns_on_a_jump_not_on_drift_noise_or_small_values():
     small = [0.01] * 10 + [0.1, 0.5]
     assert first(small) is None and first(small, floor=0.05) == 10
     # too little history: no verdict yet, however large the value
-    assert not T.kl_jump([0.0, 0.0], 50.0, 2.0) and T.kl_jump([0.0] * 5, 50.0, 2.0)
+    assert not watch_mod.kl_jump([0.0, 0.0], 50.0, 2.0) and watch_mod.kl_jump([0.0] * 5, 50.0, 2.0)
 
 
 def test_kl_warning_is_one_line_once_and_off_with_zero(tmp_path, sft_dir, rm_dir, monkeypatch, capsys):
     """The warning's wiring: whenever the rule fires it is printed once per run, on stderr; --kl_warn 0 never."""
     seen = []
-    monkeypatch.setattr(T, "kl_jump", lambda history, kl, floor: seen.append((list(history), kl, floor)) or True)
+    monkeypatch.setattr(watch_mod, "kl_jump",
+                        lambda history, kl, floor: seen.append((list(history), kl, floor)) or True)
     T.main(online_args(tmp_path, sft_dir, rm_dir, "w", steps=3))
     err = capsys.readouterr().err
     assert err.count("warning: step 1: the KL to the initial reference jumped") == 1 and err.count("warning:") == 1
