@@ -113,16 +113,20 @@ def turns(*a, **k):                      # each sampling call replays the script
     return real(*a, **k)
 sampling.sample_token, sampling.generate_turns = scripted, turns
 out = train_ppo.main(sys.argv[1:])
-digest = sum(p.double().sum().item() for p in out.policy.parameters())
+# under --fsdp a parameter is this rank's shard (and the group is gone): the saved model is the one whole copy
+sharded = any(hasattr(p, "full_tensor") for p in out.policy.parameters())
+digest = "sharded" if sharded else sum(p.double().sum().item() for p in out.policy.parameters())
 with open(os.path.join(os.environ["SPY_DIR"], "rank%s.json" % os.environ["RANK"]), "w") as f:
     json.dump({"policy": digest}, f)
 """
 
 
-def test_ddp_ranks_taking_different_numbers_of_turns_stay_in_step(tmp_path):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_ranks_taking_different_numbers_of_turns_stay_in_step(tmp_path, sharding):
     """Two ranks, one whose policy calls the calculator (two assistant turns) and one that answers at once: no
-    collective inside the rollout loop, so neither waits for the other's turns; both finish with identical weights
-    (run.finish checks) and the metrics count the calls of one rank's samples."""
+    collective inside the rollout loop (under --fsdp the sampler reads weights gathered once, before it), so neither
+    waits for the other's turns; both finish with identical weights (run.finish checks) and the metrics count the
+    calls of one rank's samples."""
     import json
     from test_chat_templates import build, calls
     from conftest import metrics, run, write_jsonl
@@ -142,9 +146,10 @@ def test_ddp_ranks_taking_different_numbers_of_turns_stay_in_step(tmp_path):
     run([str(tmp_path / "spy.py"), "--init", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.jsonl"),
          "--eval_prompts", str(tmp_path / "e.jsonl"), "--advantage", "grpo", "--reward", f"{tmp_path / 'r.py'}:reward",
          "--tools", "calculator", "--max_turns", "3", "--max_new_tokens", str(len(with_tool) + 4), "--batch_size", "1",
-         "--samples_per_prompt", "2", "--max_steps", "2", "--eval_interval", "0", "--out_dir", str(tmp_path / "o")],
+         "--samples_per_prompt", "2", "--max_steps", "2", "--eval_interval", "0", "--out_dir", str(tmp_path / "o"),
+         *(["--fsdp"] if sharding == "fsdp" else [])],
         nproc=2, env={"SPY_DIR": str(tmp_path), "SCRIPT_0": json.dumps(with_tool), "SCRIPT_1": json.dumps(answer)})
     r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
-    assert r0 == r1
+    assert r0 == r1 and (r0["policy"] == "sharded") == (sharding == "fsdp")
     m = metrics(tmp_path / "o")
     assert len(m) == 2 and all(x["train/tool_calls"] == pytest.approx(0.5) for x in m)   # rank 0: 1 a sample
