@@ -153,3 +153,71 @@ def test_ranks_taking_different_numbers_of_turns_stay_in_step(tmp_path, sharding
     assert r0 == r1 and (r0["policy"] == "sharded") == (sharding == "fsdp")
     m = metrics(tmp_path / "o")
     assert len(m) == 2 and all(x["train/tool_calls"] == pytest.approx(0.5) for x in m)   # rank 0: 1 a sample
+
+
+TOOL_FILE = '''def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: the expression
+    """
+    return "42"
+
+
+TOOLS = [calculator]
+'''
+
+
+def test_a_tool_run_resumes_exactly_knows_its_tool_file_and_trains_lora(tmp_path, monkeypatch, capsys):
+    """GRPO with a user tool file, a policy scripted to call it: stopped after step 1 and resumed, the run ends
+    bit-identical to the straight run; a resume after the tool file changed is refused in one line (its source is
+    part of the run's identity); with --lora_r the same run trains adapters (run.finish checks the frozen base)."""
+    from test_chat_templates import build, calls
+    from conftest import metrics, write_jsonl
+    from nano_rlhf import sampling
+    from safetensors.torch import load_file
+    _, tok, _ = build("qwen2.5", tmp_path / "m")
+    script = tok.encode(chat.assistant_text(tok.chat_template, "", calls(("calculator", {"expression": "6*7"})))) + \
+        [tok.eot_id] + tok.encode_tool_turn(["42"]) + tok.encode("It is 42.") + [tok.eot_id]
+    step = scripted_policy(monkeypatch, script)
+    real = sampling.generate_turns
+
+    def turns(*a, **k):                  # each sampling call replays the script from its start
+        step[0] = 0
+        return real(*a, **k)
+    monkeypatch.setattr(sampling, "generate_turns", turns)
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
+        str(tmp_path / "m"))
+    (tmp_path / "t.py").write_text(TOOL_FILE)
+    (tmp_path / "r.py").write_text("def reward(p, c):\n    return [float('42' in x) for x in c]\n")
+    rows = [{"prompt": [{"role": "user", "content": f"What is 6*7? ({i})"}]} for i in range(8)]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    write_jsonl(tmp_path / "e.jsonl", rows[:2])
+
+    def main(out, *extra):
+        return train_ppo.main(["--init", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.jsonl"),
+                               "--eval_prompts", str(tmp_path / "e.jsonl"), "--advantage", "grpo",
+                               "--reward", f"{tmp_path / 'r.py'}:reward", "--tools", f"{tmp_path / 't.py'}:TOOLS",
+                               "--max_turns", "3", "--max_new_tokens", str(len(script) + 4), "--batch_size", "2",
+                               "--samples_per_prompt", "2", "--max_steps", "2", "--eval_interval", "0",
+                               "--out_dir", str(tmp_path / out), *extra])
+    main("straight")
+    main("resumed", "--stop_at", "1")
+    main("resumed", "--resume")
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("straight", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    la, lb = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    for key in ("train/policy_loss", "train/score", "train/tool_calls", "train/grad_norm"):
+        assert [x[key] for x in la] == [x[key] for x in lb], key
+    assert all(x["train/tool_calls"] == 1.0 for x in la)
+    main("changed", "--stop_at", "1")
+    (tmp_path / "t.py").write_text(TOOL_FILE.replace('"42"', '"41"'))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main("changed", "--resume")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code != 0 and len(err) == 1 and err[0].startswith("error: ") and "t.py" in err[0], err
+    (tmp_path / "t.py").write_text(TOOL_FILE)
+    out = main("lora", "--lora_r", "4")
+    assert any("lora" in n for n, _ in out.policy.named_parameters())
