@@ -76,14 +76,14 @@ from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FrozenModelOptions, RunOptions
-from nano_rlhf.data import (Batches, collate_prompts, default_path, load_prompts, pad_right, prompt_limit,
-                            tokenize_prompts)
+from nano_rlhf.data import Batches, default_path, load_prompts, prompt_limit, tokenize_prompts
 from nano_rlhf.evaluate import eval_metrics
 from nano_rlhf.model import GPT, token_logprobs
 from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model_dir as judge_dir, preference_matrix,
                               symmetric_preference)
+from nano_rlhf.rollout import Samples, judge_scores, sample_from_mixture
 from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
-from nano_rlhf.sampling import SamplingOptions, cut_at_stop
+from nano_rlhf.sampling import SamplingOptions
 from nano_rlhf.watch import Watch, check_step, watch_kl
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
@@ -372,112 +372,6 @@ def cringe_labels(scores, threshold=None):
         key = scores.tolist()
         labels[key.index(max(key))], labels[key.index(min(key))] = 1, -1
     return labels
-
-
-# ---- sampling ----------------------------------------------------------------------------------
-
-def sample_uniforms(seed, step, prompt_ids, k, length, stream=0):
-    """(len(prompt_ids)·k, length) uniform numbers, row (prompt p, sample j) from its own generator seeded by
-    (seed, step, p, j, stream): a sample does not depend on which rank or batch row its prompt landed in."""
-    rows = []
-    for p in prompt_ids:
-        for j in range(k):
-            g = torch.Generator().manual_seed(((((seed * 1_000_003 + step) * 1_000_003 + p) * 1009 + j) * 7 + stream)
-                                              % (1 << 63))   # any --seed: manual_seed takes 64 bits
-            rows.append(torch.rand(length, generator=g, dtype=torch.float64))
-    return torch.stack(rows)
-
-
-@torch.no_grad()
-def generate_mixture(mixture, input_ids, attention_mask, uniforms, temperature, stop_ids, pad_id):
-    """Sample from the normalised geometric mixture Π_m π_m^{w_m} (mixture = [(model, w_m)], Σ w_m = 1): at each
-    step the logits are Σ_m w_m·logits_m (softmax renormalises per token), divided by τ, and token t of row b is
-    the inverse-CDF sample of uniforms[b, t]. A single (policy, 1.0) is plain sampling. Each model keeps its own
-    KV cache (trunk.forward_cached), as GPT.generate does. Returns (B, Tp + n) ids, pad after a row's stop token."""
-    B, Tp = input_ids.shape
-    n_new = uniforms.shape[1]
-    mask = attention_mask.long()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    ends = torch.tensor(sorted(stop_ids), device=input_ids.device)
-    caches, hidden = [], []
-    for model, _ in mixture:
-        model.eval()
-        W, cfg = model.output_weight(), model.cfg
-        shape = (B, cfg.kv_heads, Tp + n_new, cfg.hd)
-        caches.append([(W.new_empty(shape), W.new_empty(shape)) for _ in range(cfg.n_layer)])
-        hidden.append(model.trunk.forward_cached(input_ids, mask, pos, caches[-1], 0)[:, -1])
-    next_pos, finished, new = pos[:, -1:] + 1, torch.zeros(B, dtype=torch.bool, device=input_ids.device), []
-    for t in range(n_new):
-        logits = sum(weight * F.linear(h, model.output_weight()).float() for (model, weight), h in zip(mixture, hidden))
-        cdf = (logits / temperature).softmax(-1).cumsum(-1)
-        u = uniforms[:, t:t + 1].to(cdf) * cdf[:, -1:]
-        tok = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
-        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
-        new.append(tok)
-        finished |= torch.isin(tok, ends)
-        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
-        if bool(finished.all()) or t == n_new - 1:
-            break
-        hidden = [model.trunk.forward_cached(tok[:, None], mask, next_pos, cache, Tp + t)[:, -1]
-                  for (model, _), cache in zip(mixture, caches)]
-        next_pos = next_pos + 1
-    return torch.cat([input_ids, torch.stack(new, 1)], 1)
-
-
-@dataclass
-class Samples:
-    """k responses per prompt, groups of k consecutive rows. R = longest response."""
-    ids: torch.Tensor             # (N, P+R) left-padded prompt | response, padded after its stop token
-    attn: torch.Tensor            # (N, P+R) 1 on real tokens
-    response_mask: torch.Tensor   # (N, R) float, 1 up to and including the first stop token
-    has_eos: torch.Tensor         # (N,) float
-    prompts: list                 # N prompt texts (as given in the prompts file)
-    completions: list             # N decoded responses
-
-
-def sample(mixture, prompts, prompt_ids, tok, opts, step, device, stream=0):
-    """k responses per prompt from the (mixture of) model(s): tokenized prompt records, their dataset indices."""
-    k = opts.samples_per_prompt
-    q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
-    u = sample_uniforms(opts.seed, step, prompt_ids, k, opts.max_new_tokens, stream)
-    seq = generate_mixture(mixture, q_ids.to(device), q_mask.to(device), u.to(device), opts.temperature,
-                           tok.stop_ids, tok.pad_id)
-    prompt_len = q_ids.shape[1]
-    resp, response_mask, length, has_eos = cut_at_stop(seq[:, prompt_len:], tok.stop_ids, tok.pad_id)
-    return Samples(ids=torch.cat([seq[:, :prompt_len], resp], 1),
-                   attn=torch.cat([q_mask.to(device), response_mask.long()], 1),
-                   response_mask=response_mask.float(), has_eos=has_eos.float(),
-                   prompts=[p["text"] for p in prompts for _ in range(k)],
-                   completions=[tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())])
-
-
-def judge_scores(judge, samples: Samples, tok, missing_eos_penalty=None):
-    """The pointwise judge's scores of the samples (N,), float64. A reward model scores the very ids sampled, as
-    the PPO rollout does (a decode/re-encode round trip need not give them back, nor fit the context), each row
-    closed by the end token the score is read at when the response never produced it (end-of-text after a text
-    prompt, the template's end-of-turn after a conversation, as RewardModel.__call__ closes a completion).
-    missing_eos_penalty: subtracted from the score of every response cut at --max_new_tokens (TRL's
-    OnlineDPOConfig.missing_eos_penalty). Why: a judge may like a long unfinished answer; without the penalty the
-    policy learns to ramble until the length limit."""
-    scores = _raw_scores(judge, samples, tok)
-    if missing_eos_penalty:
-        scores = scores - missing_eos_penalty * (1 - samples.has_eos.double().cpu())
-    return scores
-
-
-def _raw_scores(judge, samples: Samples, tok):
-    rm = judge.pointwise
-    if not isinstance(rm, reward_mod.RewardModel):
-        return judge.scores(samples.prompts, samples.completions)
-    rows = []
-    for ids, attn, ended, prompt in zip(samples.ids.tolist(), samples.attn.tolist(), samples.has_eos.tolist(),
-                                        samples.prompts):
-        row = [t for t, a in zip(ids, attn) if a]                  # the row alone, no padding
-        if not ended:
-            row.append(tok.eos_id if isinstance(prompt, str) else tok.eot_id)
-        rows.append(row[-rm.model.cfg.block_size:])
-    ids, attn = pad_right(rows, tok.pad_id), pad_right([[1] * len(r) for r in rows], 0)   # right-padded: plain causal
-    return rm.score_tokens(ids.to(rm.device), attn.to(rm.device)).double().cpu()
 
 
 def group_preferences(judge, samples: Samples, k, tok, penalty=None):
@@ -769,10 +663,10 @@ def main(argv=None):
         # weights gathered once for the whole decoding, not once per token, as train_ppo.py's rollout
         opponents = None
         with parallel.gathered(policy, ref if opts.method == "nash_md" else None):
-            batch_samples = sample([(policy, 1.0)], batch, idx, tok, opts, step, world.device)
+            batch_samples = sample_from_mixture([(policy, 1.0)], batch, idx, tok, opts, step, world.device)
             if opts.method == "nash_md":
-                opponents = sample([(policy, 1 - opts.mixture_coef), (ref, opts.mixture_coef)], batch, idx, tok,
-                                   opts, step, world.device, stream=1)
+                mixture = [(policy, 1 - opts.mixture_coef), (ref, opts.mixture_coef)]   # π_θ^(1−β′)·π_ref^β′
+                opponents = sample_from_mixture(mixture, batch, idx, tok, opts, step, world.device, stream=1)
         policy.train()
         t_gen = time.time() - t0
         # 2. judge

@@ -1,11 +1,12 @@
-"""Rollouts for a script that trains on its own samples (train_ppo.py): the models a rollout is sampled, scored and
-valued with (loaded from the script's options, the inputs they read recorded, made ready for the loop, described
-in the start-up line); k completions per prompt from the rollout engine, each cut after its first stop token; the
-reward read (a reward model on the very ids sampled, a function on the decoded texts, or a judge's preferences
-within each prompt's group) and a cost beside it; DAPO's sampling rounds; the Rollout container the update reads
-and the models' forwards over it; the window of episode costs a Lagrange multiplier steps on; the held-out
-evaluation. Knows no loss, advantage or KL: what a reward becomes (normalised, clipped, penalised, a win rate),
-the log-prob gather and λ's step are the script's.
+"""Rollouts for the scripts that train on their own samples. For train_ppo.py: the models a rollout is sampled,
+scored and valued with (loaded from the script's options, the inputs they read recorded, made ready for the loop,
+described in the start-up line); k completions per prompt from the rollout engine, each cut after its first stop
+token; the reward read (a reward model on the very ids sampled, a function on the decoded texts, or a judge's
+preferences within each prompt's group) and a cost beside it; DAPO's sampling rounds; the Rollout container the
+update reads and the models' forwards over it; the window of episode costs a Lagrange multiplier steps on; the
+held-out evaluation. For train_online.py (at the end): k samples a prompt from the policy or from a geometric
+mixture of models, and a pointwise judge's scores of them. Knows no loss, advantage or KL: what a reward becomes
+(normalised, clipped, penalised, a win rate), the log-prob gather and λ's step are the script's.
 
 B = prompts × k sequences, P = the longest prompt (left-padded), R = the longest response (right-padded).
 """
@@ -19,13 +20,13 @@ import torch.nn.functional as F
 
 from . import dist, lora, parallel
 from . import run as run_mod
-from .data import collate_prompts, default_path
+from .data import collate_prompts, default_path, pad_right
 from .evaluate import eval_metrics
 from .model import GPT, ScoreModel
 from .reward import (Judge, RewardModel, builtin_gold, code_file, eval_columns, load_function, load_judge,
                      load_reward, model_dir, preference_matrix)
 from .run import Learner, autocast, check_vocab
-from .sampling import SamplingOptions, sample_responses
+from .sampling import SamplingOptions, cut_at_stop, generate_mixture, sample_responses, sample_uniforms
 from .tools import ToolBox, ToolEnv, code_files, load_tools
 
 
@@ -439,3 +440,61 @@ def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
             + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
                                               if isinstance(models.ref, lora.BaseView) else "")
             + (f" | resuming at step {step}" if step else ""))
+
+
+# ---- train_online.py's samples: k per prompt from a (mixture of) model(s), and a pointwise judge's scores ----
+
+@dataclass
+class Samples:
+    """k responses per prompt, groups of k consecutive rows. R = longest response."""
+    ids: torch.Tensor             # (N, P+R) left-padded prompt | response, padded after its stop token
+    attn: torch.Tensor            # (N, P+R) 1 on real tokens
+    response_mask: torch.Tensor   # (N, R) float, 1 up to and including the first stop token
+    has_eos: torch.Tensor         # (N,) float
+    prompts: list                 # N prompt texts (as given in the prompts file)
+    completions: list             # N decoded responses
+
+
+def sample_from_mixture(mixture, prompts, prompt_ids, tok, opts, step, device, stream=0):
+    """k responses per prompt from the (mixture of) model(s): tokenized prompt records, their dataset indices."""
+    k = opts.samples_per_prompt
+    q_ids, q_mask = collate_prompts([p["prompt"] for p in prompts for _ in range(k)], tok.pad_id)
+    u = sample_uniforms(opts.seed, step, prompt_ids, k, opts.max_new_tokens, stream)
+    seq = generate_mixture(mixture, q_ids.to(device), q_mask.to(device), u.to(device), opts.temperature,
+                           tok.stop_ids, tok.pad_id)
+    prompt_len = q_ids.shape[1]
+    resp, response_mask, length, has_eos = cut_at_stop(seq[:, prompt_len:], tok.stop_ids, tok.pad_id)
+    return Samples(ids=torch.cat([seq[:, :prompt_len], resp], 1),
+                   attn=torch.cat([q_mask.to(device), response_mask.long()], 1),
+                   response_mask=response_mask.float(), has_eos=has_eos.float(),
+                   prompts=[p["text"] for p in prompts for _ in range(k)],
+                   completions=[tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())])
+
+
+def judge_scores(judge, samples: Samples, tok, missing_eos_penalty=None):
+    """The pointwise judge's scores of the samples (N,), float64. A reward model scores the very ids sampled, as
+    the PPO rollout does (a decode/re-encode round trip need not give them back, nor fit the context), each row
+    closed by the end token the score is read at when the response never produced it (end-of-text after a text
+    prompt, the template's end-of-turn after a conversation, as RewardModel.__call__ closes a completion).
+    missing_eos_penalty: subtracted from the score of every response cut at --max_new_tokens (TRL's
+    OnlineDPOConfig.missing_eos_penalty). Why: a judge may like a long unfinished answer; without the penalty the
+    policy learns to ramble until the length limit."""
+    scores = _raw_scores(judge, samples, tok)
+    if missing_eos_penalty:
+        scores = scores - missing_eos_penalty * (1 - samples.has_eos.double().cpu())
+    return scores
+
+
+def _raw_scores(judge, samples: Samples, tok):
+    rm = judge.pointwise
+    if not isinstance(rm, RewardModel):
+        return judge.scores(samples.prompts, samples.completions)
+    rows = []
+    for ids, attn, ended, prompt in zip(samples.ids.tolist(), samples.attn.tolist(), samples.has_eos.tolist(),
+                                        samples.prompts):
+        row = [t for t, a in zip(ids, attn) if a]                  # the row alone, no padding
+        if not ended:
+            row.append(tok.eos_id if isinstance(prompt, str) else tok.eot_id)
+        rows.append(row[-rm.model.cfg.block_size:])
+    ids, attn = pad_right(rows, tok.pad_id), pad_right([[1] * len(r) for r in rows], 0)   # right-padded: plain causal
+    return rm.score_tokens(ids.to(rm.device), attn.to(rm.device)).double().cpu()

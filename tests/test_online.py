@@ -10,6 +10,7 @@ import torch
 
 import train_online as T
 from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
+from nano_rlhf import rollout, sampling
 from nano_rlhf import watch as watch_mod
 from nano_rlhf.model import GPT
 from nano_rlhf.reward import Judge, preference_matrix, symmetric_preference
@@ -250,7 +251,7 @@ def test_mixture_sampler_draws_each_token_from_the_normalised_geometric_mixture(
     ids, mask = collate_prompts(prompts, tok.pad_id)
     u = torch.rand(2, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     c, tau = 0.3, 0.8
-    seq = T.generate_mixture([(pi, 1 - c), (ref, c)], ids, mask, u, tau, [tok.eos_id], tok.pad_id)
+    seq = sampling.generate_mixture([(pi, 1 - c), (ref, c)], ids, mask, u, tau, [tok.eos_id], tok.pad_id)
     for b, p in enumerate(prompts):
         new = seq[b, ids.shape[1]:].tolist()
         for t, token in enumerate(new):
@@ -494,11 +495,11 @@ def test_reward_model_judge_scores_the_sampled_ids_closed_by_the_end_token(tok, 
     policy = GPT.from_pretrained(eos_sft_dir).eval()
     prompts, _ = tokenize_prompts(prompt_rows(6), tok, 40)
     opts = T.Options(samples_per_prompt=2, max_new_tokens=12)
-    s = T.sample([(policy, 1.0)], prompts, list(range(6)), tok, opts, 1, "cpu")
+    s = rollout.sample_from_mixture([(policy, 1.0)], prompts, list(range(6)), tok, opts, 1, "cpu")
     assert 0 < s.has_eos.sum() < len(s.has_eos), "the test needs finished and unfinished rows"
-    scores = T.judge_scores(load_judge(rm_dir, tokenizer=tok), s, tok)
+    scores = rollout.judge_scores(load_judge(rm_dir, tokenizer=tok), s, tok)
     # --missing_eos_penalty (TRL's): exactly the unfinished rows lose exactly the penalty
-    penalised = T.judge_scores(load_judge(rm_dir, tokenizer=tok), s, tok, missing_eos_penalty=2.5)
+    penalised = rollout.judge_scores(load_judge(rm_dir, tokenizer=tok), s, tok, missing_eos_penalty=2.5)
     assert torch.equal(penalised, scores - 2.5 * (1 - s.has_eos.double()))
     rm = ScoreModel.from_pretrained(rm_dir).eval()
     for i in range(len(scores)):
