@@ -84,7 +84,7 @@ from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model
 from nano_rlhf.rollout import Samples, judge_scores, sample_from_mixture
 from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import SamplingOptions
-from nano_rlhf.watch import Watch, check_step, watch_kl
+from nano_rlhf.watch import KLWatch, Watch, check_step, watch_kl
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
 # the pairwise losses of train_dpo.py (its --loss table minus tdpo, whose token KL needs the reference's hidden
@@ -652,7 +652,7 @@ def main(argv=None):
 
     if run.step == 0 and opts.eval_interval:
         run.log(0, evaluate(0))
-    kl_watch = SimpleNamespace(history=[], warned=False)   # train/kl so far (a resumed run starts a new history)
+    kl_watch = KLWatch()
     for step in range(run.step + 1, opts.max_steps + 1):
         t0 = time.time()
         lr = lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant")

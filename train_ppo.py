@@ -850,7 +850,7 @@ def main(argv=None):
         if lag is None:
             targets = advantages(batch, beta=beta, **estimator)
         else:                                  # λ's step on this step's costs first, as safe-rlhf does
-            episode_cost = lag.episode_cost(batch.costs)
+            episode_cost = lag.add_costs(batch.costs)
             if step > opts.lambda_delay:
                 lag.log_lambda = lambda_step(lag.log_lambda, episode_cost, opts.cost_limit, opts.lambda_lr,
                                              opts.lambda_max)

@@ -271,7 +271,8 @@ def plain_tools_text(tools) -> str:
         required = set(params.get("required", []))
         args = ", ".join(f"{a}{'' if a in required else '?'}: {spec.get('type', 'any')}"
                          for a, spec in params.get("properties", {}).items())
-        return f"{f['name']}({args})" + (f": {f['description']}" if f.get("description") else "")
+        about = " ".join(f.get("description", "").split())       # one line, whatever the docstring's layout
+        return f"{f['name']}({args})" + (f": {about}" if about else "")
     return "Tools: " + "; ".join(signature(t) for t in tools)
 
 

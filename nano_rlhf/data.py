@@ -616,6 +616,13 @@ def _tools(obj, where, conversational):
                             f"A-Z a-z 0-9 _ . -, got {str(t)[:80]}")
         if name in names:
             raise DataError(f"{where}: tools[{j}]: two tools named {name!r}")
+        params = f.get("parameters", {})
+        props = params.get("properties", {}) if isinstance(params, dict) else None
+        if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()) or \
+                not isinstance(params.get("required", []), list) or not isinstance(f.get("description", ""), str):
+            raise DataError(f"{where}: tools[{j}] ({name}): 'parameters' must be a JSON schema object "
+                            f"{{\"type\": \"object\", \"properties\": {{arg: {{\"type\": ...}}}}, "
+                            f"\"required\": [...]}} and 'description' a string, got {str(f)[:80]}")
         names.add(name)
     return tools, names
 

@@ -30,10 +30,11 @@ once. Step and answer formats vary. task.json records the share the verifier acc
 
 Tool demonstrations (`--tool_rate R`, default 0: the files above, byte for byte): the same problems and phrasings
 written as conversations for `--tools calculator` — prompts as one user turn, SFT rows as `messages` with the
-calculator's schema in `tools` — where a share R of the demonstrations call the calculator: half of them on the
-whole expression (then state its value), half on the first step only (then work the rest by hand, with the same
-slips as the other demonstrations). The other demonstrations are the tool-free ones, unchanged. Tool decisions
-draw from their own random stream, so the problems are those of the tool-free files at the same seed.
+calculator's schema in `tools` — where a share R of the demonstrations call the calculator: on the whole expression
+(then state its value; every problem of one step, and half of the longer ones), or on the first step only (then work
+the rest by hand, a later step slipping with probability `wrong_rate`, carried forward; no skipped steps, no copying
+slip, always an answer statement). The other demonstrations are the tool-free ones, unchanged. Tool decisions draw
+from their own random stream, so the problems are those of the tool-free files at the same seed.
 
 Held out: a problem (its operands and operators, whatever the phrasing) is an evaluation problem when a fixed
 hash of it falls in EVAL_SHARE; eval_prompts.jsonl draws only those (distinct ones), sft*.jsonl and
@@ -218,7 +219,7 @@ def tool_demonstration(rng, nums, ops, whole, wrong_rate=0.25):
         slip = None
         if rng.random() < wrong_rate:
             i = rng.randrange(1, len(work))
-            slip = (i, _slip(rng, steps(nums, ops)[0][i][3]))
+            slip = (i, _slip(rng, work[i][3]))
         work, final = steps(nums, ops, slip)
         call, kind = f"{a} {o} {b}", "wrong" if slip else "correct"
         rest = ". ".join(f"{a} {o} {b} = {c}" for a, o, b, c in work[1:]) + ". "

@@ -66,9 +66,11 @@ class Rollout:
 
 @dataclass
 class RolloutOptions:
-    """The options of what a rollout loads, reads and samples (load_rollout_models, run_record, sampling_options,
-    sample_groups), declared once for the script's Options to take: `class Options(RolloutOptions, ...)` (train_ppo.py;
-    nano_rlhf/cli.py lists them in --help with the script's own options)."""
+    """The options of the models a rollout is sampled from and scored with, its prompts and its sampling (read by
+    load_rollout_models, run_record, sampling_options and sample_groups, beside the script's own options such as
+    the KL coefficient, the score's normalisation and the cost limits), declared once for the script's Options to
+    take: `class Options(RolloutOptions, ...)` (train_ppo.py; nano_rlhf/cli.py lists them in --help with the
+    script's own options)."""
     # ---- what is trained, from what, rewarded by what
     advantage: str = "gae"        # the advantage estimator; a critic is loaded for gae only (the script's Options
                                   # declares this option again, with its estimators)
@@ -402,7 +404,7 @@ class Lagrange:
     def multiplier(self):
         return math.exp(self.log_lambda)
 
-    def episode_cost(self, costs):
+    def add_costs(self, costs):
         """Add this step's episode costs (all ranks': one all-reduce) to the window; returns J_C, the mean episode
         cost over the window."""
         self.steps.append(tuple(dist.all_reduce_sum(torch.tensor([costs.double().sum().item(), costs.numel()],

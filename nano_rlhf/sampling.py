@@ -194,57 +194,6 @@ def sample_responses(model, input_ids, attention_mask, opts, generator=None, sta
     ids = t.ids[:, Tp:].masked_fill(~t.response_mask, opts.pad_id)
     return ids, t.response_mask, t.response_mask.sum(1), t.ended, t.policy_mask
 
-# ---- the geometric-mixture sampler (Nash-MD's opponents, train_online.py) -------------------------
-# Several models' KV caches side by side and one uniform number per (row, step) from the row's own seeded
-# generator: a sample depends only on (seed, step, prompt, sample index, stream), not on its rank or batch row.
-
-def sample_uniforms(seed, step, prompt_ids, k, length, stream=0):
-    """(len(prompt_ids)·k, length) uniform numbers, row (prompt p, sample j) from its own generator seeded by
-    (seed, step, p, j, stream): a sample does not depend on which rank or batch row its prompt landed in."""
-    rows = []
-    for p in prompt_ids:
-        for j in range(k):
-            g = torch.Generator().manual_seed(((((seed * 1_000_003 + step) * 1_000_003 + p) * 1009 + j) * 7 + stream)
-                                              % (1 << 63))   # any --seed: manual_seed takes 64 bits
-            rows.append(torch.rand(length, generator=g, dtype=torch.float64))
-    return torch.stack(rows)
-
-
-@torch.no_grad()
-def generate_mixture(mixture, input_ids, attention_mask, uniforms, temperature, stop_ids, pad_id):
-    """Sample from the normalised geometric mixture Π_m π_m^{w_m} (mixture = [(model, w_m)], Σ w_m = 1): at each
-    step the logits are Σ_m w_m·logits_m (softmax renormalises per token), divided by τ, and token t of row b is
-    the inverse-CDF sample of uniforms[b, t]. A single (policy, 1.0) is plain sampling. Each model keeps its own
-    KV cache (trunk.forward_cached), as GPT.generate does. Returns (B, Tp + n) ids, pad after a row's stop token."""
-    B, Tp = input_ids.shape
-    n_new = uniforms.shape[1]
-    mask = attention_mask.long()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    ends = torch.tensor(sorted(stop_ids), device=input_ids.device)
-    caches, hidden = [], []
-    for model, _ in mixture:
-        model.eval()
-        W, cfg = model.output_weight(), model.cfg
-        shape = (B, cfg.kv_heads, Tp + n_new, cfg.hd)
-        caches.append([(W.new_empty(shape), W.new_empty(shape)) for _ in range(cfg.n_layer)])
-        hidden.append(model.trunk.forward_cached(input_ids, mask, pos, caches[-1], 0)[:, -1])
-    next_pos, finished, new = pos[:, -1:] + 1, torch.zeros(B, dtype=torch.bool, device=input_ids.device), []
-    for t in range(n_new):
-        logits = sum(weight * F.linear(h, model.output_weight()).float() for (model, weight), h in zip(mixture, hidden))
-        cdf = (logits / temperature).softmax(-1).cumsum(-1)
-        u = uniforms[:, t:t + 1].to(cdf) * cdf[:, -1:]
-        tok = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
-        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
-        new.append(tok)
-        finished |= torch.isin(tok, ends)
-        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
-        if bool(finished.all()) or t == n_new - 1:
-            break
-        hidden = [model.trunk.forward_cached(tok[:, None], mask, next_pos, cache, Tp + t)[:, -1]
-                  for (model, _), cache in zip(mixture, caches)]
-        next_pos = next_pos + 1
-    return torch.cat([input_ids, torch.stack(new, 1)], 1)
-
 
 def _generate_uncached(model, ids, mask, opts, generator, stats, turns=None):
     """The reference loop: a full forward over the whole sequence for every new token."""
@@ -583,3 +532,55 @@ def _shadow(model, dtype):
             for a, b in zip(twin.parameters(), model.parameters()):
                 a.copy_(b)
     return twin
+
+
+# ---- the geometric-mixture sampler (Nash-MD's opponents, train_online.py) -------------------------
+# Several models' KV caches side by side and one uniform number per (row, step) from the row's own seeded
+# generator: a sample depends only on (seed, step, prompt, sample index, stream), not on its rank or batch row.
+
+def sample_uniforms(seed, step, prompt_ids, k, length, stream=0):
+    """(len(prompt_ids)·k, length) uniform numbers, row (prompt p, sample j) from its own generator seeded by
+    (seed, step, p, j, stream): a sample does not depend on which rank or batch row its prompt landed in."""
+    rows = []
+    for p in prompt_ids:
+        for j in range(k):
+            g = torch.Generator().manual_seed(((((seed * 1_000_003 + step) * 1_000_003 + p) * 1009 + j) * 7 + stream)
+                                              % (1 << 63))   # any --seed: manual_seed takes 64 bits
+            rows.append(torch.rand(length, generator=g, dtype=torch.float64))
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def generate_mixture(mixture, input_ids, attention_mask, uniforms, temperature, stop_ids, pad_id):
+    """Sample from the normalised geometric mixture Π_m π_m^{w_m} (mixture = [(model, w_m)], Σ w_m = 1): at each
+    step the logits are Σ_m w_m·logits_m (softmax renormalises per token), divided by τ, and token t of row b is
+    the inverse-CDF sample of uniforms[b, t]. A single (policy, 1.0) is plain sampling. Each model keeps its own
+    KV cache (trunk.forward_cached), as GPT.generate does. Returns (B, Tp + n) ids, pad after a row's stop token."""
+    B, Tp = input_ids.shape
+    n_new = uniforms.shape[1]
+    mask = attention_mask.long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ends = torch.tensor(sorted(stop_ids), device=input_ids.device)
+    caches, hidden = [], []
+    for model, _ in mixture:
+        model.eval()
+        W, cfg = model.output_weight(), model.cfg
+        shape = (B, cfg.kv_heads, Tp + n_new, cfg.hd)
+        caches.append([(W.new_empty(shape), W.new_empty(shape)) for _ in range(cfg.n_layer)])
+        hidden.append(model.trunk.forward_cached(input_ids, mask, pos, caches[-1], 0)[:, -1])
+    next_pos, finished, new = pos[:, -1:] + 1, torch.zeros(B, dtype=torch.bool, device=input_ids.device), []
+    for t in range(n_new):
+        logits = sum(weight * F.linear(h, model.output_weight()).float() for (model, weight), h in zip(mixture, hidden))
+        cdf = (logits / temperature).softmax(-1).cumsum(-1)
+        u = uniforms[:, t:t + 1].to(cdf) * cdf[:, -1:]
+        tok = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
+        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
+        new.append(tok)
+        finished |= torch.isin(tok, ends)
+        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+        if bool(finished.all()) or t == n_new - 1:
+            break
+        hidden = [model.trunk.forward_cached(tok[:, None], mask, next_pos, cache, Tp + t)[:, -1]
+                  for (model, _), cache in zip(mixture, caches)]
+        next_pos = next_pos + 1
+    return torch.cat([input_ids, torch.stack(new, 1)], 1)

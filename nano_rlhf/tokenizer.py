@@ -335,7 +335,11 @@ class Tokenizer:
         """Ids of what follows an assistant turn's end-of-turn token when its tool calls answered `results`: the
         result turn(s) and the next generation prompt (chat.tool_turn). The results are encoded as literal text
         (encode_literal): a tool that echoes "<|im_end|>" cannot close a turn or open one."""
-        return [i for text, is_result in chat.tool_turn(self.chat_template, list(results))
+        return self._encode_pieces(chat.tool_turn(self.chat_template, list(results)))
+
+    def _encode_pieces(self, pieces) -> List[int]:
+        """(text, is_result) pieces -> ids: a result as literal text, the template's own text with its tokens."""
+        return [i for text, is_result in pieces
                 for i in (self.encode_literal(text) if is_result else self.encode(text))]
 
     def _plain(self, messages: Messages, tools=None) -> Tuple[List[int], List[int]]:
@@ -353,8 +357,9 @@ class Tokenizer:
                 ids += head + body
                 mask += [0] * len(head) + [1] * len(body)
             elif m["role"] == "tool":   # tokenized as a rollout's tool turn is (chat.tool_turn), id for id
-                seg = [i for text, is_result in chat.tool_turn("plain", [m["content"]])[:-1]
-                       for i in (self.encode_literal(text) if is_result else self.encode(text))]
+                *turn, next_prompt = chat.tool_turn("plain", [m["content"]])
+                assert next_prompt == (ASSISTANT_HEADER, False)      # the next assistant message writes its header
+                seg = self._encode_pieces(turn)
                 ids += seg
                 mask += [0] * len(seg)
             else:

@@ -1,8 +1,8 @@
 """Watching a run that trains on its own samples (train_online.py, train_ppo.py) for the failures that raise no
 error: the responses collapse, the judge's score runs far beyond anything it gave the starting policy, or the KL
-to the initial reference jumps (train_online.py's --kl_warn: kl_jump, watch_kl).
+to the initial reference jumps (train_online.py's --kl_warn: kl_jump, KLWatch).
 
-Both are the shape of reward hacking (Gao et al. 2023): a judge is trusted only near the responses it was built
+Each is a shape of reward hacking (Gao et al. 2023): a judge is trusted only near the responses it was built
 on, and a policy optimised against it finds where it is wrong — often very short or empty answers, or one
 answer repeated, that a reward model scores highly because it never saw them. The run's own figures show it
 (train/response_length, train/score) but nobody reads every curve, so each warning is printed once, naming the
@@ -30,6 +30,7 @@ The thresholds, stated (docs/algorithms.md, "Online and self-play methods"):
 """
 import math
 import sys
+from dataclasses import dataclass, field
 from statistics import median
 from typing import Optional
 
@@ -202,9 +203,16 @@ def kl_jump(history, kl, floor, factor=3.0, window=10, min_history=5):
     return kl > floor and kl > factor * max(median(recent), 0.0)
 
 
-def watch_kl(watch, kl, floor, step):
+@dataclass
+class KLWatch:
+    """--kl_warn's state: train/kl of the steps so far (a resumed run starts a new history), and whether it warned."""
+    history: list = field(default_factory=list)
+    warned: bool = False
+
+
+def watch_kl(watch: KLWatch, kl, floor, step):
     """--kl_warn: one warning (rank 0) the first time the KL to the initial reference jumps (kl_jump: above
-    `floor` nats and a multiple of the previous steps' median); watch.history: train/kl of the steps so far."""
+    `floor` nats and a multiple of the previous steps' median)."""
     if not watch.warned and kl_jump(watch.history, kl, floor) and dist.world().is_main:
         watch.warned = True
         print(f"warning: step {step}: the KL to the initial reference jumped to {kl:.2f} "

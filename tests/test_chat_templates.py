@@ -578,3 +578,7 @@ def test_plain_template_tools(tok):
     assert "<tool_call>" in trained and "Tool:" not in trained and "42 days" not in trained
     assert chat.parse_tool_calls("plain", tok.decode(tok.encode(" " + chat.assistant_text(
         "plain", "", calls(CALC))))) == [dict(zip(("name", "arguments"), CALC))]
+    # a docstring's description, wrapped over lines, is one line of the list
+    wrapped = [{"name": "f", "description": "Look a word\n    up.", "parameters": {"properties": {"w": {}}}}]
+    assert chat.plain_tools_text(wrapped) == "Tools: f(w?: any): Look a word up."
+

@@ -118,16 +118,6 @@ class Sub(Base):
     note: float = 2.0             # said again by the subclass {> 1}
 
 
-@dataclass
-class Group:
-    temperature: float = 1.0      # an option group a package module declares for the scripts of its subject {> 0}
-
-
-@dataclass
-class Script(Group, RunOptions):
-    lr: float = 3e-4              # peak learning rate {> 0}
-    log_interval: int = 1         # said again by the script {>= 1}
-
 def test_an_inherited_field_keeps_its_help_and_range_and_a_redeclared_one_takes_the_subclass(capsys):
     text = " ".join(build_parser(Sub).format_help().split())
     assert "print every N steps {>= 1} (default: 10)" in text
@@ -140,6 +130,17 @@ def test_an_inherited_field_keeps_its_help_and_range_and_a_redeclared_one_takes_
     with pytest.raises(SystemExit):
         parse_args(Sub, ["--note", "1"])       # the subclass's range, not the base's {>= 0}
     assert capsys.readouterr().err == "error: --note must be > 1 (got 1.0)\n"
+
+
+@dataclass
+class Group:
+    temperature: float = 1.0      # an option group a package module declares for the scripts of its subject {> 0}
+
+
+@dataclass
+class Script(Group, RunOptions):
+    lr: float = 3e-4              # peak learning rate {> 0}
+    log_interval: int = 1         # said again by the script {>= 1}
 
 
 def test_help_lists_the_script_s_options_and_its_option_groups_before_the_shared_run_options():

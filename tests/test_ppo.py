@@ -229,6 +229,22 @@ def test_option_paths_end_to_end(tmp_path, sft_dir, rm_dir, extra):
         assert "train/gold_reward" in m[-1] and "eval/gold_reward" in m[-1]
 
 
+def test_ppo_ptx_resumes_exactly(tmp_path, sft_dir, rm_dir):
+    """PPO-ptx: the SFT batches' order is part of the resumable state (rollout positions and PTX positions both),
+    so a run stopped after step 2 and resumed ends bit-identical to the straight run."""
+    rows = [{"prompt": f"review the {w}", "completion": f" {a} and {b}"} for w in ("phone", "lamp", "kettle", "desk")
+            for a in ("great screen", "dim light", "quick boil") for b in ("fair price", "loud fan")]
+    write_jsonl(tmp_path / "sft.jsonl", rows)
+    extra = ["--ptx_data", str(tmp_path / "sft.jsonl"), "--ptx_coef", "0.5", "--ptx_batch_size", "3",
+             "--save_interval", "0"]
+    a = train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "a", *extra, steps=4))
+    train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "b", *extra, "--stop_at", "2", steps=4))
+    b = train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "b", *extra, "--resume", steps=4))
+    assert all(torch.equal(p, q) for p, q in zip(a.policy.state_dict().values(), b.policy.state_dict().values()))
+    la, lb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [x["train/policy_loss"] for x in la] == [x["train/policy_loss"] for x in lb]
+
+
 @pytest.mark.parametrize("extra, option", [
     (["--kl_coef", "-0.5"], "--kl_coef"),
     (["--clip_eps", "-0.2"], "--clip_eps"),
