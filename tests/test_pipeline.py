@@ -130,3 +130,22 @@ def test_safe_script_tiny_end_to_end(tmp_path):
     rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
     assert rows["ppo"]["final λ"] == [None, None] and rows["ppo_lag_d0"]["final λ"][0] > 0
     assert (out / "safe_curves.png").exists() or "matplotlib is not installed" in p.stdout
+
+
+@pytest.mark.slow      # reasoning.sh's GRPO arm and the tool arm (data, SFT, GRPO with the calculator), a few steps
+def test_tools_script_tiny_end_to_end(tmp_path):
+    """scripts/tools.sh (TINY=1, one seed): both arms train and load, the tool arm's evaluation reports tool calls
+    and malformed calls, and the report's table has the four policies."""
+    env = dict(os.environ, TINY="1", SEEDS="0", OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"),
+               FREE_DATA=str(tmp_path / "free"), PYTHON=sys.executable, JOBS="1")
+    p = subprocess.run(["bash", "scripts/tools.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    from nano_rlhf.model import GPT
+    for d in ("notools/seed0/grpo", "tools/sft", "tools/seed0/grpo_tools"):
+        GPT.from_pretrained(str(tmp_path / "out" / d))
+    per_seed = json.loads((tmp_path / "out" / "tools" / "seed0" / "results.json").read_text())
+    assert [r["name"] for r in per_seed] == ["sft", "grpo_tools"]
+    assert all("tool_calls" in r and "malformed_share" in r for r in per_seed)
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["policy"] for r in rows] == ["SFT (no tools)", "GRPO, no tools", "SFT with tool demonstrations",
+                                           "GRPO with the calculator"]
