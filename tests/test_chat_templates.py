@@ -540,6 +540,17 @@ def test_a_tool_result_cannot_forge_a_turn(family):
         "".join(t for t, _ in chat.tool_turn(FAMILIES[name][0], [FORGED]))
 
 
+def plain_rollout_ids(tok, msgs):
+    """The ids a plain-template rollout of the conversation several_tool_turns builds: the prompt, then each
+    assistant turn sampled and each tool turn appended as the sampler appends it (encode_tool_turn)."""
+    ids = tok.render_prompt(msgs[:1], TOOLS)
+    for results, m in (([], msgs[1]), (["14", "great, 42 days old"], msgs[4]), ([ERR], msgs[6])):
+        if results:
+            ids += tok.encode_tool_turn(results)
+        ids += tok.encode(" " + chat.assistant_text("plain", m["content"], m.get("tool_calls"))) + [tok.eos_id]
+    return ids
+
+
 def test_plain_tool_turns_tokenize_as_the_rollout_appends_them():
     """A BPE trained on tool transcripts (train_sft's record_texts) merges across the plain template's seams —
     " 14" is one token there — so SFT data must be tokenized as the rollout tokenizes a tool turn: the
@@ -551,12 +562,7 @@ def test_plain_tool_turns_tokenize_as_the_rollout_appends_them():
     tok = Tokenizer.train(list(train_sft.record_texts(rows)), vocab_size=400)
     assert tok.encode(" 14") == tok.encode_literal(" 14") and len(tok.encode(" 14")) == 1
     ids, mask = tok.encode_conversation(msgs, TOOLS)
-    pieces = tok.render_prompt(msgs[:1], TOOLS)
-    for results, m in (([], msgs[1]), (["14", "great, 42 days old"], msgs[4]), ([ERR], msgs[6])):
-        if results:
-            pieces += tok.encode_tool_turn(results)
-        pieces += tok.encode(" " + chat.assistant_text("plain", m["content"], m.get("tool_calls"))) + [tok.eos_id]
-    assert pieces == ids
+    assert plain_rollout_ids(tok, msgs) == ids
     assert tok.tk.decode(ids, skip_special_tokens=False) == tok.render_text(msgs, tools=TOOLS)
 
 
@@ -568,12 +574,7 @@ def test_plain_template_tools(tok):
     text = tok.render_text(msgs, tools=TOOLS)
     assert text.startswith("System: " + chat.plain_tools_text(TOOLS) + "\nUser: What is")
     assert "</tool_call><|endoftext|>Tool: 14\nTool: great, 42 days old\nAssistant: <tool_call>" in text
-    pieces = tok.render_prompt(msgs[:1], TOOLS)
-    for results, m in (([], msgs[1]), (["14", "great, 42 days old"], msgs[4]), ([ERR], msgs[6])):
-        if results:
-            pieces += tok.encode_tool_turn(results)
-        pieces += tok.encode(" " + chat.assistant_text("plain", m["content"], m.get("tool_calls"))) + [tok.eos_id]
-    assert pieces == ids
+    assert plain_rollout_ids(tok, msgs) == ids
     trained = tok.tk.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
     assert "<tool_call>" in trained and "Tool:" not in trained and "42 days" not in trained
     assert chat.parse_tool_calls("plain", tok.decode(tok.encode(" " + chat.assistant_text(

@@ -98,6 +98,19 @@ def test_gae_runs_through_tool_turns_as_environment_transitions():
     assert t.kl_penalty[0].item() == pytest.approx(sum(rewards) - score, abs=1e-12)   # the tool turn holds none
 
 
+def tool_run_inputs(tmp_path, tok, reward_expr):
+    """A tool run's inputs in tmp_path: a 1-layer policy m/ for tok, a reward r.py:reward scoring each completion x
+    by reward_expr, 8 prompts asking for 6*7 (p.jsonl) and 2 of them held out (e.jsonl)."""
+    from conftest import write_jsonl
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
+        str(tmp_path / "m"))
+    (tmp_path / "r.py").write_text(f"def reward(p, c):\n    return [{reward_expr} for x in c]\n")
+    rows = [{"prompt": [{"role": "user", "content": f"What is 6*7? ({i})"}]} for i in range(8)]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    write_jsonl(tmp_path / "e.jsonl", rows[:2])
+
+
 SPY = """import json, os, sys
 import torch
 from nano_rlhf import sampling
@@ -129,20 +142,14 @@ def test_ranks_taking_different_numbers_of_turns_stay_in_step(tmp_path, sharding
     FSDP there is one sharded copy) and the metrics count the calls of one rank's samples."""
     import json
     from test_chat_templates import build, calls
-    from conftest import metrics, run, write_jsonl
+    from conftest import metrics, run
     name, tok, _ = build("qwen2.5", tmp_path / "m")
     call = calls(("calculator", {"expression": "6*7"}))
     answer = tok.encode("It is 42.") + [tok.eot_id]
     with_tool = tok.encode(chat.assistant_text(tok.chat_template, "", call)) + [tok.eot_id] + \
         tok.encode_tool_turn(["42"]) + answer
-    torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
-        str(tmp_path / "m"))
+    tool_run_inputs(tmp_path, tok, "float('42' in x.split('tool')[-1])")
     (tmp_path / "spy.py").write_text(SPY)
-    (tmp_path / "r.py").write_text("def reward(p, c):\n    return [float('42' in x.split('tool')[-1]) for x in c]\n")
-    rows = [{"prompt": [{"role": "user", "content": f"What is 6*7? ({i})"}]} for i in range(8)]
-    write_jsonl(tmp_path / "p.jsonl", rows)
-    write_jsonl(tmp_path / "e.jsonl", rows[:2])
     run([str(tmp_path / "spy.py"), "--init", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.jsonl"),
          "--eval_prompts", str(tmp_path / "e.jsonl"), "--advantage", "grpo", "--reward", f"{tmp_path / 'r.py'}:reward",
          "--tools", "calculator", "--max_turns", "3", "--max_new_tokens", str(len(with_tool) + 4), "--batch_size", "1",
@@ -175,7 +182,7 @@ def test_a_tool_run_resumes_exactly_knows_its_tool_file_and_trains_lora(tmp_path
     bit-identical to the straight run; a resume after the tool file changed is refused in one line (its source is
     part of the run's identity); with --lora_r the same run trains adapters (run.finish checks the frozen base)."""
     from test_chat_templates import build, calls
-    from conftest import metrics, write_jsonl
+    from conftest import metrics
     from nano_rlhf import sampling
     from safetensors.torch import load_file
     _, tok, _ = build("qwen2.5", tmp_path / "m")
@@ -188,14 +195,8 @@ def test_a_tool_run_resumes_exactly_knows_its_tool_file_and_trains_lora(tmp_path
         step[0] = 0
         return real(*a, **k)
     monkeypatch.setattr(sampling, "generate_turns", turns)
-    torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
-        str(tmp_path / "m"))
+    tool_run_inputs(tmp_path, tok, "float('42' in x)")
     (tmp_path / "t.py").write_text(TOOL_FILE)
-    (tmp_path / "r.py").write_text("def reward(p, c):\n    return [float('42' in x) for x in c]\n")
-    rows = [{"prompt": [{"role": "user", "content": f"What is 6*7? ({i})"}]} for i in range(8)]
-    write_jsonl(tmp_path / "p.jsonl", rows)
-    write_jsonl(tmp_path / "e.jsonl", rows[:2])
 
     def main(out, *extra):
         return train_ppo.main(["--init", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.jsonl"),
