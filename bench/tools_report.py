@@ -3,18 +3,25 @@ SFT policy; per policy the held-out pass@1 and pass@8, tool calls per answer, th
 its SFT policy, the share of answers cut by the token budget, length and training time, each the mean over
 training seeds (pass@k ± the standard error over prompts, pass@1's s.d. over seeds beside it; the JSON holds every
 column's s.d.); per-step curves of the training reward, the tool calls per sample and the KL (mean
-over seeds smoothed over 10 steps, each seed faint behind it).
+over seeds smoothed over 10 steps, each seed faint behind it); and where the tool-using policy's errors are (each
+first call's kind, its share and how often it is right; pass@1 by the number of operands, with and without tools).
 
     python bench/tools_report.py --out_dir out/tools --json out/tools/results.json --png out/tools/tools_curves.png
 
-Reads OUT/{notools,tools}/seed*/results.json (python -m nano_rlhf.evaluate --summary) and the runs' metrics.jsonl.
+Reads OUT/{notools,tools}/seed*/results.json (python -m nano_rlhf.evaluate --summary), the runs' metrics.jsonl and
+the evaluation's samples (MODEL/eval_samples.jsonl).
 """
 import argparse
 import glob
 import json
 import math
 import os
+import re
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nano_rlhf import chat  # noqa: E402
 
 ARMS = [("notools", "sft", "SFT (no tools)"), ("notools", "grpo", "GRPO, no tools"),
         ("tools", "sft", "SFT with tool demonstrations"), ("tools", "grpo_tools", "GRPO with the calculator")]
@@ -69,6 +76,57 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+# the problem's expression in a prompt, as nano_rlhf.reasoning's verifier finds it (the last one)
+EXPR = re.compile(r"-?\d+(?:\s*[-+*×]\s*-?\d+)+")
+KINDS = ("whole expression", "one step", "miscopied", "malformed", "no call")
+
+
+def call_kind(problem, completion):
+    """How a sample used the calculator, by its first call: on the problem's whole expression, on one step of it
+    (one operator, found in the problem), on anything else (a miscopied expression), with no usable `expression`
+    argument (malformed: what the parser could not read, or the argument under another key), or no call."""
+    calls = chat.parse_tool_calls("plain", completion)
+    if not calls:
+        return "no call"
+    args = calls[0].get("arguments")
+    expr = args.get("expression") if isinstance(args, dict) else None
+    if not isinstance(expr, str):
+        return "malformed"
+    expr = " ".join(expr.split())
+    if expr == problem:
+        return "whole expression"
+    return "one step" if len(expr.split()) == 3 and expr in problem else "miscopied"
+
+
+def where_errors_are(out_dir):
+    """Over every held-out sample of every seed's tool-using GRPO policy (its eval_samples.jsonl): the share of each
+    call kind and how often it is right; and pass@1 by the number of operands, with and without tools."""
+    kinds = {k: [] for k in KINDS}
+    operands = {"GRPO, no tools": {}, "GRPO with the calculator": {}}
+    for arm, run, label in (("notools", "grpo", "GRPO, no tools"), ("tools", "grpo_tools", "GRPO with the calculator")):
+        for path in sorted(glob.glob(os.path.join(out_dir, arm, "seed*", run, "eval_samples.jsonl"))):
+            for r in map(json.loads, open(path)):
+                text = r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
+                problem = " ".join(EXPR.findall(text)[-1].split())
+                operands[label].setdefault(len(problem.split()) // 2 + 1, []).append(r["reward"])
+                if arm == "tools":
+                    kinds[call_kind(problem, r["completion"])].append(r["reward"])
+    n = sum(len(v) for v in kinds.values())
+    return {"calls": {k: {"share": len(v) / n, "right": statistics.mean(v) if v else None, "n": len(v)}
+                      for k, v in kinds.items()} if n else {},
+            "pass@1 by operands": {label: {str(m): statistics.mean(v) for m, v in sorted(by.items())}
+                                   for label, by in operands.items() if by}}
+
+
+def errors_markdown(errors):
+    lines = ["| first call | share of answers | right |", "|---|---|---|"]
+    for k, c in errors["calls"].items():
+        lines.append(f"| {k} | {c['share']:.1%} | " + ("—" if c["right"] is None else f"{c['right']:.1%}") + " |")
+    for label, by in errors["pass@1 by operands"].items():
+        lines.append(f"\n{label}, pass@1 by operands: " + ", ".join(f"{m}: {v:.3f}" for m, v in by.items()))
+    return "\n".join(lines)
+
+
 def curves(out_dir, png):
     try:
         import matplotlib
@@ -108,17 +166,19 @@ def curves(out_dir, png):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out_dir", default="out/tools")
-    ap.add_argument("--json", default="", help="write the table's rows here")
+    ap.add_argument("--json", default="", help="write the table's rows and where the errors are here")
     ap.add_argument("--png", default="", help="draw the curves here")
     a = ap.parse_args(argv)
-    rows = table(a.out_dir)
+    rows, errors = table(a.out_dir), where_errors_are(a.out_dir)
     print(markdown(rows))
+    if errors["calls"]:
+        print("\n" + errors_markdown(errors))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"table": rows, **errors}, f, indent=1)
     if a.png and curves(a.out_dir, a.png):
         print(f"wrote {a.png}")
-    return rows
+    return rows, errors
 
 
 if __name__ == "__main__":

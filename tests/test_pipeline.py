@@ -146,6 +146,7 @@ def test_tools_script_tiny_end_to_end(tmp_path):
     per_seed = json.loads((tmp_path / "out" / "tools" / "seed0" / "results.json").read_text())
     assert [r["name"] for r in per_seed] == ["sft", "grpo_tools"]
     assert all("tool_calls" in r and "malformed_share" in r for r in per_seed)
-    rows = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["policy"] for r in rows] == ["SFT (no tools)", "GRPO, no tools", "SFT with tool demonstrations",
-                                           "GRPO with the calculator"]
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["policy"] for r in report["table"]] == ["SFT (no tools)", "GRPO, no tools",
+                                                      "SFT with tool demonstrations", "GRPO with the calculator"]
+    assert sum(c["n"] for c in report["calls"].values()) == 16 * 4     # every sample of the tool arm has a kind
