@@ -20,6 +20,8 @@ One step (docs/algorithms.md, "Online and self-play methods"):
               then ANY pairwise --loss of train_dpo.py, with soft labels for dpo and ipo: the pair's label is
               the judge's P_ij = σ(D_ij), not 1 (the dpo loss −P log σ(βh) − (1−P) log σ(−βh), ipo's target
               (P − ½)/τ; --labels hard: P = 1)                                Guo et al. 2024 (OAIF)
+              + c · the same loss on --batch_size pairs of --offline_data (hard labels; default: the pairs the
+              reward-model judge was fitted to)                  the hybrid objective (below); Song et al. 2024
   dno         the same, but best/worst by win rate W and the --margin on the win-rate gap W_i − W_j
               (with --ref_update_every N: iterative DPO)    Rosset et al. 2024 (DNO-Prct); Xiong et al. 2024
   sppo        (u(y) − η(P̂(y ≻ π_t) − ½))², P̂(y_i ≻ π_t) = W_i from the k samples; π_t = the reference
@@ -51,6 +53,11 @@ with a reward-model judge, hard best-vs-worst pairs ended below the SFT model; d
 does not hack its judge"). With P = σ(r_w − r_l) as the label the dpo loss's optimum is π ∝ π_ref·exp(r/β), the
 KL-regularised optimum PPO aims at, whichever pairs are sampled; every pair of a group uses all k(k−1)/2
 comparisons at no extra forward pass, and leans less on the two extremes, where a reward model is least reliable.
+Why the judge's own training pairs join by default: a reward model is a lossy summary of them (held-out accuracy
+0.6-0.7 on our tasks), and the online loss alone settles in its blind spots (longer answers: measured, docs/results.md);
+the pairs carry what people said. Their hard-labelled loss beside the online one (HyPO's hybrid, Song et al. 2024)
+teaches what the labels say where the judge errs, the fresh samples what the pairs do not cover. A judge with no
+recorded pairs (gold, a function, an LLM) trains online only; --offline_data= turns them off.
 
 Choices: every log-prob (and CRINGE's logits) uses logits/τ, as train_ppo.py; one optimizer step per rollout
 (on-policy); each rank samples and judges its own prompts' groups, so group statistics need no communication;
@@ -60,6 +67,7 @@ The judge and its preferences are nano_rlhf/reward.py's (load_judge, preference_
 same code as train_ppo.py's SPO and the labelling tool: a pairwise judge is asked about every ordered pair i ≠ j of
 a group (Nash-MD: the sample and its opponent in both orders), in one call per step.
 """
+import contextlib
 import copy
 import math
 import os
@@ -76,13 +84,15 @@ from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FrozenModelOptions, RunOptions
-from nano_rlhf.data import Batches, default_path, load_prompts, prompt_limit, tokenize_prompts
+from nano_rlhf.data import (Batches, default_path, load_prompts, load_records, prompt_limit, tokenize_pairs,
+                            tokenize_prompts, training_length)
 from nano_rlhf.evaluate import eval_metrics
-from nano_rlhf.model import GPT, token_logprobs
+from nano_rlhf.model import token_logprobs
 from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model_dir as judge_dir, preference_matrix,
                               symmetric_preference)
-from nano_rlhf.rollout import Samples, judge_scores, sample_from_mixture
-from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
+from nano_rlhf.rollout import (Samples, judge_scores, load_online_models, online_step_metrics, pairs_as_samples,
+                               sample_from_mixture)
+from nano_rlhf.run import autocast, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import SamplingOptions
 from nano_rlhf.watch import KLWatch, Watch, check_step, watch_kl
 
@@ -120,6 +130,11 @@ class Options(FrozenModelOptions, RunOptions):
                                                  # worst) [with method=online_dpo|dno]
     margin: float = 0.0           # keep a pair when its gap ≥ this (online_dpo: logit of P, = score gap; dno: win-rate
                                   # gap) [with method=online_dpo|dno] {>= 0}
+    offline_data: str = "judge"   # preference JSONL joining every step: the hybrid objective adds --offline_coef x
+                                  # the pair loss over --batch_size of its pairs, labelled by the file's order;
+                                  # judge = the pairs the --judge reward model was fitted to (its train_config.json),
+                                  # when it names them; empty = online pairs only [with method=online_dpo|dno]
+    offline_coef: float = 1.0     # weight of the offline pairs' mean loss [with offline_data] {>= 0}
     ref_update_every: int = 0     # the reference becomes a copy of the policy after every N steps; 0 = never {>= 0}
     eta: float = 10.0             # SPPO η: the target log-ratio is η(P̂ − ½) [with method=sppo] {> 0}
     mixture_coef: float = 0.5     # Nash-MD β′: opponents sample from π_θ^(1−β′)·π_ref^β′ (per token)
@@ -146,7 +161,9 @@ class Options(FrozenModelOptions, RunOptions):
     temperature: float = 1.0      # sampling temperature; log-probs use logits / τ everywhere {> 0}
     max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
                                   # {>= 0}
-    lr: float = 5e-5              # learning rate (constant after warm-up); 0.5-1.5B models: 5e-7 {0 <= x <= 1e3}
+    lr: Optional[float] = None    # learning rate (constant after warm-up); none = 1e-4 for online_dpo and dno (as
+                                  # train_dpo.py, whose losses they train), else 5e-5; 0.5-1.5B models: 5e-7
+                                  # {0 <= x <= 1e3}
     warmup_steps: int = 0         # linear warm-up steps {>= 0}
     weight_decay: float = 0.0     # AdamW decoupled weight decay (matrices only) {>= 0}
     beta1: float = 0.9            # AdamW beta1 {0 <= x < 1}
@@ -162,7 +179,7 @@ class Options(FrozenModelOptions, RunOptions):
 
 def fill_defaults(opts):
     """The defaults that depend on --method and --loss, filled in right after parsing (run.json records the filled
-    values): soft labels where the loss has a soft form and no --label_smoothing was asked for."""
+    values): soft labels where the loss has a soft form and no --label_smoothing was asked for; the learning rate."""
     if opts.method in PAIRWISE:
         if opts.labels == "auto":
             opts.labels = "soft" if opts.loss in SOFT_LOSSES and not opts.label_smoothing else "hard"
@@ -170,6 +187,8 @@ def fill_defaults(opts):
         opts.alpha = (1.0 if opts.loss == "cpo" else 0.01) if opts.alpha is None else opts.alpha
     elif opts.method == "nash_md":
         opts.beta = 0.1 if opts.beta is None else opts.beta
+    if opts.lr is None:
+        opts.lr = 1e-4 if opts.method in PAIRWISE else 5e-5
     opts.out_dir = opts.out_dir or f"out/{opts.method}"
 
 
@@ -399,10 +418,9 @@ def seq_logps(model, samples: Samples, opts):
 
 @torch.no_grad()
 def kl_sum(S, S_ref, ref, init_ref, samples, opts):
-    """Σ over this rank's samples of S_θ(y) − S_0(y), y ~ π_θ: the k1 estimate of the sequence KL(π_θ ‖ π_0) to
-    the initial reference π_0 (at τ, as sampled), times the number of samples. Why every step: the evaluation
-    KL comes only every --eval_interval steps, and a run-away (1 → 15 nats between two evaluations, seen on a
-    held-back task) must be seen when it starts. Reuses S_ref when the training reference is π_0 (no extra forward)."""
+    """Σ over this rank's samples of S_θ(y) − S_0(y), y ~ π_θ: the k1 estimate of the sequence KL(π_θ ‖ π_0) to the
+    initial reference (at τ), times the number of samples; every step, so a run-away (1 → 15 nats between two
+    evaluations, seen on a held-back task) is seen when it starts. S_ref is reused when the reference is π_0."""
     S_0 = S_ref if ref is init_ref and S_ref is not None else seq_logps(init_ref, samples, opts)[1]
     return float((S.detach() - S_0).sum())
 
@@ -429,6 +447,22 @@ def pairwise_terms(opts, policy, ref, samples, pairs, init_ref=None, probs=None)
         sums["kl"] = kl_sum(S, S_ref, ref, init_ref, samples, opts)
     # a rank without pairs still runs its backward (DDP all-reduces every rank's gradients): 0·S keeps the graph
     return loss.sum() + 0 * S.sum(), -S[chosen].sum(), sums
+
+
+def offline_backward(opts, policy, ref, pairs: Samples):
+    """--offline_data, the hybrid objective's offline half: backward of c · the mean pair loss over all ranks'
+    offline pairs (rows: the chosen, then the rejected), each labelled by the file's order (hard). With gradient
+    sync: it runs after the online half's backward, which ran without. Returns the log's sums."""
+    n = dist.all_reduce_sum(float(pairs.ids.shape[0] // 2))
+    _, S = seq_logps(policy, pairs, opts)
+    with torch.no_grad():
+        S_ref = None if ref is None else seq_logps(ref, pairs, opts)[1]
+    (pi_w, pi_l), (len_w, len_l) = S.chunk(2), pairs.response_mask.sum(1).chunk(2)
+    ref_w, ref_l = (None, None) if S_ref is None else S_ref.chunk(2)
+    loss, reward_w, reward_l = pair_loss(opts, pi_w, pi_l, ref_w, ref_l, len_w, len_l)
+    (opts.offline_coef * loss.sum() / n * dist.ddp_scale()).backward()
+    return {"offline_loss": (float(loss.detach().sum()), n),
+            "offline_accuracy": (float((reward_w > reward_l).float().sum()), n)}
 
 
 def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_key=None, init_ref=None):
@@ -559,6 +593,13 @@ def check_options(opts):
                  "--label_smoothing", 2)
 
 
+def offline_file(opts):
+    """--offline_data resolved: (the preference file, "") or ("", why there is none)."""
+    if opts.method not in PAIRWISE or not opts.offline_data:
+        return "", "off"
+    return reward_mod.training_pairs(opts.judge) if opts.offline_data == "judge" else (opts.offline_data, "")
+
+
 def needs_reference(opts):
     """A training reference: every method but CRINGE and a reference-free pair loss (simpo, cpo, orpo)."""
     return opts.method != "cringe" and not (opts.method in PAIRWISE and opts.loss in REFERENCE_FREE)
@@ -571,41 +612,17 @@ def run_record(opts, _):
                         "judge": judge_dir(opts.judge) or reward_mod.code_file(opts.judge),
                         "pair_judge": reward_mod.code_file(opts.pair_judge)},
                 data_files={"prompts": opts.prompts or default_path("prompts"),
-                            "eval_prompts": opts.eval_prompts})
+                            "eval_prompts": opts.eval_prompts, "offline_data": offline_file(opts)[0]})
 
 
-def load_models(opts, tok, run):
-    """The policy (--lora_r: with adapters, what they add to the run's identity recorded), the initial
-    reference (the KL of the evaluation is always to it; --lora_r with the reference = --init: the policy with
-    its adapters off, no second copy) and, with --ref_update_every, the training reference: a separate copy
-    that is replaced with the policy every N steps (else training uses the initial reference). Raises on bad
-    input (one line via input_errors)."""
-    policy = GPT.from_pretrained(opts.init, dropout=0.0)
-    check_vocab(tok, policy.cfg, opts.init)
-    ref_dir = opts.ref or opts.init
-    run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
-    if lora.shares_base(opts, opts.ref):
-        init_ref = lora.BaseView(policy)
-    else:
-        init_ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
-        check_vocab(tok, init_ref.cfg, ref_dir)
-    if init_ref.cfg.vocab_size != policy.cfg.vocab_size:     # Nash-MD adds their logits; every method compares them
-        raise ValueError(f"{ref_dir}: the reference's vocabulary ({init_ref.cfg.vocab_size}) differs from the "
-                         f"policy's ({policy.cfg.vocab_size})")
-    copy = None                # --ref_update_every: the training reference, a copy replaced every N steps
-    if needs_reference(opts) and opts.ref_update_every:
-        copy = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
-    return policy, init_ref, copy
-
-
-def startup_line(opts, n_prompts, prompt_stats, step):
+def startup_line(opts, n_prompts, prompt_stats, step, offline):
     """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
     return (f"{opts.method.upper()} | judge {opts.judge or '-'}"
             f"{' + pairwise ' + opts.pair_judge if opts.pair_judge else ''}"
             f" | {n_prompts:,} prompts ({prompt_stats}) | {opts.batch_size} prompts x {opts.samples_per_prompt} "
             f"samples x {dist.world().world_size} ranks per step"
-            + (f" | --loss {opts.loss}, {opts.labels} labels, {opts.pairs.replace('_', '/')} pairs"
-               if opts.method in PAIRWISE else "")
+            + (f" | --loss {opts.loss}, {opts.labels} labels, {opts.pairs.replace('_', '/')} pairs, offline pairs "
+               f"{offline}" if opts.method in PAIRWISE else "")
             + " | reference update every "
             f"{opts.ref_update_every or 'never'} | {opts.max_steps} steps"
             + (f" | resuming at step {step}" if step else ""))
@@ -617,13 +634,22 @@ def main(argv=None):
     with input_errors():
         prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
         tok = run_mod.tokenizer(opts, run)
-        policy, init_ref, copy = load_models(opts, tok, run)
+        policy, init_ref, copy = load_online_models(opts, tok, run, needs_reference(opts) and opts.ref_update_every > 0)
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
                            prompts=texts, template=opts.judge_template)
         prompts, prompt_stats = tokenize_prompts(prompt_records, tok, prompt_limit(
             opts.max_prompt_len, opts.max_new_tokens, policy.cfg.block_size))
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
+        offline, offline_batches = None, None
+        offline_path, why_not = offline_file(opts)
+        if offline_path:
+            offline, counts = tokenize_pairs(load_records(offline_path, "preference"), tok,
+                                             training_length(0, policy.cfg.block_size, opts.init))
+            if len(offline) < opts.batch_size * world.world_size:
+                raise ValueError(f"--offline_data {offline_path}: {len(offline)} pairs fit the model's context "
+                                 f"({counts}), fewer than a step takes ({opts.batch_size} x {world.world_size} ranks)")
+            offline_batches = Batches(len(offline), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     gold = reward_mod.builtin_gold(texts)
     run_mod.place(opts, world, {"policy": policy}, {"reference": init_ref, "reference copy": copy})
     init_ref = run_mod.frozen(opts, init_ref)
@@ -632,12 +658,14 @@ def main(argv=None):
     run_mod.plan(opts, {"policy": policy, "ref": init_ref})
     models = {"policy": policy, **({"ref": ref} if opts.ref_update_every and ref is not None else {})}
     watch = Watch(opts.score_warn)
-    run_mod.resume(opts, run, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})
+    orders = {"data": prompt_batches, "watch": watch, **({"offline": offline_batches} if offline else {})}
+    run_mod.resume(opts, run, models, {"policy": optimizer}, data=orders)
     k = opts.samples_per_prompt
-    dist.print0(startup_line(opts, len(prompts), prompt_stats, run.step))
+    dist.print0(startup_line(opts, len(prompts), prompt_stats, run.step, offline_path or f"none ({why_not})"))
     warn_short_warmup(opts.max_steps, opts.warmup_steps)
-    run.show = ["train/loss", "train/pairs", "train/score", "train/gold_reward", "train/response_length",
-                "time/rollout_frac", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]
+    run.show = ["train/loss", "train/pairs", "train/offline_loss", "train/score", "train/gold_reward",
+                "train/response_length", "time/rollout_frac", "eval/gold_reward", "eval/rm_score", "eval/reward",
+                "eval/kl"]
     run.loss_key = ("train/loss", "train/grad_norm")
     eval_prompts = eval_records[:opts.eval_samples]
 
@@ -647,7 +675,7 @@ def main(argv=None):
                             rewards=reward_mod.eval_columns(judge, gold), gathered=(init_ref,))
 
     def save(step):
-        run_mod.save(opts, step, models, {"policy": optimizer}, data={"data": prompt_batches, "watch": watch})
+        run_mod.save(opts, step, models, {"policy": optimizer}, data=orders)
         save_model_dir(opts.out_dir, policy, tok)
 
     if run.step == 0 and opts.eval_interval:
@@ -681,18 +709,23 @@ def main(argv=None):
             groups, scores = group_preferences(judge, batch_samples, k, tok, opts.missing_eos_penalty)
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only
             accept_key = list(scores) if scores is not None else [copeland(pref_logits) for _, pref_logits in groups]
-        # 3.-4. examples, loss, update
-        objective, stats = step_objective(opts, ddp, ref, batch_samples, groups, step, prob, accept_key, init_ref)
+        # 3.-4. examples, loss, update (--offline_data: the online backward without gradient sync, the offline one with)
+        with ddp.no_sync() if offline and world.enabled else contextlib.nullcontext():
+            objective, stats = step_objective(opts, ddp, ref, batch_samples, groups, step, prob, accept_key, init_ref)
+            if objective is not None:
+                (objective * dist.ddp_scale()).backward()
+        if offline:
+            pairs = pairs_as_samples([offline[i] for i in offline_batches.next_step()[0]], tok.pad_id, world.device)
+            stats.update(offline_backward(opts, ddp, ref, pairs))
         grad_norm = 0.0
-        if objective is not None:        # no pair / no labelled token on any rank: no update at all
-            (objective * dist.ddp_scale()).backward()
+        if objective is not None or offline:     # no pair / no labelled token on any rank: no update at all
             grad_norm = parallel.clip_grad_norm(policy.parameters(), opts.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if opts.ref_update_every and ref is not None and step % opts.ref_update_every == 0:
             # iterative DPO / DNO / SPPO: π_t ← π_θ (--lora_r: the base with the adapters merged in)
             ref.load_state_dict((lora.merged_copy(policy) if opts.lora_r else policy).state_dict())
-        metrics = step_metrics(batch_samples, scores, stats, gold)
+        metrics = online_step_metrics(batch_samples, scores, stats, gold)
         if "train/kl" in metrics and opts.kl_warn:      # the same value on every rank (all-reduced)
             watch_kl(kl_watch, metrics["train/kl"], opts.kl_warn, step)
         check_step(watch, step, (batch_samples.response_mask.sum(1) - batch_samples.has_eos).tolist(),
@@ -705,22 +738,6 @@ def main(argv=None):
     run_mod.finish(run, {"policy": policy}, {"reference": init_ref},
                   saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, init_ref=init_ref, judge=judge, optimizer=optimizer, options=opts)
-
-
-def step_metrics(samples: Samples, scores, stats, gold):
-    """The step's figures over all ranks, in one all-reduce: sequence means (judge score, gold reward, length,
-    end-of-text rate) and the method's {name: (this rank's sum, global denominator)}."""
-    seq = {"response_length": samples.response_mask.sum(1), "eos_rate": samples.has_eos}
-    if scores is not None:
-        seq["score"] = scores.flatten()
-    if gold is not None:
-        seq["gold_reward"] = torch.tensor(gold(samples.prompts, samples.completions))
-    names = ["sequences", *seq, *stats]
-    local = [float(samples.ids.shape[0]), *(float(v.sum()) for v in seq.values()), *(v[0] for v in stats.values())]
-    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
-    metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
-    metrics.update({f"train/{k}": total[k] / denominator for k, (_, denominator) in stats.items()})
-    return metrics
 
 
 if __name__ == "__main__":

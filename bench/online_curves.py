@@ -1,7 +1,8 @@
 """Per-step curves of online DPO on the built-in task (scripts/online.sh): the reward model's mean score of the
 step's samples (what the method optimises), the gold reward of the same samples (what it should raise) and the
-response length, for the default (soft labels on every pair) and the old default (hard labels on best vs worst),
-the mean over training seeds with each seed faint behind it.
+response length, for the default (soft labels on every pair, with the judge's training pairs beside them) and the
+two before it (the same online only; hard labels on best vs worst), the mean over training seeds with each seed
+faint behind it.
 
     python bench/online_curves.py --out_dir out/online/builtin --png docs/online_curves.png
 
@@ -15,8 +16,9 @@ import os
 
 PANELS = [("train/score", "reward-model score (optimised)"), ("train/gold_reward", "gold reward (held back)"),
           ("train/response_length", "response length (tokens)")]
-VARIANTS = [("online_dpo", "soft labels, every pair (default)", "tab:blue"),
-            ("online_dpo_hard", "hard labels, best vs worst", "tab:red")]
+VARIANTS = [("online_dpo", "default: soft labels, every pair, + the judge's pairs", "tab:blue"),
+            ("online_dpo_online_only", "soft labels, every pair, online only", "tab:green"),
+            ("online_dpo_hard", "hard labels, best vs worst, online only", "tab:red")]
 
 
 def curves(run):

@@ -1,5 +1,6 @@
 """TRL's online DPO trainer on the same run as `train_online.py --method online_dpo --judge RM_DIR`: the same SFT
-directory, prompts, reward model and budget, so the two can be compared at equal updates. TRL is not a run-time
+directory, prompts, reward model and budget, so the two can be compared at equal updates (TRL has no offline pairs
+beside the online ones: its peer row is our online-only one, `--offline_data=`). TRL is not a run-time
 dependency of nano_rlhf: run this in its own virtual environment (as bench/trl_grpo.py).
 
     python -m venv --system-site-packages /tmp/trlenv && /tmp/trlenv/bin/pip install trl==1.16.0
@@ -10,7 +11,8 @@ dependency of nano_rlhf: run this in its own virtual environment (as bench/trl_g
 One step = one generation of batch_size prompts x 2 completions (TRL's only mode: a random pair, labelled by the
 higher score) and one optimizer step, as train_online.py's one step per rollout. OnlineDPOConfig fields set away
 from TRL's defaults, and why:
-  learning_rate, lr_scheduler_type constant, warmup 0     train_online.py's --lr (5e-5), constant, no warm-up
+  learning_rate, lr_scheduler_type constant, warmup 0     5e-5 (the --lr train_online.py had when measured: now 1e-4),
+                                                            constant, no warm-up
   adam_beta2 0.95, weight_decay 0.0                         nano_rlhf's AdamW
   temperature 1.0, max_new_tokens 40                        train_online.py's sampling (TRL: 0.9, 64)
   beta 0.1, loss_type sigmoid, missing_eos_penalty None     TRL's defaults, written for the record

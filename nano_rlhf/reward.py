@@ -26,6 +26,7 @@ nano_rlhf/data.py (its data files), nowhere else outside nano_rlhf/synthetic.py.
 """
 import importlib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -35,7 +36,8 @@ import torch
 
 from . import synthetic
 from .run import fail
-from .data import finite_number, pad_right
+from .checkpoint import sha256_file
+from .data import default_path, finite_number, pad_right
 from .sampling import generate, SamplingOptions
 
 GOLD = "gold"
@@ -471,6 +473,30 @@ def model_dir(spec):
     it never writes into and whose files --resume checks (nano_rlhf.run)."""
     path = spec[len(LLM):] if spec and spec.startswith(LLM) else spec
     return path if path and os.path.isdir(path) else ""
+
+
+def training_pairs(spec):
+    """The preference file a --judge reward model was fitted to: (path, "") when its train_config.json (train_rm.py's,
+    objective reward) names one (empty: the built-in task's) that still holds what the model was trained on (the
+    sha256 in its state/run.json, when kept); else ("", why not)."""
+    config = os.path.join(spec, "train_config.json") if spec and os.path.isdir(spec) else ""
+    if not config or not os.path.isfile(config):
+        return "", "the judge records no training pairs (not a train_rm.py reward model)"
+    with open(config) as f:
+        trained = json.load(f)
+    if trained.get("objective") != "reward":
+        return "", ("the judge records no training pairs (not a train_rm.py reward model)" if "objective" not in
+                    trained else f"the judge was trained as a {trained['objective']} model")
+    path = trained.get("data") or default_path("preference")
+    if not os.path.isfile(path):
+        return "", f"the judge's training pairs {path} are not there"
+    record = os.path.join(spec, "state", "run.json")
+    if os.path.isfile(record):
+        with open(record) as f:
+            sha = json.load(f).get("data_sha256", {}).get("data")
+        if sha and sha != sha256_file(path):
+            return "", f"{path} changed since the judge was trained on it"
+    return path, ""
 
 
 def parse_score(answer, low=1.0, high=10.0):

@@ -4,8 +4,9 @@ described in the start-up line); k completions per prompt from the rollout engin
 token; the reward read (a reward model on the very ids sampled, a function on the decoded texts, or a judge's
 preferences within each prompt's group) and a cost beside it; DAPO's sampling rounds; the Rollout container the
 update reads and the models' forwards over it; the window of episode costs a Lagrange multiplier steps on; the
-held-out evaluation. For train_online.py (at the end): k samples a prompt from the policy or from a geometric
-mixture of models, and a pointwise judge's scores of them. Knows no loss, advantage or KL: what a reward becomes
+held-out evaluation. For train_online.py (at the end): its models, k samples a prompt from the policy or from a
+geometric mixture of models, preference pairs from a file in the same layout, a pointwise judge's scores of the
+samples, and the step's figures. Knows no loss, advantage or KL: what a reward becomes
 (normalised, clipped, penalised, a win rate), the log-prob gather and λ's step are the script's.
 
 B = prompts × k sequences, P = the longest prompt (left-padded), R = the longest response (right-padded).
@@ -457,6 +458,42 @@ class Samples:
     completions: list             # N decoded responses
 
 
+def load_online_models(opts, tok, run, training_copy):
+    """train_online.py's models: the policy (--lora_r: with adapters, what they add to the run's identity recorded),
+    the initial reference (the KL of the evaluation is always to it; --lora_r with the reference = --init: the
+    policy with its adapters off, no second copy) and, with training_copy (--ref_update_every), the training
+    reference: a separate copy that is replaced with the policy every N steps (else None: training uses the
+    initial reference). Raises on bad input (one line via input_errors)."""
+    policy = GPT.from_pretrained(opts.init, dropout=0.0)
+    check_vocab(tok, policy.cfg, opts.init)
+    ref_dir = opts.ref or opts.init
+    run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
+    if lora.shares_base(opts, opts.ref):
+        init_ref = lora.BaseView(policy)
+    else:
+        init_ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+        check_vocab(tok, init_ref.cfg, ref_dir)
+    if init_ref.cfg.vocab_size != policy.cfg.vocab_size:     # Nash-MD adds their logits; every method compares them
+        raise ValueError(f"{ref_dir}: the reference's vocabulary ({init_ref.cfg.vocab_size}) differs from the "
+                         f"policy's ({policy.cfg.vocab_size})")
+    copy = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval() if training_copy else None
+    return policy, init_ref, copy
+
+
+def pairs_as_samples(examples, pad_id, device):
+    """Tokenized preference pairs (data.tokenize_pairs) in the samples' layout, so a script reads their log-probs as
+    it reads its own samples': rows 0..B−1 each pair's chosen response, rows B..2B−1 its rejected one, each
+    [left-padded prompt | right-padded response]; a tool turn inside a response is context (its mask's zeros)."""
+    keys = ("chosen", "rejected")
+    responses = [e[key] for key in keys for e in examples]
+    q_ids, q_mask = collate_prompts([e["prompt"] for _ in keys for e in examples], pad_id)
+    resp_attn = pad_right([[1] * len(r) for r in responses], 0)
+    mask = pad_right([e.get(f"{key}_mask", [1] * len(e[key])) for key in keys for e in examples], 0)
+    return Samples(ids=torch.cat([q_ids, pad_right(responses, pad_id)], 1).to(device),
+                   attn=torch.cat([q_mask, resp_attn], 1).to(device), response_mask=mask.float().to(device),
+                   has_eos=torch.ones(len(responses), device=device), prompts=[], completions=[])
+
+
 def sample_from_mixture(mixture, prompts, prompt_ids, tok, opts, step, device, stream=0):
     """k responses per prompt from the (mixture of) model(s): tokenized prompt records, their dataset indices."""
     k = opts.samples_per_prompt
@@ -500,3 +537,19 @@ def _raw_scores(judge, samples: Samples, tok):
         rows.append(row[-rm.model.cfg.block_size:])
     ids, attn = pad_right(rows, tok.pad_id), pad_right([[1] * len(r) for r in rows], 0)   # right-padded: plain causal
     return rm.score_tokens(ids.to(rm.device), attn.to(rm.device)).double().cpu()
+
+
+def online_step_metrics(samples: Samples, scores, stats, gold):
+    """train_online.py's step figures over all ranks, in one all-reduce: sequence means (judge score, gold reward,
+    length, end-of-text rate) and the method's {name: (this rank's sum, global denominator)}."""
+    seq = {"response_length": samples.response_mask.sum(1), "eos_rate": samples.has_eos}
+    if scores is not None:
+        seq["score"] = scores.flatten()
+    if gold is not None:
+        seq["gold_reward"] = torch.tensor(gold(samples.prompts, samples.completions))
+    names = ["sequences", *seq, *stats]
+    local = [float(samples.ids.shape[0]), *(float(v.sum()) for v in seq.values()), *(v[0] for v in stats.values())]
+    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
+    metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
+    metrics.update({f"train/{k}": total[k] / denominator for k, (_, denominator) in stats.items()})
+    return metrics

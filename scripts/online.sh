@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Online DPO and DNO with a reward-model judge, against offline DPO at the same number of updates, several training
 # seeds, on two tasks: the built-in reviews and bench/recipes.py (a task outside the package: different prompts,
-# answers of 4 to 13 words, its own reward model). The old default (hard labels on best vs worst) beside the new one
-# (soft labels, the judge's own probability, on every pair), so the table shows what the change buys. Every policy is judged by the task's gold reward on held-out prompts.
+# answers of 4 to 13 words, its own reward model). The default (soft labels, the judge's own probability, on every
+# pair, with the pairs the reward model was fitted to beside them) and the two defaults before it (the same online
+# only; hard labels on best vs worst), so the table shows what each change bought. Every policy is judged by the
+# task's gold reward on held-out prompts.
 #
-#   bash scripts/online.sh                          # both tasks, seeds 0 1 2, 150 updates (~60 min on 2 cores)
+#   bash scripts/online.sh                          # both tasks, seeds 0 1 2, 150 updates (~75 min on 2 cores)
 #   TASKS=recipes SEEDS=0 bash scripts/online.sh     # one task, one seed
 #   STEPS=500 OUT=out/online500 bash scripts/online.sh   # the longer budget
 #   TINY=1 bash scripts/online.sh                   # a smoke run of a minute or two
 #   TRL_PYTHON=/tmp/trlenv/bin/python bash scripts/online.sh   # with TRL's online DPO (bench/trl_online_dpo.py)
 #
-# Stages resume: a stage whose output directory holds its model is skipped. Runs go JOBS at a time (default 2), one
-# thread each. Each online step: 16 prompts x 4 samples, the best and worst of each group a pair (16 pairs); offline
-# DPO: 16 pairs a step from the task's preference file. Everything else at the scripts' defaults.
+# Stages resume: a stage whose output directory holds its model is skipped; each seed's evaluation scores every
+# variant trained under OUT. Runs go JOBS at a time (default 2), one thread each. Each online step: 16 prompts x 4
+# samples (every pair of a group, or best vs worst), by default also 16 of the reward model's pairs; offline DPO: 16
+# pairs a step from the task's preference file. Everything else at the scripts' defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +23,7 @@ OUT=${OUT:-out/online}
 PY=${PYTHON:-python}
 SEEDS=${SEEDS:-0 1 2}
 TASKS=${TASKS:-builtin recipes}
-VARIANTS=${VARIANTS:-offline_dpo online_dpo dno dno_iterative online_dpo_hard dno_hard}
+VARIANTS=${VARIANTS:-offline_dpo online_dpo dno online_dpo_online_only dno_iterative online_dpo_hard}
 case " $VARIANTS " in *" trl_online_dpo "*) ;; *) if [ -n "${TRL_PYTHON:-}" ]; then VARIANTS="$VARIANTS trl_online_dpo"; fi ;; esac
 STEPS=${STEPS:-150}
 JOBS=${JOBS:-2}
@@ -36,9 +39,11 @@ declare -A METHOD=(
   [dno]="train_online.py $ONLINE --method dno"
   # DNO as its paper iterates: the reference becomes the policy every 50 steps (3 iterations in 150 steps)
   [dno_iterative]="train_online.py $ONLINE --method dno --ref_update_every 50"
-  # the old default: the order of best vs worst taken as certain (TRL's hard labels)
-  [online_dpo_hard]="train_online.py $ONLINE --labels hard --pairs best_worst"
-  [dno_hard]="train_online.py $ONLINE --method dno --labels hard --pairs best_worst"
+  # the default before the hybrid objective: soft labels on every pair, no offline pairs, lr 5e-5
+  [online_dpo_online_only]="train_online.py $ONLINE --offline_data= --lr 5e-5"
+  # the first default: the order of best vs worst taken as certain (TRL's hard labels), online pairs only, lr 5e-5
+  [online_dpo_hard]="train_online.py $ONLINE --labels hard --pairs best_worst --offline_data= --lr 5e-5"
+  [dno_hard]="train_online.py $ONLINE --method dno --labels hard --pairs best_worst --offline_data= --lr 5e-5"
 )
 
 run() { echo "+ $*"; "$@"; }
@@ -85,7 +90,10 @@ for task in $TASKS; do
   summaries=()
   for seed in $SEEDS; do
     S="$T/seed$seed"; models=("$T/sft")
-    for v in $VARIANTS; do done_model "$S/$v" && models+=("$S/$v"); done
+    # every variant trained under OUT (an earlier call's too), so a later call adds rows instead of dropping them
+    for v in offline_dpo online_dpo dno online_dpo_online_only dno_iterative online_dpo_hard dno_hard trl_online_dpo; do
+      done_model "$S/$v" && models+=("$S/$v")
+    done
     run $PY -m nano_rlhf.evaluate --model "${models[@]}" --ref "$T/sft" --reward_model "$T/rm" --reward "$GOLD" \
       --prompts "$D/eval_prompts.jsonl" --summary "$S/results.json" --overwrite --times "$S/times.tsv" $EVAL
     summaries+=("$S/results.json")

@@ -85,11 +85,14 @@ timed tdpo $TRAIN train_dpo.py --loss tdpo --init "$OUT/sft" --out_dir "$OUT/tdp
 timed paft_sft $TRAIN train_sft.py --init "$OUT/sft" --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$OUT/paft_sft" --overwrite $PAFT_SFT
 timed paft_dpo $TRAIN train_dpo.py --loss dpo --l1_coef 1e-4 --init "$OUT/sft" --out_dir "$OUT/paft_dpo" --overwrite $PAIRS
 run $PY -m nano_rlhf.merge --base "$OUT/sft" --models "$OUT/paft_sft" "$OUT/paft_dpo" --method ties --out_dir "$OUT/paft" --overwrite
-# online, judged by the trained reward model (and once by the gold reward: "online helps" vs "the judge is better")
+# online, judged by the trained reward model (and once by the gold reward: "online helps" vs "the judge is better");
+# online DPO and DNO as the table was made: hard labels on best vs worst, online pairs only (the defaults since, soft
+# labels on every pair with the judge's training pairs beside them, are scripts/online.sh's table)
+PAIRWISE_AS_MEASURED="--labels hard --pairs best_worst --offline_data="
 timed dpo_offline_matched $TRAIN train_dpo.py --loss dpo --init "$OUT/sft" --out_dir "$OUT/dpo_offline_matched" --overwrite $OFFLINE_MATCH
-timed online_dpo $TRAIN train_online.py --method online_dpo --judge "$OUT/rm" --init "$OUT/sft" --out_dir "$OUT/online_dpo" --overwrite $ONLINE
-timed online_dpo_gold $TRAIN train_online.py --method online_dpo --judge gold --init "$OUT/sft" --out_dir "$OUT/online_dpo_gold" --overwrite $ONLINE
-timed dno $TRAIN train_online.py --method dno --judge "$OUT/rm" --ref_update_every 10 --init "$OUT/sft" --out_dir "$OUT/dno" --overwrite $ONLINE
+timed online_dpo $TRAIN train_online.py --method online_dpo --judge "$OUT/rm" --init "$OUT/sft" --out_dir "$OUT/online_dpo" --overwrite $ONLINE $PAIRWISE_AS_MEASURED
+timed online_dpo_gold $TRAIN train_online.py --method online_dpo --judge gold --init "$OUT/sft" --out_dir "$OUT/online_dpo_gold" --overwrite $ONLINE $PAIRWISE_AS_MEASURED
+timed dno $TRAIN train_online.py --method dno --judge "$OUT/rm" --ref_update_every 10 --init "$OUT/sft" --out_dir "$OUT/dno" --overwrite $ONLINE $PAIRWISE_AS_MEASURED
 timed sppo $TRAIN train_online.py --method sppo --judge "$OUT/rm" --ref_update_every 10 --init "$OUT/sft" --out_dir "$OUT/sppo" --overwrite $ONLINE
 timed nash_md $TRAIN train_online.py --method nash_md --judge "$OUT/rm" --init "$OUT/sft" --out_dir "$OUT/nash_md" --overwrite $ONLINE --samples_per_prompt 2
 timed cringe $TRAIN train_online.py --method cringe --judge "$OUT/rm" --init "$OUT/sft" --out_dir "$OUT/cringe" --overwrite $ONLINE

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_online as T
-from conftest import eos_prone, prompt_rows, run, tiny_model, write_jsonl
+from conftest import eos_prone, pref_rows, prompt_rows, run, tiny_model, write_jsonl
 from nano_rlhf import rollout, sampling
 from nano_rlhf import watch as watch_mod
 from nano_rlhf.model import GPT
@@ -422,16 +422,22 @@ def test_reference_update_equals_a_restart_from_the_snapshot(tmp_path, sft_dir, 
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_at_lr0(tmp_path, sft_dir, rm_dir):
+@pytest.mark.parametrize("offline", [False, True], ids=["online", "with-offline-pairs"])
+def test_two_ranks_equal_one_process_at_lr0(tmp_path, sft_dir, rm_dir, offline):
     """lr 0, frozen judge: 2 ranks x 2 prompts sample, judge and weigh exactly what 1 process x 4 prompts does
-    (per-prompt sampling streams, global normalisers), so every logged figure agrees."""
+    (per-prompt sampling streams, global normalisers), so every logged figure agrees; with --offline_data, each
+    rank takes its half of the step's offline pairs, and the gradient norm (the online backward without
+    gradient sync, the offline one with) agrees too."""
     common = ["--lr", "0", "--method", "online_dpo", "--pairs", "all", "--nll_coef", "0.3", "--samples_per_prompt", "4"]
+    if offline:
+        write_jsonl(tmp_path / "pairs.jsonl", pref_rows(20))
+        common += ["--offline_data", str(tmp_path / "pairs.jsonl")]
     run(["train_online.py"] + online_args(tmp_path, sft_dir, rm_dir, "one", *common, "--batch_size", "4", steps=2))
     run(["train_online.py"] + online_args(tmp_path, sft_dir, rm_dir, "two", *common, "--batch_size", "2", steps=2),
         nproc=2)
     for one, two in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two")):
         for key in ("train/loss", "train/pairs", "train/nll", "train/reward_margin", "train/score", "train/grad_norm",
-                    "train/response_length"):
+                    "train/response_length") + (("train/offline_loss", "train/offline_accuracy") if offline else ()):
             assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
 
 
@@ -461,16 +467,23 @@ def one_line_error(p, *needles):
     (["--labels", "soft", "--loss", "simpo"], ["--labels soft: --loss simpo has no soft-label form"]),
     (["--labels", "soft", "--label_smoothing", "0.1"], ["--labels soft", "--labels hard with --label_smoothing"]),
     (["--method", "sppo", "--labels", "hard"], ["--labels applies only with --method online_dpo or dno (got sppo)"]),
+    (["--offline_data", "no/such.jsonl"], ["no/such.jsonl"]),
+    (["--offline_data", "PJ"], ["pj.py:1"]),
+    (["--offline_data", "P3"], ["--offline_data", "3 pairs fit", "fewer than a step takes (4 x 1 ranks)"]),
+    (["--method", "sppo", "--offline_data", "PJ"], ["--offline_data applies only with --method online_dpo or dno"]),
+    (["--offline_data=", "--offline_coef", "2"], ["--offline_coef applies only with --offline_data"]),
 ], ids=["judge-dir", "judge-module", "pair-not-function", "pair-missing", "pair-bad-values", "no-judge", "k1",
         "ignored-flag", "cringe-ref-update", "loss-flag", "eos-penalty-pairwise", "eos-penalty-negative",
-        "pair-raises", "pair-strings", "soft-simpo", "soft-smoothing", "labels-sppo"])
+        "pair-raises", "pair-strings", "soft-simpo", "soft-smoothing", "labels-sppo", "offline-missing",
+        "offline-not-pairs", "offline-too-few", "offline-sppo", "offline-coef-alone"])
 def test_bad_judges_and_flags_are_one_line_errors(tmp_path, sft_dir, rm_dir, capfd, extra, needles):
     """main() in this process (a start-up each would be ~2.5 s): its exit code and everything written to the
     stderr file descriptor; the same error from a whole process is test_a_bad_judge_is_one_line_from_the_shell."""
     (tmp_path / "pj.py").write_text("def bad(prompts, a, b):\n    return [1.5] * len(a)\n\n"
                                     "def boom(prompts, a, b):\n    return 1 / 0\n\n"
                                     "def words(prompts, a, b):\n    return ['yes'] * len(a)\n")
-    extra = [x.replace("PJ", str(tmp_path / "pj.py")) for x in extra]
+    write_jsonl(tmp_path / "p3.jsonl", pref_rows(3))
+    extra = [x.replace("PJ", str(tmp_path / "pj.py")).replace("P3", str(tmp_path / "p3.jsonl")) for x in extra]
     capfd.readouterr()
     with pytest.raises(SystemExit) as e:
         T.main(online_args(tmp_path, sft_dir, rm_dir, "x", *extra))
@@ -530,3 +543,88 @@ def test_resume_refuses_a_judge_replaced_at_the_same_path(tmp_path, sft_dir, rm_
     assert e.value.code == 1 and len(err) == 1, err
     assert err[0].startswith(f"error: --resume: the input --judge {judge} changed since {out} was saved"), err
     assert {f: (out / "state" / f).read_bytes() for f in os.listdir(out / "state")} == before
+
+
+# ---- the hybrid objective (--offline_data) -----------------------------------------------------
+
+def test_offline_pairs_backward_equals_the_dpo_formula_on_unpadded_sequences(tok):
+    """offline_backward on pairs of different prompt and response lengths (pairs_as_samples' left-padded prompts,
+    right-padded responses) gives the gradient of c · mean_i −log σ(β((S_w − R_w) − (S_l − R_l))) computed from each
+    sequence alone, unpadded, with the full softmax (Rafailov et al. 2023, eq. 7)."""
+    from nano_rlhf import dist
+    from nano_rlhf.data import tokenize_pairs
+    dist.setup("cpu")
+    policy, ref = tiny_model(tok, seed=0), tiny_model(tok, seed=1).requires_grad_(False)
+    examples, _ = tokenize_pairs(pref_rows(3), tok, 64)
+    assert len({len(e["prompt"]) for e in examples} | {len(e["chosen"]) for e in examples}) > 1
+    opts = types.SimpleNamespace(loss="dpo", beta=0.1, label_smoothing=0.0, offline_coef=0.7, temperature=1.0,
+                                 dtype="float32")
+    log = T.offline_backward(opts, policy, ref, rollout.pairs_as_samples(examples, tok.pad_id, "cpu"))
+    got = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+
+    def S(model, prompt, response):
+        ids = torch.tensor([prompt + response])
+        logp = model(ids).float().log_softmax(-1)[0, len(prompt) - 1:-1]
+        return logp.gather(-1, torch.tensor(response)[:, None]).sum()
+    losses = []
+    for e in examples:
+        h = (S(policy, e["prompt"], e["chosen"]) - S(ref, e["prompt"], e["chosen"])) \
+            - (S(policy, e["prompt"], e["rejected"]) - S(ref, e["prompt"], e["rejected"]))
+        losses.append(-torch.log(torch.sigmoid(0.1 * h)))
+    expected = 0.7 * torch.stack(losses).mean()
+    expected.backward()
+    assert log["offline_loss"][0] / log["offline_loss"][1] == pytest.approx(float(expected.detach()) / 0.7, rel=1e-5)
+    for n, p in policy.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_offline_data_joins_every_step_and_resumes_exactly(tmp_path, sft_dir, rm_dir):
+    """--offline_data: every step logs the offline pairs' loss and accuracy and the policy ends elsewhere than
+    without them; stopped at step 2 and resumed (the offline order restored) it ends bit-identical; a changed
+    offline file is refused on --resume in one line."""
+    write_jsonl(tmp_path / "pairs.jsonl", pref_rows(20))
+    hybrid = ["--offline_data", str(tmp_path / "pairs.jsonl"), "--offline_coef", "2", "--save_interval", "0"]
+    a = T.main(online_args(tmp_path, sft_dir, rm_dir, "a", *hybrid, steps=3))
+    m = metrics(tmp_path / "a")
+    assert all(math.isfinite(x["train/offline_loss"]) and 0 <= x["train/offline_accuracy"] <= 1 for x in m)
+    T.main(online_args(tmp_path, sft_dir, rm_dir, "b", *hybrid, "--stop_at", "2", steps=3))
+    b = T.main(online_args(tmp_path, sft_dir, rm_dir, "b", *hybrid, "--resume", steps=3))
+    pa = a.policy.state_dict()
+    assert all(torch.equal(pa[k], v) for k, v in b.policy.state_dict().items())
+    c = T.main(online_args(tmp_path, sft_dir, rm_dir, "c", "--save_interval", "0", steps=3))
+    assert any(not torch.equal(pa[k], v) for k, v in c.policy.state_dict().items())
+    T.main(online_args(tmp_path, sft_dir, rm_dir, "d", *hybrid, "--stop_at", "2", steps=3))
+    write_jsonl(tmp_path / "pairs.jsonl", pref_rows(20, seed=5))
+    p = run(["train_online.py"] + online_args(tmp_path, sft_dir, rm_dir, "d", *hybrid, "--resume", steps=3),
+            check=False)
+    one_line_error(p, "pairs.jsonl")
+
+
+def test_the_default_offline_pairs_are_the_judges_own_and_only_while_unchanged(tmp_path, sft_dir, rm_dir, capsys):
+    """--offline_data judge (the default): a reward model whose train_config.json names its training pairs lends
+    them to the run (the start-up line names the file, every step logs their loss); a pairs file changed since
+    the judge was trained (state/run.json's sha256), a cost model, a judge with no record, or --offline_data=
+    (empty) gives online pairs only."""
+    import shutil
+    from nano_rlhf.checkpoint import sha256_file
+    from nano_rlhf.reward import training_pairs
+    pairs = tmp_path / "pairs.jsonl"
+    write_jsonl(pairs, pref_rows(20))
+    judge = tmp_path / "rm"
+    shutil.copytree(rm_dir, judge)
+    (judge / "train_config.json").write_text(json.dumps({"objective": "reward", "data": str(pairs)}))
+    (judge / "state").mkdir()
+    (judge / "state" / "run.json").write_text(json.dumps({"data_sha256": {"data": sha256_file(pairs)}}))
+    assert training_pairs(str(judge)) == (str(pairs), "")
+    assert training_pairs(rm_dir)[0] == "" and "records no training pairs" in training_pairs(rm_dir)[1]
+    T.main(online_args(tmp_path, sft_dir, str(judge), "a", "--save_interval", "0"))
+    assert f"offline pairs {pairs}" in capsys.readouterr().out
+    assert all("train/offline_loss" in x for x in metrics(tmp_path / "a"))
+    T.main(online_args(tmp_path, sft_dir, str(judge), "b", "--save_interval", "0", "--offline_data="))
+    assert "offline pairs none (off)" in capsys.readouterr().out
+    assert not any("train/offline_loss" in x for x in metrics(tmp_path / "b"))
+    write_jsonl(pairs, pref_rows(20, seed=3))
+    assert training_pairs(str(judge)) == ("", f"{pairs} changed since the judge was trained on it")
+    (judge / "train_config.json").write_text(json.dumps({"objective": "cost", "data": str(pairs)}))
+    assert training_pairs(str(judge)) == ("", "the judge was trained as a cost model")

@@ -23,11 +23,12 @@ KTO_GAINED = dict(KTO_FLAGS, **{"--precompute_ref": [False, None], "--max_length
                                 "--compile": [False, None]})
 
 
-# flags added or changed since the recording, on purpose: online DPO's soft labels on every pair by default
-# (docs/algorithms.md, "Online and self-play methods"), the judge-score warning of the scripts that sample and
-# train_rm's cost model (Safe RLHF)
+# flags added or changed since the recording, on purpose: online DPO's soft labels on every pair by default, its
+# hybrid objective with the judge's training pairs and train_dpo.py's learning rate (docs/algorithms.md, "Online
+# and self-play methods"), the judge-score warning of the scripts that sample and train_rm's cost model (Safe RLHF)
 LATER = {"train_online": {"--labels": ["auto", ["auto", "soft", "hard"]], "--pairs": ["all", ["all", "best_worst"]],
-                          "--score_warn": [3.0, None]},
+                          "--score_warn": [3.0, None], "--offline_data": ["judge", None],
+                          "--offline_coef": [1.0, None], "--lr": [None, None]},
          "train_ppo": {"--score_warn": [3.0, None], "--cost_model": ["", None], "--cost": ["", None],
                        "--cost_limit": [0.0, None], "--lambda_init": [1.0, None], "--lambda_lr": [0.1, None],
                        "--lambda_max": [5.0, None], "--lambda_delay": [0, None], "--cost_window": [128, None],

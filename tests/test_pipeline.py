@@ -90,12 +90,12 @@ def test_reasoning_script_tiny_end_to_end(tmp_path):
     assert p.returncode == 0 and p.stdout.count("reusing ") == 1 + len(variants), p.stdout[-2000:]
 
 
-@pytest.mark.slow      # two tasks: SFT, a reward model, offline DPO and four online variants, a few steps each
+@pytest.mark.slow      # two tasks: SFT, a reward model, offline DPO and five online variants, a few steps each
 def test_online_script_tiny_end_to_end(tmp_path):
     """scripts/online.sh (TINY=1, one seed, both tasks): every variant trains and loads, each task's evaluation
     scores every policy with that task's gold reward, the table over seeds has a row per policy, and the built-in
     task's curves are drawn."""
-    variants = ["offline_dpo", "online_dpo", "dno", "dno_iterative", "online_dpo_hard", "dno_hard"]
+    variants = ["offline_dpo", "online_dpo", "dno", "online_dpo_online_only", "dno_iterative", "online_dpo_hard"]
     env = dict(os.environ, TINY="1", SEEDS="0", OUT=str(tmp_path / "out"), PYTHON=sys.executable, JOBS="1")
     env.pop("TRL_PYTHON", None)
     p = subprocess.run(["bash", "scripts/online.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
