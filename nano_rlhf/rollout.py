@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import dist, lora, parallel
 from . import run as run_mod
-from .data import collate_prompts, default_path, pad_right
+from .data import collate_prompts, default_path, pad_left, pad_right
 from .evaluate import eval_metrics
 from .model import GPT, ScoreModel
 from .reward import (Judge, RewardModel, builtin_gold, code_file, eval_columns, load_function, load_judge,
@@ -482,16 +482,18 @@ def load_online_models(opts, tok, run, training_copy):
 
 def pairs_as_samples(examples, pad_id, device):
     """Tokenized preference pairs (data.tokenize_pairs) in the samples' layout, so a script reads their log-probs as
-    it reads its own samples': rows 0..B−1 each pair's chosen response, rows B..2B−1 its rejected one, each
-    [left-padded prompt | right-padded response]; a tool turn inside a response is context (its mask's zeros)."""
+    it reads its own samples': rows 0..B−1 each pair's chosen response, rows B..2B−1 its rejected one, each row
+    [left padding | prompt | response] ending at the last column, and the response mask over the last R columns
+    (R = the longest response; a shorter one's prompt tokens there are context, as is a tool turn inside a
+    response). Why not a prompt block then a response block, as sampling lays them out: the longest prompt and
+    the longest response of different pairs could together exceed the context; this is as wide as one pair."""
     keys = ("chosen", "rejected")
-    responses = [e[key] for key in keys for e in examples]
-    q_ids, q_mask = collate_prompts([e["prompt"] for _ in keys for e in examples], pad_id)
-    resp_attn = pad_right([[1] * len(r) for r in responses], 0)
-    mask = pad_right([e.get(f"{key}_mask", [1] * len(e[key])) for key in keys for e in examples], 0)
-    return Samples(ids=torch.cat([q_ids, pad_right(responses, pad_id)], 1).to(device),
-                   attn=torch.cat([q_mask, resp_attn], 1).to(device), response_mask=mask.float().to(device),
-                   has_eos=torch.ones(len(responses), device=device), prompts=[], completions=[])
+    seqs = [e["prompt"] + e[key] for key in keys for e in examples]
+    masks = [e.get(f"{key}_mask", [1] * len(e[key])) for key in keys for e in examples]
+    R = max(len(m) for m in masks)
+    return Samples(ids=pad_left(seqs, pad_id).to(device), attn=pad_left([[1] * len(x) for x in seqs], 0).to(device),
+                   response_mask=pad_left(masks, 0, R).float().to(device),
+                   has_eos=torch.ones(len(seqs), device=device), prompts=[], completions=[])
 
 
 def sample_from_mixture(mixture, prompts, prompt_ids, tok, opts, step, device, stream=0):

@@ -186,10 +186,13 @@ def online_dpo_gain(tmp_path, seed, task, sft, *extra):
 
 @pytest.mark.slow
 def test_online_dpo_with_a_reward_model_judge_does_not_hack_it(tmp_path, builtin):
-    """Online DPO at its defaults (soft labels, every pair) against a weak reward model (60 steps): the held-out
-    gold reward must rise on the two seeds where the old default (hard labels, best vs worst) lost most of its gain
-    to the reward model's blind spots. Measured gains from gold −0.86, seeds 0-5, AVX-512: defaults +1.76 +1.68
-    +1.87 +1.95 +1.81 +1.81; old default +2.01 +0.25 +0.39 +1.90 +1.89 +0.19 (its collapse warning fired on seeds
-    0 and 2: more than half the samples repeated another of their prompt). Threshold 1.0 on seeds 1 and 5."""
+    """Online DPO at its defaults (soft labels on every pair, beside the reward model's own training pairs) against
+    a weak reward model (60 steps): the held-out gold reward must rise on the two seeds where the first default
+    (hard labels, best vs worst, online pairs only) lost most of its gain to the reward model's blind spots.
+    Measured gains from gold −0.86, seeds 0-5: the defaults +1.96 +1.83 +1.81 +1.93 +1.83 +1.95 (AMD EPYC);
+    soft labels online only (the second default) +1.76 +1.68 +1.87 +1.95 +1.81 +1.81 (AVX-512); the first
+    default +2.01 +0.25 +0.39 +1.90 +1.89 +0.19 (AVX-512; seeds 1 and 5 on the AMD host: +0.24 +0.22; its collapse
+    warning fired on seeds 0 and 2: more than half the samples repeated another of their prompt). Threshold 1.0 on
+    seeds 1 and 5."""
     gains = [after - before for before, after in (online_dpo_gain(tmp_path, s, *builtin) for s in (1, 5))]
     assert min(gains) > 1.0, gains

@@ -548,15 +548,20 @@ def test_resume_refuses_a_judge_replaced_at_the_same_path(tmp_path, sft_dir, rm_
 # ---- the hybrid objective (--offline_data) -----------------------------------------------------
 
 def test_offline_pairs_backward_equals_the_dpo_formula_on_unpadded_sequences(tok):
-    """offline_backward on pairs of different prompt and response lengths (pairs_as_samples' left-padded prompts,
-    right-padded responses) gives the gradient of c · mean_i −log σ(β((S_w − R_w) − (S_l − R_l))) computed from each
-    sequence alone, unpadded, with the full softmax (Rafailov et al. 2023, eq. 7)."""
+    """offline_backward on pairs of different prompt and response lengths (pairs_as_samples' rows, left-padded)
+    gives the gradient of c · mean_i −log σ(β((S_w − R_w) − (S_l − R_l))) computed from each sequence alone,
+    unpadded, with the full softmax (Rafailov et al. 2023, eq. 7); among them a long prompt with short answers and a
+    short prompt with long answers, whose longest prompt and longest answer together exceed the context (64)."""
     from nano_rlhf import dist
     from nano_rlhf.data import tokenize_pairs
     dist.setup("cpu")
     policy, ref = tiny_model(tok, seed=0), tiny_model(tok, seed=1).requires_grad_(False)
     examples, _ = tokenize_pairs(pref_rows(3), tok, 64)
-    assert len({len(e["prompt"]) for e in examples} | {len(e["chosen"]) for e in examples}) > 1
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(5, tok.vocab_size, (n,), generator=g).tolist()      # noqa: E731
+    examples += [{"prompt": ids(40), "chosen": ids(5), "rejected": ids(7)},
+                 {"prompt": ids(6), "chosen": ids(40), "rejected": ids(33)}]
+    assert max(len(e["prompt"]) for e in examples) + max(len(e["chosen"]) for e in examples) > 64
     opts = types.SimpleNamespace(loss="dpo", beta=0.1, label_smoothing=0.0, offline_coef=0.7, temperature=1.0,
                                  dtype="float32")
     log = T.offline_backward(opts, policy, ref, rollout.pairs_as_samples(examples, tok.pad_id, "cpu"))
