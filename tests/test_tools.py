@@ -345,7 +345,9 @@ def test_every_bad_call_is_an_error_turn_and_counted(box):
         ("raised", "error: boom raised RuntimeError: bad"),
         ("raised", "error: calculator: a power is too large (more than 1024 bits, about 308 digits)"),
         ("ok", '[1, "two", {"three": 3.0}]'), ("ok", "\x01" * 999 + "?"), ("ok", "11")]
-    assert took < 10, took            # one timeout (1 s) and a few restarts, not a hang
+    # one timeout (1 s) and a few worker restarts, not a hang: ~2 s on a quiet machine, 11 s on 2 cores shared with
+    # three other jobs; a hang would never return
+    assert took < 60, took
     assert box.counts == {"ok": 5, "arguments": 3, "unknown": 1, "malformed": 1, "timeout": 1, "too_long": 1,
                           "exited": 1, "died": 1, "raised": 2}
     assert box.run([call("add", a=40)] * 3) == [("42", "ok")] * 3      # the restarted workers answer
