@@ -642,7 +642,8 @@ def main(argv=None):
             opts.max_prompt_len, opts.max_new_tokens, policy.cfg.block_size))
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
         offline, offline_batches = None, None
-        offline_path, why_not = offline_file(opts)
+        offline_path = run.data_files.get("offline_data", "")      # run_record resolved it (and hashed the file)
+        why_not = "" if offline_path else offline_file(opts)[1]
         if offline_path:
             offline, counts = tokenize_pairs(load_records(offline_path, "preference"), tok,
                                              training_length(0, policy.cfg.block_size, opts.init))
