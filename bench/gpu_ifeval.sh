@@ -13,7 +13,8 @@
 # scripts/ifeval.sh for SEEDS (default "0 1") in parallel on the one GPU (the 135M model's decode is bound by kernel
 # launches, so two processes share the card almost for free) and returns, per seed, one .tar.gz of its reports,
 # times and log, and the seeds' table (bench/ifeval_table.py) as table.md. Any of scripts/ifeval.sh's variables
-# pass through (STEPS=48 LABEL_PROMPTS=1024 ...); GEN_BATCH defaults to 320 and MICRO to 16 here.
+# pass through (STEPS=48 LABEL_PROMPTS=1024 ...); GEN_BATCH defaults to 320 and MICRO to 16 here. Give call 2
+# timeout_s 600: each seed is stopped at LIMIT (520 s) and what it finished (its log at least) still comes back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -52,9 +53,12 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
 # the prompt files once, before the seeds share them (scripts/ifeval.sh's sizes)
 if [ "${TINY:-0}" = "1" ]; then N="--n_train 32 --n_eval 12"; else N="--n_train 2048 --n_eval 300"; fi
 $PY -m nano_rlhf.ifeval --out_dir "${DATA:-data/ifeval}" $N > /dev/null
+# each seed under LIMIT seconds (default 520, inside a device call's 600), so that what finished comes back
+mkdir -p out "$OUTDIR"
 pids=()
 for s in ${SEEDS:-0 1}; do
-  SEED=$s OUT=out/gpu_ifeval_s$s FROM=dpo bash scripts/ifeval.sh > "out/gpu_ifeval_s$s.log" 2>&1 &
+  SEED=$s OUT=out/gpu_ifeval_s$s FROM=dpo timeout "${LIMIT:-520}" bash scripts/ifeval.sh \
+    > "out/gpu_ifeval_s$s.log" 2>&1 &
   pids+=($!)
 done
 status=0
@@ -65,9 +69,10 @@ for s in ${SEEDS:-0 1}; do
   tail -n 5 "out/gpu_ifeval_s$s.log"
   tar czf "$OUTDIR/s$s.tar.gz" -C out/gpu_ifeval_s$s --ignore-failed-read report_greedy.json report_sampled.json \
     times.tsv run.log greedy sampled 2>/dev/null || true
-  [ -f "out/gpu_ifeval_s$s/report_greedy.json" ] && dirs+=(out/gpu_ifeval_s$s)
+  if [ -f "out/gpu_ifeval_s$s/report_greedy.json" ]; then dirs+=(out/gpu_ifeval_s$s); fi
 done
-# the table over the seeds that finished
-[ ${#dirs[@]} -gt 0 ] && { $PY bench/ifeval_table.py "${dirs[@]}" > "$OUTDIR/table.md" || status=1; }
-cat "$OUTDIR/table.md"
+if [ ${#dirs[@]} -gt 0 ]; then              # the table over the seeds that finished
+  $PY bench/ifeval_table.py "${dirs[@]}" > "$OUTDIR/table.md" || status=1
+  cat "$OUTDIR/table.md"
+fi
 exit $status
