@@ -50,14 +50,13 @@ export NANO_RLHF_TEST_CACHE=/tmp/nano_rlhf_ckpt GEN_BATCH=${GEN_BATCH:-320} MICR
 MODEL=$($PY tests/real_checkpoint.py)
 export MODEL
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
-# the prompt files once, before the seeds share them (scripts/ifeval.sh's sizes)
-if [ "${TINY:-0}" = "1" ]; then N="--n_train 32 --n_eval 12"; else N="--n_train 2048 --n_eval 300"; fi
-$PY -m nano_rlhf.ifeval --out_dir "${DATA:-data/ifeval}" $N > /dev/null
 # each seed under LIMIT seconds (default 520, inside a device call's 600), so that what finished comes back
 mkdir -p out "$OUTDIR"
 pids=()
 for s in ${SEEDS:-0 1}; do
-  SEED=$s OUT=out/gpu_ifeval_s$s FROM=dpo timeout "${LIMIT:-520}" bash scripts/ifeval.sh \
+  # each seed writes its own copy of the prompt files (the same files: they do not depend on SEED), so the two
+  # never write one file at once
+  SEED=$s OUT=out/gpu_ifeval_s$s DATA=out/gpu_ifeval_s$s/data timeout "${LIMIT:-520}" bash scripts/ifeval.sh \
     > "out/gpu_ifeval_s$s.log" 2>&1 &
   pids+=($!)
 done
