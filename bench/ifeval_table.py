@@ -8,8 +8,10 @@ models' answers cut into length bins at the pooled quartiles, each model's accur
 shares); instruction-level strict; mean answer length in tokens; the share of answers that never ended (cut at
 the token limit) and that loop (nano_rlhf.ifeval.repetitive); strict accuracy sampled at the training temperature,
 with the KL to the start of those samples; the training time. With several directories each figure is the mean
-over seeds with the spread (min..max) beside it; with one, the standard error over prompts. Then per constraint
-kind, the share met (greedy), held-out kinds marked.
+over seeds with the spread (min..max) beside it; with one, the standard error over prompts. Then each method
+minus the start, paired prompt by prompt (the per-prompt differences averaged over the seeds, ± the standard error
+over prompts), and per constraint kind the share met (greedy), held-out kinds marked. A run of some methods or of
+the greedy evaluation only (scripts/ifeval.sh's ARMS, MODES) fills what it measured; the rest reads –.
 """
 import argparse
 import json
@@ -18,35 +20,69 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nano_rlhf.ifeval import HELD_OUT
+from nano_rlhf.ifeval import HELD_OUT, differences, paired
 
 NAMES = ("start", "dpo", "grpo")
 
 
 def _load(d):
+    """{name: figures} of the methods one output directory evaluated (a run with ARMS=grpo has start and grpo; one
+    with MODES=greedy no sampled figures: NaN), with each method's per-prompt greedy differences to the start."""
     greedy = json.load(open(os.path.join(d, "report_greedy.json")))
-    sampled = json.load(open(os.path.join(d, "report_sampled.json")))
+    path = os.path.join(d, "report_sampled.json")
+    sampled = json.load(open(path)) if os.path.isfile(path) else {}
     times = dict(line.split("\t") for line in open(os.path.join(d, "times.tsv")).read().splitlines() if line)
+    nan = float("nan")
     rows = {}
     for name in NAMES:
-        g = greedy[os.path.join(d, "greedy", f"{name}.jsonl")]
-        s = sampled[os.path.join(d, "sampled", f"{name}.jsonl")]
-        summ = json.load(open(os.path.join(d, "sampled", f"{name}.summary.json")))[0]
+        gpath, spath = (os.path.join(d, mode, f"{name}.jsonl") for mode in ("greedy", "sampled"))
+        if gpath not in greedy:
+            continue
+        g, s = greedy[gpath], sampled.get(spath)
+        summary = os.path.join(d, "sampled", f"{name}.summary.json")
+        kl = json.load(open(summary))[0].get("kl", nan) if s and os.path.isfile(summary) else nan
+        start = os.path.join(d, "greedy", "start.jsonl")
         rows[name] = {"strict": g["all"]["strict"], "strict_se": g["all"]["strict_se"],
                       "seen": g["seen_kinds"]["strict"], "seen_se": g["seen_kinds"]["strict_se"],
                       "held": g["held_out_kinds"]["strict"], "held_se": g["held_out_kinds"]["strict_se"],
-                      "loose": g["all"]["loose"],
-                      "equal_length": greedy["equal_length"]["strict"][os.path.join(d, "greedy", f"{name}.jsonl")],
+                      "loose": g["all"]["loose"], "equal_length": greedy.get("equal_length", {}).get("strict", {})
+                      .get(gpath, nan),
                       "instruction": g["all"]["instruction_strict"], "length": g["mean_length"],
-                      "never_ended": g.get("never_ended", float("nan")), "repetitive": g["repetitive"],
-                      "sampled": s["all"]["strict"], "kl": summ.get("kl", float("nan")),
-                      "minutes": float(times[name]) / 60 if name in times else float("nan"),
-                      "per_kind": {k: v["met"] for k, v in g["per_kind"].items()}}
+                      "never_ended": g.get("never_ended", nan), "repetitive": g["repetitive"],
+                      "sampled": s["all"]["strict"] if s else nan, "kl": kl,
+                      "minutes": float(times[name]) / 60 if name in times else nan,
+                      "per_kind": {k: v["met"] for k, v in g["per_kind"].items()},
+                      "paired": ({grp: v["diffs"] for grp, v in paired(start, gpath).items()}
+                                 if name != "start" and os.path.isfile(gpath) and os.path.isfile(start) else None)}
     return rows
+
+
+def _paired_table(runs):
+    """Each method minus the start, prompt by prompt (greedy): per group the per-prompt differences averaged over
+    the seeds that ran the method (the seeds share the prompt file), then their mean ± standard error over
+    prompts; each seed's own mean beside it."""
+    groups = (("all", "all"), ("seen_kinds", "training kinds"), ("held_out_kinds", "held-out kinds"))
+    out = ["| method − start, paired (greedy strict) | " + " | ".join(g for _, g in groups) + " | each seed (all) |",
+           "|---|" + "---|" * (len(groups) + 1)]
+    for name in NAMES[1:]:
+        have = [r[name]["paired"] for r in runs if name in r and r[name]["paired"] is not None]
+        if not have:
+            continue
+        cells = []
+        for g, _ in groups:
+            m = differences([statistics.fmean(ds) for ds in zip(*(h[g] for h in have))])
+            cells.append(f"{m['diff']:+.3f} ± {m['se']:.3f}")
+        seeds = ", ".join(f"{statistics.fmean(h['all']):+.3f}" for h in have)
+        out.append(f"| {name} ({len(have)} seed{'s' if len(have) > 1 else ''}) | " + " | ".join(cells)
+                   + f" | {seeds} |")
+    return out
 
 
 def _cell(values, se=None, pct=False, digits=3):
     f = (lambda x: f"{100 * x:.0f}%") if pct else (lambda x: f"{x:.{digits}f}")
+    values = [x for x in values if x == x]          # a seed that did not measure it (NaN) is left out
+    if not values:
+        return "–"
     m = statistics.fmean(values)
     if len(values) > 1:
         return f"{f(m)} ({f(min(values))}..{f(max(values))})"
@@ -60,18 +96,20 @@ def tables(dirs):
             "instruction-level", "length (tokens)", "never ended", "repetitive", "sampled strict", "KL (nats)",
             "train (min)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in NAMES:
-        v = lambda k: [r[name][k] for r in runs]                    # noqa: E731
-        se = lambda k: runs[0][name][k + "_se"] if one else None   # noqa: E731
+    names = [n for n in NAMES if any(n in r for r in runs)]
+    for name in names:
+        v = lambda k: [r[name][k] for r in runs if name in r]                    # noqa: E731
+        se = lambda k: runs[0][name][k + "_se"] if one else None                 # noqa: E731
         cells = [name, _cell(v("strict"), se("strict")), _cell(v("seen"), se("seen")), _cell(v("held"), se("held")),
                  _cell(v("loose")), _cell(v("equal_length")), _cell(v("instruction")), _cell(v("length"), digits=0),
                  _cell(v("never_ended"), pct=True), _cell(v("repetitive"), pct=True), _cell(v("sampled")),
                  _cell(v("kl"), digits=1), "" if name == "start" else _cell(v("minutes"), digits=0)]
         out.append("| " + " | ".join(cells) + " |")
-    kinds = sorted({k for r in runs for n in NAMES for k in r[n]["per_kind"]}, key=lambda k: (k in HELD_OUT, k))
-    out += ["", "| kind (greedy, share met) | " + " | ".join(NAMES) + " |", "|---|" + "---|" * len(NAMES)]
+    out += [""] + _paired_table(runs)
+    kinds = sorted({k for r in runs for n in r for k in r[n]["per_kind"]}, key=lambda k: (k in HELD_OUT, k))
+    out += ["", "| kind (greedy, share met) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for k in kinds:
-        cells = [_cell([r[n]["per_kind"].get(k, float("nan")) for r in runs], digits=2) for n in NAMES]
+        cells = [_cell([r[n]["per_kind"].get(k, float("nan")) for r in runs if n in r], digits=2) for n in names]
         out.append(f"| {k}{' (held out)' if k in HELD_OUT else ''} | " + " | ".join(cells) + " |")
     return "\n".join(out), runs
 

@@ -6,7 +6,7 @@ reward function, for aligning a real chat model on something a user recognises.
         --reward nano_rlhf.ifeval:reward ...
     python -m nano_rlhf.label --judge nano_rlhf.ifeval:reward ...                  # self-sampled pairs for DPO
     python -m nano_rlhf.evaluate --model OUT --prompts data/ifeval/eval.jsonl --reward nano_rlhf.ifeval:strict
-    python -m nano_rlhf.ifeval --report OUT/eval_samples.jsonl [...]                # per kind, loose, equal length
+    python -m nano_rlhf.ifeval --report START.jsonl OUT.jsonl [...]   # per kind, loose, equal length, paired
 
 The constraints (CONSTRAINTS) are our own wording of Google's IFEval instruction classes (Zhou et al. 2023: length,
 keywords, case, start/end, punctuation, format, content, combination; language detection left out: it needs a
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .chat import final_turn
+from .summary import mean_se
 
 # ---- the constraints ------------------------------------------------------------------------------------------
 
@@ -423,6 +424,33 @@ def repetitive(text, n=3):
     return len(w) >= 30 and len(set(grams)) < 0.5 * len(grams)
 
 
+def _groups(rows):
+    held = [any(k in HELD_OUT for k, _ in parse(r["prompt"])) for r in rows]
+    return {"all": list(range(len(rows))), "seen_kinds": [i for i, h in enumerate(held) if not h],
+            "held_out_kinds": [i for i, h in enumerate(held) if h]}
+
+
+def paired(base_path, path):
+    """Prompt-level strict accuracy of `path` minus that of `base_path`, paired over the same prompts (two evaluate
+    files of one prompt file, row for row): per group (all, training kinds only, a held-out kind) the mean of the
+    per-prompt differences (each -1, 0 or 1), its standard error (their sample standard deviation / sqrt(n): the
+    prompts both models solve or both fail add no noise, as they would to two unpaired standard errors), and the
+    per-prompt differences themselves (to average over seeds before taking the error). ValueError when the two
+    files do not hold the same prompts in the same order."""
+    base, rows = ([json.loads(line) for line in open(f, encoding="utf-8") if line.strip()] for f in (base_path, path))
+    if [r["prompt"] for r in base] != [r["prompt"] for r in rows]:
+        raise ValueError(f"{path} and {base_path} do not hold the same prompts in the same order")
+    a = strict([r["prompt"] for r in base], [r["completion"] for r in base])
+    b = strict([r["prompt"] for r in rows], [r["completion"] for r in rows])
+    return {g: differences([b[i] - a[i] for i in idx]) for g, idx in _groups(rows).items()}
+
+
+def differences(diffs):
+    """{"diff": mean, "se": its standard error, "n", "diffs"} of per-prompt differences (NaN when there are none)."""
+    m, se = mean_se(diffs) if diffs else (float("nan"), float("nan"))
+    return {"diff": m, "se": se, "n": len(diffs), "diffs": diffs}
+
+
 def report(samples_path):
     """Figures of one evaluate samples file (its rows: prompt, completion, and `length`/`eos` when evaluate
     wrote them): prompt-level strict and loose accuracy with standard errors, instruction-level strict, on the
@@ -430,9 +458,8 @@ def report(samples_path):
     answers that never ended and the share that are `repetitive`."""
     rows = [json.loads(line) for line in open(samples_path, encoding="utf-8") if line.strip()]
     out = {"n": len(rows)}
-    groups = {"all": rows, "seen_kinds": [r for r in rows if not any(k in HELD_OUT for k, _ in parse(r["prompt"]))],
-              "held_out_kinds": [r for r in rows if any(k in HELD_OUT for k, _ in parse(r["prompt"]))]}
-    for g, rs in groups.items():
+    for g, idx in _groups(rows).items():
+        rs = [rows[i] for i in idx]
         s = strict([r["prompt"] for r in rs], [r["completion"] for r in rs])
         lo = loose([r["prompt"] for r in rs], [r["completion"] for r in rs])
         inst = [m for r in rs for _, m in _met(r["prompt"], r["completion"])]
@@ -484,7 +511,8 @@ def main(argv=None):
     p.add_argument("--n_train", type=int, default=2048)
     p.add_argument("--n_eval", type=int, default=600)
     p.add_argument("--report", nargs="+", metavar="SAMPLES", help="print the figures of evaluate's samples files "
-                   "(per kind, loose, held-out kinds) instead of writing prompts")
+                   "(per kind, loose, held-out kinds; with several, equal length and each paired with the first) "
+                   "instead of writing prompts")
     a = p.parse_args(argv)
     if a.report:
         for path in a.report:
@@ -493,6 +521,11 @@ def main(argv=None):
         out = {path: report(path) for path in a.report}
         if len(a.report) > 1:
             out["equal_length"] = equal_length(a.report)
+            try:    # each later file against the first (the start), prompt by prompt
+                out["paired"] = {path: {g: {k: v for k, v in d.items() if k != "diffs"}
+                                        for g, d in paired(a.report[0], path).items()} for path in a.report[1:]}
+            except ValueError as e:
+                p.exit(2, f"error: --report: {e}\n")
         print(json.dumps(out, indent=2))
         return
     if a.n_train < 1 or a.n_eval < 1 or not 0 <= a.seed < 2 ** 63:

@@ -21,6 +21,9 @@
 #   EXTRA="--lora_r 16" DPO_LR=1e-5 GRPO_LR=1e-5 ...  # flags added to both training commands; learning rates
 #   GEN_BATCH=300 MICRO=16 ...                     # rows a sampling batch (labelling, evaluation; default 64) and
 #                                                  # GRPO's micro-batch (default 2): larger on a GPU
+#   ARMS=grpo MODES=greedy ...                     # only these methods (of "dpo grpo") and evaluations (of "greedy
+#                                                  # sampled"): a seed that fits a slower machine (GRPO greedy: ~2 h
+#                                                  # on 2 AVX2 cores)
 #   bash bench/gpu_ifeval.sh                       # how to run this on a GPU machine without PyPI or a model hub
 #
 # Full fine-tuning (no LoRA). Each command is printed before it runs ("+ ..."); every stage gets --overwrite.
@@ -28,6 +31,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python}
+# FROM=dpo|grpo|eval starts at that stage, keeping what the earlier ones wrote (and their times)
+FROM=${FROM:-data}
+stage() { case $1 in data) echo 0;; dpo) echo 1;; grpo) echo 2;; eval) echo 3;;
+          *) echo "error: FROM=$1: one of data, dpo, grpo, eval" >&2; exit 2;; esac; }
+want() { [ "$(stage "$1")" -ge "$(stage "$FROM")" ]; }
+stage "$FROM" > /dev/null
+ARMS=${ARMS:-dpo grpo}; MODES=${MODES:-greedy sampled}
+for a in $ARMS; do case $a in dpo|grpo) ;; *) echo "error: ARMS=$ARMS: each one of dpo, grpo" >&2; exit 2;; esac; done
+for m in $MODES; do case $m in greedy|sampled) ;; *) echo "error: MODES=$MODES: each one of greedy, sampled" >&2
+  exit 2;; esac; done
+arm() { case " $ARMS " in *" $1 "*) return 0;; *) return 1;; esac; }
 MODEL=${MODEL:-$($PY tests/real_checkpoint.py)}
 OUT=${OUT:-out/ifeval}
 DATA=${DATA:-data/ifeval}
@@ -52,21 +66,15 @@ fi
 T=${TEMPERATURE:-0.7}
 GB=${GEN_BATCH:-64}
 mkdir -p "$OUT"
-# FROM=dpo|grpo|eval starts at that stage, keeping what the earlier ones wrote (and their times)
-FROM=${FROM:-data}
-stage() { case $1 in data) echo 0;; dpo) echo 1;; grpo) echo 2;; eval) echo 3;;
-          *) echo "error: FROM=$1: one of data, dpo, grpo, eval" >&2; exit 2;; esac; }
-want() { [ "$(stage "$1")" -ge "$(stage "$FROM")" ]; }
-stage "$FROM" > /dev/null
 touch "$OUT/times.tsv"
-for s in dpo grpo; do want $s && sed -i "/^$s\t/d" "$OUT/times.tsv"; done
+for s in dpo grpo; do want $s && arm $s && sed -i "/^$s\t/d" "$OUT/times.tsv"; done
 run() { echo "+ $*"; "$@"; }
 timed() { local name=$1 t0=$SECONDS; shift; run "$@"; printf '%s\t%s\n' "$name" $((SECONDS - t0)) >> "$OUT/times.tsv"; }
 
 want data && run $PY -m nano_rlhf.ifeval --out_dir "$DATA" $N
 # DPO's data: 4 samples per training prompt, scored by the share of constraints met; the best and the worst of a
 # prompt become a pair (prompts whose samples all score the same give none). DPO's time includes it.
-if want dpo; then
+if want dpo && arm dpo; then
 t0=$SECONDS
 run $PY -m nano_rlhf.label --model "$MODEL" --prompts "$DATA/train.jsonl" --judge nano_rlhf.ifeval:reward \
   --format pairs --samples_per_prompt 4 --temperature $T --batch_size $GB --seed $SEED \
@@ -84,25 +92,26 @@ fi
 # (OOM-killed at 24 GB at step 10 with micro-batches of 8; 17 GB at step 16 with 2) on the AMX host under bf16;
 # not reproduced on 2 AVX2 cores (float32 12 steps, bf16 autocast and sampling 4 steps: flat at 3.9 GB); cause not
 # yet found
-want grpo && timed grpo $PY train_ppo.py --init "$MODEL" --prompts "$DATA/train.jsonl" --reward nano_rlhf.ifeval:reward \
-  --advantage grpo --samples_per_prompt 8 --temperature $T --lr ${GRPO_LR:-2e-5} --kl_coef 0 --ppo_epochs 1 \
+want grpo && arm grpo && timed grpo $PY train_ppo.py --init "$MODEL" --prompts "$DATA/train.jsonl" \
+  --reward nano_rlhf.ifeval:reward --advantage grpo --samples_per_prompt 8 --temperature $T --lr ${GRPO_LR:-2e-5} --kl_coef 0 --ppo_epochs 1 \
   --num_minibatches 1 --micro_batch_size ${MICRO:-2} --missing_eos_penalty none --seed $SEED --dtype $DTYPE \
   --rollout_dtype $DTYPE \
   --eval_interval 0 --save_interval 0 --out_dir "$OUT/grpo" --overwrite $GRPO ${EXTRA:-}
 # held out, twice: greedy (what a user sees), and one sample at the training temperature (the distribution both
 # methods optimise; KL to the start is of it)
-mkdir -p "$OUT/greedy" "$OUT/sampled"
-for name in start dpo grpo; do
-  dir=$OUT/$name; [ $name = start ] && dir=$MODEL
-  run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --prompts "$DATA/eval.jsonl" \
-    --reward nano_rlhf.ifeval:strict --temperature 0 --sample_dtype $DTYPE --batch_size $GB --seed $SEED \
-    --out "$OUT/greedy/$name.jsonl" --summary "$OUT/greedy/$name.summary.json" --overwrite $EVAL
-  run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --ref "$MODEL" --prompts "$DATA/eval.jsonl" \
-    --reward nano_rlhf.ifeval:strict --temperature $T --sample_dtype $DTYPE --batch_size $GB --seed $SEED \
-    --out "$OUT/sampled/$name.jsonl" --summary "$OUT/sampled/$name.summary.json" --overwrite $EVAL
-done
-for mode in greedy sampled; do
-  echo "+ $PY -m nano_rlhf.ifeval --report $OUT/$mode/{start,dpo,grpo}.jsonl > $OUT/report_$mode.json"
-  $PY -m nano_rlhf.ifeval --report "$OUT/$mode"/{start,dpo,grpo}.jsonl > "$OUT/report_$mode.json"
+for mode in $MODES; do
+  mkdir -p "$OUT/$mode"
+  if [ $mode = greedy ]; then how=(--temperature 0); else how=(--temperature $T --ref "$MODEL"); fi
+  files=()
+  for name in start $ARMS; do
+    dir=$OUT/$name; [ $name = start ] && dir=$MODEL
+    run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --prompts "$DATA/eval.jsonl" "${how[@]}" \
+      --reward nano_rlhf.ifeval:strict --sample_dtype $DTYPE --batch_size $GB --seed $SEED \
+      --out "$OUT/$mode/$name.jsonl" --summary "$OUT/$mode/$name.summary.json" --overwrite $EVAL
+    files+=("$OUT/$mode/$name.jsonl")
+  done
+  # the report covers this run's models only (an earlier run's files of another method stay, unreported)
+  echo "+ $PY -m nano_rlhf.ifeval --report ${files[*]} > $OUT/report_$mode.json"
+  $PY -m nano_rlhf.ifeval --report "${files[@]}" > "$OUT/report_$mode.json"
 done
 run $PY bench/ifeval_table.py "$OUT"

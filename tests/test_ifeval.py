@@ -3,6 +3,7 @@ phrasing read back from the prompt text, malformed answers scoring 0 without an 
 task families and topics kept out of training, the loose reading, the report at equal length, and the checker
 working as `--reward module:function`."""
 import json
+import math
 import random
 
 import pytest
@@ -170,6 +171,32 @@ def test_report_and_equal_length(tmp_path):
     eq = ifeval.equal_length([a, b], bins=4)
     assert eq["edges"] == [2, 9] and eq["dropped_share"] == 0.0
     assert eq["strict"][a] == 1.0 and eq["strict"][b] == pytest.approx(6 / 16)
+
+
+def test_paired_differences_and_their_standard_error(tmp_path, capsys):
+    p = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("max_words", {"n": 3})}]
+    q = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("start_with", {"word": "Well"})}]
+    def write(name, rows):                                                     # noqa: E306
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": x, "completion": c}) + "\n" for x, c in rows))
+        return str(tmp_path / name)
+    ok_p, bad_p, ok_q, bad_q = "cold white", "it is cold and white", "Well, snow.", "Snow."
+    base = write("base.jsonl", [(p, bad_p), (p, ok_p), (p, bad_p), (q, bad_q), (q, ok_q)])
+    new = write("new.jsonl", [(p, ok_p), (p, ok_p), (p, bad_p), (q, ok_q), (q, bad_q)])
+    r = ifeval.paired(base, new)
+    # per prompt: +1, 0, 0 on the training kind; +1, -1 on the held-out one
+    assert r["seen_kinds"]["diffs"] == [1, 0, 0] and r["held_out_kinds"]["diffs"] == [1, -1]
+    assert r["all"]["diff"] == pytest.approx(1 / 5)
+    # sample variance of (1, 0, 0, 1, -1) around 0.2 is (0.64 * 2 + 0.04 * 2 + 1.44) / 4 = 0.7
+    assert r["all"]["se"] == pytest.approx(math.sqrt(0.7 / 5))
+    assert r["held_out_kinds"]["se"] == pytest.approx(math.sqrt(2 / 2))
+    ifeval.main(["--report", base, new])
+    assert json.loads(capsys.readouterr().out)["paired"][new]["all"] == {"diff": 0.2, "se": r["all"]["se"], "n": 5}
+    other = write("other.jsonl", [(q, ok_q)] * 5)
+    with pytest.raises(ValueError, match="same prompts"):
+        ifeval.paired(base, other)
+    with pytest.raises(SystemExit) as e:
+        ifeval.main(["--report", base, other])
+    assert e.value.code == 2 and "same prompts" in capsys.readouterr().err
 
 
 def test_repetitive_marks_a_loop_not_a_long_answer():
