@@ -22,8 +22,8 @@
 #   GEN_BATCH=300 MICRO=16 ...                     # rows a sampling batch (labelling, evaluation; default 64) and
 #                                                  # GRPO's micro-batch (default 2): larger on a GPU
 #   ARMS=grpo MODES=greedy ...                     # only these methods (of "dpo grpo") and evaluations (of "greedy
-#                                                  # sampled"): a seed that fits a slower machine (GRPO greedy: ~2 h
-#                                                  # on 2 AVX2 cores)
+#                                                  # sampled"): a seed that fits a slower machine (GRPO greedy:
+#                                                  # 2 h 35 min measured on 2 AVX2 cores in float32)
 #   bash bench/gpu_ifeval.sh                       # how to run this on a GPU machine without PyPI or a model hub
 #
 # Full fine-tuning (no LoRA). Each command is printed before it runs ("+ ..."); every stage gets --overwrite.
