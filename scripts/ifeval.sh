@@ -93,9 +93,9 @@ fi
 # not reproduced on 2 AVX2 cores (float32 12 steps, bf16 autocast and sampling 4 steps: flat at 3.9 GB); cause not
 # yet found
 want grpo && arm grpo && timed grpo $PY train_ppo.py --init "$MODEL" --prompts "$DATA/train.jsonl" \
-  --reward nano_rlhf.ifeval:reward --advantage grpo --samples_per_prompt 8 --temperature $T --lr ${GRPO_LR:-2e-5} --kl_coef 0 --ppo_epochs 1 \
-  --num_minibatches 1 --micro_batch_size ${MICRO:-2} --missing_eos_penalty none --seed $SEED --dtype $DTYPE \
-  --rollout_dtype $DTYPE \
+  --reward nano_rlhf.ifeval:reward --advantage grpo --samples_per_prompt 8 --temperature $T --lr ${GRPO_LR:-2e-5} \
+  --kl_coef 0 --ppo_epochs 1 --num_minibatches 1 --micro_batch_size ${MICRO:-2} --missing_eos_penalty none \
+  --seed $SEED --dtype $DTYPE --rollout_dtype $DTYPE \
   --eval_interval 0 --save_interval 0 --out_dir "$OUT/grpo" --overwrite $GRPO ${EXTRA:-}
 # held out, twice: greedy (what a user sees), and one sample at the training temperature (the distribution both
 # methods optimise; KL to the start is of it)
