@@ -7,6 +7,8 @@ reward function, for aligning a real chat model on something a user recognises.
     python -m nano_rlhf.label --judge nano_rlhf.ifeval:reward ...                  # self-sampled pairs for DPO
     python -m nano_rlhf.evaluate --model OUT --prompts data/ifeval/eval.jsonl --reward nano_rlhf.ifeval:strict
     python -m nano_rlhf.ifeval --report START.jsonl OUT.jsonl [...]   # per kind, loose, equal length, paired
+    python -m nano_rlhf.ifeval --out_dir data/ifeval_held --seed 1 --n_eval 480 --held_out_kinds_only
+        # a larger test of the held-out kinds alone (80 prompts each), from another seed's draws
 
 The constraints (CONSTRAINTS) are our own wording of Google's IFEval instruction classes (Zhou et al. 2023: length,
 keywords, case, start/end, punctuation, format, content, combination; language detection left out: it needs a
@@ -21,7 +23,7 @@ malformed answer scores 0, never an error; a prompt with no constraint this modu
 
 Prompt sources: a request (a task family applied to a topic) with one to three compatible constraints. The
 evaluation file uses task families, topics and phrasings training never saw; a third of its prompts carry a
-HELD_OUT kind (see `write_prompts`).
+HELD_OUT kind (see `write_prompts`), or every one with --held_out_kinds_only.
 """
 import argparse
 import json
@@ -379,12 +381,14 @@ def _draw_kinds(rng, pool, first=None):
     return kinds
 
 
-def write_prompts(out_dir, seed=0, n_train=2048, n_eval=600):
+def write_prompts(out_dir, seed=0, n_train=2048, n_eval=600, held_out_kinds_only=False):
     """train.jsonl and eval.jsonl (see the module docstring) and task.json; byte-identical at a seed.
 
     train: training families x training topics, one to three training kinds, each stated by any of its phrasings
     but the last. eval: held-out families x held-out topics; two thirds carry training kinds only (each stated by
-    any phrasing, the unseen last one included), one third a held-out kind first (plus training kinds)."""
+    any phrasing, the unseen last one included), one third a held-out kind first (plus training kinds); with
+    `held_out_kinds_only` every eval prompt has a held-out kind first, the kinds in turn (the train file is the
+    same either way: it is drawn first)."""
     rng = random.Random(seed)
     fam_train, fam_eval = FAMILIES[:-FAMILIES_HELD_OUT], FAMILIES[-FAMILIES_HELD_OUT:]
     top_train, top_eval = TOPICS[:-TOPICS_HELD_OUT], TOPICS[-TOPICS_HELD_OUT:]
@@ -394,7 +398,10 @@ def write_prompts(out_dir, seed=0, n_train=2048, n_eval=600):
              for _ in range(n_train)]
     evals = []
     for i in range(n_eval):
-        first = HELD_OUT[(i // 3) % len(HELD_OUT)] if i % 3 == 2 else None
+        if held_out_kinds_only:
+            first = HELD_OUT[i % len(HELD_OUT)]
+        else:
+            first = HELD_OUT[(i // 3) % len(HELD_OUT)] if i % 3 == 2 else None
         evals.append(make_prompt(rng, rng.choice(fam_eval), rng.choice(top_eval),
                                  _draw_kinds(rng, TRAIN_KINDS, first), all_phr))
     os.makedirs(out_dir, exist_ok=True)
@@ -404,7 +411,8 @@ def write_prompts(out_dir, seed=0, n_train=2048, n_eval=600):
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(tmp, os.path.join(out_dir, name))
     with open(os.path.join(out_dir, "task.json"), "w") as f:
-        json.dump({"task": "ifeval", "seed": seed, "n_train": n_train, "n_eval": n_eval, "train_kinds": TRAIN_KINDS,
+        json.dump({"task": "ifeval", "seed": seed, "n_train": n_train, "n_eval": n_eval,
+                   "held_out_kinds_only": held_out_kinds_only, "train_kinds": TRAIN_KINDS,
                    "held_out_kinds": HELD_OUT, "held_out_families": fam_eval, "held_out_topics": top_eval}, f,
                   indent=2)
     return out_dir
@@ -513,6 +521,8 @@ def main(argv=None):
     p.add_argument("--report", nargs="+", metavar="SAMPLES", help="print the figures of evaluate's samples files "
                    "(per kind, loose, held-out kinds; with several, equal length and each paired with the first) "
                    "instead of writing prompts")
+    p.add_argument("--held_out_kinds_only", action="store_true", help="every eval prompt carries a held-out kind "
+                   "(the kinds in turn), for a larger test of transfer to kinds training never saw")
     a = p.parse_args(argv)
     if a.report:
         for path in a.report:
@@ -530,7 +540,7 @@ def main(argv=None):
         return
     if a.n_train < 1 or a.n_eval < 1 or not 0 <= a.seed < 2 ** 63:
         p.exit(2, "error: --n_train and --n_eval must be >= 1 and --seed in [0, 2**63)\n")
-    print(write_prompts(a.out_dir, a.seed, a.n_train, a.n_eval))
+    print(write_prompts(a.out_dir, a.seed, a.n_train, a.n_eval, a.held_out_kinds_only))
 
 
 if __name__ == "__main__":

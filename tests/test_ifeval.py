@@ -109,7 +109,8 @@ def test_every_phrasing_reads_back_alone_and_in_company():
 
 
 def test_reward_is_the_share_met_strict_all_and_loose_forgives_a_preamble():
-    text = "Tell me about tea. " + ifeval.sentence("lowercase", {}) + " " + ifeval.sentence("include", {"word": "silver"})
+    text = ("Tell me about tea. " + ifeval.sentence("lowercase", {}) + " "
+            + ifeval.sentence("include", {"word": "silver"}))
     conv = [{"role": "system", "content": 'Include the word "window" in your response.'},
             {"role": "user", "content": text}]
     assert [k for k, _ in ifeval.parse(conv)] == ["lowercase", "include"]      # the last user message only
@@ -149,6 +150,18 @@ def test_files_hold_out_kinds_phrasings_families_and_topics_and_are_seeded(tmp_p
             for k in ifeval.CONSTRAINTS if not k.held_out]
     assert not any(s in p for s in last for p in train)                         # the last phrasing: eval only
     assert any(s in p for s in last for p in evals)
+
+
+def test_held_out_kinds_only_gives_every_eval_prompt_one_in_turn_and_the_same_train_file(tmp_path):
+    ifeval.main(["--out_dir", str(tmp_path / "mixed"), "--seed", "5", "--n_train", "50", "--n_eval", "12"])
+    ifeval.main(["--out_dir", str(tmp_path / "held"), "--seed", "5", "--n_train", "50", "--n_eval", "12",
+                 "--held_out_kinds_only"])
+    assert (tmp_path / "mixed" / "train.jsonl").read_bytes() == (tmp_path / "held" / "train.jsonl").read_bytes()
+    evals = [json.loads(x)["prompt"][0]["content"] for x in open(tmp_path / "held" / "eval.jsonl")]
+    kinds = [[k for k, _ in ifeval.parse(p)] for p in evals]
+    assert [ks[0] for ks in kinds] == ifeval.HELD_OUT * 2
+    assert all(ifeval._compatible(ks) and not set(ks[1:]) & set(ifeval.HELD_OUT) for ks in kinds)
+    assert json.load(open(tmp_path / "held" / "task.json"))["held_out_kinds_only"] is True
 
 
 def test_report_and_equal_length(tmp_path):
