@@ -10,8 +10,10 @@ the token limit) and that loop (nano_rlhf.ifeval.repetitive); strict accuracy sa
 with the KL to the start of those samples; the training time. With several directories each figure is the mean
 over seeds with the spread (min..max) beside it; with one, the standard error over prompts. Then each method
 minus the start, paired prompt by prompt (the per-prompt differences averaged over the seeds, ± the standard error
-over prompts), and per constraint kind the share met (greedy), held-out kinds marked. A run of some methods or of
-the greedy evaluation only (scripts/ifeval.sh's ARMS, MODES) fills what it measured; the rest reads –.
+over prompts), and per constraint kind the share met (greedy), held-out kinds marked. With MODES held, the
+held-out-kinds test (every prompt opening with a kind training never saw): strict, at equal length, length, per
+held-out kind, and each method minus the start paired as above. A run of some methods or of the greedy evaluation
+only (scripts/ifeval.sh's ARMS, MODES) fills what it measured; the rest reads –.
 """
 import argparse
 import json
@@ -28,9 +30,12 @@ NAMES = ("start", "dpo", "grpo")
 def _load(d):
     """{name: figures} of the methods one output directory evaluated (a run with ARMS=grpo has start and grpo; one
     with MODES=greedy no sampled figures: NaN), with each method's per-prompt greedy differences to the start."""
-    greedy = json.load(open(os.path.join(d, "report_greedy.json")))
+    path = os.path.join(d, "report_greedy.json")
+    greedy = json.load(open(path)) if os.path.isfile(path) else {}
     path = os.path.join(d, "report_sampled.json")
     sampled = json.load(open(path)) if os.path.isfile(path) else {}
+    path = os.path.join(d, "report_held.json")
+    held = json.load(open(path)) if os.path.isfile(path) else {}
     times = dict(line.split("\t") for line in open(os.path.join(d, "times.tsv")).read().splitlines() if line)
     nan = float("nan")
     rows = {}
@@ -54,6 +59,17 @@ def _load(d):
                       "per_kind": {k: v["met"] for k, v in g["per_kind"].items()},
                       "paired": ({grp: v["diffs"] for grp, v in paired(start, gpath).items()}
                                  if name != "start" and os.path.isfile(gpath) and os.path.isfile(start) else None)}
+    for name in NAMES:     # the held-out-kinds test (MODES held); a run without it has no "test" entry
+        hpath, hstart = os.path.join(d, "held", f"{name}.jsonl"), os.path.join(d, "held", "start.jsonl")
+        if hpath not in held:
+            continue
+        h = held[hpath]
+        rows.setdefault(name, {})["test"] = {
+            "strict": h["all"]["strict"], "strict_se": h["all"]["strict_se"], "n": h["all"]["n"],
+            "equal_length": held.get("equal_length", {}).get("strict", {}).get(hpath, nan),
+            "length": h["mean_length"], "never_ended": h.get("never_ended", nan),
+            "per_kind": {k: h["per_kind"][k]["met"] for k in HELD_OUT if k in h["per_kind"]},
+            "paired": paired(hstart, hpath)["all"]["diffs"] if name != "start" and os.path.isfile(hstart) else None}
     return rows
 
 
@@ -65,7 +81,7 @@ def _paired_table(runs):
     out = ["| method − start, paired (greedy strict) | " + " | ".join(g for _, g in groups) + " | each seed (all) |",
            "|---|" + "---|" * (len(groups) + 1)]
     for name in NAMES[1:]:
-        have = [r[name]["paired"] for r in runs if name in r and r[name]["paired"] is not None]
+        have = [r[name]["paired"] for r in runs if r.get(name, {}).get("paired") is not None]
         if not have:
             continue
         cells = []
@@ -75,6 +91,37 @@ def _paired_table(runs):
         seeds = ", ".join(f"{statistics.fmean(h['all']):+.3f}" for h in have)
         out.append(f"| {name} ({len(have)} seed{'s' if len(have) > 1 else ''}) | " + " | ".join(cells)
                    + f" | {seeds} |")
+    return out
+
+
+def _test_table(runs):
+    """The held-out-kinds test (scripts/ifeval.sh MODES held): a row per model, then each method minus the start,
+    paired prompt by prompt with the differences averaged over the seeds as in _paired_table."""
+    have = [r for r in runs if any("test" in v for v in r.values())]
+    if not have:
+        return []
+    one = len(have) == 1
+    names = [n for n in NAMES if any("test" in r.get(n, {}) for r in have)]
+    n = have[0][names[0]]["test"]["n"]
+    head = ["held-out-kinds test (greedy)", "strict", "at equal length", "length (tokens)", "never ended"] + HELD_OUT
+    out = ["", f"Held-out-kinds test: {n} prompts, every one opening with a kind training never saw "
+               f"({len(have)} seed{'s' if len(have) > 1 else ''})", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in names:
+        t = [r[name]["test"] for r in have if "test" in r.get(name, {})]
+        cells = [name, _cell([x["strict"] for x in t], t[0]["strict_se"] if one else None),
+                 _cell([x["equal_length"] for x in t]), _cell([x["length"] for x in t], digits=0),
+                 _cell([x["never_ended"] for x in t], pct=True)]
+        cells += [_cell([x["per_kind"].get(k, float("nan")) for x in t], digits=2) for k in HELD_OUT]
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", "| method − start, paired (held-out-kinds test) | strict | each seed |", "|---|---|---|"]
+    for name in names[1:]:
+        diffs = [r[name]["test"]["paired"] for r in have if r.get(name, {}).get("test", {}).get("paired")]
+        if diffs:
+            m = differences([statistics.fmean(ds) for ds in zip(*diffs)])
+            seeds = ", ".join(f"{statistics.fmean(ds):+.3f}" for ds in diffs)
+            out.append(f"| {name} ({len(diffs)} seed{'s' if len(diffs) > 1 else ''}) | {m['diff']:+.3f} ± "
+                       f"{m['se']:.3f} | {seeds} |")
     return out
 
 
@@ -96,9 +143,9 @@ def tables(dirs):
             "instruction-level", "length (tokens)", "never ended", "repetitive", "sampled strict", "KL (nats)",
             "train (min)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    names = [n for n in NAMES if any(n in r for r in runs)]
+    names = [n for n in NAMES if any("strict" in r.get(n, {}) for r in runs)]
     for name in names:
-        v = lambda k: [r[name][k] for r in runs if name in r]                    # noqa: E731
+        v = lambda k: [r[name][k] for r in runs if "strict" in r.get(name, {})]  # noqa: E731
         se = lambda k: runs[0][name][k + "_se"] if one else None                 # noqa: E731
         cells = [name, _cell(v("strict"), se("strict")), _cell(v("seen"), se("seen")), _cell(v("held"), se("held")),
                  _cell(v("loose")), _cell(v("equal_length")), _cell(v("instruction")), _cell(v("length"), digits=0),
@@ -106,11 +153,14 @@ def tables(dirs):
                  _cell(v("kl"), digits=1), "" if name == "start" else _cell(v("minutes"), digits=0)]
         out.append("| " + " | ".join(cells) + " |")
     out += [""] + _paired_table(runs)
-    kinds = sorted({k for r in runs for n in r for k in r[n]["per_kind"]}, key=lambda k: (k in HELD_OUT, k))
+    kinds = sorted({k for r in runs for n in names for k in r.get(n, {}).get("per_kind", {})},
+                   key=lambda k: (k in HELD_OUT, k))
     out += ["", "| kind (greedy, share met) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for k in kinds:
-        cells = [_cell([r[n]["per_kind"].get(k, float("nan")) for r in runs if n in r], digits=2) for n in names]
+        cells = [_cell([r[n]["per_kind"].get(k, float("nan")) for r in runs if "strict" in r.get(n, {})], digits=2)
+                 for n in names]
         out.append(f"| {k}{' (held out)' if k in HELD_OUT else ''} | " + " | ".join(cells) + " |")
+    out += _test_table(runs)
     return "\n".join(out), runs
 
 
@@ -120,8 +170,9 @@ def main(argv=None):
     p.add_argument("--json", default="", help="also write the figures of every directory to this file")
     a = p.parse_args(argv)
     for d in a.dirs:
-        if not os.path.isfile(os.path.join(d, "report_greedy.json")):
-            p.exit(2, f"error: {d}: no report_greedy.json (not a finished scripts/ifeval.sh output)\n")
+        if not any(os.path.isfile(os.path.join(d, f"report_{m}.json")) for m in ("greedy", "held")):
+            p.exit(2, f"error: {d}: no report_greedy.json or report_held.json (not a finished scripts/ifeval.sh "
+                   "output)\n")
     text, runs = tables(a.dirs)
     print(text)
     if a.json:

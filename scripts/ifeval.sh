@@ -22,8 +22,11 @@
 #   GEN_BATCH=300 MICRO=16 ...                     # rows a sampling batch (labelling, evaluation; default 64) and
 #                                                  # GRPO's micro-batch (default 2): larger on a GPU
 #   ARMS=grpo MODES=greedy ...                     # only these methods (of "dpo grpo") and evaluations (of "greedy
-#                                                  # sampled"): a seed that fits a slower machine (GRPO greedy:
+#                                                  # sampled held"): a seed that fits a slower machine (GRPO greedy:
 #                                                  # 2 h 35 min measured on 2 AVX2 cores in float32)
+#   MODES="greedy sampled held" ...                # held: also greedy on 480 more prompts, every one opening with a
+#                                                  # held-out kind (80 each; another draw: $DATA/held), the test of
+#                                                  # transfer to unseen kinds (~19 min a model on 2 AVX2 cores)
 #   bash bench/gpu_ifeval.sh                       # how to run this on a GPU machine without PyPI or a model hub
 #
 # Full fine-tuning (no LoRA). Each command is printed before it runs ("+ ..."); every stage gets --overwrite.
@@ -39,8 +42,8 @@ want() { [ "$(stage "$1")" -ge "$(stage "$FROM")" ]; }
 stage "$FROM" > /dev/null
 ARMS=${ARMS:-dpo grpo}; MODES=${MODES:-greedy sampled}
 for a in $ARMS; do case $a in dpo|grpo) ;; *) echo "error: ARMS=$ARMS: each one of dpo, grpo" >&2; exit 2;; esac; done
-for m in $MODES; do case $m in greedy|sampled) ;; *) echo "error: MODES=$MODES: each one of greedy, sampled" >&2
-  exit 2;; esac; done
+for m in $MODES; do case $m in greedy|sampled|held) ;; *)
+  echo "error: MODES=$MODES: each one of greedy, sampled, held" >&2; exit 2;; esac; done
 arm() { case " $ARMS " in *" $1 "*) return 0;; *) return 1;; esac; }
 MODEL=${MODEL:-$($PY tests/real_checkpoint.py)}
 OUT=${OUT:-out/ifeval}
@@ -49,7 +52,7 @@ SEED=${SEED:-0}
 # bfloat16 autocast where the CPU multiplies bf16 natively (AMX) or on a GPU; float32 elsewhere (emulated bf16 is slower)
 DTYPE=${DTYPE:-$($PY -c "import torch; print('bfloat16' if torch.cuda.is_available() or torch.cpu._is_amx_tile_supported() else 'float32')")}
 if [ "${TINY:-0}" = "1" ]; then
-  N="--n_train 32 --n_eval 12"; LABEL="--max_prompts 8 --max_new_tokens 16"
+  N="--n_train 32 --n_eval 12"; NH="--n_train 32 --n_eval 6"; LABEL="--max_prompts 8 --max_new_tokens 16"
   # a smoke run labels a pair or two, none to spare for DPO's held-out split: its pairs are its evaluation set
   DPO="--max_steps 2 --batch_size 1 --eval_data $OUT/pairs.jsonl"
   GRPO="--max_steps 1 --batch_size 2 --max_new_tokens 16"
@@ -57,7 +60,7 @@ if [ "${TINY:-0}" = "1" ]; then
 else
   # training answers are cut at 256 tokens (room for every constraint's answer; an answer cut there scores as it
   # is: see GRPO's --missing_eos_penalty below); the evaluation's at 384
-  N="--n_train 2048 --n_eval 300"; LABEL="--max_prompts ${LABEL_PROMPTS:-256} --max_new_tokens 256"
+  N="--n_train 2048 --n_eval 300"; NH="--n_eval 480"; LABEL="--max_prompts ${LABEL_PROMPTS:-256} --max_new_tokens 256"
   DPO="--epochs 2 --batch_size 8"; GRPO="--max_steps ${STEPS:-16} --batch_size 8 --max_new_tokens 256"
   EVAL="--max_new_tokens 384"
 fi
@@ -72,6 +75,8 @@ run() { echo "+ $*"; "$@"; }
 timed() { local name=$1 t0=$SECONDS; shift; run "$@"; printf '%s\t%s\n' "$name" $((SECONDS - t0)) >> "$OUT/times.tsv"; }
 
 want data && run $PY -m nano_rlhf.ifeval --out_dir "$DATA" $N
+# the held-out-kinds test: another seed's draws (its train file unused), every prompt opening with an unseen kind
+want data && run $PY -m nano_rlhf.ifeval --out_dir "$DATA/held" --seed 1 --held_out_kinds_only $NH
 # DPO's data: 4 samples per training prompt, scored by the share of constraints met; the best and the worst of a
 # prompt become a pair (prompts whose samples all score the same give none). DPO's time includes it.
 if want dpo && arm dpo; then
@@ -98,14 +103,15 @@ want grpo && arm grpo && timed grpo $PY train_ppo.py --init "$MODEL" --prompts "
   --seed $SEED --dtype $DTYPE --rollout_dtype $DTYPE \
   --eval_interval 0 --save_interval 0 --out_dir "$OUT/grpo" --overwrite $GRPO ${EXTRA:-}
 # held out, twice: greedy (what a user sees), and one sample at the training temperature (the distribution both
-# methods optimise; KL to the start is of it)
+# methods optimise; KL to the start is of it); with MODES held, greedy on the held-out-kinds test as well
 for mode in $MODES; do
   mkdir -p "$OUT/$mode"
-  if [ $mode = greedy ]; then how=(--temperature 0); else how=(--temperature $T --ref "$MODEL"); fi
+  if [ $mode = sampled ]; then how=(--temperature $T --ref "$MODEL"); else how=(--temperature 0); fi
+  prompts=$DATA/eval.jsonl; [ $mode = held ] && prompts=$DATA/held/eval.jsonl
   files=()
   for name in start $ARMS; do
     dir=$OUT/$name; [ $name = start ] && dir=$MODEL
-    run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --prompts "$DATA/eval.jsonl" "${how[@]}" \
+    run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --prompts "$prompts" "${how[@]}" \
       --reward nano_rlhf.ifeval:strict --sample_dtype $DTYPE --batch_size $GB --seed $SEED \
       --out "$OUT/$mode/$name.jsonl" --summary "$OUT/$mode/$name.summary.json" --overwrite $EVAL
     files+=("$OUT/$mode/$name.jsonl")

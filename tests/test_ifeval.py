@@ -2,11 +2,14 @@
 phrasing read back from the prompt text, malformed answers scoring 0 without an error, held-out kinds, phrasings,
 task families and topics kept out of training, the loose reading, the report at equal length, and the checker
 working as `--reward module:function`."""
+import importlib.util
 import json
 import math
+import os
 import random
 
 import pytest
+from conftest import ROOT
 
 from nano_rlhf import ifeval
 from nano_rlhf.reward import load_function
@@ -210,6 +213,44 @@ def test_paired_differences_and_their_standard_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         ifeval.main(["--report", base, other])
     assert e.value.code == 2 and "same prompts" in capsys.readouterr().err
+
+
+def test_table_of_runs_with_the_held_out_kinds_test(tmp_path, capsys):
+    """bench/ifeval_table.py over two seeds' directories, one with MODES held only: the held-out-kinds test's rows
+    and its paired line (per-prompt differences averaged over the seeds, then mean ± s.e. over prompts)."""
+    spec = importlib.util.spec_from_file_location("ifeval_table", os.path.join(ROOT, "bench", "ifeval_table.py"))
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    q = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("start_with", {"word": "Well"})}]
+    ok, bad = "Well, snow.", "Snow."
+
+    def run(name, start, grpo, greedy):
+        d = tmp_path / name
+        (d / "held").mkdir(parents=True)
+        (d / "times.tsv").write_text("grpo\t600\n")
+        modes = ("held", "greedy") if greedy else ("held",)
+        for mode in modes:
+            (d / mode).mkdir(exist_ok=True)
+            files = []
+            for model, answers in (("start", start), ("grpo", grpo)):
+                files.append(str(d / mode / f"{model}.jsonl"))
+                rows = [{"prompt": q, "completion": c, "length": 3, "eos": True} for c in answers]
+                open(files[-1], "w").write("".join(json.dumps(r) + "\n" for r in rows))
+            ifeval.main(["--report"] + files)
+            (d / f"report_{mode}.json").write_text(capsys.readouterr().out)
+        return str(d)
+    # per prompt, grpo minus start: seed a (+1, 0, 0, -1), seed b (+1, +1, 0, 0); averaged (1, .5, 0, -.5)
+    a = run("a", [bad, ok, bad, ok], [ok, ok, bad, bad], greedy=True)
+    b = run("b", [bad, bad, ok, bad], [ok, ok, ok, bad], greedy=False)
+    text, runs = table.tables([a, b])
+    assert "strict" not in runs[1]["grpo"] and "test" in runs[1]["grpo"]        # b ran the test only
+    assert "Held-out-kinds test: 4 prompts, every one opening with a kind training never saw (2 seeds)" in text
+    assert "| start | 0.375 (0.250..0.500) |" in text and "| grpo | 0.625 (0.500..0.750) |" in text
+    # (1, .5, 0, -.5): mean .25, sample variance (.5625 + .0625 + .0625 + .5625) / 3
+    se = math.sqrt(1.25 / 3 / 4)
+    assert f"| grpo (2 seeds) | +0.250 ± {se:.3f} | +0.000, +0.500 |" in text
+    assert "| grpo (1 seed) | +0.000 ± " in text                      # the greedy paired line: seed a only
+    assert table.main([a, b]) is None and capsys.readouterr().out == text + "\n"
 
 
 def test_repetitive_marks_a_loop_not_a_long_answer():

@@ -229,17 +229,22 @@ def test_ifeval_script_tiny_from_smollm2(smol, tmp_path):
                            text=True, timeout=60)
     assert table.returncode == 0 and "| grpo |" in table.stdout, table.stderr
     assert "| grpo (1 seed) |" in table.stdout and "| dpo (1 seed) |" in table.stdout
-    # a slower machine's seed: GRPO only, greedy only, on the same prompt files; the table over both runs
+    # a slower machine's seed: GRPO only, greedy and the held-out-kinds test, on the same prompt files; the table
+    # over both runs
     part = tmp_path / "part"
     p = subprocess.run(["bash", "scripts/ifeval.sh"], cwd=root, env=dict(env, OUT=str(part), FROM="grpo", SEED="1",
-                       ARMS="grpo", MODES="greedy"), capture_output=True, text=True, timeout=900)
+                       ARMS="grpo", MODES="greedy held"), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert not (part / "sampled").exists() and not (part / "dpo").exists()
-    assert list(json.loads((part / "report_greedy.json").read_text())) == [
-        str(part / "greedy" / "start.jsonl"), str(part / "greedy" / "grpo.jsonl"), "equal_length", "paired"]
+    for mode in ("greedy", "held"):
+        report = json.loads((part / f"report_{mode}.json").read_text())
+        files = [str(part / mode / "start.jsonl"), str(part / mode / "grpo.jsonl")]
+        assert list(report) == files + ["equal_length", "paired"]
+    assert report[files[0]]["held_out_kinds"]["n"] == report[files[0]]["all"]["n"] == 6     # every test prompt
     table = subprocess.run([sys.executable, "bench/ifeval_table.py", str(out), str(part)], cwd=root,
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "| grpo (2 seeds) |" in table.stdout and "| dpo (1 seed) |" in table.stdout
+    assert "Held-out-kinds test: 6 prompts" in table.stdout and "(1 seed)" in table.stdout.split("Held-out")[1]
     for name in ("dpo", "grpo"):
         model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / name))
         assert model.config.vocab_size == 49152
