@@ -12,7 +12,8 @@ over seeds with the spread (min..max) beside it; with one, the standard error ov
 minus the start, paired prompt by prompt (the per-prompt differences averaged over the seeds, ± the standard error
 over prompts), and per constraint kind the share met (greedy), held-out kinds marked. With MODES held, the
 held-out-kinds test (every prompt opening with a kind training never saw): strict, at equal length, length, per
-held-out kind, and each method minus the start paired as above. A run of some methods or of the greedy evaluation
+held-out kind, and each method minus the start paired as above, on all constraints and on the unseen one
+alone. A run of some methods or of the greedy evaluation
 only (scripts/ifeval.sh's ARMS, MODES) fills what it measured; the rest reads –.
 """
 import argparse
@@ -22,7 +23,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nano_rlhf.ifeval import HELD_OUT, differences, paired
+from nano_rlhf.ifeval import HELD_OUT, check, differences, paired, parse
 
 NAMES = ("start", "dpo", "grpo")
 
@@ -70,7 +71,20 @@ def _load(d):
             "length": h["mean_length"], "never_ended": h.get("never_ended", nan),
             "per_kind": {k: h["per_kind"][k]["met"] for k in HELD_OUT if k in h["per_kind"]},
             "paired": paired(hstart, hpath)["all"]["diffs"] if name != "start" and os.path.isfile(hstart) else None}
+        if rows[name]["test"]["paired"] is not None:
+            rows[name]["test"]["first"] = _first_diffs(hstart, hpath)
     return rows
+
+
+def _first_diffs(base, path):
+    """Per prompt, whether its first constraint (in the held-out-kinds test, the unseen kind) is met: path minus
+    base (the files' prompts already matched by `paired`)."""
+    rows = lambda p: [json.loads(line) for line in open(p)]                     # noqa: E731
+    out = []
+    for a, b in zip(rows(base), rows(path)):
+        kind, args = parse(a["prompt"])[0]
+        out.append(int(check(kind, args, b["completion"])) - int(check(kind, args, a["completion"])))
+    return out
 
 
 def _paired_table(runs):
@@ -114,14 +128,18 @@ def _test_table(runs):
                  _cell([x["never_ended"] for x in t], pct=True)]
         cells += [_cell([x["per_kind"].get(k, float("nan")) for x in t], digits=2) for k in HELD_OUT]
         out.append("| " + " | ".join(cells) + " |")
-    out += ["", "| method − start, paired (held-out-kinds test) | strict | each seed |", "|---|---|---|"]
+    out += ["", "| method − start, paired (held-out-kinds test) | strict | the unseen constraint alone | each seed "
+            "(strict) |", "|---|---|---|---|"]
     for name in names[1:]:
-        diffs = [r[name]["test"]["paired"] for r in have if r.get(name, {}).get("test", {}).get("paired")]
-        if diffs:
-            m = differences([statistics.fmean(ds) for ds in zip(*diffs)])
-            seeds = ", ".join(f"{statistics.fmean(ds):+.3f}" for ds in diffs)
-            out.append(f"| {name} ({len(diffs)} seed{'s' if len(diffs) > 1 else ''}) | {m['diff']:+.3f} ± "
-                       f"{m['se']:.3f} | {seeds} |")
+        tests = [r[name]["test"] for r in have if r.get(name, {}).get("test", {}).get("paired")]
+        if tests:
+            cells = []
+            for key in ("paired", "first"):
+                m = differences([statistics.fmean(ds) for ds in zip(*(t[key] for t in tests))])
+                cells.append(f"{m['diff']:+.3f} ± {m['se']:.3f}")
+            seeds = ", ".join(f"{statistics.fmean(t['paired']):+.3f}" for t in tests)
+            out.append(f"| {name} ({len(tests)} seed{'s' if len(tests) > 1 else ''}) | " + " | ".join(cells)
+                       + f" | {seeds} |")
     return out
 
 
