@@ -13,8 +13,8 @@ minus the start, paired prompt by prompt (the per-prompt differences averaged ov
 over prompts), and per constraint kind the share met (greedy), held-out kinds marked. With MODES held, the
 held-out-kinds test (every prompt opening with a kind training never saw): strict, at equal length, length, per
 held-out kind, and each method minus the start paired as above, on all constraints and on the unseen one
-alone. A run of some methods or of the greedy evaluation
-only (scripts/ifeval.sh's ARMS, MODES) fills what it measured; the rest reads –.
+alone. A run of some methods or of the greedy evaluation only (scripts/ifeval.sh's ARMS, MODES) fills what it
+measured; the rest reads –.
 """
 import argparse
 import json
