@@ -224,11 +224,10 @@ def test_table_of_runs_with_the_held_out_kinds_test(tmp_path, capsys):
     q = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("start_with", {"word": "Well"})}]
     ok, bad = "Well, snow.", "Snow."
 
-    def run(name, start, grpo, greedy):
+    def run(name, start, grpo, modes):
         d = tmp_path / name
-        (d / "held").mkdir(parents=True)
+        d.mkdir()
         (d / "times.tsv").write_text("grpo\t600\n")
-        modes = ("held", "greedy") if greedy else ("held",)
         for mode in modes:
             (d / mode).mkdir(exist_ok=True)
             files = []
@@ -238,10 +237,13 @@ def test_table_of_runs_with_the_held_out_kinds_test(tmp_path, capsys):
                 open(files[-1], "w").write("".join(json.dumps(r) + "\n" for r in rows))
             ifeval.main(["--report"] + files)
             (d / f"report_{mode}.json").write_text(capsys.readouterr().out)
+            if mode == "sampled":        # evaluate's summary carries the KL to the start of the samples
+                for model, kl in (("start", 0.0), ("grpo", 1.25)):
+                    (d / mode / f"{model}.summary.json").write_text(json.dumps([{"name": model, "kl": kl}]))
         return str(d)
     # per prompt, grpo minus start: seed a (+1, 0, 0, -1), seed b (+1, +1, 0, 0); averaged (1, .5, 0, -.5)
-    a = run("a", [bad, ok, bad, ok], [ok, ok, bad, bad], greedy=True)
-    b = run("b", [bad, bad, ok, bad], [ok, ok, ok, bad], greedy=False)
+    a = run("a", [bad, ok, bad, ok], [ok, ok, bad, bad], ("held", "greedy"))
+    b = run("b", [bad, bad, ok, bad], [ok, ok, ok, bad], ("held",))
     text, runs = table.tables([a, b])
     assert "strict" not in runs[1]["grpo"] and "test" in runs[1]["grpo"]        # b ran the test only
     assert "Held-out-kinds test: 4 prompts, every one opening with a kind training never saw (2 seeds)" in text
@@ -252,6 +254,13 @@ def test_table_of_runs_with_the_held_out_kinds_test(tmp_path, capsys):
     assert f"| grpo (2 seeds) | +0.250 ± {se:.3f} | +0.250 ± {se:.3f} | +0.000, +0.500 |" in text
     assert "| grpo (1 seed) | +0.000 ± " in text                      # the greedy paired line: seed a only
     assert table.main([a, b]) is None and capsys.readouterr().out == text + "\n"
+    # a run of the sampled evaluation only: its own table, with the KL, and its paired line (+1, 0, 0, -1)
+    c = run("c", [bad, ok, bad, ok], [ok, ok, bad, bad], ("sampled",))
+    text, runs = table.tables([c])
+    assert text.startswith("Sampled: the same prompts, one answer each (1 seed)") and "Held-out" not in text
+    assert "| start | 0.500 ± 0.250 | – |" in text and "| 0% | 0.00 |" in text and "| 0% | 1.25 |" in text
+    # every prompt has a held-out kind: no training-kinds group
+    assert f"| grpo (1 seed) | +0.000 ± {math.sqrt(2 / 3 / 4):.3f} | – | +0.000 ± " in text
 
 
 def test_repetitive_marks_a_loop_not_a_long_answer():
