@@ -68,7 +68,8 @@ def _load(d):
             "seen": s["seen_kinds"]["strict"], "held": s["held_out_kinds"]["strict"],
             "equal_length": sampled.get("equal_length", {}).get("strict", {}).get(spath, nan),
             "length": s["mean_length"], "never_ended": s.get("never_ended", nan),
-            "kl": json.load(open(summary))[0].get("kl", nan) if os.path.isfile(summary) else nan,
+            **({k: json.load(open(summary))[0].get(k, nan) for k in ("kl", "kl_se")} if os.path.isfile(summary)
+               else {"kl": nan, "kl_se": nan}),
             "paired": ({grp: v["diffs"] for grp, v in paired(sstart, spath).items()}
                        if name != "start" and os.path.isfile(sstart) else None)}
     for name in NAMES:     # the held-out-kinds test (MODES held); a run without it has no "test" entry
@@ -138,7 +139,7 @@ def _sampled_table(runs):
         out.append("| " + " | ".join([name, _cell(v("strict"), t[0]["strict_se"] if one else None),
                                       _cell(v("seen")), _cell(v("held")), _cell(v("equal_length")),
                                       _cell(v("length"), digits=0), _cell(v("never_ended"), pct=True),
-                                      _cell(v("kl"), digits=2)]) + " |")
+                                      _cell(v("kl"), t[0]["kl_se"] if one else None, digits=2)]) + " |")
     return out + [""] + _paired_table(have, "sampled")
 
 

@@ -238,8 +238,9 @@ def test_table_of_runs_with_the_held_out_kinds_test(tmp_path, capsys):
             ifeval.main(["--report"] + files)
             (d / f"report_{mode}.json").write_text(capsys.readouterr().out)
             if mode == "sampled":        # evaluate's summary carries the KL to the start of the samples
-                for model, kl in (("start", 0.0), ("grpo", 1.25)):
-                    (d / mode / f"{model}.summary.json").write_text(json.dumps([{"name": model, "kl": kl}]))
+                for model, kl, kl_se in (("start", 0.0, 0.0), ("grpo", 1.25, 0.5)):
+                    (d / mode / f"{model}.summary.json").write_text(
+                        json.dumps([{"name": model, "kl": kl, "kl_se": kl_se}]))
         return str(d)
     # per prompt, grpo minus start: seed a (+1, 0, 0, -1), seed b (+1, +1, 0, 0); averaged (1, .5, 0, -.5)
     a = run("a", [bad, ok, bad, ok], [ok, ok, bad, bad], ("held", "greedy"))
@@ -258,7 +259,7 @@ def test_table_of_runs_with_the_held_out_kinds_test(tmp_path, capsys):
     c = run("c", [bad, ok, bad, ok], [ok, ok, bad, bad], ("sampled",))
     text, runs = table.tables([c])
     assert text.startswith("Sampled: the same prompts, one answer each (1 seed)") and "Held-out" not in text
-    assert "| start | 0.500 ± 0.250 | – |" in text and "| 0% | 0.00 |" in text and "| 0% | 1.25 |" in text
+    assert "| start | 0.500 ± 0.250 | – |" in text and "| 0% | 0.00 ± 0.00 |" in text and "| 0% | 1.25 ± 0.50 |" in text
     # every prompt has a held-out kind: no training-kinds group
     assert f"| grpo (1 seed) | +0.000 ± {math.sqrt(2 / 3 / 4):.3f} | – | +0.000 ± " in text
 
