@@ -63,13 +63,13 @@ def _load(d):
         if spath not in sampled:
             continue
         s, summary = sampled[spath], os.path.join(d, "sampled", f"{name}.summary.json")
+        summary = json.load(open(summary))[0] if os.path.isfile(summary) else {}    # evaluate's: the KL to the start
         rows.setdefault(name, {})["sampled"] = {
             "strict": s["all"]["strict"], "strict_se": s["all"]["strict_se"],
             "seen": s["seen_kinds"]["strict"], "held": s["held_out_kinds"]["strict"],
             "equal_length": sampled.get("equal_length", {}).get("strict", {}).get(spath, nan),
             "length": s["mean_length"], "never_ended": s.get("never_ended", nan),
-            **({k: json.load(open(summary))[0].get(k, nan) for k in ("kl", "kl_se")} if os.path.isfile(summary)
-               else {"kl": nan, "kl_se": nan}),
+            "kl": summary.get("kl", nan), "kl_se": summary.get("kl_se", nan),
             "paired": ({grp: v["diffs"] for grp, v in paired(sstart, spath).items()}
                        if name != "start" and os.path.isfile(sstart) else None)}
     for name in NAMES:     # the held-out-kinds test (MODES held); a run without it has no "test" entry
