@@ -84,15 +84,14 @@ from nano_rlhf import reward as reward_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FrozenModelOptions, RunOptions
-from nano_rlhf.data import (Batches, default_path, load_prompts, load_records, prompt_limit, tokenize_pairs,
-                            tokenize_prompts, training_length)
+from nano_rlhf.data import (Batches, default_path, load_prompts, load_records, pad_left, prompt_limit,
+                            tokenize_pairs, tokenize_prompts, training_length)
 from nano_rlhf.evaluate import eval_metrics
-from nano_rlhf.model import token_logprobs
+from nano_rlhf.model import GPT, token_logprobs
 from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model_dir as judge_dir, preference_matrix,
                               symmetric_preference)
-from nano_rlhf.rollout import (Samples, judge_scores, load_online_models, online_step_metrics, pairs_as_samples,
-                               sample_from_mixture)
-from nano_rlhf.run import autocast, fail, input_errors, lr_at, set_lr, warn_short_warmup
+from nano_rlhf.rollout import Rollout, judge_scores, sample_mixture_groups
+from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import SamplingOptions
 from nano_rlhf.watch import KLWatch, Watch, check_step, watch_kl
 
@@ -393,7 +392,7 @@ def cringe_labels(scores, threshold=None):
     return labels
 
 
-def group_preferences(judge, samples: Samples, k, tok, penalty=None):
+def group_preferences(judge, samples: Rollout, k, tok, penalty=None):
     """Per group of k: (pref, pref_logits), and the judge's pointwise scores (G, k) (None for a pairwise-only
     judge). pref (k, k), P_ij = P(y_i ≻ y_j), is nano_rlhf.reward.preference_matrix: Bradley–Terry on the scores
     (those of judge_scores: the sampled ids, the missing-end-of-text penalty), or, when given, the pairwise judge
@@ -409,10 +408,11 @@ def group_preferences(judge, samples: Samples, k, tok, penalty=None):
 
 # ---- one update per method ---------------------------------------------------------------------
 
-def seq_logps(model, samples: Samples, opts):
+def seq_logps(model, samples: Rollout, opts):
     """Per-token log π(y_t) at τ (N, R) (through the DDP wrapper when given one) and S = Σ_t (N,)."""
-    with autocast(samples.ids.device, opts.dtype):
-        lp = response_logprobs(model, samples.ids, samples.attn, samples.response_mask, opts.temperature)
+    with autocast(samples.query_response.device, opts.dtype):
+        lp = response_logprobs(model, samples.query_response, samples.attention_mask, samples.response_mask,
+                               opts.temperature)
     return lp, (lp * samples.response_mask).sum(1)
 
 
@@ -449,11 +449,28 @@ def pairwise_terms(opts, policy, ref, samples, pairs, init_ref=None, probs=None)
     return loss.sum() + 0 * S.sum(), -S[chosen].sum(), sums
 
 
-def offline_backward(opts, policy, ref, pairs: Samples):
+def pairs_as_rollout(examples, pad_id, device):
+    """Tokenized preference pairs (data.tokenize_pairs) in the samples' layout, so their log-probs are read as the
+    samples' are: rows 0..B−1 each pair's chosen response, rows B..2B−1 its rejected one, each row
+    [left padding | prompt | response] ending at the last column, and the response mask over the last R columns
+    (R = the longest response; a shorter one's prompt tokens there are context, as is a tool turn inside a
+    response). Why not a prompt block then a response block, as sampling lays them out: the longest prompt and
+    the longest response of different pairs could together exceed the context; this is as wide as one pair."""
+    keys = ("chosen", "rejected")
+    seqs = [e["prompt"] + e[key] for key in keys for e in examples]
+    masks = [e.get(f"{key}_mask", [1] * len(e[key])) for key in keys for e in examples]
+    R = max(len(m) for m in masks)
+    return Rollout(query_response=pad_left(seqs, pad_id).to(device),
+                   attention_mask=pad_left([[1] * len(x) for x in seqs], 0).to(device),
+                   response_mask=pad_left(masks, 0, R).float().to(device),
+                   has_eos=torch.ones(len(seqs), device=device), completions=[])
+
+
+def offline_backward(opts, policy, ref, pairs: Rollout):
     """--offline_data, the hybrid objective's offline half: backward of c · the mean pair loss over all ranks'
     offline pairs (rows: the chosen, then the rejected), each labelled by the file's order (hard). With gradient
     sync: it runs after the online half's backward, which ran without. Returns the log's sums."""
-    n = dist.all_reduce_sum(float(pairs.ids.shape[0] // 2))
+    n = dist.all_reduce_sum(float(pairs.query_response.shape[0] // 2))
     _, S = seq_logps(policy, pairs, opts)
     with torch.no_grad():
         S_ref = None if ref is None else seq_logps(ref, pairs, opts)[1]
@@ -471,8 +488,8 @@ def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_k
     are all-reduced first, so every rank divides by the same numbers. With init_ref, every method also logs kl,
     the mean sequence KL of its samples to init_ref (CRINGE, which needs no sequence log-probs, at the cost of one
     forward of the policy and one of init_ref without gradients)."""
-    k, device = opts.samples_per_prompt, samples.ids.device
-    n = dist.all_reduce_sum(float(samples.ids.shape[0]))
+    k, device = opts.samples_per_prompt, samples.query_response.device
+    n = dist.all_reduce_sum(float(samples.query_response.shape[0]))
     if opts.method in PAIRWISE:
         pairs, probs = [], []
         for g, (pref, pref_logits) in enumerate(groups):
@@ -531,13 +548,13 @@ def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_k
             kl_log = {"kl": (kl_sum(seq_logps(policy, samples, opts)[1], None, None, init_ref, samples, opts), n)}
     if n_pos + n_neg == 0:
         return None, {"positive_tokens": (0.0, 1), "negative_tokens": (0.0, 1), **kl_log}
-    prompt_len = samples.ids.shape[1] - samples.response_mask.shape[1]
-    sel = torch.zeros_like(samples.ids, dtype=torch.bool)
+    prompt_len = samples.query_response.shape[1] - samples.response_mask.shape[1]
+    sel = torch.zeros_like(samples.query_response, dtype=torch.bool)
     sel[:, prompt_len - 1:-1] = valid                          # the positions predicting response tokens
     with autocast(device, opts.dtype):
-        hidden = policy(samples.ids, samples.attn, select=sel, return_hidden=True)
+        hidden = policy(samples.query_response, samples.attention_mask, select=sel, return_hidden=True)
     logits = F.linear(hidden, dist.unwrap(policy).output_weight()).float() / opts.temperature   # (M, V)
-    targets = samples.ids[:, prompt_len:][valid]
+    targets = samples.query_response[:, prompt_len:][valid]
     nll = F.cross_entropy(logits, targets, reduction="none")
     # the positive tokens: a fresh generator per (step, rank), so a resumed run draws what it would have
     seed = (opts.seed * 1_000_003 + step * 1009 + dist.world().rank) % 2 ** 63
@@ -548,6 +565,23 @@ def step_objective(opts, policy, ref, samples, groups, step, prob=None, accept_k
     return objective, {"loss": (float(objective.detach()), 1), "positive_tokens": (float(is_pos.sum()), 1),
                        "negative_tokens": (float(is_neg.sum()), 1), "nll": (float(nll_sum.detach()), max(n_pos, 1)),
                        "cringe_loss": (float(cr_sum.detach()), max(n_neg, 1)), **kl_log}
+
+
+def step_metrics(samples: Rollout, scores, stats, gold):
+    """The step's figures over all ranks, in one all-reduce: sequence means (judge score, gold reward, length,
+    end-of-text rate) and the method's {name: (this rank's sum, global denominator)}."""
+    seq = {"response_length": samples.response_mask.sum(1), "eos_rate": samples.has_eos}
+    if scores is not None:
+        seq["score"] = scores.flatten()
+    if gold is not None:
+        seq["gold_reward"] = torch.tensor(gold(samples.prompts, samples.completions))
+    names = ["sequences", *seq, *stats]
+    local = [float(samples.query_response.shape[0]), *(float(v.sum()) for v in seq.values()),
+             *(v[0] for v in stats.values())]
+    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
+    metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
+    metrics.update({f"train/{k}": total[k] / denominator for k, (_, denominator) in stats.items()})
+    return metrics
 
 
 # ---- set-up ------------------------------------------------------------------------------------
@@ -605,6 +639,28 @@ def needs_reference(opts):
     return opts.method != "cringe" and not (opts.method in PAIRWISE and opts.loss in REFERENCE_FREE)
 
 
+def load_models(opts, tok, run, training_copy):
+    """The policy (--lora_r: with adapters, what they add to the run's identity recorded), the initial reference
+    (the KL of the evaluation is always to it; --lora_r with the reference = --init: the policy with its adapters
+    off, no second copy) and, with training_copy (--ref_update_every), the training reference: a separate copy
+    that is replaced with the policy every N steps (else None: training uses the initial reference). Raises on
+    bad input (one line via input_errors)."""
+    policy = GPT.from_pretrained(opts.init, dropout=0.0)
+    check_vocab(tok, policy.cfg, opts.init)
+    ref_dir = opts.ref or opts.init
+    run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
+    if lora.shares_base(opts, opts.ref):
+        init_ref = lora.BaseView(policy)
+    else:
+        init_ref = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval()
+        check_vocab(tok, init_ref.cfg, ref_dir)
+    if init_ref.cfg.vocab_size != policy.cfg.vocab_size:     # Nash-MD adds their logits; every method compares them
+        raise ValueError(f"{ref_dir}: the reference's vocabulary ({init_ref.cfg.vocab_size}) differs from the "
+                         f"policy's ({policy.cfg.vocab_size})")
+    copy = GPT.from_pretrained(ref_dir, dropout=0.0).requires_grad_(False).eval() if training_copy else None
+    return policy, init_ref, copy
+
+
 def run_record(opts, _):
     """The inputs the run only reads (the judge's model or code file too) and its data files (its options are
     its identity: nano_rlhf/run.py)."""
@@ -634,7 +690,7 @@ def main(argv=None):
     with input_errors():
         prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
         tok = run_mod.tokenizer(opts, run)
-        policy, init_ref, copy = load_online_models(opts, tok, run, needs_reference(opts) and opts.ref_update_every > 0)
+        policy, init_ref, copy = load_models(opts, tok, run, needs_reference(opts) and opts.ref_update_every > 0)
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
                            prompts=texts, template=opts.judge_template)
@@ -692,10 +748,12 @@ def main(argv=None):
         # weights gathered once for the whole decoding, not once per token, as train_ppo.py's rollout
         opponents = None
         with parallel.gathered(policy, ref if opts.method == "nash_md" else None):
-            batch_samples = sample_from_mixture([(policy, 1.0)], batch, idx, tok, opts, step, world.device)
+            batch_samples = sample_mixture_groups([(policy, 1.0)], batch, idx, tok, k, opts.temperature,
+                                                  opts.max_new_tokens, opts.seed, step, world.device)
             if opts.method == "nash_md":
                 mixture = [(policy, 1 - opts.mixture_coef), (ref, opts.mixture_coef)]   # π_θ^(1−β′)·π_ref^β′
-                opponents = sample_from_mixture(mixture, batch, idx, tok, opts, step, world.device, stream=1)
+                opponents = sample_mixture_groups(mixture, batch, idx, tok, k, opts.temperature, opts.max_new_tokens,
+                                                  opts.seed, step, world.device, stream=1)
         policy.train()
         t_gen = time.time() - t0
         # 2. judge
@@ -716,7 +774,7 @@ def main(argv=None):
             if objective is not None:
                 (objective * dist.ddp_scale()).backward()
         if offline:
-            pairs = pairs_as_samples([offline[i] for i in offline_batches.next_step()[0]], tok.pad_id, world.device)
+            pairs = pairs_as_rollout([offline[i] for i in offline_batches.next_step()[0]], tok.pad_id, world.device)
             stats.update(offline_backward(opts, ddp, ref, pairs))
         grad_norm = 0.0
         if objective is not None or offline:     # no pair / no labelled token on any rank: no update at all
@@ -726,7 +784,7 @@ def main(argv=None):
         if opts.ref_update_every and ref is not None and step % opts.ref_update_every == 0:
             # iterative DPO / DNO / SPPO: π_t ← π_θ (--lora_r: the base with the adapters merged in)
             ref.load_state_dict((lora.merged_copy(policy) if opts.lora_r else policy).state_dict())
-        metrics = online_step_metrics(batch_samples, scores, stats, gold)
+        metrics = step_metrics(batch_samples, scores, stats, gold)
         if "train/kl" in metrics and opts.kl_warn:      # the same value on every rank (all-reduced)
             watch_kl(kl_watch, metrics["train/kl"], opts.kl_warn, step)
         check_step(watch, step, (batch_samples.response_mask.sum(1) - batch_samples.has_eos).tolist(),

@@ -5,8 +5,7 @@ SFT policy) and a reward R(prompt, completion) (frozen): a reward-model director
 programmatic reward (--reward gold), your own Python function (--reward module:function), or self-play
 (--reward selfplay, SPO): each sample's win rate against the other k − 1 samples of its prompt under a
 judge's preference (--judge and/or --pair_judge, nano_rlhf/reward.py), with no reward model fitted to it.
-(nano_rlhf/rollout.py's Models, loaded from the options by load_rollout_models; Safe RLHF adds a cost and its
-critic.)
+(Models below, loaded from the options by load_models; Safe RLHF adds a cost and its critic.)
 
 One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
   1. rollout   k samples per prompt at temperature τ (pure sampling), cut after the first stop token
@@ -52,26 +51,29 @@ sequence-level ratio). Groups of k samples live on one rank, so group statistics
 import contextlib
 import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
-from nano_rlhf import dist, lora
+from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
-from nano_rlhf import rollout as rollout_mod
 from nano_rlhf import run as run_mod
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import FLOAT32_MAX, FrozenModelOptions, RunOptions
-from nano_rlhf.data import (Batches, SFTBatches, load_prompts, load_records, prompt_limit, tokenize_prompts,
-                            tokenize_sft, training_length)
-from nano_rlhf.model import token_logprobs
-from nano_rlhf.rollout import Models, Rollout, RolloutOptions
-from nano_rlhf.run import Learner, autocast, fail, input_errors, lr_at, set_lr, warn_short_warmup
-from nano_rlhf.sampling import sampling_copy
+from nano_rlhf.data import (Batches, SFTBatches, default_path, load_prompts, load_records, prompt_limit,
+                            tokenize_prompts, tokenize_sft, training_length)
+from nano_rlhf.evaluate import eval_metrics
+from nano_rlhf.model import GPT, ScoreModel, token_logprobs
+from nano_rlhf.reward import (RewardModel, builtin_gold, code_file, eval_columns, load_function, load_judge,
+                              load_reward, model_dir)
+from nano_rlhf.rollout import Rollout, read_reward, sample_groups
+from nano_rlhf.run import Learner, autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
+from nano_rlhf.sampling import SamplingOptions, sampling_copy
+from nano_rlhf.tools import ToolBox, code_files, load_tools
 from nano_rlhf.watch import Watch, check_step
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
@@ -82,9 +84,41 @@ LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_s
 
 
 @dataclass
-class Options(RolloutOptions, FrozenModelOptions, RunOptions):
-    # ---- what is trained (its models, prompts and rollout: nano_rlhf/rollout.py's RolloutOptions)
+class Options(FrozenModelOptions, RunOptions):
+    # ---- what is trained, from what, rewarded by what
     advantage: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"] = "gae"  # advantage estimator
+    reward: str = "model"         # model (--reward_model), gold (built-in task only), selfplay (SPO: --judge /
+                                  # --pair_judge), or module:function / file.py:function
+    judge: str = ""               # pointwise judge, preferences by Bradley-Terry (reward-model dir, gold,
+                                  # module:function, llm:MODEL_DIR) [with reward=selfplay]
+    pair_judge: str = ""          # pairwise judge module:function(prompts, a, b) -> P(a ≻ b) (used over --judge)
+                                  # [with reward=selfplay]
+    judge_template: str = ""      # --judge llm:MODEL_DIR: template file with {prompt} and {response}; empty =
+                                  # nano_rlhf/templates/judge_default.txt [with reward=selfplay]
+    init: str = "out/sft"         # policy to start from (also the reference unless --ref)
+    ref: str = ""                 # reference policy directory; empty = --init
+    reward_model: str = "out/rm"  # reward model directory (with --reward model)
+    critic_init: Literal["auto", "reward_model", "policy"] = "auto"  # critic trunk+head from; auto = RM if used
+                                                                     # [with advantage=gae]
+    prompts: str = ""             # RL prompts JSONL {"prompt": ...}; empty = built-in task
+    eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
+    eval_fraction: float = 0.05   # share of --prompts held out for evaluation when no --eval_prompts {0 < x < 1}
+    out_dir: str = ""             # output directory; empty = out/ppo (gae) or out/<advantage>
+    # ---- the rollout
+    batch_size: int = 8           # prompts per device per step {>= 1}
+    samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
+    max_new_tokens: int = 40      # response length limit (also Dr. GRPO's constant normaliser) {>= 1}
+    temperature: float = 1.0      # sampling temperature; log-probs use logits / temperature everywhere {> 0}
+    compile_rollout: bool = False # decode with a torch.compile'd static-cache step (compiles once per batch bucket)
+    share_prompt_prefill: bool = True  # the k samples of a prompt share one prefill of it (same tokens at a seed)
+    compact_rollout: bool = True  # ended samples leave the decode batch (same tokens at a seed)
+    rollout_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the sampling copy; log-probs stay float32
+    max_prompt_len: int = 0       # prompts are left-truncated to this; 0 = min(block_size, 1024) − max_new_tokens
+                                  # {>= 0}
+    tools: str = ""               # tools the policy may call in its rollouts: calculator and/or module:NAME /
+                                  # file.py:NAME, comma-separated (docs/usage.md, "Tools"); empty = none
+    max_turns: int = 4            # assistant turns a rollout may take, tool turns between them; --max_new_tokens
+                                  # bounds sampled and tool tokens together [with tools] {>= 1}
     # ---- the KL to the reference
     kl_coef: float = 0.1          # β, the KL penalty coefficient (initial value when adaptive); 0 = no reference {>= 0}
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate in the reward (k2 = ½d²; see kl_estimate;
@@ -519,6 +553,35 @@ def lagrangian_targets(r: Rollout, multiplier, beta, **estimator):
     return replace(rt, adv=lagrangian_advantage(rt.adv, ct.adv, multiplier), cost_returns=ct.returns)
 
 
+class Lagrange:
+    """PPO-Lagrangian's multiplier as state, stepped by lambda_step: log λ, and the (sum, count) of the episode
+    costs of each recent step over all ranks, the same on every rank (so every rank takes the same step and holds
+    the same λ, and rank 0's checkpoint restores it exactly). The window: the fewest steps that hold the last
+    `cost_window` episode costs of each rank, at costs_per_step a step."""
+
+    def __init__(self, lambda_init, cost_window, costs_per_step):
+        self.log_lambda = math.log(lambda_init)
+        self.steps = deque(maxlen=-(-cost_window // costs_per_step))
+
+    @property
+    def multiplier(self):
+        return math.exp(self.log_lambda)
+
+    def add_costs(self, costs):
+        """Add this step's episode costs (all ranks': one all-reduce) to the window; returns J_C, the mean episode
+        cost over the window."""
+        self.steps.append(tuple(dist.all_reduce_sum(torch.tensor([costs.double().sum().item(), costs.numel()],
+                                                                 dtype=torch.float64)).tolist()))
+        return sum(c for c, _ in self.steps) / sum(n for _, n in self.steps)
+
+    def state_dict(self):
+        return {"log_lambda": self.log_lambda, "cost_window": list(self.steps)}
+
+    def load_state_dict(self, meta):
+        self.log_lambda = meta["log_lambda"]
+        self.steps.extend(tuple(s) for s in meta["cost_window"])
+
+
 def token_mean_scale(global_count):
     """Multiplier of a micro-batch's SUMMED loss so the gradients DDP averages over ranks add up to the
     token-mean over all micro-batches of all ranks: × world_size undoes DDP's mean, ÷ the global count
@@ -541,34 +604,85 @@ def scores_from_reward(raw, has_eos, opts, rm_stats=None):
     return score
 
 
+@dataclass
+class Models:
+    """Frozen = requires_grad_(False), eval(), never wrapped in DDP, in no optimizer."""
+    policy: GPT                           # π_θ (trained)
+    reward: Callable                      # scores = reward(prompts, completions) (nano_rlhf.reward; frozen);
+    #                                     SPO: a Judge
+    ref: Optional[GPT] = None             # π_ref (frozen; --lora_r: a lora.BaseView of the policy); None when β = 0
+    critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
+    cost: Optional[Callable] = None       # costs = cost(prompts, completions): a cost model or function (frozen)
+    cost_critic: Optional[ScoreModel] = None  # V_c (trained; --advantage gae with a cost)
+    gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
+    tools: Optional[ToolBox] = None       # the tools the policy may call in its rollouts (--tools)
+
+
+def sampling_options(opts, tok):
+    """What a rollout samples and how the engine computes it (nano_rlhf.sampling.SamplingOptions): pure sampling
+    at τ up to the tokenizer's stop ids (end-of-text, the template's end-of-turn)."""
+    # under --fsdp the engine samples with the gathered weights themselves (an FSDP module cannot be copied
+    # into a sampling copy of another dtype; --rollout_dtype bfloat16 is refused with --fsdp)
+    return SamplingOptions(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, stop_ids=tok.stop_ids,
+                           pad_id=tok.pad_id, compile=opts.compile_rollout, share_prefix=opts.share_prompt_prefill,
+                           compact=opts.compact_rollout,
+                           dtype=None if opts.fsdp else getattr(torch, opts.rollout_dtype))
+
+
+def group_spread(scores, k):
+    """(G,) True where the k scores of a prompt's group are not all equal: the only groups a group estimator
+    learns from (an all-equal group's advantages are 0)."""
+    by_group = scores.view(-1, k)
+    return by_group.max(1).values != by_group.min(1).values
+
+
 @torch.no_grad()
-def rollout(next_prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
-    """One step's Rollout, the one path: sample and score k completions of each prompt of next_prompts() (in rounds
-    until enough groups have a reward spread, with --dynamic_sampling), then what the update needs from the
-    models (with_logprobs). next_prompts() -> the next batch of tokenized prompt records."""
-    draw = lambda: sample(next_prompts(), models, tok, opts, gen, gen_stats)    # noqa: E731
-    r = draw() if not opts.dynamic_sampling else rollout_mod.sample_rounds(
-        draw, opts.samples_per_prompt, opts.batch_size, opts.max_sampling_rounds, tok.pad_id)
+def rollout(next_prompts, models: Models, tok, opts, gen, gen_stats=None, version=0) -> Rollout:
+    """One step's Rollout, the one path: sample and score k completions of each prompt of next_prompts(), then
+    what the update needs from the models (with_logprobs). next_prompts() -> the next batch of tokenized prompt
+    records. version: the optimizer steps the policy has taken (each sample records it).
+    --dynamic_sampling (DAPO, Yu et al. 2025, eq. 11: keep groups with 0 < #correct < k): more batches of prompts
+    are sampled until this rank holds batch_size groups whose scores differ, at most --max_sampling_rounds
+    rounds; every rank runs the same number of rounds (a reward model may be sharded: its forwards are
+    collective), and a rank still short after the last round fills up with zero-spread groups (counted)."""
+    k, B = opts.samples_per_prompt, opts.batch_size
+    if not opts.dynamic_sampling:
+        return with_logprobs(sample(next_prompts(), models, tok, opts, gen, gen_stats, version), models, opts)
+    parts, spreads, first_zero = [], [], None
+    for _ in range(opts.max_sampling_rounds):
+        part = sample(next_prompts(), models, tok, opts, gen, gen_stats, version)
+        spread = group_spread(part.scores, k)
+        first_zero = (~spread).float().mean().item() if first_zero is None else first_zero
+        parts.append(part)
+        spreads.append(spread)
+        short = float(int(torch.cat(spreads).sum()) < B)
+        if dist.all_reduce_sum(short) == 0:                 # every rank is full
+            break
+    joined, spread = Rollout.cat(parts, tok.pad_id), torch.cat(spreads)
+    order = torch.cat([spread.nonzero().view(-1), (~spread).nonzero().view(-1)])[:B].tolist()
+    r = joined.rows([g * k + j for g in order for j in range(k)])
+    r.stats.update(zero_spread_groups=first_zero, sampling_rounds=float(len(parts)),
+                   filled_groups=float(max(0, B - int(spread.sum()))))
     return with_logprobs(r, models, opts)
 
 
-def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
+def sample(prompts, models: Models, tok, opts, gen, gen_stats=None, version=0) -> Rollout:
     """k completions per prompt (nano_rlhf/rollout.py) with the score the policy is trained on: a win rate within
     the prompt's group under a judge (SPO), else the reward as scores_from_reward makes it, plus DAPO's overlong
     rule (--overlong penalty in the score, or mask: no policy gradient from a truncated response)."""
     k = opts.samples_per_prompt
     # the sampled tokens are all the update takes from generation: log-probs (π_old) are recomputed in
     # with_logprobs or in the update by the float32 policy, so a bfloat16 sampling copy keeps the ratio 1 at lr 0
-    r = rollout_mod.sample_groups(prompts, models.policy, tok, rollout_mod.sampling_options(opts, tok), k, gen,
-                                  gen_stats, models.tools, opts.max_turns)
-    prompt_texts = [p["text"] for p in prompts for _ in range(k)]
-    raw, rm_stats, pref = rollout_mod.read_reward(models.reward, r, prompt_texts, k)
+    with parallel.gathered(models.policy):      # FSDP: one all-gather for the whole decoding, not one per token
+        r = sample_groups(prompts, models.policy, tok, sampling_options(opts, tok), k, gen, gen_stats, models.tools,
+                          opts.max_turns, version)
+    raw, rm_stats, pref = read_reward(models.reward, r, k)
     device = r.response_mask.device
     if pref is not None:                                     # SPO: win rates within each prompt's k samples
         raw = selfplay_rewards(pref).view(-1).float().to(device)
-    gold = raw if models.gold is models.reward else rollout_mod.read_reward(models.gold, r, prompt_texts, k)[0]
+    gold = raw if models.gold is models.reward else read_reward(models.gold, r, k)[0]
     scores = scores_from_reward(raw, r.has_eos.bool(), opts, rm_stats)
-    costs = rollout_mod.read_reward(models.cost, r, prompt_texts, k)[0]
+    costs = read_reward(models.cost, r, k)[0]
     policy_mask = r.actions                                  # tool turns are context, never the policy's loss
     if opts.overlong == "penalty":
         buffer = opts.overlong_buffer or opts.max_new_tokens // 4
@@ -580,8 +694,10 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None) -> Rollout:
 
 @torch.no_grad()
 def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
-    """The rollout with what the update needs: π_old's log-probs (unless the update's own first forward is π_old),
-    the reference's, the critic's values, and the sampler/trainer correction (--rollout_correction)."""
+    """The rollout with what the update needs from the models, computed over its sequences in micro-batches of
+    --micro_batch_size with the policy in eval mode: π_old's log-probs (unless the update's own first forward is
+    π_old), the reference's, the critics' values, the sampler's, and the sampler/trainer correction
+    (--rollout_correction)."""
     # One update on the rollout it was sampled from, and no KL: π_old is the current policy, so its log-probs
     # come from the update's own forward (detached) and this extra forward is skipped (as TRL's GRPO does).
     mismatch = opts.rollout_dtype != "float32" or opts.rollout_correction != "none"
@@ -590,9 +706,28 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
     # over the sampled sequences in one forward (the decode's own kernels may differ again in the last bits)
     sampler = (sampling_copy(models.policy, getattr(torch, opts.rollout_dtype)) if opts.rollout_dtype != "float32"
                else models.policy) if mismatch else None
-    r, sampler_logprobs = rollout_mod.forwards(r, models, response_logprobs, opts, old=need_old, sampler=sampler)
-    logprobs, actions = r.logprobs, r.actions
-    policy_mask, is_weight, stats = r.policy_mask, None, dict(r.stats)
+    seq, attn, response_mask, device = r.query_response, r.attention_mask, r.response_mask, r.scores.device
+    P = r.query_len
+    logprobs, sampler_logprobs, ref_logprobs, values, cost_values = (
+        torch.zeros_like(response_mask) if needed else None for needed in (
+            need_old, sampler is not None, models.ref is not None, models.critic is not None,
+            models.cost_critic is not None))
+    models.policy.eval()
+    for i in range(0, seq.shape[0], opts.micro_batch_size):
+        mb = slice(i, i + opts.micro_batch_size)
+        batch = (seq[mb], attn[mb], response_mask[mb], opts.temperature)
+        with autocast(device, opts.dtype):
+            if logprobs is not None:
+                logprobs[mb] = response_logprobs(models.policy, *batch)
+            if sampler_logprobs is not None:
+                sampler_logprobs[mb] = logprobs[mb] if sampler is models.policy else response_logprobs(sampler, *batch)
+            if ref_logprobs is not None:
+                ref_logprobs[mb] = response_logprobs(models.ref, *batch)
+            for critic, v in ((models.critic, values), (models.cost_critic, cost_values)):
+                if v is not None:
+                    v[mb] = critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
+    models.policy.train()
+    actions, policy_mask, is_weight, stats = r.actions, r.policy_mask, None, dict(r.stats)
     if mismatch:
         # per token, on the sampler's samples: KL(sampler ‖ trainer) (k3: ≥ 0, unbiased) — of order d²/2, below
         # metrics.jsonl's 6 decimals for a bf16 copy — and the mean |d|, d = log π_sampler − log π_old
@@ -607,7 +742,8 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
             is_weight = w
         else:
             policy_mask = policy_mask * w
-    return replace(r, policy_mask=policy_mask, is_weight=is_weight, stats=stats)
+    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, cost_values=cost_values,
+                   sampler_logprobs=sampler_logprobs, policy_mask=policy_mask, is_weight=is_weight, stats=stats)
 
 
 # ---- update ----------------------------------------------------------------------------------------
@@ -737,6 +873,40 @@ def explained_variance_over_ranks(returns, values, mask):
     return explained_variance(*sq_devs)
 
 
+def step_metrics(r: Rollout, seq_kl, kl_penalty, sums, beta, k=1):
+    """Named per-step figures, averaged over all ranks: sequence means (seq_kl: Σ_t KL_t of each sequence,
+    kl_penalty: the KL part of its reward), token means and update means of update()'s named sums (the policy's
+    figures over the policy loss's own tokens, the critics' over every response token). k > 1 (a group
+    estimator's samples per prompt) adds zero_spread, the share of groups whose k scores are all equal (they
+    teach a group estimator nothing)."""
+    seq = {"score": r.scores, "rm_score_raw": r.raw_scores, "kl": seq_kl,
+           "non_score_reward": kl_penalty, "response_length": r.response_mask.sum(1), "eos_rate": r.has_eos}
+    if k > 1:
+        seq["zero_spread"] = (~group_spread(r.scores, k)).repeat_interleave(k).to(r.scores.dtype)
+    if r.gold is not None:
+        seq["gold_reward"] = r.gold
+    if r.costs is not None:
+        seq["cost"] = r.costs
+    names = ["sequences", *seq, *sums]
+    local = [float(r.scores.shape[0]), *(v.sum().item() for v in seq.values()), *sums.values()]
+    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
+    metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
+    policy = ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio")     # update() counts policy_tokens beside
+    per_token = (*policy, "value_loss", "value_clipfrac", "cost_value_loss", "cost_value_clipfrac")
+    metrics.update({f"train/{k}": total[k] / max(total["policy_tokens" if k in policy else "tokens"], 1)
+                    for k in per_token if k in total})
+    per_update = max(total["updates"], 1)          # every rank counts its updates, so this also divides by ranks
+    metrics.update({f"train/{k}": total[k] / per_update for k in ("grad_norm", "critic_grad_norm",
+                                                                  "cost_critic_grad_norm") if k in total})
+    metrics["train/kl_coef"] = beta
+    if r.stats:       # rank means of the sampling's figures (dynamic sampling, sampler/trainer mismatch)
+        names = sorted(r.stats)
+        sums = dist.all_reduce_sum(torch.tensor([r.stats[k] for k in names], dtype=torch.float64))
+        means = sums / dist.world().world_size
+        metrics.update({f"train/{k}": v for k, v in zip(names, means.tolist())})
+    return metrics
+
+
 # ---- set-up -----------------------------------------------------------------------------------------
 
 def check_options(opts):
@@ -785,16 +955,121 @@ def check_options(opts):
         fail(msg, 2)
 
 
+def run_record(opts, _):
+    """The inputs the run only reads (reward and judge code files too: an edited reward is another run) and its
+    data files; its options are its identity (nano_rlhf/run.py). A default out/rm that the run never opens (no
+    reward model, no critic from it) is no input: its files are not checksummed for --resume."""
+    rm_used = opts.reward == "model" or (opts.advantage == "gae" and opts.critic_init == "reward_model")
+    return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model if rm_used else "",
+                        "reward": code_file(opts.reward),
+                        "judge": model_dir(opts.judge) or code_file(opts.judge),
+                        "pair_judge": code_file(opts.pair_judge), "cost_model": opts.cost_model,
+                        "cost": code_file(opts.cost),
+                        **{"tools" + (f".{i}" if i else ""): f for i, f in enumerate(code_files(opts.tools))}},
+                data_files={"prompts": opts.prompts or default_path("prompts"),
+                            "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
+
+
+def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
+    """The run's one-line summary printed at start-up (step: where a --resume goes on)."""
+    B, k = opts.batch_size, opts.samples_per_prompt
+    return (f"{opts.advantage.upper()} | reward {opts.reward} | {n_prompts:,} prompts ({prompt_stats}) | {B} prompts x "
+            f"{k} samples x {dist.world().world_size} ranks per step | {opts.ppo_epochs} epochs x "
+            f"{opts.num_minibatches} minibatches of {B * k // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
+            f"critic: {opts.critic_init if models.critic is not None else 'none'} | {opts.max_steps} steps"
+            + (f" | cost {opts.cost_model or opts.cost} <= {opts.cost_limit:g} (PPO-Lagrangian, λ from "
+               f"{opts.lambda_init:g})" if models.cost is not None else "")
+            + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
+                                              if isinstance(models.ref, lora.BaseView) else "")
+            + (f" | resuming at step {step}" if step else ""))
+
+
+def load_models(opts, tok, prompt_texts, device, identity):
+    """Policy, reference (only if β > 0), reward, the cost (if any) and the critics (only for gae); the reward and
+    the cost on the device (run_mod.place moves the others). With --lora_r the policy and critics get adapters
+    (what that adds to the run's identity goes into `identity`) and a reference that is --init is the policy with
+    its adapters off (lora.BaseView), not a second model."""
+    policy = GPT.from_pretrained(opts.init, dropout=0.0)      # dropout off: rollout log-probs must be reproducible
+    check_vocab(tok, policy.cfg, opts.init)
+    identity.update(lora.attach(policy, opts, opts.init))     # --lora_r: adapters, the base frozen
+    ref = None
+    if (opts.kl_coef > 0 or opts.adaptive_kl) and lora.shares_base(opts, opts.ref):
+        ref = lora.BaseView(policy)
+    elif opts.kl_coef > 0 or opts.adaptive_kl:               # with β = 0 no KL is ever computed: no reference
+        ref = GPT.from_pretrained(opts.ref or opts.init, dropout=0.0).requires_grad_(False).eval()
+        check_vocab(tok, ref.cfg, opts.ref or opts.init)
+    spec = opts.reward_model if opts.reward == "model" else opts.reward
+    if opts.reward == "selfplay":
+        reward = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=device,
+                            prompts=prompt_texts, batch_size=opts.micro_batch_size, template=opts.judge_template)
+    else:
+        reward = load_reward(spec, tokenizer=tok, device=device, prompts=prompt_texts, batch_size=opts.micro_batch_size)
+    if isinstance(reward, RewardModel) and opts.normalize_score and not reward.has_stats:
+        dist.print0(f"note: {spec}/config.json has no reward_mean/reward_std; scores are not normalised")
+    cost = None
+    if opts.cost_model:
+        cost = RewardModel.from_dir(opts.cost_model, tok, device, opts.micro_batch_size, kind="cost")
+    elif opts.cost:
+        cost = load_function(opts.cost, "--cost")
+
+    def critic_from(src, new_head, prefix, seed):
+        c = ScoreModel.from_pretrained(src, new_head=new_head, dropout=0.0)
+        check_vocab(tok, c.cfg, src)                          # it reads the policy tokenizer's ids
+        identity.update(lora.attach(c, opts, src, trainable=("score",), prefix=prefix, seed=seed))
+        return c
+    critic = cost_critic = None
+    if opts.advantage == "gae":
+        critic = critic_from(opts.reward_model if opts.critic_init == "reward_model" else opts.init,
+                             opts.critic_init == "policy", "critic_lora", opts.seed + 1)
+    if opts.advantage == "gae" and cost is not None:
+        cost_critic = critic_from(opts.cost_model if opts.cost_critic_init == "cost_model" else opts.init,
+                                  opts.cost_critic_init == "policy", "cost_critic_lora", opts.seed + 2)
+    for rm, what in ((reward, "reward model"), (getattr(reward, "pointwise", None), "reward model"),
+                     (cost, "cost model")):
+        if isinstance(rm, RewardModel):
+            dist.check_same_weights(rm.model, what)
+    return Models(policy=policy, reward=reward, ref=ref, critic=critic, gold=builtin_gold(prompt_texts),
+                  cost=cost, cost_critic=cost_critic, tools=load_tools(opts.tools) if opts.tools else None)
+
+
+def ready_models(opts, models: Models):
+    """The models ready for the loop, once run_mod.place has put them on the device: the frozen ones (reference,
+    reward and cost models) placed by --fsdp / --frozen / --offload_frozen, the trained ones wrapped with their
+    optimizers (the policy at --lr, the critics at --critic_lr), the memory plan printed. Returns the trained
+    ones, {"policy", "critic", "cost_critic": Learner}, the critics only where there are some."""
+    models.ref = run_mod.frozen(opts, models.ref)
+    for scorer in (models.reward, models.cost):
+        if isinstance(scorer, RewardModel):
+            scorer.model = run_mod.frozen(opts, scorer.model)
+    trained = {name: Learner.of(m, lr, opts) for name, m, lr in (
+        ("policy", models.policy, opts.lr), ("critic", models.critic, opts.critic_lr),
+        ("cost_critic", models.cost_critic, opts.critic_lr)) if m is not None}
+    run_mod.plan(opts, {"policy": models.policy, "critic": models.critic, "cost_critic": models.cost_critic,
+                        "ref": models.ref, "reward": getattr(models.reward, "model", None),
+                        "cost": getattr(models.cost, "model", None)})
+    return trained
+
+
+def held_out_metrics(run, step, models: Models, tok, prompts, opts):
+    """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps), scored by the reward,
+    the gold reward and the cost where there are some, with the KL to the reference; rank 0 only."""
+    return eval_metrics(run, step, models.policy, tok, prompts, replace(sampling_options(opts, tok), temperature=1.0),
+                        ref=models.ref, rewards={**eval_columns(models.reward, models.gold),
+                                                 **({"cost": models.cost} if models.cost is not None else {})},
+                        gathered=(models.ref, getattr(models.reward, "model", None),
+                                  getattr(models.cost, "model", None)), show=3, tools=models.tools,
+                        max_turns=opts.max_turns)
+
+
 def main(argv=None):
-    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", rollout_mod.run_record,
-                                        fill=fill_defaults)
+    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", run_record, fill=fill_defaults)
     with input_errors():
         prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
         ptx_records = load_records(opts.ptx_data, "sft") if opts.ptx_data else None
         tok = run_mod.tokenizer(opts, run)
         torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
-        models = rollout_mod.load_rollout_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records],
-                                                 world.device, run.identity)
+        models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device,
+                             run.identity)
         block = models.policy.cfg.block_size         # prompts and PTX examples fit the policy's context
         prompts, prompt_stats = tokenize_prompts(prompt_records, tok, prompt_limit(opts.max_prompt_len,
                                                                                    opts.max_new_tokens, block),
@@ -808,13 +1083,13 @@ def main(argv=None):
                   {"ref": models.ref})
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
-    trained = rollout_mod.ready_models(opts, models)    # the frozen models placed, the trained ones wrapped
+    trained = ready_models(opts, models)    # the frozen models placed, the trained ones wrapped
     policy, critic, cost_critic = trained["policy"], trained.get("critic"), trained.get("cost_critic")
     state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
-    lag = None if models.cost is None else rollout_mod.Lagrange(opts.lambda_init, opts.cost_window,
-                                                                 opts.batch_size * opts.samples_per_prompt)
+    lag = None if models.cost is None else Lagrange(opts.lambda_init, opts.cost_window,
+                                                    opts.batch_size * opts.samples_per_prompt)
     watch = Watch(opts.score_warn)
     orders = {"data": prompt_batches, "watch": watch, **({"ptx_data": ptx} if ptx else {})}   # resumable positions
     meta = run_mod.resume(opts, run, **state, data=orders)
@@ -822,7 +1097,7 @@ def main(argv=None):
         kl_ctl.beta = meta["kl_coef"]
         if lag is not None:
             lag.load_state_dict(meta)
-    dist.print0(rollout_mod.startup_line(opts, models, len(prompts), prompt_stats, run.step))
+    dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
     warn_short_warmup(opts.max_steps, opts.warmup_steps)
     run.show = ["train/score", "train/gold_reward", "train/cost", "train/lambda", "train/kl", "train/entropy",
                 "train/clipfrac", "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score",
@@ -830,7 +1105,7 @@ def main(argv=None):
     run.loss_key = ["train/policy_loss", "train/value_loss"]
 
     def evaluate(step):
-        return rollout_mod.held_out_metrics(run, step, models, tok, eval_prompts, opts)
+        return held_out_metrics(run, step, models, tok, eval_prompts, opts)
 
     def save(step):
         run_mod.save(opts, step, **state, data=orders, kl_coef=kl_ctl.beta, **({} if lag is None else lag.state_dict()))
@@ -842,7 +1117,8 @@ def main(argv=None):
         t0 = time.time()
         set_lr(policy.opt, lr_at(step - 1, opts.max_steps, opts.lr, opts.warmup_steps, "constant"))
         gen_stats = {}
-        batch = rollout(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats)
+        batch = rollout(lambda: [prompts[i] for i in prompt_batches.next_step()[0]], models, tok, opts, gen, gen_stats,
+                        version=step - 1)
         t_gen = time.time() - t0
         beta = kl_ctl.beta
         estimator = dict(estimator=opts.advantage, kl_estimator=opts.kl_estimator, kl_in_loss=opts.kl_in_loss,
@@ -860,8 +1136,8 @@ def main(argv=None):
         warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(batch, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
                       gen=shuffle_gen, ptx=ptx, cost_critic=cost_critic)
-        metrics = rollout_mod.step_metrics(batch, sequence_kl(batch), targets.kl_penalty, sums, beta,
-                                           opts.samples_per_prompt if opts.advantage in GROUP else 1)
+        metrics = step_metrics(batch, sequence_kl(batch), targets.kl_penalty, sums, beta,
+                               opts.samples_per_prompt if opts.advantage in GROUP else 1)
         if opts.adaptive_kl:
             kl_ctl.update(metrics["train/kl"], dist.all_reduce_sum(float(batch.scores.shape[0])))
         if critic is not None:

@@ -239,7 +239,6 @@ def _rl(a, advantage):
     from nano_rlhf.run import Learner, adamw
     from nano_rlhf.model import GPT, ScoreModel
     from nano_rlhf.reward import RewardModel
-    from nano_rlhf.rollout import Models
     tok = _bench_tokenizer()
     dist.setup("cpu")
     policy = _model(GPT).train()
@@ -254,7 +253,7 @@ def _rl(a, advantage):
         ref = copy.deepcopy(policy).requires_grad_(False).eval()
         reward = RewardModel(_model(ScoreModel).requires_grad_(False).eval(), tok)
         critic = _model(ScoreModel).train()
-    models = Models(policy=policy, reward=reward, ref=ref, critic=critic)
+    models = train_ppo.Models(policy=policy, reward=reward, ref=ref, critic=critic)
     pi = Learner(policy, policy, adamw(policy, 1e-5, 0.0, eps=1e-5))
     v = Learner(critic, critic, adamw(critic, 1e-5, 0.0, eps=1e-5)) if critic is not None else None
     prompts = [{"prompt": [t % 4000 + 2 for t in range(i * 32, i * 32 + 32)], "text": ""} for i in range(4)]

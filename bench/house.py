@@ -42,6 +42,14 @@ the scripts are the repository root's train_*.py. The figures:
 7. Script-to-script imports: import statements in a train_*.py that import another train_*.py module.
 8. README layout block: the lines inside the fenced block of README.md with the most ".py" occurrences (the
    block listing the package's files), fences excluded.
+9. Package-to-script callbacks: the places where a script hands one of its own functions (a def of the script,
+   nested ones included, a lambda, or a name bound to one) to a call it does not define itself: a package function, or a method of an
+   object the package made (`run.end_of_step(evaluate=..., save=...)`). Calls into the standard library, torch
+   and the builtins (`sorted(key=...)`) are not counted. Read from the syntax tree, so it sees every option path.
+10. Flags declared outside their script: the fields of each script's Options whose declaration (the most derived
+   class of the MRO that annotates it, the one --help reads) sits in a package module other than the shared
+   run options' (the cli module): an algorithm's option living in a package room.
+11. README lines: `wc -l README.md`.
 """
 import argparse
 import ast
@@ -207,6 +215,62 @@ def readme_layout_block():
     if best is None or not sum(x.count(".py") for x in lines[best[0]:best[1] - 1]):
         return {"lines": 0, "start_line": None}
     return {"lines": best[1] - best[0] - 1, "start_line": best[0]}
+
+
+def callbacks(scr, pkgs):
+    found = []
+    for s in scr:
+        tree = ast.parse(read(s))
+        own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        own |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Lambda)
+                for t in n.targets if isinstance(t, ast.Name)}            # draw = lambda: ...
+        external = set(dir(__builtins__)) if isinstance(__builtins__, type(sys)) else set(__builtins__)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                module = node.module if isinstance(node, ast.ImportFrom) else None
+                for a in node.names:
+                    root = (module or a.name).split(".")[0]
+                    if root not in pkgs:
+                        external.add((a.asname or a.name).split(".")[0])
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            while isinstance(f, (ast.Attribute, ast.Call, ast.Subscript)):
+                f = f.func if isinstance(f, ast.Call) else f.value
+            root = f.id if isinstance(f, ast.Name) else None
+            if root is None or root in external or (isinstance(node.func, ast.Name) and root in own):
+                continue
+            args = list(node.args) + [k.value for k in node.keywords]
+            passed = [a for a in args if isinstance(a, ast.Lambda) or (isinstance(a, ast.Name) and a.id in own)]
+            if passed:
+                callee = ast.unparse(node.func)
+                found += [f"{s}:{node.lineno} {callee}({'lambda' if isinstance(a, ast.Lambda) else a.id})"
+                          for a in passed]
+    return found
+
+
+OUTSIDE = '''
+import dataclasses, importlib, json, sys
+out = {}
+for s in sys.argv[1:]:
+    m = importlib.import_module(s[:-3])
+    cls = getattr(m, "Options", None)
+    if cls is None:
+        continue
+    where = {}
+    for f in dataclasses.fields(cls):
+        home = next(c for c in cls.__mro__ if f.name in vars(c).get("__annotations__", {}))
+        where[f.name] = home.__module__
+    out[s] = sorted(n for n, mod in where.items() if mod != m.__name__ and not mod.endswith(".cli"))
+print(json.dumps(out))
+'''
+
+
+def flags_outside(scr, env):
+    p = subprocess.run([sys.executable, "-c", OUTSIDE, *scr], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    return json.loads(p.stdout) if p.returncode == 0 else {"error": p.stderr[-300:]}
 
 
 def option_counts(scr, env):
@@ -405,6 +469,11 @@ def measure(args, log):
     imports = script_imports(scr)
     fig["script_imports"] = {"count": len(imports), "imports": imports}
     fig["readme_layout_block"] = readme_layout_block()
+    cb = callbacks(scr, pkgs)
+    fig["callbacks"] = {"count": len(cb), "places": cb}
+    outside = flags_outside(scr, env)
+    fig["flags_outside"] = {"count": sum(len(v) for v in outside.values() if isinstance(v, list)), "flags": outside}
+    fig["readme_lines"] = nlines("README.md") if os.path.isfile(os.path.join(ROOT, "README.md")) else 0
     return fig
 
 
@@ -434,6 +503,17 @@ def table(fig):
     rows.append(("script-to-script imports", si["count"], "; ".join(si["imports"])))
     rb = fig["readme_layout_block"]
     rows.append(("README layout block lines", rb["lines"], f"README.md:{rb['start_line']}" if rb["start_line"] else ""))
+    cb = fig["callbacks"]
+    by_callee = {}
+    for place in cb["places"]:
+        call = place.split(" ", 1)[1]
+        by_callee[call] = by_callee.get(call, 0) + 1
+    rows.append(("package-to-script callbacks", cb["count"], "; ".join(f"{c} x{n}" for c, n in by_callee.items())))
+    fo = fig["flags_outside"]
+    rows.append(("flags declared outside their script", fo["count"],
+                 "; ".join(f"{k[:-3]}: {', '.join(v)}" for k, v in fo["flags"].items() if isinstance(v, list) and v)
+                 or fo["flags"].get("error", "")))
+    rows.append(("README lines", fig["readme_lines"], ""))
     w = max(len(r[0]) for r in rows)
     v = max(len(str(r[1])) for r in rows)
     lines = [f"house at {fig['commit']} (packages: {', '.join(fig['packages'])})"]

@@ -279,8 +279,8 @@ def build_parser(cls, description=None, prog=None):
     hints = typing.get_type_hints(cls)
     comments = _field_comments(cls)
     p = OneLineErrors(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # the fields cls declares itself (a script's algorithm and data), and those of the option groups it takes from a
-    # package module (rollout.RolloutOptions), are listed in --help before the run options this module shares
+    # the fields cls declares itself (a script's algorithm and data), and those of any option group it takes from
+    # outside this module, are listed in --help before the run options this module shares
     own = {name for c in cls.__mro__ if c.__module__ != __name__ for name in vars(c).get("__annotations__", {})}
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         t = hints[f.name]
@@ -372,9 +372,9 @@ def save_config(opts, path, **extra):
 # last.
 # The mixins are for options that only some scripts have: a frozen model to place (FrozenModelOptions), a model
 # that torch.compile can take whole (CompileOption; the scripts that sample from the policy while training
-# do not offer it). A package module may declare the options of its subject the same way, for the scripts that use
-# it (rollout.RolloutOptions): --help lists them with the script's own options, before the ones shared here; each
-# option keeps the place where it is first declared (--help, train_config.json and run.json follow it).
+# do not offer it). A script declares every option of its algorithm itself (tests/test_layout.py pins it); --help
+# lists them before the ones shared here, each option in the place where it is first declared (--help,
+# train_config.json and run.json follow it).
 #
 # A help line longer than one line continues on the comment-only lines right below it (the parser joins them).
 # What a --resume may change. Every other option of every script is the run's identity (nano_rlhf/run.py compares

@@ -54,12 +54,13 @@ from .checkpoint import atomic_write_text
 from .data import default_data
 from .run import check_output_file, check_vocab, fail, load_tokenizer
 from .cli import ChatTemplate, parse_args
-from .data import DataError, collate_prompts, load_records, tokenize_prompts
+from .data import DataError, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
 from .run import Progress
-from .sampling import SamplingOptions, sample_responses
+from .rollout import sample_groups
+from .sampling import SamplingOptions
 from .summary import format_summary, format_table, summarize
-from .tools import ToolEnv, load_tools
+from .tools import load_tools
 
 
 def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
@@ -100,22 +101,18 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
                          f"{model.cfg.block_size}")
     items, _ = tokenize_prompts(prompts, tok, max_prompt, tools=None if tools is None else tools.schemas)
     work = [(i, j) for i in range(len(items)) for j in range(samples_per_prompt)]
-    # the prompts, the generator and the samples live where the model does (a CPU generator cannot draw on CUDA)
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
+    # the generator and the samples live where the model does (a CPU generator cannot draw on CUDA)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     rewards = rewards or {}
     # log-probs at the sampling temperature; greedy decoding has none, so the KL is that of the plain softmax
     temperature = sampling.temperature or 1.0
     out = []
     for s in range(0, len(work), batch_size):
         chunk = work[s:s + batch_size]
-        ids, attn = collate_prompts([items[i]["prompt"] for i, _ in chunk], tok.pad_id)
-        ids, attn = ids.to(device), attn.to(device)
         # end-of-text or the template's end-of-turn ends a response; its mask covers it, the padding after it not
-        resp, response_mask, length, has_eos, actions = sample_responses(
-            model, ids, attn, sampling, gen, env=None if tools is None else ToolEnv(tools, tok), max_turns=max_turns)
-        seq = torch.cat([ids, resp], 1)
-        full_attn = torch.cat([attn, response_mask.long()], 1)
+        r = sample_groups([items[i] for i, _ in chunk], model, tok, sampling, 1, gen, tools=tools, max_turns=max_turns)
+        seq, full_attn, response_mask, actions = r.query_response, r.attention_mask, r.response_mask, r.actions
+        resp, length, has_eos = seq[:, r.query_len:], response_mask.sum(1).long(), r.has_eos.bool()
         kl = None
         if ref is model:     # the policy is its own reference (a table's start row): the KL is 0, no forward needed
             kl = torch.zeros(len(chunk))
@@ -123,9 +120,8 @@ def sample_and_score(model, tok, prompts, sampling=SamplingOptions(max_new_token
             lp = response_logprobs(model, seq, full_attn, response_mask, temperature)
             rlp = response_logprobs(ref, seq, full_attn, response_mask, temperature)
             kl = ((lp - rlp) * actions).sum(1)
-        decode = tok.decode if tools is None else tok.decode_turns
-        texts = [decode(resp[b, :length[b]].tolist()) for b in range(len(chunk))]
-        calls = [written_calls(tok, resp[b, :length[b]].tolist(), actions[b, :length[b]].tolist())
+        texts = r.completions
+        calls = [written_calls(tok, resp[b, :length[b]].tolist(), actions[b, :length[b]].long().tolist())
                  for b in range(len(chunk))] if tools is not None else None
         chunk_prompts = [prompts[i]["prompt"] for i, _ in chunk]
         scores = {name: (fn.score_tokens(seq, full_attn).tolist() if isinstance(fn, reward_mod.RewardModel)

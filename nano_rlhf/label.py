@@ -48,12 +48,13 @@ from .checkpoint import atomic_write_text
 from .data import default_data
 from .run import check_output_file, check_vocab, fail, input_errors, load_tokenizer
 from .cli import parse_args
-from .data import collate_prompts, load_records, tokenize_prompts
+from .data import load_records, tokenize_prompts
 from .reward import LLM, load_judge, preference_matrix
 from .cli import ChatTemplate
 from .run import Progress
-from .sampling import SamplingOptions, cut_at_stop, generate, sample_responses
-from .tools import ToolEnv, load_tools
+from .rollout import sample_groups
+from .sampling import SamplingOptions
+from .tools import load_tools
 
 
 @dataclass
@@ -122,37 +123,29 @@ def sample(model, tok, items, k, o, device, rm=None, progress=None, box=None):
     token (end-of-text, or the template's end-of-turn) appended, in the position the prompts left free.
     box (a ToolBox): responses call its tools, up to --max_turns turns (sampling.sample_responses); the texts are
     then transcripts (Tokenizer.decode_turns) and a fourth value gives each as messages (transcript_messages)."""
-    rows = [it["prompt"] for it in items for _ in range(k)]
-    ends = [tok.eos_id if isinstance(it["text"], str) else tok.eot_id for it in items for _ in range(k)]
+    rows = [it for it in items for _ in range(k)]
+    ends = [tok.eos_id if isinstance(it["text"], str) else tok.eot_id for it in rows]
     gen = torch.Generator(device=device).manual_seed(o.seed)
     sampling = SamplingOptions(o.max_new_tokens, o.temperature, stop_ids=tok.stop_ids, pad_id=tok.pad_id)
     texts, finished, scores, messages = [], [], [], []
     for s in range(0, len(rows), o.batch_size):
-        ids, mask = collate_prompts(rows[s:s + o.batch_size], tok.pad_id)
-        ids, mask = ids.to(device), mask.to(device)
-        if box is None:
-            seq = generate(model, ids, mask, sampling, gen)
-            resp, response_mask, _, ended = cut_at_stop(seq[:, ids.shape[1]:], tok.stop_ids, tok.pad_id)
-        else:
-            env, seen = ToolEnv(box, tok), {}
-
-            def recorded(turns):                 # each answered turn's results, by its ids, for the messages
-                out = env(turns)
-                seen.update({tuple(t): r for t, r in zip(turns, env.results) if r is not None})
-                return out
-            resp, response_mask, length, ended, actions = sample_responses(model, ids, mask, sampling, gen,
-                                                                           env=recorded, max_turns=o.max_turns)
+        r = sample_groups(rows[s:s + o.batch_size], model, tok, sampling, 1, gen, tools=box, max_turns=o.max_turns)
+        P = r.query_len
+        ids, mask, resp = r.query_response[:, :P], r.attention_mask[:, :P], r.query_response[:, P:]
+        ended = r.has_eos.bool()
+        if box is not None:
+            length, actions = r.response_mask.sum(1).long(), r.actions.long()
             messages += [transcript_messages(tok, resp[b, :length[b]].tolist(), actions[b, :length[b]].tolist(),
-                                             seen) for b in range(len(resp))]
+                                             r.tool_results) for b in range(len(resp))]
         if rm is not None:
             cut = ~ended
             end = torch.tensor(ends[s:s + o.batch_size], device=device)
             closed = torch.cat([ids, resp, torch.where(cut, end, tok.pad_id)[:, None]], 1)
-            attn = torch.cat([mask, response_mask.long(), cut.long()[:, None]], 1)
+            attn = torch.cat([mask, r.response_mask.long(), cut.long()[:, None]], 1)
             block = rm.model.cfg.block_size      # a judge with a shorter context reads each row's last tokens
             scores.append(rm.score_tokens(closed[:, -block:], attn[:, -block:]).double().cpu())
         finished += ended.tolist()
-        texts += [tok.decode(row) if box is None else tok.decode_turns(row) for row in resp.tolist()]
+        texts += r.completions
         if progress is not None:
             progress.update(len(resp))
     return texts, finished, torch.cat(scores) if rm is not None else None, messages if box is not None else None

@@ -671,10 +671,11 @@ class ToolEnv:
     the tool turn's ids (tok.encode_tool_turn: the results, then the next generation prompt) — or None when the
     turn holds no call, or ended on a stop id other than the template's end-of-turn (end-of-text ends the row).
     counts: turns seen, turns with calls, calls, and the box's results by kind. results: the last call's result
-    texts, a list per turn (None for a turn without calls), for a caller that writes the transcript as messages."""
+    texts, a list per turn (None for a turn without calls); answered: every answered turn's ids (a tuple) -> its
+    results, over the whole rollout, for a caller that writes the transcript as messages."""
 
     def __init__(self, box: ToolBox, tok):
-        self.box, self.tok, self.counts, self.results = box, tok, Counter(), []
+        self.box, self.tok, self.counts, self.results, self.answered = box, tok, Counter(), [], {}
 
     def __call__(self, turns):
         found = []
@@ -686,6 +687,7 @@ class ToolEnv:
         results = iter(self.box.run([c for calls in found for c in calls]))
         self.counts.update(turns=len(turns), tool_turns=sum(map(bool, found)), calls=sum(map(len, found)))
         self.results = [[next(results).text for _ in calls] if calls else None for calls in found]
+        self.answered.update({tuple(ids): texts for ids, texts in zip(turns, self.results) if texts is not None})
         return [self.tok.encode_tool_turn(texts) if texts else None for texts in self.results]
 
 

@@ -144,7 +144,7 @@ class Script(Group, RunOptions):
 
 
 def test_help_lists_the_script_s_options_and_its_option_groups_before_the_shared_run_options():
-    """--help: the script's own options and an option group it takes from a package module (rollout.RolloutOptions)
+    """--help: the script's own options and an option group it takes from another module
     first, each in its declared place, then the run options every script shares (cli.RunOptions); a run option the
     script declares again is the script's."""
     text = " ".join(build_parser(Script).format_help().split())
@@ -268,8 +268,7 @@ def test_no_help_line_of_an_options_class_is_lost():
     import tokenize
     lost = []
     for name in ("train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired",
-                 "train_online", "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge", "nano_rlhf.cli",
-                 "nano_rlhf.rollout"):
+                 "train_online", "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge", "nano_rlhf.cli"):
         module = importlib.import_module(name)
         for cls in vars(module).values():
             if not (inspect.isclass(cls) and cls.__module__ == module.__name__ and cls.__name__.endswith("Options")):

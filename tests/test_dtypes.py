@@ -44,7 +44,7 @@ def gathers(model, ids, attn, response):
     """{name: tensor} of every gather on one batch (response: the last 5 columns of ids)."""
     full = torch.cat([torch.zeros(3, ids.shape[1] - 5), response], 1)
     lp, ent = train_ppo.response_logprobs(model, ids, attn, response, 1.0, with_entropy=True)
-    samples = types.SimpleNamespace(ids=ids, attn=attn, response_mask=response)
+    samples = types.SimpleNamespace(query_response=ids, attention_mask=attn, response_mask=response)
     with torch.no_grad():
         hidden = model(ids, attn, return_hidden=True)[:, :-1].reshape(-1, model.cfg.n_embd)
     return {"train_ppo.response_logprobs": lp, "train_ppo.response_logprobs entropy": ent,

@@ -1,7 +1,7 @@
 """The CUDA paths: what `python bench/gpu.py OUT` runs first on a GPU (`pytest -m gpu`), with measurements
 written to $NANO_RLHF_GPU_OUT/measurements.jsonl. Marked `gpu`: never collected into the CPU suite (conftest.py
 deselects them unless the -m expression names gpu), and dry-run on the CPU at tiny shapes by
-tests/test_gpu_check.py (NANO_RLHF_TEST_DEVICE=cpu), so this file cannot rot between GPU sessions.
+tests/test_gpu_check.py (NANO_RLHF_TEST_DEVICE=cpu), so this file cannot rot between runs on a GPU.
 
 What is compared, and how closely (tests/numerics.py gives the float32 rules):
 - HF parity, float32, both directions, GPT-2 and the Llama family (GQA + untied + llama3 RoPE; Qwen3's q/k norm
@@ -357,7 +357,7 @@ def test_offload_frozen_gives_the_same_run(task, sft_init, tmp_path):
 # ---- FSDP2 at world size 1 --------------------------------------------------------------------------
 
 def test_fsdp2_and_collectives_at_world_size_1(monkeypatch):
-    """One chip is lent: a 1-rank process group (NCCL on CUDA, gloo on CPU), the package's all-reduce and the
+    """One GPU: a 1-rank process group (NCCL on CUDA, gloo on CPU), the package's all-reduce and the
     cross-rank weight check through it, and FSDP2 (parallel.shard, bf16 MixedPrecisionPolicy on CUDA) for a
     training step, which must equal the unsharded step (float32: within rounding; the sharded bf16 step within
     the distance of a bf16 autocast step from the float32 one, times 2). Multi-GPU stays untested."""
@@ -530,7 +530,6 @@ def test_a_tool_rollout_on_device(tmp_path, monkeypatch, dtype):
     import train_ppo
     from nano_rlhf import chat, sampling
     from nano_rlhf.model import GPT, GPTConfig
-    from nano_rlhf.rollout import Models
     from nano_rlhf.tools import ToolEnv, load_tools
     from test_chat_templates import build, calls
     _, tok, _ = build("qwen2.5", tmp_path)
@@ -554,7 +553,7 @@ def test_a_tool_rollout_on_device(tmp_path, monkeypatch, dtype):
     o = train_ppo.Options(advantage="grpo", samples_per_prompt=1, micro_batch_size=1, max_new_tokens=len(script) + 8,
                           tools="calculator", max_turns=3, missing_eos_penalty=None, dtype=dtype,
                           device=DEVICE.type)
-    models = Models(policy=policy, reward=lambda p, c: [float("42" in x) for x in c], ref=ref, tools=box)
+    models = train_ppo.Models(policy=policy, reward=lambda p, c: [float("42" in x) for x in c], ref=ref, tools=box)
     r = train_ppo.rollout(lambda: [{"prompt": p_ids, "text": "What is 6*7?"}], models, tok, o,
                           torch.Generator(device=DEVICE).manual_seed(0))
     n = int(r.response_mask[0].sum())

@@ -171,6 +171,35 @@ def test_no_script_imports_another_script():
     assert not found, found
 
 
+COMMANDS = {"evaluate", "label", "merge", "summary", "plot"}     # python -m nano_rlhf.X: leaves of the graph
+TASKS = {"synthetic", "reasoning", "ifeval"}                       # the built-in tasks and their data writers
+
+
+def test_no_core_module_imports_a_command():
+    """The commands are leaves: a core module (neither a command nor a task) never imports one, so the
+    training path does not depend on what evaluation or labelling prints."""
+    graph = import_graph()
+    found = sorted(f"{m} imports {c}" for m, deps in graph.items() if m not in COMMANDS | TASKS
+                   for c in deps & COMMANDS)
+    assert not found, found
+
+
+def test_every_option_is_declared_in_its_script_or_with_the_shared_run_options():
+    """An algorithm's flags live in its script (a fork edits one file): every field of a script's Options is
+    declared, as --help reads it (the most derived class that annotates it), in the script itself or in
+    nano_rlhf/cli.py's shared run options, never in a package room."""
+    import dataclasses
+    import importlib
+    outside = []
+    for p in sorted(PKG.parent.glob("train_*.py")):
+        module = importlib.import_module(p.stem)
+        for f in dataclasses.fields(module.Options):
+            home = next(c for c in module.Options.__mro__ if f.name in vars(c).get("__annotations__", {}))
+            if home.__module__ not in (module.__name__, "nano_rlhf.cli"):
+                outside.append(f"{p.name}: --{f.name} in {home.__module__}")
+    assert not outside, outside
+
+
 def _imported_scripts(node, scripts):
     if isinstance(node, ast.Import):
         return [a.name for a in node.names if a.name in scripts]

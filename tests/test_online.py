@@ -133,7 +133,7 @@ def test_soft_labels_equal_the_oracle_with_the_judges_probability(monkeypatch, l
         opts = types.SimpleNamespace(method="online_dpo", samples_per_prompt=3, pairs="all", margin=0.0, loss=loss,
                                      labels=labels, beta=beta, label_smoothing=0.0, nll_coef=0.0, alpha=0.01, lam=0.1,
                                      gamma=0.5)
-        samples.ids = torch.zeros(6, 1)
+        samples.query_response = torch.zeros(6, 1)
         objective, log = T.step_objective(opts, "policy", "ref", samples, groups, 1)
         expected = []
         for g, sc in enumerate(scores):
@@ -507,8 +507,7 @@ def test_reward_model_judge_scores_the_sampled_ids_closed_by_the_end_token(tok, 
     from nano_rlhf.model import ScoreModel
     policy = GPT.from_pretrained(eos_sft_dir).eval()
     prompts, _ = tokenize_prompts(prompt_rows(6), tok, 40)
-    opts = T.Options(samples_per_prompt=2, max_new_tokens=12)
-    s = rollout.sample_from_mixture([(policy, 1.0)], prompts, list(range(6)), tok, opts, 1, "cpu")
+    s = rollout.sample_mixture_groups([(policy, 1.0)], prompts, list(range(6)), tok, 2, 1.0, 12, 0, 1, "cpu")
     assert 0 < s.has_eos.sum() < len(s.has_eos), "the test needs finished and unfinished rows"
     scores = rollout.judge_scores(load_judge(rm_dir, tokenizer=tok), s, tok)
     # --missing_eos_penalty (TRL's): exactly the unfinished rows lose exactly the penalty
@@ -516,7 +515,7 @@ def test_reward_model_judge_scores_the_sampled_ids_closed_by_the_end_token(tok, 
     assert torch.equal(penalised, scores - 2.5 * (1 - s.has_eos.double()))
     rm = ScoreModel.from_pretrained(rm_dir).eval()
     for i in range(len(scores)):
-        row = s.ids[i][s.attn[i].bool()].tolist() + ([] if s.has_eos[i] else [tok.eos_id])
+        row = s.query_response[i][s.attention_mask[i].bool()].tolist() + ([] if s.has_eos[i] else [tok.eos_id])
         with torch.no_grad():
             assert scores[i].item() == pytest.approx(rm(torch.tensor([row]))[1].item(), abs=1e-5)
 
@@ -548,7 +547,7 @@ def test_resume_refuses_a_judge_replaced_at_the_same_path(tmp_path, sft_dir, rm_
 # ---- the hybrid objective (--offline_data) -----------------------------------------------------
 
 def test_offline_pairs_backward_equals_the_dpo_formula_on_unpadded_sequences(tok):
-    """offline_backward on pairs of different prompt and response lengths (pairs_as_samples' rows, left-padded)
+    """offline_backward on pairs of different prompt and response lengths (pairs_as_rollout's rows, left-padded)
     gives the gradient of c · mean_i −log σ(β((S_w − R_w) − (S_l − R_l))) computed from each sequence alone,
     unpadded, with the full softmax (Rafailov et al. 2023, eq. 7); among them a long prompt with short answers and a
     short prompt with long answers, whose longest prompt and longest answer together exceed the context (64)."""
@@ -564,7 +563,7 @@ def test_offline_pairs_backward_equals_the_dpo_formula_on_unpadded_sequences(tok
     assert max(len(e["prompt"]) for e in examples) + max(len(e["chosen"]) for e in examples) > 64
     opts = types.SimpleNamespace(loss="dpo", beta=0.1, label_smoothing=0.0, offline_coef=0.7, temperature=1.0,
                                  dtype="float32")
-    log = T.offline_backward(opts, policy, ref, rollout.pairs_as_samples(examples, tok.pad_id, "cpu"))
+    log = T.offline_backward(opts, policy, ref, T.pairs_as_rollout(examples, tok.pad_id, "cpu"))
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
 

@@ -10,7 +10,6 @@ from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/nume
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT, ScoreModel
 from nano_rlhf.reward import load_reward
-from nano_rlhf.rollout import Models
 
 
 def ppo_args(tmp_path, sft_dir, rm_dir, out, *extra, steps=2):
@@ -45,7 +44,7 @@ def test_rollout_truncates_at_eos_and_scores_there(tok, rm_dir, eos_sft_dir):
     rm = ScoreModel.from_pretrained(rm_dir).eval()                   # saved with reward_mean 0.1, reward_std 0.5
     prompts, _ = tokenize_prompts(prompt_rows(8), tok, 40)
     gen = torch.Generator().manual_seed(0)
-    models = Models(policy=policy, reward=load_reward(rm_dir, tokenizer=tok), ref=policy)
+    models = train_ppo.Models(policy=policy, reward=load_reward(rm_dir, tokenizer=tok), ref=policy)
     r = train_ppo.rollout(lambda: prompts, models, tok, o, gen)
     P, m = r.query_len, r.response_mask
     finished = r.has_eos.bool()
@@ -165,7 +164,7 @@ def test_rollout_logprobs_equal_an_unpadded_forward_of_each_row(tok, eos_sft_dir
     rows = prompt_rows(6)
     rows[0]["prompt"] = "review"                                       # prompts of very different lengths
     prompts, _ = tokenize_prompts(rows, tok, 40)
-    models = Models(policy=policy, reward=lambda p, c: [0.0] * len(c), ref=policy)
+    models = train_ppo.Models(policy=policy, reward=lambda p, c: [0.0] * len(c), ref=policy)
     r = train_ppo.rollout(lambda: prompts, models, tok, o, torch.Generator().manual_seed(3))
     P, m = r.query_len, r.response_mask
     assert len({int(a[:P].sum()) for a in r.attention_mask}) > 1, "the test needs left padding"

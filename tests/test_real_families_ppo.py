@@ -17,7 +17,6 @@ from hf_fixtures import BAD, FAMILIES, GOOD, make_hf_dir, prompt_rows, write_jso
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT, ScoreModel, last_token_index
 from nano_rlhf.reward import load_reward
-from nano_rlhf.rollout import Models
 from nano_rlhf.run import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -102,7 +101,7 @@ def test_rollout_ends_at_end_of_turn_and_is_scored_there(family):
     policy = eot_prone(GPT.from_pretrained(policy_dir), tok).eval()
     prompts, _ = tokenize_prompts(prompt_rows(8), tok, 64)
     o = train_ppo.Options(samples_per_prompt=2, micro_batch_size=4, max_new_tokens=8, missing_eos_penalty=-7.0)
-    models = Models(policy=policy, reward=load_reward(rm_dir, tokenizer=tok), ref=policy)
+    models = train_ppo.Models(policy=policy, reward=load_reward(rm_dir, tokenizer=tok), ref=policy)
     r = train_ppo.rollout(lambda: prompts, models, tok, o, torch.Generator().manual_seed(0))
     P, m, finished = r.query_len, r.response_mask, r.has_eos.bool()
     assert 0 < finished.sum() < len(finished), "the test needs both finished and unfinished rows"
@@ -198,17 +197,17 @@ def test_evaluate_module_on_real_family(family, tmp_path, monkeypatch):
     assert 0 < summary["eos_rate"] < 1
     assert all(s["length"] <= 8 and (s["eos"] or s["length"] == 8) for s in samples)
     # the same prompts, tokenized and sampled in process: every finished response ends with the end-of-turn id
-    from nano_rlhf import evaluate
+    from nano_rlhf import evaluate, rollout
     from nano_rlhf.sampling import SamplingOptions
     model = GPT.from_pretrained(str(d)).eval()
     ends = []
-    orig = evaluate.sample_responses
+    orig = rollout.sample_responses
 
     def spy(model, ids, *args, **kw):
         out = orig(model, ids, *args, **kw)
         ends.append(out[0])                      # the responses, each cut after its end
         return out
-    monkeypatch.setattr(evaluate, "sample_responses", spy)
+    monkeypatch.setattr(rollout, "sample_responses", spy)
     got = evaluate.sample_and_score(model, tok, prompt_rows(16), SamplingOptions(max_new_tokens=8))
     for s, row in zip(got, ends[0]):
         if s["eos"]:

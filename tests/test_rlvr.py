@@ -8,7 +8,6 @@ import train_ppo
 from conftest import write_jsonl
 from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
 from nano_rlhf.model import GPT
-from nano_rlhf.rollout import group_spread
 from test_ppo import main_exit, metrics, ppo_args
 
 REWARD = '''def score(prompts, completions):
@@ -81,8 +80,8 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path, sft_dir, rm_di
         train_ppo.with_logprobs = real
     mixed, flat = metrics(tmp_path / "mixed"), metrics(tmp_path / "flat")
     assert len(kept) == 4 and all(s.shape == (16,) for s in kept)       # always a full batch: 4 groups of 4
-    assert all(bool(group_spread(s, 4).all()) for s in kept[:2])   # mixed: only groups with signal
-    assert not any(bool(group_spread(s, 4).any()) for s in kept[2:])
+    assert all(bool(train_ppo.group_spread(s, 4).all()) for s in kept[:2])   # mixed: only groups with signal
+    assert not any(bool(train_ppo.group_spread(s, 4).any()) for s in kept[2:])
     for x in mixed:   # shuffled batches of 4 prompts, half of all prompts flat
         assert x["train/zero_spread_groups"] in (0, 0.25, 0.5, 0.75, 1) and x["train/filled_groups"] == 0
         assert x["train/sampling_rounds"] >= 1 + (x["train/zero_spread_groups"] > 0)

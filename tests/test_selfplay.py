@@ -13,7 +13,6 @@ from nano_rlhf import synthetic
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT
 from nano_rlhf.reward import Judge, eval_columns, load_judge, preference_matrix
-from nano_rlhf.rollout import Models
 
 
 # ---- the win rate: Swamy et al. 2024, r(y) = P(y ≻ π_t), estimated on the other k − 1 samples --------------
@@ -112,7 +111,7 @@ def test_rollout_scores_are_win_rates_under_the_judge(tok, tmp_path):
                                for x, y in zip(a, b)]
     o = train_ppo.Options(reward="selfplay", samples_per_prompt=4, micro_batch_size=12, max_new_tokens=8,
                           missing_eos_penalty=-7.0)
-    models = Models(policy=policy, reward=Judge(pairwise=shorter))
+    models = train_ppo.Models(policy=policy, reward=Judge(pairwise=shorter))
     r = train_ppo.rollout(lambda: prompts, models, tok, o, torch.Generator().manual_seed(0))
     lengths = [len(c) for c in r.completions]
     assert len(set(lengths)) > 2, "the test needs completions of different lengths"

@@ -8,7 +8,6 @@ from numerics import FLOAT32_ATOL  # see tests/numerics.py
 import train_ppo
 from nano_rlhf import chat
 from nano_rlhf.model import GPT, GPTConfig
-from nano_rlhf.rollout import Models
 from nano_rlhf.sampling import SamplingOptions, generate_turns
 from nano_rlhf.tools import ToolEnv, load_tools
 
@@ -36,7 +35,7 @@ def test_a_tool_rollout_trains_only_the_policys_tokens(name, tmp_path, monkeypat
     policy, ref = GPT(cfg).eval(), GPT(cfg).eval()
     o = train_ppo.Options(advantage="grpo", samples_per_prompt=1, micro_batch_size=1, max_new_tokens=len(script) + 8,
                           tools="calculator", max_turns=3, missing_eos_penalty=None)
-    models = Models(policy=policy, reward=lambda p, c: [float("16.8" in x) for x in c], ref=ref, tools=box)
+    models = train_ppo.Models(policy=policy, reward=lambda p, c: [float("16.8" in x) for x in c], ref=ref, tools=box)
     r = train_ppo.rollout(lambda: [{"prompt": p_ids, "text": "What is (3+4)*12/5?"}], models, tok, o,
                           torch.Generator().manual_seed(0))
     n = int(r.response_mask[0].sum())
