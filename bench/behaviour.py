@@ -240,7 +240,7 @@ def default_root():
 
 
 def subprocess_env(work, root):
-    """One thread everywhere (results must not depend on the thread count or on the other job), CPU only,
+    """One thread everywhere (results must not depend on the thread count or on other jobs on the host), CPU only,
     the built-in task's data in the work directory (never root/data), fixed hash seed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", RAYON_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="", PYTHONHASHSEED="0",

@@ -1,6 +1,6 @@
 """The rollout engine against HF generate and against the physical bound, side by side in one run (float32, CPU).
 
-    python bench/gen.py                      # both parts, writes docs/bench/gen/gen.json
+    python bench/gen.py                      # both parts, writes results/bench/gen/gen.json
     python bench/gen.py --part decode --calls 4 --threads 2
 
 1. decode: the reference shape (GPT-2, 4 x 256, vocab 4096; 16 rows, 32-token prompts, exactly 64 new tokens,
@@ -166,7 +166,8 @@ def main():
     p.add_argument("--calls", type=int, default=6, help="timed calls per row (median)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--mean_len", type=float, default=20.0, help="RL part: mean response length the eos bias aims at")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "bench", "gen", "gen.json"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results", "bench", "gen",
+                                                 "gen.json"))
     a = p.parse_args()
     if a.calls < 1 or a.threads < 1 or not a.mean_len > 1:
         print("error: --calls and --threads must be >= 1 and --mean_len > 1", file=sys.stderr)

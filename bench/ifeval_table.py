@@ -1,6 +1,6 @@
 """The tables of scripts/ifeval.sh, from one or more of its output directories (one per seed):
 
-    python bench/ifeval_table.py out/ifeval out/ifeval_s1 [--json docs/ifeval/results.json]
+    python bench/ifeval_table.py out/ifeval out/ifeval_s1 [--json results/ifeval/results.json]
 
 Headline (greedy unless said): prompt-level strict accuracy on all held-out prompts, on those with training kinds
 only and on those with a held-out kind; loose; strict at equal answer length (nano_rlhf.ifeval.equal_length: the

@@ -1,6 +1,6 @@
 """Benchmark at a real model shape: SmolLM2-135M (random weights) against TRL and HF transformers, on this CPU.
 
-    python bench/real.py                        # everything, raw output to docs/bench/real/ (tens of minutes)
+    python bench/real.py                        # everything, raw output to results/bench/real/ (tens of minutes)
     python bench/real.py --only gen,mem         # some rows: sft, dpo, gen, mem, bf16
     python bench/real.py --out ""               # print only
 
@@ -380,7 +380,7 @@ def main():
     p.add_argument("--steps", type=int, default=5, help="timed steps per training side (after warm-up)")
     p.add_argument("--gen_calls", type=int, default=3, help="timed generate calls per side (after one warm-up)")
     p.add_argument("--rounds", type=int, default=1, help="measure each side this many times, alternating the order")
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "real", "run"),
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "bench", "real", "run"),
                    help="write OUT.txt (what is printed) and OUT.json (every figure); empty = print only")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--save_model", default="", help=argparse.SUPPRESS)

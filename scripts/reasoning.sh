@@ -6,14 +6,14 @@
 # across_seeds: the mean pass@1 gain over seeds beats twice the larger of the s.e. over prompts and the s.d. over
 # seeds / √seeds, and every seed beats SFT).
 #
-#   bash scripts/reasoning.sh                            # the README's table (~45 min on 2 cores)
+#   bash scripts/reasoning.sh                            # the table in docs/results.md (~45 min on 2 cores)
 #   SEEDS="0" VARIANTS="grpo" bash scripts/reasoning.sh  # one run of one variant
 #   TRL_PYTHON=/tmp/trlenv/bin/python bash scripts/reasoning.sh   # with TRL's rows (bench/trl_grpo.py: its venv)
 #   TINY=1 bash scripts/reasoning.sh                     # a smoke run of a minute or two (what the tests run)
 #   OUT=runs/r bash scripts/reasoning.sh                 # another output directory (default: out/reasoning)
 #
 # Stages resume: a stage whose output directory already holds its model is skipped (delete the directory to run it
-# again), so the table can be built across several sessions; every command is printed before it runs ("+ ...").
+# again), so the table can be built over several runs of the script; every command is printed before it runs ("+ ...").
 # RL runs go JOBS at a time (default 2), one thread each (robust on shared cores; a run is ~2 min on one core).
 #
 # The setting, found by measurement (docs/results.md, "Finding a setting where RLVR learns"; the held-out

@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     """With NANO_RLHF_GPU_OUT set (bench/gpu.py's correctness part), each test's outcome is appended to
-    outcomes.jsonl as it ends, so a run stopped at the GPU lease's limit still says what passed."""
+    outcomes.jsonl as it ends, so a run stopped at its time limit on a GPU still says what passed."""
     out = os.environ.get("NANO_RLHF_GPU_OUT")
     if not out or (report.when != "call" and report.passed):
         return

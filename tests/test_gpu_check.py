@@ -1,6 +1,6 @@
 """bench/gpu.py, the GPU check, dry-run on the CPU at tiny shapes (the same code path as on a GPU, minus the
-torch.compile rows and test, which cost tens of seconds here), so it cannot rot between the sessions that are
-lent a GPU; and its bad flags."""
+torch.compile rows and test, which cost tens of seconds here), so it cannot rot between runs on a GPU; and
+its bad flags."""
 import importlib.util
 import json
 import os
@@ -39,7 +39,7 @@ def test_dry_run_on_the_cpu(tmp_path):
     assert parts["grpo"]["step_s"] and 0 < parts["grpo"]["rollout_share"] < 1
     sides = {r["side"]: r for r in parts["rollout"]["rows"]}
     assert len(sides) == 3 and all("new_tokens_per_s" in r for r in sides.values()), sides
-    # the check never writes more files than a lease brings back (8)
+    # the check never writes more files than a GPU machine's command brings back (8)
     assert len(os.listdir(out)) <= 8
 
 
