@@ -57,7 +57,6 @@ output directory holds the merged model and out_dir/adapter the adapters alone i
 Simplifications: the reference is a frozen copy of the initial policy (or precomputed log-probs); no
 reference-model syncing (TR-DPO).
 """
-import contextlib
 import math
 import sys
 import time
@@ -70,13 +69,14 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from nano_rlhf import dist, lora, parallel
-from nano_rlhf import run as run_mod
+from nano_rlhf import training
 from nano_rlhf.checkpoint import save_model_dir
-from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions
+from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions, parse_args
 from nano_rlhf.data import (Batches, collate_pairs, default_data, is_listwise_file, listwise_to_pairs, load_records,
                             split_off, tokenize_pairs, training_length)
 from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs, upcast
-from nano_rlhf.run import autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at, set_lr
+from nano_rlhf.training import (autocast, check_device, check_vocab, derive_max_steps, fail, input_errors,
+                                load_reference, lr_at, set_lr)
 
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
 # β defaults: 0.1, except SimPO (its reward is a per-token mean, so it needs a larger scale, as in the paper)
@@ -384,11 +384,6 @@ def add_to(sums, stats, batch):
     sums["tokens"] += int(batch.attn.sum())
 
 
-def sum_over_ranks(sums):
-    """The same named sums, added over every rank: one all-reduce."""
-    return dict(zip(sums, dist.all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()))
-
-
 def means(totals):
     """Sums over a step (or the eval set) on all ranks -> what is logged: per-pair means, the NLL per chosen
     token."""
@@ -403,7 +398,7 @@ def precompute_reference(opts, ref, examples, pad_id, device):
     shuffling cannot misalign them: TRL#2337). Each rank computes a shard; an all-reduce shares them."""
     values = torch.zeros(len(examples), 2, dtype=torch.float64)         # S_ref of each example's two rows
     mine = dist.rank_share(list(range(len(examples))))
-    progress = run_mod.Progress(len(mine), "precomputing the reference's log-probs", unit="pairs",
+    progress = training.Progress(len(mine), "precomputing the reference's log-probs", unit="pairs",
                                 stream=sys.stdout)             # beside the training loop's progress lines
     for i in range(0, len(mine), opts.batch_size):
         idx = mine[i:i + opts.batch_size]
@@ -429,7 +424,7 @@ def evaluate(opts, policy, ref, examples, pad_id, device):
         batch = make_batch(mine[i:i + opts.batch_size], opts, pad_id, device)
         add_to(sums, micro_step(opts, policy, ref, batch), batch)
     policy.train()
-    return {f"eval/{k}": v for k, v in means(sum_over_ranks(sums)).items()}
+    return {f"eval/{k}": v for k, v in means(dist.all_reduce_sums(sums)).items()}
 
 
 def add_l1_grad(policy, init_params, coef):
@@ -457,8 +452,9 @@ def evaluate_gathered(opts, policy, ref, examples, pad_id, device):
 
 
 def check_options(opts):
-    """Rules between options (each option's own range is declared on Options and checked by parse_args).
-    A flag the loss would silently ignore is an error."""
+    """--device one this machine has, then the rules between options (each option's own range is declared on Options
+    and checked by parse_args). A flag the loss would silently ignore is an error."""
+    check_device(opts.device)
     loss = opts.loss
     if opts.fsdp and opts.compile:
         fail("--compile with --fsdp is not supported; drop one of them", 2)
@@ -548,17 +544,26 @@ def load_examples(opts, files, tok, max_length):
 # options that do not define the run: paths whose content is checked otherwise (data sha256), and how it runs;
 
 def run_record(opts, files):
-    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
+    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/training.py)."""
     return dict(inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
 
 
 # ---- training -----------------------------------------------------------------------------------
 
+SHOW = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl", "eval/loss",
+        "eval/reward_accuracy"]                # the progress line's metrics, in order
+LOSS_KEYS = ["train/loss", "train/grad_norm"]  # a NaN/inf in either stops the run (the checkpoint intact)
+
+
 def main(argv=None):
-    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "dpo", run_record, load=data_files,
-                                            fill=fill_defaults)
+    opts = parse_args(Options, argv, __doc__)      # each option's range and [with ...] refused here
+    fill_defaults(opts)                            # the defaults that depend on other options
+    check_options(opts)                            # --device and the rules between options; only refuses
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    files = data_files(opts)
+    run = training.open_run(opts, "dpo", **run_record(opts, files), show=SHOW, loss_keys=LOSS_KEYS)
     with input_errors():
-        tok = run_mod.tokenizer(opts, run)
+        tok = training.tokenizer(opts, run)
         policy, ref, max_length = load_models(opts, tok)
         run.identity.update(max_length=max_length)      # --max_length resolved: what the data is cut to
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
@@ -566,7 +571,7 @@ def main(argv=None):
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = load_examples(opts, files, tok, max_length)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    run_mod.place(opts, world, {"policy": policy}, {"reference model": ref})
+    training.place(opts, world, {"policy": policy}, {"reference model": ref})
     # PAFT: θ_init is the --init weights, held once (also on --resume, which restores θ but not θ_init)
     init_params = [p.detach().clone() for p in policy.parameters()] if opts.l1_coef else None
     reference = "none" if ref is None else "precomputed" if opts.precompute_ref else "live"
@@ -578,22 +583,20 @@ def main(argv=None):
         ref = None                                          # frees the reference model's memory
         dist.print0(f"precomputed reference log-probs for {len(train) + len(evals):,} examples in "
                     f"{time.time() - t0:.1f}s")
-    ref = run_mod.frozen(opts, ref)
-    ddp, optimizer = run_mod.prepare(opts, policy, opts.lr)
-    run_mod.plan(opts, {"policy": policy, "ref": ref})
-    max_steps = run.max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    run_mod.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches},
-                  global_batch=batches.global_batch, max_steps=max_steps)
+    ref = training.frozen(opts, ref)
+    ddp, optimizer = training.prepare(opts, policy, opts.lr)
+    training.plan(opts, {"policy": policy, "ref": ref})
+    max_steps = derive_max_steps(opts, batches.steps_per_epoch)
+    run.set_max_steps(max_steps)
+    run.resume({"policy": policy}, {"policy": optimizer}, data={"data": batches},
+              global_batch=batches.global_batch, max_steps=max_steps)
     dist.print0(f"{opts.loss.upper()} | beta {opts.beta}{lora.describe(policy)} | {len(train):,} train examples "
                 f"({counts}) | {len(evals):,} eval | max length {max_length} | global batch {batches.global_batch} | "
                 f"{max_steps} steps | reference: {reference}"
                 + (f" | resuming at step {run.step}" if run.step else ""))
-    run.show = ["train/loss", "train/reward_accuracy", "train/reward_margin", "train/rewards_chosen", "train/kl",
-                "eval/loss", "eval/reward_accuracy"]
-    run.loss_key = ("train/loss", "train/grad_norm")      # a NaN/inf in either stops the run (checkpoint intact)
 
     def save(step):
-        run_mod.save(opts, step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
+        run.save(step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
 
     nll_w = nll_weight(opts)
@@ -607,15 +610,14 @@ def main(argv=None):
         n_chosen = max(dist.all_reduce_sum(float(sum(b.n_chosen_tokens for b in micro))), 1)
         sums = zero_sums(opts)
         for j, batch in enumerate(micro):
-            # gradients are all-reduced once, on the last micro-batch
-            with ddp.no_sync() if world.enabled and j < len(micro) - 1 else contextlib.nullcontext():
-                stats = micro_step(opts, ddp, ref, batch)
-                objective = stats["loss"] / n_items                        # mean over the step's items ...
-                if nll_w:                                                   # ... + w · token-mean NLL(y_w)
-                    objective = objective + nll_w * stats["nll"] / n_chosen
-                (objective * dist.ddp_scale()).backward()                   # DDP averages over ranks: undo it
+            parallel.sync_gradients(ddp, j == len(micro) - 1)      # gradients all-reduced once, on the last one
+            stats = micro_step(opts, ddp, ref, batch)
+            objective = stats["loss"] / n_items                        # mean over the step's items ...
+            if nll_w:                                                   # ... + w · token-mean NLL(y_w)
+                objective = objective + nll_w * stats["nll"] / n_chosen
+            (objective * dist.ddp_scale()).backward()                   # DDP averages over ranks: undo it
             add_to(sums, stats, batch)
-        totals = sum_over_ranks(sums)
+        totals = dist.all_reduce_sums(sums)
         l1 = add_l1_grad(policy, init_params, opts.l1_coef) if opts.l1_coef else None
         grad_norm = parallel.clip_grad_norm(policy.parameters(), opts.grad_clip)
         optimizer.step()
@@ -627,8 +629,8 @@ def main(argv=None):
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
                                                                              world.device), save=save):
             break
-    run_mod.finish(run, {"policy": policy}, {"reference": ref},
-                  saved=f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
+    run.finish({"policy": policy}, {"reference": ref},
+              saved=f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)
 
 

@@ -37,7 +37,6 @@ per-row values into a (prompts, K_max) grid with a validity mask, on which the l
 Simplifications: no precomputed reference (LiPO runs its reference live); PRO's and LiPO's scores are used as
 given (no normalisation): rescale scores whose differences are far from 1, and LiPO needs ψ ≤ 1000 (2^ψ).
 """
-import contextlib
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -47,12 +46,13 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist, lora, parallel
-from nano_rlhf import run as run_mod
+from nano_rlhf import training
 from nano_rlhf.checkpoint import save_model_dir
-from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions
+from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions, parse_args
 from nano_rlhf.data import Batches, collate_listwise, default_data, load_records, split_off, tokenize_listwise
 from nano_rlhf.model import GPT, token_logprobs
-from nano_rlhf.run import autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at, set_lr
+from nano_rlhf.training import (autocast, check_device, check_vocab, derive_max_steps, fail, input_errors,
+                                load_reference, lr_at, set_lr)
 
 
 MAX_LIPO_SCORE = 30.0     # gains 2^ψ above ~2^30 overflow float32 gradient norms (Δ is cast to float32)
@@ -270,10 +270,6 @@ def add_to(sums, stats, batch):
     sums["tokens"] += int(batch.attn.sum())
 
 
-def sum_over_ranks(sums):
-    return dict(zip(sums, dist.all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()))
-
-
 def means(totals):
     """Sums over a step (or the eval set) on all ranks -> what is logged: loss per prompt, top-1 per prompt
     whose scores do not all tie, pair accuracy per scored pair, NLL per best-response token, the ranked value
@@ -296,7 +292,7 @@ def evaluate(opts, policy, ref, examples, pad_id, device):
         batch = make_batch(mine[i:i + opts.batch_size], pad_id, device)
         add_to(sums, micro_step(opts, policy, ref, batch), batch)
     policy.train()
-    return {f"eval/{k}": v for k, v in means(sum_over_ranks(sums)).items()}
+    return {f"eval/{k}": v for k, v in means(dist.all_reduce_sums(sums)).items()}
 
 
 # ---- set-up -------------------------------------------------------------------------------------
@@ -309,8 +305,9 @@ def evaluate_gathered(opts, policy, ref, examples, pad_id, device):
 
 
 def check_options(opts):
-    """Rules between options (ranges are checked by parse_args). A flag the loss would silently ignore is an
-    error."""
+    """--device one this machine has, then the rules between options (ranges are checked by parse_args). A flag the
+    loss would silently ignore is an error."""
+    check_device(opts.device)
     if opts.fsdp and opts.compile:
         fail("--compile with --fsdp is not supported; drop one of them", 2)
     if opts.offload_frozen and opts.loss != "lipo":
@@ -369,42 +366,49 @@ def load_examples(opts, files, tok, block_size):
 
 
 def run_record(opts, files):
-    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
+    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/training.py)."""
     return dict(inputs={"init": opts.init, "ref": opts.ref}, data_files=files)
 
 
 # ---- training -----------------------------------------------------------------------------------
 
+SHOW = ["train/loss", "train/pair_accuracy", "train/top1_accuracy", "train/nll", "eval/loss",
+        "eval/pair_accuracy"]                  # the progress line's metrics, in order
+LOSS_KEYS = ["train/loss", "train/grad_norm"]  # a NaN/inf in either stops the run (the checkpoint intact)
+
+
 def main(argv=None):
-    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "listwise", run_record,
-                                           load=data_files, fill=fill_defaults)
+    opts = parse_args(Options, argv, __doc__)      # each option's range and [with ...] refused here
+    fill_defaults(opts)                            # the defaults that depend on other options
+    check_options(opts)                            # --device and the rules between options; only refuses
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    files = data_files(opts)
+    run = training.open_run(opts, "listwise", **run_record(opts, files), show=SHOW, loss_keys=LOSS_KEYS)
     with input_errors():
-        tok = run_mod.tokenizer(opts, run)
+        tok = training.tokenizer(opts, run)
         policy, ref = load_models(opts, tok)
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
         if ref is None and opts.loss == "lipo":                         # LoRA, reference = --init: the policy
             ref = lora.BaseView(policy)                                  # with its adapters off, no second copy
         train, evals, counts = load_examples(opts, files, tok, policy.cfg.block_size)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    run_mod.place(opts, world, {"policy": policy}, {"reference model": ref})
-    ref = run_mod.frozen(opts, ref)
-    ddp, optimizer = run_mod.prepare(opts, policy, opts.lr)
-    run_mod.plan(opts, {"policy": policy, "ref": ref})
-    max_steps = run.max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    run_mod.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches},
-                  global_batch=batches.global_batch, max_steps=max_steps)
+    training.place(opts, world, {"policy": policy}, {"reference model": ref})
+    ref = training.frozen(opts, ref)
+    ddp, optimizer = training.prepare(opts, policy, opts.lr)
+    training.plan(opts, {"policy": policy, "ref": ref})
+    max_steps = derive_max_steps(opts, batches.steps_per_epoch)
+    run.set_max_steps(max_steps)
+    run.resume({"policy": policy}, {"policy": optimizer}, data={"data": batches},
+              global_batch=batches.global_batch, max_steps=max_steps)
     n_rows = sum(len(e["completions"]) for e in train)
     dist.print0(f"{opts.loss.upper()}{lora.describe(policy)} | "
                 + (f"beta {opts.beta} | " if opts.loss == "lipo" else "")
                 + f"nll_coef {opts.nll_coef} | {len(train):,} train prompts, {n_rows:,} completions ({counts}) | "
                 f"{len(evals):,} eval | global batch {batches.global_batch} prompts | {max_steps} steps"
                 + (f" | resuming at step {run.step}" if run.step else ""))
-    run.show = ["train/loss", "train/pair_accuracy", "train/top1_accuracy", "train/nll", "eval/loss",
-                "eval/pair_accuracy"]
-    run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        run_mod.save(opts, step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
+        run.save(step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
 
     for step in range(run.step + 1, max_steps + 1):
@@ -417,14 +421,14 @@ def main(argv=None):
         n_best = max(dist.all_reduce_sum(float(sum(b.n_best_tokens for b in micro))), 1)
         sums = zero_sums()
         for j, batch in enumerate(micro):
-            with ddp.no_sync() if world.enabled and j < len(micro) - 1 else contextlib.nullcontext():
-                stats = micro_step(opts, ddp, ref, batch)
-                objective = stats["loss"] / n_items                         # mean over the step's prompts ...
-                if opts.nll_coef:                                            # ... + w · token-mean NLL(best)
-                    objective = objective + opts.nll_coef * stats["nll"] / n_best
-                (objective * dist.ddp_scale()).backward()                    # DDP averages over ranks: undo it
+            parallel.sync_gradients(ddp, j == len(micro) - 1)       # gradients all-reduced once, on the last one
+            stats = micro_step(opts, ddp, ref, batch)
+            objective = stats["loss"] / n_items                         # mean over the step's prompts ...
+            if opts.nll_coef:                                            # ... + w · token-mean NLL(best)
+                objective = objective + opts.nll_coef * stats["nll"] / n_best
+            (objective * dist.ddp_scale()).backward()                    # DDP averages over ranks: undo it
             add_to(sums, stats, batch)
-        totals = sum_over_ranks(sums)
+        totals = dist.all_reduce_sums(sums)
         grad_norm = parallel.clip_grad_norm(policy.parameters(), opts.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -433,8 +437,8 @@ def main(argv=None):
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
                                                                              world.device), save=save):
             break
-    run_mod.finish(run, {"policy": policy}, {"reference": ref},
-                  saved=f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
+    run.finish({"policy": policy}, {"reference": ref},
+              saved=f"saved {opts.out_dir} (HF {dist.unwrap(policy).architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, optimizer=optimizer, options=opts)
 
 

@@ -67,7 +67,6 @@ The judge and its preferences are nano_rlhf/reward.py's (load_judge, preference_
 same code as train_ppo.py's SPO and the labelling tool: a pairwise judge is asked about every ordered pair i ≠ j of
 a group (Nash-MD: the sample and its opponent in both orders), in one call per step.
 """
-import contextlib
 import copy
 import math
 import os
@@ -81,9 +80,9 @@ import torch.nn.functional as F
 
 from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
-from nano_rlhf import run as run_mod
+from nano_rlhf import training
 from nano_rlhf.checkpoint import save_model_dir
-from nano_rlhf.cli import FrozenModelOptions, RunOptions
+from nano_rlhf.cli import FrozenModelOptions, RunOptions, parse_args
 from nano_rlhf.data import (Batches, default_path, load_prompts, load_records, pad_left, prompt_limit,
                             tokenize_pairs, tokenize_prompts, training_length)
 from nano_rlhf.evaluate import eval_metrics
@@ -91,8 +90,8 @@ from nano_rlhf.model import GPT, token_logprobs
 from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model_dir as judge_dir, preference_matrix,
                               symmetric_preference)
 from nano_rlhf.rollout import Rollout, judge_scores, sample_mixture_groups
-from nano_rlhf.run import autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import SamplingOptions
+from nano_rlhf.training import autocast, check_device, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.watch import KLWatch, Watch, check_step, watch_kl
 
 PAIRWISE = ("online_dpo", "dno")           # methods that build (chosen, rejected) pairs for a train_dpo.py loss
@@ -587,7 +586,9 @@ def step_metrics(samples: Rollout, scores, stats, gold):
 # ---- set-up ------------------------------------------------------------------------------------
 
 def check_options(opts):
-    """Rules between options; each option's own range is declared on Options (checked on parsing)."""
+    """--device one this machine has, then the rules between options; each option's own range is declared on Options
+    (checked on parsing)."""
+    check_device(opts.device)
     method = opts.method
     msg = lora.check_lora_options(opts)
     if msg:
@@ -661,9 +662,9 @@ def load_models(opts, tok, run, training_copy):
     return policy, init_ref, copy
 
 
-def run_record(opts, _):
+def run_record(opts):
     """The inputs the run only reads (the judge's model or code file too) and its data files (its options are
-    its identity: nano_rlhf/run.py)."""
+    its identity: nano_rlhf/training.py)."""
     return dict(inputs={"init": opts.init, "ref": opts.ref,
                         "judge": judge_dir(opts.judge) or reward_mod.code_file(opts.judge),
                         "pair_judge": reward_mod.code_file(opts.pair_judge)},
@@ -684,12 +685,21 @@ def startup_line(opts, n_prompts, prompt_stats, step, offline):
             + (f" | resuming at step {step}" if step else ""))
 
 
+SHOW = ["train/loss", "train/pairs", "train/offline_loss", "train/score", "train/gold_reward",
+        "train/response_length", "time/rollout_frac", "eval/gold_reward", "eval/rm_score", "eval/reward",
+        "eval/kl"]                             # the progress line's metrics, in order
+LOSS_KEYS = ["train/loss", "train/grad_norm"]  # a NaN/inf in either stops the run (the checkpoint intact)
+
+
 def main(argv=None):
-    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "online", run_record,
-                                        fill=fill_defaults)
+    opts = parse_args(Options, argv, __doc__)      # each option's range and [with ...] refused here
+    fill_defaults(opts)                            # the defaults that depend on other options
+    check_options(opts)                            # --device and the rules between options; only refuses
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    run = training.open_run(opts, "online", **run_record(opts), show=SHOW, loss_keys=LOSS_KEYS)
     with input_errors():
         prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
-        tok = run_mod.tokenizer(opts, run)
+        tok = training.tokenizer(opts, run)
         policy, init_ref, copy = load_models(opts, tok, run, needs_reference(opts) and opts.ref_update_every > 0)
         texts = [p["prompt"] for p in prompt_records + eval_records]
         judge = load_judge(opts.judge or None, opts.pair_judge or None, tokenizer=tok, device=world.device,
@@ -708,22 +718,18 @@ def main(argv=None):
                                  f"({counts}), fewer than a step takes ({opts.batch_size} x {world.world_size} ranks)")
             offline_batches = Batches(len(offline), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     gold = reward_mod.builtin_gold(texts)
-    run_mod.place(opts, world, {"policy": policy}, {"reference": init_ref, "reference copy": copy})
-    init_ref = run_mod.frozen(opts, init_ref)
+    training.place(opts, world, {"policy": policy}, {"reference": init_ref, "reference copy": copy})
+    init_ref = training.frozen(opts, init_ref)
     ref = copy if copy is not None else init_ref if needs_reference(opts) else None
-    ddp, optimizer = run_mod.prepare(opts, policy, opts.lr)
-    run_mod.plan(opts, {"policy": policy, "ref": init_ref})
+    ddp, optimizer = training.prepare(opts, policy, opts.lr)
+    training.plan(opts, {"policy": policy, "ref": init_ref})
     models = {"policy": policy, **({"ref": ref} if opts.ref_update_every and ref is not None else {})}
     watch = Watch(opts.score_warn)
     orders = {"data": prompt_batches, "watch": watch, **({"offline": offline_batches} if offline else {})}
-    run_mod.resume(opts, run, models, {"policy": optimizer}, data=orders)
+    run.resume(models, {"policy": optimizer}, data=orders)
     k = opts.samples_per_prompt
     dist.print0(startup_line(opts, len(prompts), prompt_stats, run.step, offline_path or f"none ({why_not})"))
     warn_short_warmup(opts.max_steps, opts.warmup_steps)
-    run.show = ["train/loss", "train/pairs", "train/offline_loss", "train/score", "train/gold_reward",
-                "train/response_length", "time/rollout_frac", "eval/gold_reward", "eval/rm_score", "eval/reward",
-                "eval/kl"]
-    run.loss_key = ("train/loss", "train/grad_norm")
     eval_prompts = eval_records[:opts.eval_samples]
 
     def evaluate(step):
@@ -732,7 +738,7 @@ def main(argv=None):
                             rewards=reward_mod.eval_columns(judge, gold), gathered=(init_ref,))
 
     def save(step):
-        run_mod.save(opts, step, models, {"policy": optimizer}, data=orders)
+        run.save(step, models, {"policy": optimizer}, data=orders)
         save_model_dir(opts.out_dir, policy, tok)
 
     if run.step == 0 and opts.eval_interval:
@@ -769,11 +775,12 @@ def main(argv=None):
         if opts.method == "cringe":      # accepted / rejected by score, or by Copeland wins with a pairwise judge only
             accept_key = list(scores) if scores is not None else [copeland(pref_logits) for _, pref_logits in groups]
         # 3.-4. examples, loss, update (--offline_data: the online backward without gradient sync, the offline one with)
-        with ddp.no_sync() if offline and world.enabled else contextlib.nullcontext():
-            objective, stats = step_objective(opts, ddp, ref, batch_samples, groups, step, prob, accept_key, init_ref)
-            if objective is not None:
-                (objective * dist.ddp_scale()).backward()
+        parallel.sync_gradients(ddp, not offline)
+        objective, stats = step_objective(opts, ddp, ref, batch_samples, groups, step, prob, accept_key, init_ref)
+        if objective is not None:
+            (objective * dist.ddp_scale()).backward()
         if offline:
+            parallel.sync_gradients(ddp, True)
             pairs = pairs_as_rollout([offline[i] for i in offline_batches.next_step()[0]], tok.pad_id, world.device)
             stats.update(offline_backward(opts, ddp, ref, pairs))
         grad_norm = 0.0
@@ -794,8 +801,8 @@ def main(argv=None):
                         "train/generate_time": t_gen, "time/rollout_frac": t_gen / max(t_step, 1e-9)})
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
-    run_mod.finish(run, {"policy": policy}, {"reference": init_ref},
-                  saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
+    run.finish({"policy": policy}, {"reference": init_ref},
+              saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, init_ref=init_ref, judge=judge, optimizer=optimizer, options=opts)
 
 

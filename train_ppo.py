@@ -48,7 +48,6 @@ Where we differ from TRL on purpose (docs/design.md, "PPO"): the score lands on 
 puts it one slot later, on padding); rloo feeds its advantage to the token-level clipped loss (TRL clips one
 sequence-level ratio). Groups of k samples live on one rank, so group statistics need no communication.
 """
-import contextlib
 import math
 import time
 from collections import defaultdict, deque
@@ -61,9 +60,9 @@ import torch.nn.functional as F
 
 from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
-from nano_rlhf import run as run_mod
+from nano_rlhf import training
 from nano_rlhf.checkpoint import save_model_dir
-from nano_rlhf.cli import FLOAT32_MAX, FrozenModelOptions, RunOptions
+from nano_rlhf.cli import FLOAT32_MAX, FrozenModelOptions, RunOptions, parse_args
 from nano_rlhf.data import (Batches, SFTBatches, default_path, load_prompts, load_records, prompt_limit,
                             tokenize_prompts, tokenize_sft, training_length)
 from nano_rlhf.evaluate import eval_metrics
@@ -71,9 +70,10 @@ from nano_rlhf.model import GPT, ScoreModel, token_logprobs
 from nano_rlhf.reward import (RewardModel, builtin_gold, code_file, eval_columns, load_function, load_judge,
                               load_reward, model_dir)
 from nano_rlhf.rollout import Rollout, read_reward, sample_groups
-from nano_rlhf.run import Learner, autocast, check_vocab, fail, input_errors, lr_at, set_lr, warn_short_warmup
 from nano_rlhf.sampling import SamplingOptions, sampling_copy
 from nano_rlhf.tools import ToolBox, code_files, load_tools
+from nano_rlhf.training import (Learner, autocast, check_device, check_vocab, fail, input_errors, lr_at, set_lr,
+                                warn_short_warmup)
 from nano_rlhf.watch import Watch, check_step
 
 GROUP = ("rloo", "grpo", "dr_grpo")          # critic-free estimators that compare the k samples of a prompt
@@ -750,17 +750,16 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
 
 def ptx_backward(policy: Learner, ptx: SFTBatches, opts):
     """The pre-training mix (InstructGPT PPO-ptx): γ_ptx · NLL of the next SFT batch (token-mean over all ranks),
-    backward without gradient sync."""
-    world = dist.world()
+    backward without gradient sync (the minibatch's last micro-batch syncs it with the policy loss's)."""
     device = next(policy.model.parameters()).device
     ids, attn, loss_mask = (t.to(device) for t in ptx.next_batch())
     targets = loss_mask[:, 1:].bool()
     n_global = dist.all_reduce_sum(float(targets.sum()))
-    with policy.ddp.no_sync() if world.enabled else contextlib.nullcontext():
-        with autocast(device, opts.dtype):
-            hidden = policy.ddp(ids, attn, select=F.pad(targets, (0, 1)), return_hidden=True)
-            nll = -token_logprobs(hidden, policy.model.output_weight(), ids[:, 1:][targets]).sum()
-        (opts.ptx_coef * nll * token_mean_scale(n_global)).backward()
+    parallel.sync_gradients(policy.wrapped, False)
+    with autocast(device, opts.dtype):
+        hidden = policy.wrapped(ids, attn, select=F.pad(targets, (0, 1)), return_hidden=True)
+        nll = -token_logprobs(hidden, policy.model.output_weight(), ids[:, 1:][targets]).sum()
+    (opts.ptx_coef * nll * token_mean_scale(n_global)).backward()
 
 
 def policy_objective(opts):
@@ -785,7 +784,6 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
     critics = [(name, c, old, ret) for name, c, old, ret in (    # (metric prefix, the critic, V_old, its returns G)
         ("", critic, r.values, targets.returns), ("cost_", cost_critic, r.cost_values, targets.cost_returns))
         if c is not None]
-    world = dist.world()
     B = r.query_response.shape[0]
     mb_size = B // opts.num_minibatches
     clip_high = opts.clip_high if opts.clip_high is not None else opts.clip_eps
@@ -806,25 +804,22 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                 i = idx[ms:ms + opts.micro_batch_size]
                 seq, attn = r.query_response[i], r.attention_mask[i]
                 mb_mask, mb_policy_mask = r.response_mask[i], policy_mask[i]      # (b, R): critic's, policy's
-                # DDP all-reduces the gradients on the last micro-batch of the minibatch only
-                last = not world.enabled or j == len(micro) - 1
-                sync = lambda m: contextlib.nullcontext() if last else m.ddp.no_sync()    # noqa: E731
+                last = j == len(micro) - 1      # gradients all-reduced on the minibatch's last micro-batch only
                 sums["tokens"] += mb_mask.sum().item()
                 if policy is not None:
-                    with sync(policy):
-                        with autocast(seq.device, opts.dtype):
-                            logp, ent = response_logprobs(policy.ddp, seq, attn, mb_mask, opts.temperature,
-                                                          with_entropy=True)
-                        old = logp.detach() if r.logprobs is None else r.logprobs[i]
-                        pg, ratio = objective(logp, old, targets.adv[i], mb_policy_mask)
-                        if r.is_weight is not None:              # --rollout_correction tis
-                            pg = pg * r.is_weight[i]
-                        per_token = pg - opts.entropy_coef * ent
-                        if opts.kl_in_loss and r.ref_logprobs is not None:
-                            per_token = per_token + beta * kl_estimate(logp, r.ref_logprobs[i],
-                                                                       opts.kl_loss_estimator)
-                        aggregate_loss(per_token, mb_policy_mask, agg, n_pol_tok, n_pol_seq, opts.max_new_tokens,
-                                       scale=dist.ddp_scale()).backward()
+                    parallel.sync_gradients(policy.wrapped, last)
+                    with autocast(seq.device, opts.dtype):
+                        logp, ent = response_logprobs(policy.wrapped, seq, attn, mb_mask, opts.temperature,
+                                                      with_entropy=True)
+                    old = logp.detach() if r.logprobs is None else r.logprobs[i]
+                    pg, ratio = objective(logp, old, targets.adv[i], mb_policy_mask)
+                    if r.is_weight is not None:              # --rollout_correction tis
+                        pg = pg * r.is_weight[i]
+                    per_token = pg - opts.entropy_coef * ent
+                    if opts.kl_in_loss and r.ref_logprobs is not None:
+                        per_token = per_token + beta * kl_estimate(logp, r.ref_logprobs[i], opts.kl_loss_estimator)
+                    aggregate_loss(per_token, mb_policy_mask, agg, n_pol_tok, n_pol_seq, opts.max_new_tokens,
+                                   scale=dist.ddp_scale()).backward()
                     with torch.no_grad():
                         sums["policy_tokens"] += mb_policy_mask.sum().item()
                         sums["policy_loss"] += (pg * mb_policy_mask).sum().item()
@@ -837,11 +832,11 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                         sums["clipfrac"] += (outside.float() * mb_policy_mask).sum().item()
                         sums["ratio"] += (ratio * mb_policy_mask).sum().item()
                 for name, c, old_values, returns in critics:
-                    with sync(c):
-                        with autocast(seq.device, opts.dtype):
-                            new_values = c.ddp(seq, attn)[0][:, r.query_len - 1:-1].float()
-                        v_loss, v_clipped = value_loss(new_values, old_values[i], returns[i], opts.value_clip)
-                        ((v_loss * mb_mask).sum() * token_mean_scale(n_tok)).backward()
+                    parallel.sync_gradients(c.wrapped, last)
+                    with autocast(seq.device, opts.dtype):
+                        new_values = c.wrapped(seq, attn)[0][:, r.query_len - 1:-1].float()
+                    v_loss, v_clipped = value_loss(new_values, old_values[i], returns[i], opts.value_clip)
+                    ((v_loss * mb_mask).sum() * token_mean_scale(n_tok)).backward()
                     sums[f"{name}value_loss"] += (v_loss.detach() * mb_mask).sum().item()
                     sums[f"{name}value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
             sums["updates"] += 1
@@ -910,7 +905,9 @@ def step_metrics(r: Rollout, seq_kl, kl_penalty, sums, beta, k=1):
 # ---- set-up -----------------------------------------------------------------------------------------
 
 def check_options(opts):
-    """Rules between options; each option's own range is declared on its Options field (checked on parsing)."""
+    """--device one this machine has, then the rules between options; each option's own range is declared on its
+    Options field (checked on parsing)."""
+    check_device(opts.device)
     if opts.advantage in GROUP and opts.samples_per_prompt < 2:
         fail(f"--advantage {opts.advantage} needs --samples_per_prompt >= 2 (it compares samples of one prompt)", 2)
     if opts.reward not in ("model", "gold", "selfplay") and not reward_mod.is_function_spec(opts.reward):
@@ -955,9 +952,9 @@ def check_options(opts):
         fail(msg, 2)
 
 
-def run_record(opts, _):
+def run_record(opts):
     """The inputs the run only reads (reward and judge code files too: an edited reward is another run) and its
-    data files; its options are its identity (nano_rlhf/run.py). A default out/rm that the run never opens (no
+    data files; its options are its identity (nano_rlhf/training.py). A default out/rm that the run never opens (no
     reward model, no critic from it) is no input: its files are not checksummed for --resume."""
     rm_used = opts.reward == "model" or (opts.advantage == "gae" and opts.critic_init == "reward_model")
     return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model if rm_used else "",
@@ -986,7 +983,7 @@ def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
 
 def load_models(opts, tok, prompt_texts, device, identity):
     """Policy, reference (only if β > 0), reward, the cost (if any) and the critics (only for gae); the reward and
-    the cost on the device (run_mod.place moves the others). With --lora_r the policy and critics get adapters
+    the cost on the device (training.place moves the others). With --lora_r the policy and critics get adapters
     (what that adds to the run's identity goes into `identity`) and a reference that is --init is the policy with
     its adapters off (lora.BaseView), not a second model."""
     policy = GPT.from_pretrained(opts.init, dropout=0.0)      # dropout off: rollout log-probs must be reproducible
@@ -1033,18 +1030,18 @@ def load_models(opts, tok, prompt_texts, device, identity):
 
 
 def ready_models(opts, models: Models):
-    """The models ready for the loop, once run_mod.place has put them on the device: the frozen ones (reference,
+    """The models ready for the loop, once training.place has put them on the device: the frozen ones (reference,
     reward and cost models) placed by --fsdp / --frozen / --offload_frozen, the trained ones wrapped with their
     optimizers (the policy at --lr, the critics at --critic_lr), the memory plan printed. Returns the trained
     ones, {"policy", "critic", "cost_critic": Learner}, the critics only where there are some."""
-    models.ref = run_mod.frozen(opts, models.ref)
+    models.ref = training.frozen(opts, models.ref)
     for scorer in (models.reward, models.cost):
         if isinstance(scorer, RewardModel):
-            scorer.model = run_mod.frozen(opts, scorer.model)
+            scorer.model = training.frozen(opts, scorer.model)
     trained = {name: Learner.of(m, lr, opts) for name, m, lr in (
         ("policy", models.policy, opts.lr), ("critic", models.critic, opts.critic_lr),
         ("cost_critic", models.cost_critic, opts.critic_lr)) if m is not None}
-    run_mod.plan(opts, {"policy": models.policy, "critic": models.critic, "cost_critic": models.cost_critic,
+    training.plan(opts, {"policy": models.policy, "critic": models.critic, "cost_critic": models.cost_critic,
                         "ref": models.ref, "reward": getattr(models.reward, "model", None),
                         "cost": getattr(models.cost, "model", None)})
     return trained
@@ -1061,12 +1058,22 @@ def held_out_metrics(run, step, models: Models, tok, prompts, opts):
                         max_turns=opts.max_turns)
 
 
+SHOW = ["train/score", "train/gold_reward", "train/cost", "train/lambda", "train/kl", "train/entropy", "train/clipfrac",
+        "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/cost",
+        "eval/kl"]                                         # the progress line's metrics, in order
+LOSS_KEYS = ["train/policy_loss", "train/value_loss"]      # a NaN/inf in either stops the run (checkpoint intact)
+
+
 def main(argv=None):
-    opts, world, run, _ = run_mod.start(Options, argv, __doc__, check_options, "ppo", run_record, fill=fill_defaults)
+    opts = parse_args(Options, argv, __doc__)      # each option's range and [with ...] refused here
+    fill_defaults(opts)                            # the defaults that depend on other options
+    check_options(opts)                            # --device and the rules between options; only refuses
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    run = training.open_run(opts, "ppo", **run_record(opts), show=SHOW, loss_keys=LOSS_KEYS)
     with input_errors():
         prompt_records, eval_records = load_prompts(opts.prompts, opts.eval_prompts, opts.eval_fraction, opts.seed)
         ptx_records = load_records(opts.ptx_data, "sft") if opts.ptx_data else None
-        tok = run_mod.tokenizer(opts, run)
+        tok = training.tokenizer(opts, run)
         torch.manual_seed(opts.seed)          # a fresh critic head: a function of --seed, the same on every rank
         models = load_models(opts, tok, [p["prompt"] for p in prompt_records + eval_records], world.device,
                              run.identity)
@@ -1079,7 +1086,7 @@ def main(argv=None):
             world.rank, world.world_size, opts.seed)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     eval_prompts = eval_records[:opts.eval_samples]
-    run_mod.place(opts, world, {"policy": models.policy, "critic": models.critic, "cost critic": models.cost_critic},
+    training.place(opts, world, {"policy": models.policy, "critic": models.critic, "cost critic": models.cost_critic},
                   {"ref": models.ref})
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
@@ -1092,23 +1099,19 @@ def main(argv=None):
                                                     opts.batch_size * opts.samples_per_prompt)
     watch = Watch(opts.score_warn)
     orders = {"data": prompt_batches, "watch": watch, **({"ptx_data": ptx} if ptx else {})}   # resumable positions
-    meta = run_mod.resume(opts, run, **state, data=orders)
+    meta = run.resume(**state, data=orders)
     if meta:
         kl_ctl.beta = meta["kl_coef"]
         if lag is not None:
             lag.load_state_dict(meta)
     dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
     warn_short_warmup(opts.max_steps, opts.warmup_steps)
-    run.show = ["train/score", "train/gold_reward", "train/cost", "train/lambda", "train/kl", "train/entropy",
-                "train/clipfrac", "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score",
-                "eval/reward", "eval/cost", "eval/kl"]
-    run.loss_key = ["train/policy_loss", "train/value_loss"]
 
     def evaluate(step):
         return held_out_metrics(run, step, models, tok, eval_prompts, opts)
 
     def save(step):
-        run_mod.save(opts, step, **state, data=orders, kl_coef=kl_ctl.beta, **({} if lag is None else lag.state_dict()))
+        run.save(step, **state, data=orders, kl_coef=kl_ctl.beta, **({} if lag is None else lag.state_dict()))
         save_model_dir(opts.out_dir, models.policy, tok)
 
     if run.step == 0 and opts.eval_interval:       # the starting point of the eval curves
@@ -1155,9 +1158,9 @@ def main(argv=None):
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
-    run_mod.finish(run, state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None),
-                                          "cost model": getattr(models.cost, "model", None)},
-                  saved=f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
+    run.finish(state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None),
+                             "cost model": getattr(models.cost, "model", None)},
+              saved=f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
     if models.tools is not None:
         models.tools.close()
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,

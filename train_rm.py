@@ -42,7 +42,6 @@ head as a module to save).
 Simplifications: pairwise only (no K-wise ranking); one epoch by default because reward models overfit
 small preference sets (Ouyang et al. 2022; the N+ implementation details); linear decay to zero.
 """
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -54,13 +53,13 @@ import torch.nn.functional as F
 
 from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
-from nano_rlhf import run as run_mod
+from nano_rlhf import training
 from nano_rlhf.checkpoint import save_model_dir
-from nano_rlhf.cli import CompileOption, RunOptions
+from nano_rlhf.cli import CompileOption, RunOptions, parse_args
 from nano_rlhf.data import SAFER, Batches, collate_pairs, tokenize_pairs, training_length
 from nano_rlhf.model import GPTConfig, ScoreModel, upcast
-from nano_rlhf.run import (autocast, check_finite, check_vocab, derive_max_steps, fail, input_errors,
-                           lr_at, set_lr)
+from nano_rlhf.training import (autocast, check_device, check_finite, check_vocab, derive_max_steps, fail,
+                                input_errors, lr_at, set_lr)
 
 
 @dataclass
@@ -219,12 +218,11 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
     n_tokens = 0
     for j, (ids, attn, extra) in enumerate(micro_batches):
         ids, attn, extra = ids.to(world.device), attn.to(world.device), extra.to(world.device)
-        last = j == len(micro_batches) - 1     # all-reduce gradients only on the last micro-step
-        with (ddp.no_sync() if world.enabled and not last else contextlib.nullcontext()):
-            with autocast(world.device, opts.dtype):
-                r_chosen, r_rejected = pair_scores(ddp, ids, attn)
-            loss = objective_loss(r_chosen, r_rejected, extra, opts)
-            (loss.sum() * world.world_size / n_pairs).backward()
+        parallel.sync_gradients(ddp, j == len(micro_batches) - 1)    # all-reduce gradients on the last one only
+        with autocast(world.device, opts.dtype):
+            r_chosen, r_rejected = pair_scores(ddp, ids, attn)
+        loss = objective_loss(r_chosen, r_rejected, extra, opts)
+        (loss.sum() * world.world_size / n_pairs).backward()
         add_sums(sums, pair_sums(r_chosen, r_rejected, loss, extra if opts.objective == "cost" else None))
         n_tokens += int(attn.sum())
     metrics = pair_metrics(reduce_sums(sums), "train", objective=opts.objective)
@@ -297,11 +295,11 @@ def gold_reference(evals, objective="reward"):
 
 # ---- data and model --------------------------------------------------------------------------------
 
-def run_record(opts, data):
+def run_record(opts, data_path):
     """The inputs a reward-model run only reads and its data files (its options are its identity:
-    nano_rlhf/run.py)."""
+    nano_rlhf/training.py)."""
     return dict(inputs={"init": opts.init, "tokenizer": opts.tokenizer},
-                data_files={"data": data[2], "eval_data": opts.eval_data})
+                data_files={"data": data_path, "eval_data": opts.eval_data})
 
 
 def harm_ordered(record):
@@ -352,7 +350,9 @@ def build_model(opts, tok):
 
 
 def check_options(opts):
-    """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
+    """--device one this machine has, then the cross-field rules (each field's own range is declared in Options
+    and checked by parse_args)."""
+    check_device(opts.device)
     if opts.max_steps and opts.stop_at > opts.max_steps:
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
     if opts.fsdp and opts.compile:
@@ -369,12 +369,18 @@ def check_options(opts):
 
 
 def main(argv=None):
-    # data first (run_mod.train_eval_records): every line is validated before anything is written or built
-    opts, world, run, (records, eval_records, data_path, eval_path) = run_mod.start(
-        Options, argv, __doc__, check_options, "rm", run_record,
-        load=lambda opts: run_mod.train_eval_records(opts, "safety" if opts.objective == "cost" else "preference"))
+    opts = parse_args(Options, argv, __doc__)      # each option's range and [with ...] refused here
+    check_options(opts)                            # --device and the rules between options; only refuses
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    # the data before the run opens: every line is validated before anything is written or built
+    records, eval_records, data_path, eval_path = training.train_eval_records(
+        opts, "safety" if opts.objective == "cost" else "preference")
+    sign = ["sign_accuracy"] if opts.objective == "cost" else []
+    run = training.open_run(opts, "rm", **run_record(opts, data_path),
+                            show=["train/loss", "train/accuracy", *(f"train/{k}" for k in sign), "eval/loss",
+                                  "eval/accuracy", *(f"eval/{k}" for k in sign), "eval/gold_corr"])
     with input_errors():
-        tok = run_mod.tokenizer(opts, run, policy=False)
+        tok = training.tokenizer(opts, run, policy=False)
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init, trainable=("score",)))   # --lora_r; head trains
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
@@ -383,21 +389,18 @@ def main(argv=None):
         evals, eval_stats = tokenize(eval_records, tok, max_length, eval_path, opts.objective)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     gold = gold_reference(evals, opts.objective)       # the gold diagnostic only where the task defines one
-    run_mod.place(opts, world, {"reward model": model})
-    ddp, optimizer = run_mod.prepare(opts, model, opts.lr)
-    run_mod.plan(opts, {"rm": model})
-    run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    run_mod.resume(opts, run, {"rm": model}, {"rm": optimizer}, data={"data": batches},
-                  global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
+    training.place(opts, world, {"reward model": model})
+    ddp, optimizer = training.prepare(opts, model, opts.lr)
+    training.plan(opts, {"rm": model})
+    max_steps = derive_max_steps(opts, batches.steps_per_epoch)
+    run.set_max_steps(max_steps)
+    run.resume({"rm": model}, {"rm": optimizer}, data={"data": batches},
+              global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"{'CM' if opts.objective == 'cost' else 'RM'} | {sum(p.numel() for p in model.parameters()):,} "
                 f"parameters{lora.describe(model)} | {len(train):,} train pairs "
                 f"({train_stats}) | {len(evals):,} eval pairs ({eval_stats}) | max length {max_length} | global batch "
                 f"{batches.global_batch} "
                 f"pairs | {max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
-    run.show = ["train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "eval/gold_corr"]
-    if opts.objective == "cost":
-        run.show[2:2] = ["train/sign_accuracy"]
-        run.show[5:5] = ["eval/sign_accuracy"]
     kind = {"score_kind": "cost"} if opts.objective == "cost" else {}    # in every model directory it writes
     evaluated = {}      # step -> metrics of the last evaluation: the final save reuses it
 
@@ -408,7 +411,7 @@ def main(argv=None):
         return evaluated[step]
 
     def save(step):
-        run_mod.save(opts, step, {"rm": model}, {"rm": optimizer}, data={"data": batches})
+        run.save(step, {"rm": model}, {"rm": optimizer}, data={"data": batches})
         # the final model directory is written once, below, with its score statistics: a model saved
         # here at the last step without reward_mean/std would make PPO skip normalisation if the run
         # died before that save (a --resume at max_steps then only evaluates and saves)
@@ -444,7 +447,7 @@ def main(argv=None):
         dist.print0(f"saved {opts.out_dir} (HF {model.architecture} layout{', a cost model' if kind else ''}) | "
                     f"eval {'safer-choice ' if kind else ''}accuracy {final['eval/accuracy']:.3f}{cost_note} | "
                     f"scores mean {final['eval/score_mean']:+.3f} std {final['eval/score_std']:.3f}" + gold_note)
-    run.finish()
+    run.close()
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 
 

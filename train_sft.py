@@ -27,7 +27,6 @@ mask), so the loss is exactly the unpacked one with fewer pad tokens; the eval l
 the output directory holds the merged model (an ordinary HF checkpoint) and the adapters alone in
 out_dir/adapter (PEFT's layout); the state holds only the adapters, and --resume re-reads the base.
 """
-import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -37,14 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import chat, dist, lora, parallel
-from nano_rlhf import run as run_mod
+from nano_rlhf import training
 from nano_rlhf.checkpoint import save_model_dir
-from nano_rlhf.cli import CompileOption, RunOptions
+from nano_rlhf.cli import CompileOption, RunOptions, parse_args
 from nano_rlhf.data import Batches, collate_packed, collate_sft, pack_sft, tokenize_sft, training_length
 from nano_rlhf.model import GPT, GPTConfig, token_logprobs
-from nano_rlhf.run import (autocast, check_finite, check_vocab, derive_max_steps, fail, input_errors,
-                           load_tokenizer, lr_at, set_lr)
 from nano_rlhf.tokenizer import Tokenizer
+from nano_rlhf.training import (autocast, check_device, check_finite, check_vocab, derive_max_steps, fail,
+                                input_errors, load_tokenizer, lr_at, set_lr)
 
 
 @dataclass
@@ -138,10 +137,11 @@ def train_tokenizer(records, opts):
     return load_tokenizer(path, "", opts.eos_token, opts.pad_token, opts.chat_template, opts.date_string)
 
 
-def run_record(opts, data):
-    """The inputs an SFT run only reads and its data files (its options are its identity: nano_rlhf/run.py)."""
+def run_record(opts, data_path):
+    """The inputs an SFT run only reads and its data files (its options are its identity:
+    nano_rlhf/training.py)."""
     return dict(inputs={"init": opts.init, "tokenizer": opts.tokenizer},
-                data_files={"data": data[2], "eval_data": opts.eval_data})
+                data_files={"data": data_path, "eval_data": opts.eval_data})
 
 
 def build_model(opts, tok):
@@ -180,11 +180,10 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
     for j, mb in enumerate(micro_batches):
         # (ids, attn, loss mask) or, packed, (ids, attn, loss mask, position ids, example ids)
         ids, attn, lm, *packed = (t.to(world.device) for t in mb)
-        last = j == len(micro_batches) - 1     # all-reduce gradients only on the last micro-step
-        with (ddp.no_sync() if world.enabled and not last else contextlib.nullcontext()):
-            with autocast(world.device, opts.dtype):
-                nll, _ = sft_nll(ddp, ids, attn, lm, *packed)
-            (nll * world.world_size / n_loss_tokens).backward()
+        parallel.sync_gradients(ddp, j == len(micro_batches) - 1)    # all-reduce gradients on the last one only
+        with autocast(world.device, opts.dtype):
+            nll, _ = sft_nll(ddp, ids, attn, lm, *packed)
+        (nll * world.world_size / n_loss_tokens).backward()
         nll_sum += nll.item()
         n_tokens += int(attn.sum())
     loss = dist.all_reduce_sum(nll_sum) / n_loss_tokens
@@ -214,7 +213,9 @@ def evaluate_loss(model, examples, *, pad_id, batch_size, dtype):
 
 
 def check_options(opts):
-    """Cross-field rules (each field's own range is declared in Options and checked by parse_args)."""
+    """--device one this machine has, then the cross-field rules (each field's own range is declared in Options
+    and checked by parse_args)."""
+    check_device(opts.device)
     if opts.max_steps and opts.stop_at > opts.max_steps:
         fail(f"--stop_at {opts.stop_at} is past --max_steps {opts.max_steps}", 2)
     if opts.fsdp and opts.compile:
@@ -229,12 +230,15 @@ def check_options(opts):
 
 
 def main(argv=None):
-    # data first (run_mod.train_eval_records): every line is validated before anything is written or built
-    opts, world, run, (records, eval_records, data_path, eval_path) = run_mod.start(
-        Options, argv, __doc__, check_options, "sft", run_record,
-        load=lambda opts: run_mod.train_eval_records(opts, "sft"))
+    opts = parse_args(Options, argv, __doc__)      # each option's range and [with ...] refused here
+    check_options(opts)                            # --device and the rules between options; only refuses
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    # the data before the run opens: every line is validated before anything is written or built
+    records, eval_records, data_path, eval_path = training.train_eval_records(opts, "sft")
+    run = training.open_run(opts, "sft", **run_record(opts, data_path),
+                            show=["train/loss", "eval/loss", "train/lr", "train/grad_norm"])
     with input_errors():
-        tok = run_mod.tokenizer(opts, run, train=lambda: train_tokenizer(records, opts))
+        tok = training.tokenizer(opts, run, train=lambda: train_tokenizer(records, opts))
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init))   # --lora_r: adapters, the base frozen
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")
@@ -246,24 +250,24 @@ def main(argv=None):
             train = pack_sft(train, max_length)
             train_stats = f"{train_stats}; packed {n_examples} into {len(train)} rows"
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
-    run_mod.place(opts, world, {"policy": model})            # from here on ranks differ (dropout)
-    ddp, optimizer = run_mod.prepare(opts, model, opts.lr)
-    run_mod.plan(opts, {"policy": model})
-    run.max_steps = max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    run_mod.resume(opts, run, {"policy": model}, {"policy": optimizer}, data={"data": batches},
-                  global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
+    training.place(opts, world, {"policy": model})            # from here on ranks differ (dropout)
+    ddp, optimizer = training.prepare(opts, model, opts.lr)
+    training.plan(opts, {"policy": model})
+    max_steps = derive_max_steps(opts, batches.steps_per_epoch)
+    run.set_max_steps(max_steps)
+    run.resume({"policy": model}, {"policy": optimizer}, data={"data": batches},
+              global_batch=batches.global_batch, max_steps=max_steps, tokenizer=tok.info())
     dist.print0(f"SFT | {model.num_params():,} parameters{lora.describe(model)} | {len(train):,} train examples "
                 f"({train_stats}) | {len(evals):,} eval ({eval_stats}) | max length {max_length} | global batch "
                 f"{batches.global_batch} = {opts.batch_size} x {opts.grad_accum} accum x {world.world_size} ranks | "
                 f"{max_steps} steps" + (f" | resuming at step {run.step}" if run.step else ""))
-    run.show = ["train/loss", "eval/loss", "train/lr", "train/grad_norm"]
 
     def evaluate():
         with parallel.gathered(ddp):      # FSDP: ranks may hold different numbers of eval batches
             return evaluate_loss(model, evals, pad_id=tok.pad_id, batch_size=opts.batch_size, dtype=opts.dtype)
 
     def save(step):
-        run_mod.save(opts, step, {"policy": model}, {"policy": optimizer}, data={"data": batches})
+        run.save(step, {"policy": model}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, model, tok)
 
     for step in range(run.step + 1, max_steps + 1):      # step = optimizer steps done after this one
@@ -275,9 +279,9 @@ def main(argv=None):
         metrics.update({"train/lr": lr, "train/epoch": batches.epoch + batches.pos / len(train)})
         if run.end_of_step(step, metrics, evaluate=evaluate, save=save):
             break
-    run_mod.finish(run, {"policy": model},
-                  saved=f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
-                  f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
+    run.finish({"policy": model},
+              saved=f"saved {opts.out_dir} (HF {model.architecture} layout + tokenizer.json); "
+              f"weights checksum {dist.weights_checksum(model):016x} on all {world.world_size} rank(s)")
     return SimpleNamespace(model=model, optimizer=optimizer, options=opts)
 
 

@@ -60,7 +60,6 @@ Data: kto, npo and d2o read unpaired rows {"prompt", "completion", "label"}; dro
 Outputs: the policy in out_dir (HF layout); dro also saves its value model to out_dir/value (a
 *ForSequenceClassification directory).
 """
-import contextlib
 import json
 import os
 import random
@@ -74,14 +73,15 @@ import torch
 import torch.nn.functional as F
 
 from nano_rlhf import dist, lora, parallel
-from nano_rlhf import run as run_mod
+from nano_rlhf import training
 from nano_rlhf.checkpoint import atomic_write_text, save_model_dir
-from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions
+from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions, parse_args
 from nano_rlhf.data import (Batches, DataError, collate_prompts, default_data, fit_prompt, load_records, load_scored,
                             pad_right, split_off, tokenize_scored, tokenize_unpaired, training_length)
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs, upcast
-from nano_rlhf.run import autocast, check_vocab, derive_max_steps, fail, input_errors, load_reference, lr_at, set_lr
 from nano_rlhf.sampling import cut_at_stop
+from nano_rlhf.training import (autocast, check_device, check_vocab, derive_max_steps, fail, input_errors,
+                                load_reference, lr_at, set_lr)
 
 
 SAMPLES_FILE = "d2o_samples.jsonl"
@@ -356,10 +356,6 @@ def add_to(sums, stats, batch):
     sums["tokens"] += batch.tokens
 
 
-def sum_over_ranks(sums):
-    return dict(zip(sums, dist.all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()))
-
-
 def means(opts, totals):
     """Per-example means; NPO's loss and rewards per negative, its NLL per retain token; KTO's rewards per kind
     of example."""
@@ -391,7 +387,7 @@ def evaluate(opts, policy, ref, value, examples, pad_id, device, samples):
         z0 = kto_z0(mismatched_kl_sum(opts, policy, ref, batch), batch.n_items) if opts.method == "kto" else None
         add_to(sums, micro_step(opts, policy, ref, batch, value, z0), batch)
     policy.train()
-    return {f"eval/{k}": v for k, v in means(opts, sum_over_ranks(sums)).items()}
+    return {f"eval/{k}": v for k, v in means(opts, dist.all_reduce_sums(sums)).items()}
 
 
 def step_z0(opts, policy, ref, micro, device):
@@ -411,7 +407,7 @@ def precompute_reference(opts, ref, example_sets, pad_id, device):
     all-reduce shares them. The caller then drops the reference model."""
     t0 = time.time()
     shares = [dist.rank_share(list(range(len(examples)))) for examples in example_sets]
-    progress = run_mod.Progress(sum(map(len, shares)), "precomputing the reference's log-probs", unit="examples",
+    progress = training.Progress(sum(map(len, shares)), "precomputing the reference's log-probs", unit="examples",
                                 stream=sys.stdout)             # beside the training loop's progress lines
     for examples, mine in zip(example_sets, shares):
         values = torch.zeros(len(examples), 2, dtype=torch.float64)
@@ -445,7 +441,7 @@ def draw_samples(opts, ref, prompts, tok, device):
     if dist.world().is_main:      # (the other ranks wait in broadcast_object: within --dist_timeout for this pass)
         gen = torch.Generator(device=device).manual_seed(opts.seed)
         K, block = opts.num_samples, ref.cfg.block_size
-        progress = run_mod.Progress(len(prompts) * K, "D2O: sampling the reference", unit="responses",
+        progress = training.Progress(len(prompts) * K, "D2O: sampling the reference", unit="responses",
                                     stream=sys.stdout)         # beside the training loop's progress lines
         for i in range(0, len(prompts), 32):
             chunk = prompts[i:i + 32]
@@ -498,7 +494,9 @@ def evaluate_gathered(opts, policy, ref, value, examples, pad_id, device, sample
 
 
 def check_options(opts):
-    """Rules between options; a flag the method would silently ignore is an error."""
+    """--device one this machine has, then the rules between options; a flag the method would silently ignore is an
+    error."""
+    check_device(opts.device)
     if opts.fsdp and opts.compile:
         fail("--compile with --fsdp is not supported; drop one of them", 2)
     msg = lora.check_lora_options(opts)
@@ -616,7 +614,7 @@ def d2o_samples(opts, ref, examples, tok, block_size):
 
 
 def run_record(opts, files):
-    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/run.py); D2O's
+    """The inputs the run only reads and its data files (its options are its identity: nano_rlhf/training.py); D2O's
     samples, drawn once and read back by --resume, are hashed like its data (a file edited between stop and resume
     is refused, not trained on)."""
     samples = os.path.join(opts.out_dir, SAMPLES_FILE) if opts.method == "d2o" else None
@@ -626,12 +624,23 @@ def run_record(opts, files):
 
 # ---- training -----------------------------------------------------------------------------------
 
+SHOW = {"kto": ["train/loss", "train/kl", "eval/loss"],           # the progress line's metrics, in order
+        "npo": ["train/loss", "train/rewards_negative", "train/nll", "eval/loss"],
+        "d2o": ["train/loss", "train/accuracy", "train/rewards_negative", "train/rewards_samples", "eval/loss"],
+        "dro": ["train/loss", "train/value", "train/advantage", "train/log_ratio", "eval/loss"]}
+LOSS_KEYS = ["train/loss", "train/grad_norm"]  # a NaN/inf in either stops the run (the checkpoint intact)
+
+
 def main(argv=None):
-    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "unpaired", run_record,
-                                           load=data_files, fill=fill_defaults)
+    opts = parse_args(Options, argv, __doc__)      # each option's range and [with ...] refused here
+    fill_defaults(opts)                            # the defaults that depend on other options
+    check_options(opts)                            # --device and the rules between options; only refuses
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    files = data_files(opts)
+    run = training.open_run(opts, "unpaired", **run_record(opts, files), show=SHOW[opts.method], loss_keys=LOSS_KEYS)
     with input_errors():
         records = read_train_eval(opts, files)
-        tok = run_mod.tokenizer(opts, run)
+        tok = training.tokenizer(opts, run)
         policy, ref, value, length = load_models(opts, tok)
         run.identity.update(max_length=length)          # --max_length resolved (kto): what the data is cut to
         run.identity.update(lora.attach(policy, opts, opts.init))      # --lora_r: adapters, the base frozen
@@ -643,33 +652,29 @@ def main(argv=None):
         train, evals, counts = tokenize_examples(opts, files, *records, tok, length)
         batches = Batches(len(train), opts.batch_size, opts.grad_accum, world.rank, world.world_size, opts.seed)
     models = {"policy": policy} if value is None else {"policy": policy, "value": value}
-    run_mod.place(opts, world, models, {"reference": ref})
+    training.place(opts, world, models, {"reference": ref})
     if opts.precompute_ref:             # kto: S_ref stored in the examples, then the reference model freed
         precompute_reference(opts, ref, (train, evals), tok.pad_id, world.device)
         ref = None
     samples = d2o_samples(opts, ref, train + evals, tok, policy.cfg.block_size) if opts.method == "d2o" else None
-    ref = run_mod.frozen(opts, ref)
+    ref = training.frozen(opts, ref)
     peak = {"policy": opts.lr, "value": opts.value_lr}
     ddp, optimizers = {}, {}
     for name, m in models.items():
-        ddp[name], optimizers[name] = run_mod.prepare(opts, m, peak[name])
-    run_mod.plan(opts, {**models, "ref": ref})
-    max_steps = run.max_steps = derive_max_steps(opts, batches.steps_per_epoch)
-    run_mod.resume(opts, run, models, optimizers, data={"data": batches}, global_batch=batches.global_batch,
-                  max_steps=max_steps)
+        ddp[name], optimizers[name] = training.prepare(opts, m, peak[name])
+    training.plan(opts, {**models, "ref": ref})
+    max_steps = derive_max_steps(opts, batches.steps_per_epoch)
+    run.set_max_steps(max_steps)
+    run.resume(models, optimizers, data={"data": batches}, global_batch=batches.global_batch,
+              max_steps=max_steps)
     dist.print0(f"{opts.method.upper()}{lora.describe(policy)} | {len(train):,} train examples ({counts}) | "
                 f"{len(evals):,} eval | global batch {batches.global_batch} | {max_steps} steps"
                 + (f" | max length {length} | reference: {'precomputed' if ref is None else 'live'}"
                    if opts.method == "kto" else "")
                 + (f" | resuming at step {run.step}" if run.step else ""))
-    run.show = {"kto": ["train/loss", "train/kl", "eval/loss"],
-                "npo": ["train/loss", "train/rewards_negative", "train/nll", "eval/loss"],
-                "d2o": ["train/loss", "train/accuracy", "train/rewards_negative", "train/rewards_samples", "eval/loss"],
-                "dro": ["train/loss", "train/value", "train/advantage", "train/log_ratio", "eval/loss"]}[opts.method]
-    run.loss_key = ("train/loss", "train/grad_norm")
 
     def save(step):
-        run_mod.save(opts, step, models, optimizers, data={"data": batches})
+        run.save(step, models, optimizers, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
         if value is not None:
             save_model_dir(os.path.join(opts.out_dir, "value"), value, tok)
@@ -690,14 +695,12 @@ def main(argv=None):
         z0 = step_z0(opts, policy, ref, micro, world.device)          # kto: one per micro-batch; else None
         sums = zero_sums(opts)
         for j, batch in enumerate(micro):
-            with contextlib.ExitStack() as stack:
-                if world.enabled and j < len(micro) - 1:           # gradients are all-reduced on the last one
-                    for d in ddp.values():
-                        stack.enter_context(d.no_sync())
-                stats = micro_step(opts, ddp["policy"], ref, batch, ddp.get("value"), z0[j])
-                (objective(opts, stats, n_items, n_negative, n_retain) * dist.ddp_scale()).backward()
+            for d in ddp.values():                                  # gradients all-reduced once, on the last one
+                parallel.sync_gradients(d, j == len(micro) - 1)
+            stats = micro_step(opts, ddp["policy"], ref, batch, ddp.get("value"), z0[j])
+            (objective(opts, stats, n_items, n_negative, n_retain) * dist.ddp_scale()).backward()
             add_to(sums, stats, batch)
-        totals = sum_over_ranks(sums)
+        totals = dist.all_reduce_sums(sums)
         metrics = {f"train/{k}": v for k, v in means(opts, totals).items()}
         if opts.method == "npo" and opts.retain_coef and totals["retain_tokens"] and not retain.warned:
             retain.first = retain.first or metrics["train/nll"]        # this run's first step with retain tokens
@@ -718,7 +721,7 @@ def main(argv=None):
         if run.end_of_step(step, metrics, save=save, evaluate=lambda: evaluate_gathered(
                 opts, policy, ref, value, evals, tok.pad_id, world.device, samples)):
             break
-    run_mod.finish(run, models, {"reference": ref}, saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
+    run.finish(models, {"reference": ref}, saved=f"saved {opts.out_dir} (HF {policy.architecture} layout)")
     return SimpleNamespace(policy=policy, ref=ref, value=value, optimizers=optimizers, options=opts, samples=samples,
                            train=train)
 

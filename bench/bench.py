@@ -105,7 +105,7 @@ def _model(cls=None):
 
 def w_sft(a, dtype="float32"):
     import torch
-    from nano_rlhf.run import adamw, autocast
+    from nano_rlhf.training import adamw, autocast
     from train_sft import sft_nll
     m = _model().train()
     opt = adamw(m, 1e-4, 0.01)
@@ -139,7 +139,7 @@ def _pairs(n_pairs, prompt, completion, vocab=4096, seed=0):
 
 def w_rm(a):
     import torch
-    from nano_rlhf.run import adamw
+    from nano_rlhf.training import adamw
     from nano_rlhf.data import collate_pairs
     from nano_rlhf.model import ScoreModel
     from train_rm import pair_scores, reward_loss
@@ -161,7 +161,7 @@ def w_rm(a):
 def w_dpo(a, precompute=False):
     import copy
     import torch
-    from nano_rlhf.run import adamw
+    from nano_rlhf.training import adamw
     from nano_rlhf.data import collate_pairs
     from train_dpo import dpo_loss, sequence_logps
     policy = _model().train()
@@ -236,7 +236,7 @@ def _rl(a, advantage):
     import torch
     import train_ppo
     from nano_rlhf import dist
-    from nano_rlhf.run import Learner, adamw
+    from nano_rlhf.training import Learner, adamw
     from nano_rlhf.model import GPT, ScoreModel
     from nano_rlhf.reward import RewardModel
     tok = _bench_tokenizer()
@@ -286,7 +286,7 @@ def w_ddp_sft(a):
     """SFT step under DDP (run by torchrun): global batch 16 x 128 split over the ranks."""
     import torch
     from nano_rlhf import dist
-    from nano_rlhf.run import adamw
+    from nano_rlhf.training import adamw
     from train_sft import sft_nll
     ctx = dist.setup("cpu")
     m = _model().train()

@@ -235,7 +235,7 @@ def part_sft(a, device, save):
     import torch
     import transformers
 
-    from nano_rlhf.run import adamw, autocast
+    from nano_rlhf.training import adamw, autocast
     from nano_rlhf.model import GPT
     from train_sft import sft_nll
     transformers.logging.set_verbosity_error()

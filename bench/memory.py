@@ -48,7 +48,7 @@ def peak_mb():
 def worker(a):
     import torch
     from nano_rlhf import dist, parallel
-    from nano_rlhf.run import adamw
+    from nano_rlhf.training import adamw
     from nano_rlhf.model import GPT, GPTConfig
     w = dist.setup("cpu")
     torch.set_num_threads(1)

@@ -91,7 +91,7 @@ def _profiled(out, fn):
 
 def w_sft(a, dtype="float32"):
     import torch
-    from nano_rlhf.run import adamw, autocast
+    from nano_rlhf.training import adamw, autocast
     from train_sft import sft_nll
     m = _ours().train()
     opt = adamw(m, 1e-4, 0.01)
@@ -118,7 +118,7 @@ def w_sft_bf16(a):
 def w_dpo(a):
     import copy
     import torch
-    from nano_rlhf.run import adamw
+    from nano_rlhf.training import adamw
     from nano_rlhf.data import collate_pairs
     from train_dpo import dpo_loss, sequence_logps
     policy = _ours().train()
@@ -214,7 +214,7 @@ def w_mem(a, chunked=True):
     import gc
     import torch
     import nano_rlhf.model as model_mod
-    from nano_rlhf.run import adamw
+    from nano_rlhf.training import adamw
     from train_sft import sft_nll
     if not chunked:
         model_mod.LOGITS_BUDGET = 1 << 40       # one chunk holds every position: the plain computation

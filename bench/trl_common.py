@@ -12,7 +12,7 @@ def model_and_tokenizer(init):
     tokens those nano_rlhf reads from the directory."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from nano_rlhf.run import load_tokenizer
+    from nano_rlhf.training import load_tokenizer
     ours = load_tokenizer("", init)
     tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(init, "tokenizer.json"))
     eos = tok.convert_ids_to_tokens(ours.eos_id)

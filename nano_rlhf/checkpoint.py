@@ -13,7 +13,7 @@ out_dir/
        layout on any number of ranks)
     rng_rank<r>.safetensors + rng_rank<r>.json      RNG states of every rank (torch, cuda, python, numpy)
     meta.json                                       step, data position, KL controller, ... (script-defined)
-    run.json                                        what defines the run (nano_rlhf.run checks it on --resume)
+    run.json                                        what defines the run (nano_rlhf.training checks it on --resume)
   samples.jsonl, tensorboard/                       sampled completions; the --report_to tensorboard mirror
   adapter/                                          --lora_r runs: the adapters alone, in PEFT's layout
   value/, d2o_samples.jsonl                         train_unpaired.py: DRO's value model, D2O's reference samples
@@ -76,7 +76,7 @@ def atomic_write_text(path, text):
 def write_json(path, obj):
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
-# A function returning the run's identity record, registered by nano_rlhf.run.start(); save_state writes it
+# A function returning the run's identity record, registered by nano_rlhf.training.open_run(); save_state writes it
 # into every state directory as run.json, inside the atomic swap, so a state never exists without it.
 RUN_INFO = None
 
@@ -180,7 +180,7 @@ def _set_rng_state(tensors, meta, generators):
 
 def save_state(out_dir, models: dict, optimizers: dict, meta: dict, generators: dict = None):
     """Write out_dir/state atomically. Collective: every rank must call it (each saves its RNG).
-    Also writes run.json (the run identity registered by nano_rlhf.run.start), when there is one."""
+    Also writes run.json (the run identity registered by nano_rlhf.training.open_run), when there is one."""
     ctx = dist.world()
     final, tmp, old = (os.path.join(out_dir, s) for s in ("state", "state.tmp", "state.old"))
     if ctx.is_main:

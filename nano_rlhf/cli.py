@@ -218,7 +218,7 @@ def _bool(s):
 # so its value must be a float32 number: a magnitude above float32's largest finite value cannot be stored (torch
 # raises "value cannot be converted to type float without overflow", mid-run), and a non-zero one below its
 # smallest subnormal is stored as 0 (a temperature of 1e-300 divides by zero). What such a value multiplies can
-# still overflow: a non-finite loss stops the run and a non-finite model is never saved (run.py), each one line.
+# still overflow: a non-finite loss stops the run and a non-finite model is never saved (training.py), each one line.
 # One product is computed outside any such check: AdamW's step size lr/(1 − β1^t), a Python float torch casts to
 # float32 (a "value cannot be converted" stack). 1 − β1 >= 1.1e-16 for any β1 < 1, so every learning rate declares
 # {... <= 1e3}: 1e3/1.1e-16 ≈ 1e19 stays far inside float32 (tests/test_config.py checks each option *lr has it).
@@ -377,7 +377,7 @@ def save_config(opts, path, **extra):
 # train_config.json and run.json follow it).
 #
 # A help line longer than one line continues on the comment-only lines right below it (the parser joins them).
-# What a --resume may change. Every other option of every script is the run's identity (nano_rlhf/run.py compares
+# What a --resume may change. Every other option of every script is the run's identity (nano_rlhf/training.py compares
 # them all with the saved state/run.json), so an option added later is part of it unless it is named here.
 CHANGEABLE = frozenset({
     # the run's course, not its math: how long, how often, where, what it reports

@@ -295,6 +295,11 @@ def all_reduce_sum(x):
     return _reduce(x, dist.ReduceOp.SUM)
 
 
+def all_reduce_sums(named):
+    """{name: this rank's sum} -> {name: the sum over ranks}, in one all-reduce (float64)."""
+    return dict(zip(named, all_reduce_sum(torch.tensor(list(named.values()), dtype=torch.float64)).tolist()))
+
+
 def all_reduce_max(x):
     return _reduce(x, dist.ReduceOp.MAX)
 

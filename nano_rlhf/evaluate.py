@@ -52,11 +52,11 @@ from . import chat, dist, parallel
 from . import reward as reward_mod
 from .checkpoint import atomic_write_text
 from .data import default_data
-from .run import check_output_file, check_vocab, fail, load_tokenizer
+from .training import check_output_file, check_vocab, fail, load_tokenizer
 from .cli import ChatTemplate, parse_args
 from .data import DataError, load_records, tokenize_prompts
 from .model import GPT, token_logprobs
-from .run import Progress
+from .training import Progress
 from .rollout import sample_groups
 from .sampling import SamplingOptions
 from .summary import format_summary, format_table, summarize

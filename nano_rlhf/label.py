@@ -46,12 +46,12 @@ import torch
 from . import chat, dist, reward as reward_mod
 from .checkpoint import atomic_write_text
 from .data import default_data
-from .run import check_output_file, check_vocab, fail, input_errors, load_tokenizer
+from .training import check_output_file, check_vocab, fail, input_errors, load_tokenizer
 from .cli import parse_args
 from .data import load_records, tokenize_prompts
 from .reward import LLM, load_judge, preference_matrix
 from .cli import ChatTemplate
-from .run import Progress
+from .training import Progress
 from .rollout import sample_groups
 from .sampling import SamplingOptions
 from .tools import load_tools

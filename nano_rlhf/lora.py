@@ -337,7 +337,7 @@ def attach(model, opts, base_dir, trainable=(), prefix="lora", seed=None):
     if not opts.lora_r:
         return {}
     model = dist.unwrap(model)
-    # only rank 0 compares identities (nano_rlhf.run): the other ranks skip hashing every weight
+    # only rank 0 compares identities (nano_rlhf.training): the other ranks skip hashing every weight
     base_checksum = f"{dist.weights_checksum(model):016x}" if dist.world().is_main else ""
     targets = parse_targets(opts.lora_targets)
     cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})

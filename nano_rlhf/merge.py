@@ -53,7 +53,7 @@ from . import tokenizer as tokenizer_mod
 from .checkpoint import RUN_FILES, OutDirLock
 from .cli import parse_args
 from .model import GPT, ScoreModel, non_finite
-from .run import fail
+from .training import fail
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # What a merge writes into --out_dir; with the files of a training run, what --overwrite replaces (and nothing else)

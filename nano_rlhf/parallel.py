@@ -26,6 +26,7 @@ import os
 import sys
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import dist
 from .dist import full_tensor
@@ -89,7 +90,6 @@ def shard(model, root=None, dtype="float32", offload=False):
     # FSDP picks its root at the first forward; a first call that reaches a block without the root's forward
     # (evaluate.py's log-probs through hidden_states, under gathered()) would make that block a root. Fix it now.
     root._get_fsdp_state()._lazy_init()
-    root.no_sync = lambda: _no_sync(root)     # the DDP name the scripts use for gradient accumulation
     return root
 
 
@@ -106,15 +106,15 @@ def return_freed_memory():
         pass
 
 
-@contextlib.contextmanager
-def _no_sync(root):
-    """Gradient accumulation without communication: gradients stay unsharded and accumulate locally;
-    the backward of the micro-batch after this context reduce-scatters them all at once (DDP's no_sync)."""
-    root.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        root.set_requires_gradient_sync(True)
+def sync_gradients(model, on):
+    """Whether the next forward/backward through `model` (what wrap returned) communicates its gradients: DDP's
+    all-reduce, FSDP2's reduce-scatter. Off for every micro-batch of an accumulation but the last, so the summed
+    gradients travel once (nanoGPT sets DDP's require_backward_grad_sync the same way; DDP reads it in the
+    forward, so it is set before it). A module in one process has nothing to sync: a no-op."""
+    if isinstance(model, DDP):
+        model.require_backward_grad_sync = on
+    elif hasattr(model, "set_requires_gradient_sync"):     # an FSDP2 root
+        model.set_requires_gradient_sync(on)
 
 
 def wrap(model, fsdp=False, root=None, dtype="float32"):

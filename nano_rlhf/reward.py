@@ -35,7 +35,7 @@ import sys
 import torch
 
 from . import synthetic
-from .run import fail
+from .training import fail
 from .checkpoint import sha256_file
 from .data import default_path, finite_number, pad_right
 from .sampling import generate, SamplingOptions
@@ -59,7 +59,7 @@ class RewardModel:
     def from_dir(cls, model_dir, tokenizer, device="cpu", batch_size=64, kind="reward"):
         """kind: what the caller needs, "reward" or "cost"; a directory of the other kind is refused in one line
         (train_rm.py records "score_kind": "cost" in a cost model's config.json; without it, a reward model)."""
-        from .run import check_vocab
+        from .training import check_vocab
         from .model import ScoreModel
         model = ScoreModel.from_pretrained(model_dir, dropout=0.0).to(device)
         stats = model.extra_config
@@ -470,7 +470,7 @@ def eval_columns(reward, gold=None):
 
 def model_dir(spec):
     """The model directory a --judge reads (a reward model, or llm:DIR), else "": an input of the run, which
-    it never writes into and whose files --resume checks (nano_rlhf.run)."""
+    it never writes into and whose files --resume checks (nano_rlhf.training)."""
     path = spec[len(LLM):] if spec and spec.startswith(LLM) else spec
     return path if path and os.path.isdir(path) else ""
 
@@ -549,7 +549,7 @@ class LLMJudge:
 
     @classmethod
     def from_dir(cls, model_dir, template_path="", device="cpu", spec=None, **kw):
-        from .run import load_tokenizer
+        from .training import load_tokenizer
         from .model import GPT
         flag = f"--judge {spec or LLM + model_dir}"
         if not model_dir or not os.path.isdir(model_dir):

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 from . import chat
 from .reward import code_file, load_object
-from .run import fail
+from .training import fail
 
 FLAG = "--tools"
 TIMEOUT_S = 10.0            # per call

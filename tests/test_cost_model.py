@@ -145,9 +145,14 @@ def test_evaluate_equals_float64_hand_computation(tok):
     m = score_model(tok)
     with torch.no_grad():         # a larger head, centred by the final norm's bias (which shifts every cost alike)
         m.score.weight.mul_(30.0)
-        first = [alone(m, tok, r["prompt"], r[k]) for r in rows for k in ("chosen", "rejected")]
+        first = sorted(alone(m, tok, r["prompt"], r[k]) for r in rows for k in ("chosen", "rejected"))
         w = m.score.weight[0]
-        m.transformer.ln_f.bias.sub_(w * sorted(first)[len(first) // 2] / w.dot(w))
+        # halfway between the two middle costs, so that no cost sits at 0 itself, where its sign (and so
+        # sign_accuracy and unsafe_share) would be the rounding's: the model's and the float64 oracle's differ
+        lo, hi = first[len(first) // 2 - 1], first[len(first) // 2]
+        assert hi - lo > 1e-3, (lo, hi)         # far above float32's rounding of a cost of this size
+        middle = (lo + hi) / 2
+        m.transformer.ln_f.bias.sub_(w * middle / w.dot(w))
     pairs, _ = tokenize([dict(r) for r in rows], tok, 64, "x", "cost")
     c_w, c_l, s_w, s_l = [], [], [], []
     for r in rows:

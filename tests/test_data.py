@@ -219,7 +219,7 @@ def test_text_rows_start_with_bos_where_the_tokenizer_adds_one(tmp_path):
     """A Llama-style tokenizer (bos added by its post-processor) gets its bos on {"text"} rows, as on
     conversations; a GPT-2-style one (no bos) is unchanged."""
     from hf_fixtures import make_hf_dir
-    from nano_rlhf.run import load_tokenizer
+    from nano_rlhf.training import load_tokenizer
     from nano_rlhf.data import tokenize_sft
     text = "the motor is great."
     for family, has_bos in (("llama", True), ("qwen3", False)):

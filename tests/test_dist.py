@@ -90,7 +90,7 @@ def test_cleanup_makes_ddp_wrappers_let_go_of_the_group(tmp_path):
 END_SCRIPT = """import sys
 import torch
 from nano_rlhf import dist
-from nano_rlhf.run import fail
+from nano_rlhf.training import fail
 ctx = dist.setup("cpu")
 out = [torch.zeros(2) for _ in range(2)]
 torch.distributed.all_gather(out, torch.ones(2))     # a collective whose tensors a gloo worker drops late
@@ -124,7 +124,7 @@ def test_a_multi_process_run_ends_with_its_own_exit_code_and_output(tmp_path, ho
 
 PEER_SCRIPT = """import os, sys
 from nano_rlhf import dist
-from nano_rlhf.run import fail
+from nano_rlhf.training import fail
 ctx = dist.setup("cpu")
 dist.all_reduce_sum(1.0)
 if ctx.rank == 1:

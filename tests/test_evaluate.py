@@ -166,11 +166,11 @@ class _Clock:
 
 
 def test_progress_lines_in_a_log_and_in_a_terminal():
-    """nano_rlhf.run.Progress: in a log, a plain line every log_every seconds and the last at done(); in a
+    """nano_rlhf.training.Progress: in a log, a plain line every log_every seconds and the last at done(); in a
     terminal, one line rewritten in place; the rate and ETA from the clock."""
     import io
 
-    from nano_rlhf.run import Progress
+    from nano_rlhf.training import Progress
     clock, log = _Clock(), io.StringIO()
     p = Progress(100, "sampling m", stream=log, log_every=10.0, clock=clock)
     clock.t += 5

@@ -15,7 +15,7 @@ What is compared, and how closely (tests/numerics.py gives the float32 rules):
 - Greedy generation against transformers' on a left-padded batch: tokens equal wherever the top-two logit
   margin exceeds the two paths' combined logit error (float32: 2·FLOAT32_ATOL·5 = MARGIN; bf16: the errors
   of both paths against float64, measured on this very sequence), up to the first step where it does not.
-- Every script a few steps on the device in float32 and bf16 (run_mod.finish checks each frozen model bit for
+- Every script a few steps on the device in float32 and bf16 (run.finish checks each frozen model bit for
   bit against its start); resume equal bit for bit to the straight run (deterministic algorithms on); LoRA
   base weights untouched; FSDP2 (and NCCL) at world size 1; offloaded frozen models give the same weights; the
   compiled rollout's greedy tokens equal the eager ones; the bf16 sampler's log-probs against the trainer's
@@ -112,7 +112,7 @@ def padded_batch(lens=(20, 14, 7, 17), seed=1):
 
 
 def logits_pair(ours, hf, ids, mask, pos, dtype):
-    from nano_rlhf.run import autocast
+    from nano_rlhf.training import autocast
     with torch.no_grad(), autocast(DEVICE, dtype):
         a = ours(ids, mask).float()
         b = hf(ids, attention_mask=mask, position_ids=pos).logits.float()
@@ -157,7 +157,7 @@ def first_unsure(margins, bound):
 
 def step_margins(model, seq, prompt_mask, dtype="float32"):
     """(B, N) top-two logit gaps at the positions that chose seq[:, P:], and those logits (float64)."""
-    from nano_rlhf.run import autocast
+    from nano_rlhf.training import autocast
     P = prompt_mask.shape[1]
     mask = torch.cat([prompt_mask, torch.ones_like(seq[:, P:])], 1)
     with torch.no_grad(), autocast(DEVICE, dtype):
@@ -170,7 +170,7 @@ def step_margins(model, seq, prompt_mask, dtype="float32"):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_greedy_generation_equals_transformers(tmp_path, name, dtype):
     import copy
-    from nano_rlhf.run import autocast
+    from nano_rlhf.training import autocast
     ours, hf = both(name, tmp_path, "hf_to_ours")
     ids, mask, _ = padded_batch(lens=(9, 5, 12, 3))
     n = 16
@@ -289,7 +289,7 @@ def assert_same_weights(model, model_dir, rename=lambda k: k):
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_script_steps_on_device(task, sft_init, tmp_path, name, dtype):
     """A few steps of each script on the device: finite losses, a saved model that loads, every frozen model
-    bit-identical to its start (run_mod.finish raises otherwise), the reference equal to the file it came from."""
+    bit-identical to its start (run.finish raises otherwise), the reference equal to the file it came from."""
     t0 = time.time()
     out = run_script(name, task, sft_init, tmp_path / "run", "--dtype", dtype)
     seconds = time.time() - t0
@@ -367,7 +367,7 @@ def test_fsdp2_and_collectives_at_world_size_1(monkeypatch):
     import torch.distributed as tdist
 
     from nano_rlhf import dist, parallel
-    from nano_rlhf.run import adamw, autocast
+    from nano_rlhf.training import adamw, autocast
     from nano_rlhf.model import GPT, GPTConfig
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -432,7 +432,7 @@ def test_bf16_sampler_against_float32_trainer():
     autocast) score the same sampled tokens differently. Measured, with the share of tokens whose truncated
     importance weight min(π_train/π_sampler, 2) is capped and the per-sequence log-ratio; asserted only to be
     finite and small next to the tokens' own log-probs."""
-    from nano_rlhf.run import autocast
+    from nano_rlhf.training import autocast
     from nano_rlhf.model import token_logprobs
     from nano_rlhf.sampling import sampling_copy
     vocab = 512 if TINY else 49152
@@ -561,7 +561,7 @@ def test_a_tool_rollout_on_device(tmp_path, monkeypatch, dtype):
     assert r.query_response[0].tolist() == p_ids + script and r.action_mask[0].tolist() == hole
     assert r.scores[0] == 1.0 and r.stats["tool_calls"] == 1.0
     step[0] = 0
-    from nano_rlhf.run import autocast
+    from nano_rlhf.training import autocast
     with autocast(DEVICE, dtype):
         decoded = sampling.generate_turns(policy, torch.tensor([p_ids], device=DEVICE), None, sampling.SamplingOptions(
             max_new_tokens=len(script) + 8, temperature=1.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id),

@@ -81,7 +81,7 @@ def test_the_verifier_reads_words():
 def gold_of(model_dir, task):
     """Mean gold reward of one sample (T = 1, fixed seed) for each of 256 held-out built-in prompts."""
     from nano_rlhf import reward as reward_mod
-    from nano_rlhf.run import load_tokenizer
+    from nano_rlhf.training import load_tokenizer
     from nano_rlhf.data import load_records
     from nano_rlhf.evaluate import sample_and_score
     from nano_rlhf.model import GPT

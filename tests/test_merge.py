@@ -262,7 +262,7 @@ def test_merge_and_a_training_run_respect_each_others_lock(dirs, tmp_path, monke
     out = tmp_path / "busy"
     out.mkdir()
     (out / "model.safetensors").write_text("the run's")
-    held = OutDirLock(str(out))                 # what nano_rlhf.run takes for a training run
+    held = OutDirLock(str(out))                 # what nano_rlhf.training takes for a training run
     assert held.acquire() is None
     with pytest.raises(SystemExit) as e:
         main(merge_args(dirs, out, "--overwrite")[2:])

@@ -17,7 +17,7 @@ from hf_fixtures import BAD, FAMILIES, GOOD, make_hf_dir, prompt_rows, write_jso
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT, ScoreModel, last_token_index
 from nano_rlhf.reward import load_reward
-from nano_rlhf.run import load_tokenizer
+from nano_rlhf.training import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -13,7 +13,7 @@ from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/nume
 from hf_fixtures import FAMILIES, make_hf_dir, pref_rows, sft_rows, write_jsonl
 from nano_rlhf.data import collate_packed, collate_pairs, collate_sft, pack_sft, tokenize_pairs, tokenize_sft
 from nano_rlhf.model import GPT, ScoreModel, last_token_index
-from nano_rlhf.run import load_tokenizer
+from nano_rlhf.training import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -181,9 +181,9 @@ def test_final_model_dir_written_once_with_statistics(tmp_path, sft_dir, monkeyp
     """No model directory without reward_mean/std is written after the last state save: a crash between
     the two would leave a final-looking model that PPO would use unnormalised."""
     import train_rm
-    from nano_rlhf import run as run_mod    # the scripts save their state through run_mod.save
+    from nano_rlhf import training    # the scripts save their state through run.save
     events = []
-    real_state, real_model_dir = run_mod.save_state, train_rm.save_model_dir
+    real_state, real_model_dir = training.save_state, train_rm.save_model_dir
 
     def save_state(*a, **k):
         events.append(("state", a[3]["step"]))
@@ -193,7 +193,7 @@ def test_final_model_dir_written_once_with_statistics(tmp_path, sft_dir, monkeyp
         events.append(("model", "reward_mean" in k))
         real_model_dir(*a, **k)
 
-    monkeypatch.setattr(run_mod, "save_state", save_state)
+    monkeypatch.setattr(training, "save_state", save_state)
     monkeypatch.setattr(train_rm, "save_model_dir", save_model_dir)
     train_rm.main(rm_args(tmp_path, sft_dir, "rm", "--batch_size", "8", "--save_interval", "1", steps=2)[1:])
     assert events == [("state", 1), ("model", False), ("state", 2), ("model", True)]

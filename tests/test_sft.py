@@ -420,7 +420,7 @@ def test_from_scratch_tokenizer_gets_the_chat_template(tmp_path):
     messages are rendered with it, and the saved tokenizer renders them the same in transformers."""
     transformers = pytest.importorskip("transformers")
     from train_sft import main
-    from nano_rlhf.run import load_tokenizer
+    from nano_rlhf.training import load_tokenizer
     msgs = [[{"role": "user", "content": f"write a short review of the {w}."},
              {"role": "assistant", "content": f"the {w} is great."}] for w in WORDS]
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in msgs * 2])

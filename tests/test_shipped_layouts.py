@@ -13,7 +13,7 @@ from conftest import run
 from hf_fixtures import SHIPPED, make_hf_dir, pref_rows, prompt_rows, sft_rows, unpaired_rows, write_jsonl
 from nano_rlhf.data import collate_prompts
 from nano_rlhf.model import GPT, ScoreModel
-from nano_rlhf.run import load_tokenizer
+from nano_rlhf.training import load_tokenizer
 from numerics import FLOAT32_ATOL, MARGIN, greedy_margin
 
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ from conftest import run
 from hf_fixtures import pref_rows, sft_rows, unpaired_rows, write_jsonl
 from nano_rlhf.data import collate_prompts
 from nano_rlhf.model import GPT, ScoreModel
-from nano_rlhf.run import load_tokenizer
+from nano_rlhf.training import load_tokenizer
 from numerics import greedy_margin
 
 transformers = pytest.importorskip("transformers")

@@ -1,8 +1,10 @@
-"""nano_rlhf/run.py, the set-up every script shares: the pieces on their own (placing and seeding, wrapping with
-the script's AdamW settings, the tokenizer recorded in the run, inputs loaded before the run touches out_dir,
-save/resume of models, optimizers and data order, train_config.json), then every one of the seven scripts
-through it: the same calls in every main (so --fsdp, --lora_*, --resume and the memory plan are the same code in
-each) and --report_to refused the same way by each before anything is written."""
+"""The set-up every script shares (nano_rlhf/training.py): the pieces on their own (placing and seeding, wrapping
+with the script's AdamW settings, the tokenizer recorded in the run, save/resume of models, optimizers and data
+order, train_config.json), then every one of the seven scripts through it: main() opens with the same five visible
+steps (parse, fill the defaults, check, the process group, open the run), the same calls in every main (so --fsdp,
+--lora_*, --resume and the memory plan are the same code in each) and --report_to refused the same way by each
+before anything is written."""
+import ast
 import builtins
 import json
 import os
@@ -25,8 +27,8 @@ import train_rm
 import train_sft
 import train_unpaired
 from nano_rlhf import dist
-from nano_rlhf import run as run_mod
-from nano_rlhf.cli import RunOptions
+from nano_rlhf import training
+from nano_rlhf.cli import RunOptions, parse_args
 from nano_rlhf.data import Batches
 
 
@@ -42,8 +44,9 @@ class Toy(RunOptions):
 
 
 def toy(argv=()):
-    return run_mod.start(Toy, list(argv), "toy", check=lambda o: None, script="toy",
-                        record=lambda o, data: {"identity": {"lr": o.lr}})
+    opts = parse_args(Toy, list(argv))
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    return opts, world, training.open_run(opts, "toy", identity={"lr": opts.lr})
 
 
 # ---- the pieces -------------------------------------------------------------------------------------
@@ -51,7 +54,7 @@ def toy(argv=()):
 def test_place_moves_checkpoints_the_trained_only_and_seeds_per_rank(tok):
     opts = Toy(grad_checkpoint=True)
     policy, ref = tiny_model(tok), tiny_model(tok, seed=1)
-    run_mod.place(opts, dist.world(), {"policy": policy}, {"reference": ref, "absent": None})
+    training.place(opts, dist.world(), {"policy": policy}, {"reference": ref, "absent": None})
     assert policy.gradient_checkpointing and not ref.gradient_checkpointing
     dev = dist.world().device
     assert all(p.device.type == dev.type for m in (policy, ref) for p in m.parameters())
@@ -62,7 +65,7 @@ def test_place_moves_checkpoints_the_trained_only_and_seeds_per_rank(tok):
 
 def test_wrap_takes_the_scripts_adamw_settings(tok):
     model = tiny_model(tok)
-    ddp, opt = run_mod.prepare(Toy(), model, 0.5)
+    ddp, opt = training.prepare(Toy(), model, 0.5)
     assert ddp is model                             # one process: the model itself
     groups = opt.param_groups
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and groups[0]["lr"] == 0.5
@@ -73,7 +76,7 @@ def test_wrap_takes_the_scripts_adamw_settings(tok):
         beta1: float = 0.8
         beta2: float = 0.99
         adam_eps: float = 1e-5
-    _, opt = run_mod.prepare(WithAdam(), model, 0.5)
+    _, opt = training.prepare(WithAdam(), model, 0.5)
     assert opt.param_groups[0]["betas"] == (0.8, 0.99) and opt.param_groups[0]["eps"] == 1e-5
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
 
@@ -83,61 +86,34 @@ def test_tokenizer_is_recorded_and_trained_only_without_tokenizer_or_init(tok, t
     tok.save(path)
     run = type("R", (), {"identity": {}})()
     made = []
-    got = run_mod.tokenizer(Toy(tokenizer=path), run, train=lambda: made.append(1))
+    got = training.tokenizer(Toy(tokenizer=path), run, train=lambda: made.append(1))
     assert not made and got.vocab_size == tok.vocab_size
     assert run.identity == {"chat_template": got.chat_template, "date_string": got.date_string}
     run.identity.clear()
-    assert run_mod.tokenizer(Toy(), run, train=lambda: got) is got and run.identity["chat_template"] == got.chat_template
-
-
-def test_start_loads_inputs_before_the_run_touches_out_dir(tmp_path, capsys):
-    out = tmp_path / "o"
-    seen = []
-
-    def bad(opts):
-        seen.append(opts.out_dir)
-        run_mod.fail("bad data")
-    with pytest.raises(SystemExit):
-        run_mod.start(Toy, ["--out_dir", str(out)], "toy", check=lambda o: None, script="toy",
-                     record=lambda o, d: {}, load=bad)
-    assert seen == [str(out)] and not out.exists()
-    assert capsys.readouterr().err.strip() == "error: bad data"
-    opts, world, run, data = run_mod.start(Toy, ["--out_dir", str(out)], "toy", check=lambda o: None, script="toy",
-                                          record=lambda o, d: {"identity": {"rows": d}}, load=lambda o: 7)
-    assert data == 7 and run.identity["rows"] == 7 and run.identity["script"] == "toy" and world is dist.world()
-    run.finish()
-
-
-def test_check_runs_before_the_run_starts(tmp_path, capsys):
-    def check(opts):
-        run_mod.fail("--lr is wrong", 2)
-    with pytest.raises(SystemExit) as e:
-        run_mod.start(Toy, ["--out_dir", str(tmp_path / "o")], "toy", check=check, script="toy",
-                     record=lambda o, d: {})
-    assert e.value.code == 2 and not (tmp_path / "o").exists()
+    assert training.tokenizer(Toy(), run, train=lambda: got) is got and run.identity["chat_template"] == got.chat_template
 
 
 def test_save_then_resume_restores_models_optimizers_and_data_order(tok, tmp_path):
     out = str(tmp_path / "o")
-    opts, world, run, _ = toy(["--out_dir", out])
+    opts, world, run = toy(["--out_dir", out])
     model = tiny_model(tok)
-    _, opt = run_mod.prepare(opts, model, opts.lr)
+    _, opt = training.prepare(opts, model, opts.lr)
     batches = Batches(10, 2, 1, 0, 1, seed=0)
     model(torch.ones(1, 4, dtype=torch.long)).sum().backward()
     opt.step()
     batches.next_step()
     batches.next_step()
-    run_mod.save(opts, 2, {"policy": model}, {"policy": opt}, data={"data": batches}, extra=1.5)
+    run.save(2, {"policy": model}, {"policy": opt}, data={"data": batches}, extra=1.5)
     run.saved = True
-    run.finish()
+    run.finish({})
     want = {k: v.clone() for k, v in model.state_dict().items()}
     nxt = batches.next_step()
 
-    opts, world, run, _ = toy(["--out_dir", out, "--resume"])
+    opts, world, run = toy(["--out_dir", out, "--resume"])
     fresh = tiny_model(tok, seed=5)
-    _, opt2 = run_mod.prepare(opts, fresh, opts.lr)
+    _, opt2 = training.prepare(opts, fresh, opts.lr)
     order = Batches(10, 2, 1, 0, 1, seed=0)
-    meta = run_mod.resume(opts, run, {"policy": fresh}, {"policy": opt2}, data={"data": order}, max_steps=4)
+    meta = run.resume({"policy": fresh}, {"policy": opt2}, data={"data": order}, max_steps=4)
     assert meta["step"] == 2 and meta["extra"] == 1.5 and run.step == 2
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
     assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
@@ -145,19 +121,36 @@ def test_save_then_resume_restores_models_optimizers_and_data_order(tok, tmp_pat
     with open(os.path.join(out, "train_config.json")) as f:
         config = json.load(f)
     assert config["max_steps"] == 4 and config["world_size"] == 1 and config["resume"] is True
-    run.finish()
+    run.finish({})
 
 
 def test_resume_off_writes_the_config_and_restores_nothing(tok, tmp_path):
-    opts, world, run, _ = toy(["--out_dir", str(tmp_path / "o")])
+    opts, world, run = toy(["--out_dir", str(tmp_path / "o")])
     order = Batches(10, 2, 1, 0, 1, seed=0)
-    assert run_mod.resume(opts, run, {"policy": tiny_model(tok)}, {}, data={"data": order}, global_batch=2) == {}
+    assert run.resume({"policy": tiny_model(tok)}, {}, data={"data": order}, global_batch=2) == {}
     with open(tmp_path / "o" / "train_config.json") as f:
         assert json.load(f)["global_batch"] == 2
-    run.finish()
+    run.finish({})
 
 
 # ---- every script through it ------------------------------------------------------------------------
+
+SETUP = ["parse_args", "fill_defaults", "check_options", "dist.setup", "training.open_run"]
+
+
+@pytest.mark.parametrize("name", ["sft", "rm", "dpo", "ppo", "listwise", "unpaired", "online"])
+def test_every_main_opens_with_its_set_up_written_out(name):
+    """main() reads parse -> fill the defaults (where a default depends on another option) -> check -> the
+    process group -> (the data that must be valid first: sft, rm) -> open the run, as calls in the script, in
+    that order: the order decides which bad input a user hears about first, so it stands where it is read."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), f"train_{name}.py")
+    main = next(n for n in ast.parse(open(path).read()).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    calls = [ast.unparse(c.func) for stmt in main.body for c in ast.walk(stmt) if isinstance(c, ast.Call)]
+    seen = [c for c in calls if c in SETUP]
+    want = [c for c in SETUP if c != "fill_defaults" or name not in ("sft", "rm")]
+    assert seen[:len(want)] == want, seen
+    first_run = calls.index("training.open_run")
+    assert "training.tokenizer" not in calls[:first_run] and not any("Run" in c for c in calls[:first_run])
 
 
 def script_args(name, tmp_path, sft_dir, rm_dir, task_dir):
@@ -195,7 +188,7 @@ def test_every_script_sets_up_through_launch(name, tmp_path, sft_dir, rm_dir, ta
     launch, in that order: --fsdp, the same-weights check, the seeding and the plan are the same code in all."""
     mod, argv = script_args(name, tmp_path, sft_dir, rm_dir, task_dir)
     calls = []
-    real_place, real_wrap = run_mod.place, run_mod.prepare
+    real_place, real_wrap = training.place, training.prepare
 
     def place(opts, world, trained, frozen=None):
         calls.append(("place", {k for k, m in trained.items() if m is not None},
@@ -209,9 +202,9 @@ def test_every_script_sets_up_through_launch(name, tmp_path, sft_dir, rm_dir, ta
     def plan(opts, models):
         calls.append(("plan", [k for k, m in models.items() if m is not None]))
         raise Planned
-    monkeypatch.setattr(run_mod, "place", place)
-    monkeypatch.setattr(run_mod, "prepare", prepare)
-    monkeypatch.setattr(run_mod, "plan", plan)
+    monkeypatch.setattr(training, "place", place)
+    monkeypatch.setattr(training, "prepare", prepare)
+    monkeypatch.setattr(training, "plan", plan)
     with pytest.raises(Planned):
         mod.main(argv)
     trained, frozen, planned = PLACED[name]

@@ -1,4 +1,4 @@
-"""nano_rlhf.run: out_dir safety, the lock, resume identity checks, end_of_step, cleanup of failed starts,
+"""nano_rlhf.training: out_dir safety, the lock, resume identity checks, end_of_step, cleanup of failed starts,
 report_to. A toy script (a linear model, the same life cycle as the four scripts) runs in-process where it can,
 in a subprocess where process boundaries matter (the lock, exits, torchrun)."""
 import importlib.util
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from conftest import ROOT, run, tiny_model
-from nano_rlhf import run as run_mod
+from nano_rlhf import training
 
 TOY = '''import os, sys, time, torch
 from dataclasses import dataclass
 from typing import Literal
-from nano_rlhf import dist, run as run_mod
+from nano_rlhf import dist, training
 from nano_rlhf.checkpoint import save_state
 from nano_rlhf.cli import parse_args
 
@@ -49,8 +49,8 @@ class Options:
 def main(argv=None):
     opts = parse_args(Options, argv)
     world = dist.setup("cpu", timeout_minutes=opts.dist_timeout)
-    run = run_mod.open_run(opts, script="toy", identity={"lr": opts.lr}, inputs={"init": opts.init},
-                        data_files={"data": opts.data})
+    run = training.open_run(opts, script="toy", identity={"lr": opts.lr}, inputs={"init": opts.init},
+                             data_files={"data": opts.data})
     print("started", flush=True)
     time.sleep(opts.sleep)
     if world.is_main:
@@ -81,7 +81,7 @@ def main(argv=None):
             break
     if world.is_main:   # one line from one rank: two ranks' unbuffered prints would interleave
         print(f"final {step} {model.weight.detach().tolist()}", flush=True)
-    run.finish()
+    run.finish({})
 
 
 if __name__ == "__main__":
@@ -100,9 +100,9 @@ def toy(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     mod.path = str(path)
     yield mod
-    from nano_rlhf import checkpoint, run as run_mod
-    if run_mod._current is not None:
-        run_mod._current.abort()
+    from nano_rlhf import checkpoint, training
+    if training._current is not None:
+        training._current.abort()
     checkpoint.RUN_INFO = None
 
 
@@ -276,9 +276,9 @@ def test_overwrite_that_fails_before_saving_keeps_the_previous_run(toy, capsys, 
     before = tree("out/toy")
     with pytest.raises((SystemExit, RuntimeError)):
         toy.main(["--overwrite", "--save_interval", "2", *failure])
-    from nano_rlhf import run as run_mod
-    if run_mod._current is not None:
-        run_mod._current.abort()            # what the process's exit does (atexit)
+    from nano_rlhf import training
+    if training._current is not None:
+        training._current.abort()            # what the process's exit does (atexit)
     assert tree("out/toy") == before
     assert not [n for n in os.listdir("out/toy") if n.startswith(".overwritten")]
 
@@ -464,12 +464,12 @@ def test_a_model_with_a_non_finite_weight_is_never_saved(tmp_path, capsys):
     model = tiny_model()
     opts = types.SimpleNamespace(out_dir=str(tmp_path / "o"))
     opt = torch.optim.AdamW(model.parameters())
-    run_mod.save(opts, 1, {"policy": model}, {"policy": opt})
+    training.Run.save(opts, 1, {"policy": model}, {"policy": opt})
     before = sorted(os.listdir(tmp_path / "o" / "state"))
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("inf")
     with pytest.raises(SystemExit) as e:
-        run_mod.save(opts, 2, {"policy": model}, {"policy": opt})
+        training.Run.save(opts, 2, {"policy": model}, {"policy": opt})
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and err.startswith("error: step 2: the policy model holds non-finite weights"), err
     assert sorted(os.listdir(tmp_path / "o" / "state")) == before

@@ -1,30 +1,33 @@
-"""A training run's life cycle around the loop: the set-up every script shares (options in; the distributed
-context, the run record, the tokenizer and the placed models out), out_dir safety, the lock, resume checks, the
-end of each step (eval / log / save / stop), what a run writes as it goes (metrics, samples, the progress line,
---report_to), and cleaning up after a failed start. Not algorithm.
+"""A training run's life cycle around the loop: out_dir safety, the lock, the resume identity, the end of each step
+(eval / log / save / stop), what a run writes as it goes (metrics, samples, the progress line, --report_to), the
+training state (resume, save, the end), and cleaning up after a failed start; beside it the pieces of set-up every
+script shares (the tokenizer, placing, wrapping, the memory plan). Not algorithm.
 
-A script's main() reads, in order (`from nano_rlhf import run as run_mod`; `run` is the Run):
+A script's main() reads, in order (`from nano_rlhf import training`; `run` is the Run):
 
-    opts, world, run, files = run_mod.start(Options, argv, __doc__, check_options, "dpo", run_record,
-                                           load=data_files)
-    tok = run_mod.tokenizer(opts, run)
+    opts = parse_args(Options, argv, __doc__)      # each option's range and [with ...] refused here
+    fill_defaults(opts)                            # the defaults that depend on other options
+    check_options(opts)                            # --device and the rules between options; only refuses
+    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
+    run = training.open_run(opts, "dpo", **run_record(opts), show=[...], loss_keys=[...])
+    tok = training.tokenizer(opts, run)
     ... the script's own models and data, in its own order ...
-    run_mod.place(opts, world, {"policy": policy}, {"reference model": ref})   # device, same weights, seeds
-    ref = run_mod.frozen(opts, ref)                                            # --fsdp / --frozen / --offload_frozen
-    ddp, optimizer = run_mod.prepare(opts, policy, opts.lr)                        # compile, DDP / FSDP, AdamW
-    run_mod.plan(opts, {"policy": policy, "ref": ref})                          # the memory plan
-    run_mod.resume(opts, run, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
-    ... the loop: run.end_of_step(..., save=...) with run_mod.save(...) inside save ...
-    run_mod.finish(run, {"policy": policy}, {"reference": ref}, saved="saved out/dpo ...")
+    training.place(opts, world, {"policy": policy}, {"reference model": ref})   # device, same weights, seeds
+    ref = training.frozen(opts, ref)                                         # --fsdp / --frozen / --offload_frozen
+    ddp, optimizer = training.prepare(opts, policy, opts.lr)                 # compile, DDP / FSDP, AdamW
+    training.plan(opts, {"policy": policy, "ref": ref})                      # the memory plan
+    run.resume({"policy": policy}, {"policy": optimizer}, data={"data": batches})
+    ... the loop: run.end_of_step(..., save=...) with run.save(...) inside save ...
+    run.finish({"policy": policy}, {"reference": ref}, saved="saved out/dpo ...")
 
 So --fsdp, --lora_* (only the adapters in the state), --report_to, --resume / --overwrite, the same-weights
 check, the seeding, the memory plan and train_config.json are the same code in every script. What differs stays
 visible in the script: which inputs it reads and in what order (that order decides which bad input a user is
-told about first: train_sft.py and train_rm.py validate every data line before the run starts, through
-start's `load`), what it computes between placing and wrapping (train_dpo.py's precomputed reference log-probs,
-train_unpaired.py's D2O samples), and its loop.
+told about first: train_sft.py and train_rm.py validate every data line before the run opens), what it computes
+between placing and wrapping (train_dpo.py's precomputed reference log-probs, train_unpaired.py's D2O samples),
+and its loop.
 
-Under start: the Run (open_run) owns out_dir and the loop's bookkeeping; `run.end_of_step(step, metrics,
+The Run (open_run) owns out_dir and the loop's bookkeeping; `run.end_of_step(step, metrics,
 evaluate=..., save=...)` returns True when the run should stop.
 
 Only rank 0 touches the file system; the other ranks only take part in the collectives (a broadcast of rank 0's
@@ -58,7 +61,7 @@ import torch
 
 from . import checkpoint, dist, lora, parallel
 from .checkpoint import atomic_write_text, find_state, input_sha256, OutDirLock, RUN_FILES, save_state, sha256_file
-from .cli import CHANGEABLE, parse_args, save_config, to_dict
+from .cli import CHANGEABLE, save_config, to_dict
 from .data import DataError, default_data, load_train_eval
 from .model import GPT, non_finite
 
@@ -138,7 +141,7 @@ def _collective_check(fn, every_rank=False):
 
 
 class Run:
-    def __init__(self, opts, script, identity, inputs, data_files, max_steps):
+    def __init__(self, opts, script, identity, inputs, data_files, max_steps, show, loss_keys):
         self.opts, self.out_dir, self.max_steps = opts, opts.out_dir, max_steps
         # every option but CHANGEABLE, then what the script adds (values resolved later: the training length...)
         self.identity = {"script": script, **{k: v for k, v in to_dict(opts).items() if k not in CHANGEABLE},
@@ -148,8 +151,8 @@ class Run:
         self.step, self.meta = 0, {}
         self.done_step, self.saved_step = 0, None   # the last step finished and the last one saved (Ctrl-C says)
         self.input_sha = {}                         # {input name: sha256}, taken at start (rank 0) before loading
-        self.show = ["train/loss", "eval/loss"]     # keys of the progress line, in order
-        self.loss_key = "train/loss"                # a non-finite value of it stops the run
+        self.show = list(show)                      # keys of the progress line, in order
+        self.loss_keys = list(loss_keys)            # a non-finite value of one of them stops the run
         self.main = dist.world().is_main
         self.report_to = getattr(opts, "report_to", "none")
         self.saved = self.finished = False
@@ -228,7 +231,7 @@ class Run:
 
     def record(self):
         """run.json's content (written by checkpoint.save_state with every save). The data hashes are taken
-        at the first save, not in start(): the files may be generated after it (the built-in task)."""
+        at the first save, not when the run opens: the files may be generated after it (the built-in task)."""
         if not hasattr(self, "_sha"):
             self._sha = self._data_sha()
         return {"identity": self.identity, "data_sha256": self._sha, "inputs_sha256": self.input_sha,
@@ -278,7 +281,7 @@ class Run:
         return ", ".join(f"--{k} {self.inputs[k]}" if k in self.inputs else f"--{k} (an input of the saved run only)"
                          for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k))
 
-    def resume(self, models, optimizers, generators=None):
+    def _restore(self, models, optimizers, generators=None):
         """Check the saved run is this run, then restore models, optimizers and RNG (checkpoint.load_state);
         returns meta (also run.meta) and sets run.step. Collective: each rank reads its own files (its RNG, its
         FSDP shards), so a damaged one fails one rank; the ranks then share their problems and every rank stops
@@ -310,13 +313,13 @@ class Run:
         evaluate() -> dict of eval metrics (called on every rank); save(step) writes the checkpoint (every rank)."""
         o = self.opts
         self.done_step = step
-        for key in [self.loss_key] if isinstance(self.loss_key, str) else self.loss_key:
+        for key in self.loss_keys:
             if key in metrics:
                 check_finite(float(metrics[key]), step, self.out_dir, key.split("/")[-1].replace("_", " "))
         # save, then evaluate: a failure in the evaluation (a user's reward, an overflow) costs no training
         stop_at = getattr(o, "stop_at", 0)
         if save is not None and (self._due(getattr(o, "save_interval", 0), step) or step == stop_at):
-            self._save(save, step)
+            self._guarded_save(save, step)
             self.saved, self.saved_step = True, step
             self._drop_set_aside()
         eval_due = evaluate is not None and self._due(getattr(o, "eval_interval", 0), step)
@@ -329,7 +332,7 @@ class Run:
             dist.print0(f"stopping at step {step} (--stop_at); continue with --resume")
         return step == stop_at or step >= self.max_steps
 
-    def _save(self, save, step):
+    def _guarded_save(self, save, step):
         """save(step); a write that fails (a full disk, a directory gone read-only) is one line, not a stack: the
         temporaries of the save go (state.tmp/, this process's FILE.tmpPID files) and the last complete
         checkpoint, named, stays to --resume from."""
@@ -352,8 +355,55 @@ class Run:
                     if last is not None else "nothing was saved")
             fail(f"step {step}: writing the checkpoint to {self.out_dir} failed ({e.strerror or e}); {kept}")
 
-    # ---- the end -----------------------------------------------------------------------------------
-    def finish(self):
+    # ---- the training state: resume, save, the end ----------------------------------------------------
+    def set_max_steps(self, max_steps):
+        """The run's length when the script derives it from the data after the run opened (--epochs: the
+        steps an epoch takes are known once the data is tokenized, which needs the run's tokenizer)."""
+        self.max_steps = max_steps
+
+    def resume(self, models, optimizers, data=None, generators=None, **config):
+        """--resume: the saved run checked to be this one, then models ({name: model}; under LoRA only the
+        adapters are in the state), optimizers, generators and each data order in `data` ({meta key: object with
+        load_state_dict}) restored; returns the saved meta ({} on a fresh start). Then rank 0 writes
+        out_dir/train_config.json: the resolved options, the world size and `config`."""
+        meta = {}
+        if self.opts.resume:
+            meta = self._restore({k: lora.checkpointed(m) for k, m in models.items()}, optimizers, generators)
+            for key, order in (data or {}).items():
+                order.load_state_dict(meta[key])
+        world = dist.world()
+        if world.is_main:
+            save_config(self.opts, os.path.join(self.out_dir, "train_config.json"), world_size=world.world_size,
+                        **config)
+        return meta
+
+    def save(self, step, models, optimizers, data=None, generators=None, **meta):
+        """The training state at `step` into out_dir/state (collective): models (LoRA: the adapters),
+        optimizers, generators, each data order's state_dict() under its key in `data`, and any other meta. A
+        model holding a non-finite weight (an overflow the loss did not show) is refused with one line before
+        anything is written: the previous checkpoint and model directory stay as they were."""
+        for name, m in models.items():
+            bad = dist.all_reduce_sum(float(len(non_finite(dist.unwrap(m).state_dict()))))
+            if bad:
+                fail(f"step {step}: the {name} model holds non-finite weights ({bad:.0f} tensors); not saved: the "
+                     f"last checkpoint in {self.out_dir}/state (if any) is kept and can be resumed with a lower --lr")
+        meta = {"step": step, **{k: order.state_dict() for k, order in (data or {}).items()}, **meta}
+        save_state(self.out_dir, {k: lora.checkpointed(m) for k, m in models.items()}, optimizers, meta, generators)
+
+    def finish(self, trained, frozen=None, saved=""):
+        """The end of a run: every trained model still the same on every rank (DDP kept them in lock-step:
+        proven), every frozen model bit-identical to its start (those frozen() placed), the `saved` line printed,
+        then the run closed."""
+        for name, m in trained.items():
+            if m is not None:
+                dist.check_same_weights(m, name)
+        if frozen:
+            parallel.check_frozen(frozen)
+        if saved:
+            dist.print0(saved)
+        self.close()
+
+    def close(self):
         """Normal end: close the backend, release the lock, tear down the process group. Collective."""
         global _current
         self.finished = True
@@ -389,7 +439,7 @@ class Run:
                 shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
 
     def abort(self):
-        """Error exit (common.fail, an exception, an exit without finish()): release the lock and, when
+        """Error exit (fail, an exception, an exit without finish()): release the lock and, when
         nothing was saved by a from-scratch run, remove what it wrote."""
         global _current
         if self.finished:
@@ -481,7 +531,8 @@ class Run:
 
 
 
-def open_run(opts, script, identity=None, inputs=None, data_files=None, max_steps=None) -> Run:
+def open_run(opts, script, identity=None, inputs=None, data_files=None, max_steps=None,
+             show=("train/loss", "eval/loss"), loss_keys=("train/loss",)) -> Run:
     """Check --out_dir, take its lock, open --report_to; before any model is loaded. Collective.
     identity: what the script adds to the run's identity (compared on --resume) beyond its options, all of
     which but options.CHANGEABLE are in it already; "script" and "global_batch" (batch_size x grad_accum x
@@ -489,14 +540,15 @@ def open_run(opts, script, identity=None, inputs=None, data_files=None, max_step
     reads and never writes to; each one's sha256 is recorded and checked by --resume (pass only what is read).
     data_files: {name: path} whose sha256 is recorded at the first save; a path known only later (the
     built-in task, generated on first use) may be set in run.data_files before that. max_steps defaults to
-    opts.max_steps; set run.max_steps when the script derives it later (from --epochs)."""
+    opts.max_steps (run.set_max_steps when the script derives it later, from --epochs). show: the metrics of the
+    progress line, in order; loss_keys: the metrics whose non-finite value stops the run (checkpoint intact)."""
     global _current
     if _current is not None:          # a previous run in this process ended without finish() (tests)
         _current.abort()
     if getattr(opts, "resume", False) and getattr(opts, "overwrite", False):      # a bad command line: exit 2
         fail("--overwrite and --resume contradict each other: --resume continues the run in --out_dir", 2)
     run = Run(opts, script, dict(identity or {}), inputs, data_files,
-              getattr(opts, "max_steps", 0) if max_steps is None else max_steps)
+              getattr(opts, "max_steps", 0) if max_steps is None else max_steps, show, loss_keys)
     w = dist.world()
     run.identity.setdefault("global_batch", getattr(opts, "batch_size", 1) * getattr(opts, "grad_accum", 1)
                             * w.world_size)
@@ -740,32 +792,12 @@ def warn_short_warmup(max_steps, warmup_steps, fix="raise --max_steps"):
 
 
 
-# ---- The set-up every training script shares, written once (as nanochat's `compute_init`) -------------------
-def start(Options, argv, doc, check, script, record, load=None, fill=None):
-    """Parse the command line into Options (ranges checked; --device one this machine has), fill in the defaults
-    that depend on other options (fill(opts), the script's `fill_defaults`, right after parsing: everything after
-    reads, and run.json records, the resolved values), apply the script's cross-field rules (check(opts): one
-    line and exit on a bad combination), start the distributed context, then — when the script reads inputs that
-    must be valid before anything is written — load(opts) (called on every rank; it raises or exits with one
-    line on bad input), and last start the run (out_dir checks, its lock, --report_to, --resume's record;
-    open_run). record(opts, data) -> {"identity": ..., "inputs": ..., "data_files": ...}: what defines the run.
-    Returns (opts, the distributed context, the run, load's result or None)."""
-    opts = parse_args(Options, argv, doc)
-    check_device(opts.device)
-    if fill is not None:
-        fill(opts)
-    check(opts)
-    world = dist.setup(opts.device, timeout_minutes=opts.dist_timeout)
-    data = load(opts) if load is not None else None
-    run = open_run(opts, script=script, **record(opts, data))
-    return opts, world, run, data
-
-
 def train_eval_records(opts, kind):
     """(train records, eval records, training file, eval file description) of a data kind ("sft",
     "preference"): --data and --eval_data, else the built-in task's files; with --data and no --eval_data,
     --eval_fraction of it is split off (seeded). Every line is validated here, before anything is written or
-    built: a bad line is one line and exit 1. A `load` for start() (train_sft.py, train_rm.py)."""
+    built: a bad line is one line and exit 1 (train_sft.py and train_rm.py read their data so, before the run
+    opens)."""
     with input_errors():
         data_path = opts.data or default_data(kind)
         eval_path = opts.eval_data or ("" if opts.data else default_data(kind, "eval"))
@@ -822,7 +854,7 @@ class Learner:
     """A trained model: the bare module (what is saved), what its forward/backward go through (DDP / FSDP, or the
     module itself in one process: prepare) and its optimizer."""
     model: torch.nn.Module
-    ddp: torch.nn.Module
+    wrapped: torch.nn.Module
     opt: torch.optim.Optimizer
 
     @classmethod
@@ -854,47 +886,3 @@ def plan(opts, models):
         dist.print0(parallel.startup_plan(models, strategy, opts.frozen, opts.offload_frozen))
     else:
         dist.print0(parallel.startup_plan(models, strategy))
-
-
-def resume(opts, run, models, optimizers, data=None, generators=None, **config):
-    """--resume: the saved run checked to be this one, then models ({name: model}; under LoRA only the adapters
-    are in the state), optimizers, generators and each data order in `data` ({meta key: object with
-    load_state_dict}) restored; returns the saved meta ({} on a fresh start). Then rank 0 writes
-    out_dir/train_config.json: the resolved options, the world size and `config`."""
-    meta = {}
-    if opts.resume:
-        meta = run.resume({k: lora.checkpointed(m) for k, m in models.items()}, optimizers, generators)
-        for key, order in (data or {}).items():
-            order.load_state_dict(meta[key])
-    world = dist.world()
-    if world.is_main:
-        save_config(opts, os.path.join(opts.out_dir, "train_config.json"), world_size=world.world_size, **config)
-    return meta
-
-
-def save(opts, step, models, optimizers, data=None, generators=None, **meta):
-    """The training state at `step` into out_dir/state (collective): models (LoRA: the adapters), optimizers,
-    generators, each data order's state_dict() under its key in `data`, and any other meta. A model holding a
-    non-finite weight (an overflow the loss did not show) is refused with one line before anything is written:
-    the previous checkpoint and model directory stay as they were."""
-    for name, m in models.items():
-        bad = dist.all_reduce_sum(float(len(non_finite(dist.unwrap(m).state_dict()))))
-        if bad:
-            fail(f"step {step}: the {name} model holds non-finite weights ({bad:.0f} tensors); not saved: the last "
-                 f"checkpoint in {opts.out_dir}/state (if any) is kept and can be resumed with a lower --lr")
-    meta = {"step": step, **{k: order.state_dict() for k, order in (data or {}).items()}, **meta}
-    save_state(opts.out_dir, {k: lora.checkpointed(m) for k, m in models.items()}, optimizers, meta, generators)
-
-
-def finish(run, trained, frozen=None, saved=""):
-    """The end of a run: every trained model still the same on every rank (DDP kept them in lock-step: proven),
-    every frozen model bit-identical to its start (those frozen() placed), the `saved` line printed, the run
-    closed."""
-    for name, m in trained.items():
-        if m is not None:
-            dist.check_same_weights(m, name)
-    if frozen:
-        parallel.check_frozen(frozen)
-    if saved:
-        dist.print0(saved)
-    run.finish()
