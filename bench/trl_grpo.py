@@ -4,7 +4,7 @@ dependency of nano_rlhf: run this in its own virtual environment, so the tests' 
 
     python -m venv --system-site-packages /tmp/trlenv && /tmp/trlenv/bin/pip install trl==1.16.0
     /tmp/trlenv/bin/python bench/trl_grpo.py --init out/reasoning/sft --prompts data/reasoning/prompts.jsonl \\
-        --reward nano_rlhf.reasoning:reward --out_dir out/reasoning/trl_grpo --max_steps 60 --batch_size 8 \\
+        --reward nano_rlhf.tasks.reasoning:reward --out_dir out/reasoning/trl_grpo --max_steps 60 --batch_size 8 \\
         --samples_per_prompt 8 --max_new_tokens 48 --lr 1e-4 --ppo_epochs 4 --num_minibatches 2 --beta 0.04
     python -m nano_rlhf.evaluate --model out/reasoning/trl_grpo ...      # the same held-out evaluation as ours
 

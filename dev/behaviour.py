@@ -1,9 +1,9 @@
 """Record what every training script does on short seeded runs, so that a refactor can be proven not to change it.
 
-    python bench/behaviour.py record before.json            # every run (2-3 minutes on 2 CPU cores)
-    python bench/behaviour.py record after.json --only ppo_grpo,dpo_ipo   # some runs (and the inputs they need)
-    python bench/behaviour.py compare before.json after.json   # one line per run: same / DIFFERENT; exit 1 on any
-    python bench/behaviour.py list                          # the runs and their commands
+    python dev/behaviour.py record before.json            # every run (2-3 minutes on 2 CPU cores)
+    python dev/behaviour.py record after.json --only ppo_grpo,dpo_ipo   # some runs (and the inputs they need)
+    python dev/behaviour.py compare before.json after.json   # one line per run: same / DIFFERENT; exit 1 on any
+    python dev/behaviour.py list                          # the runs and their commands
 
 `record` builds the shared inputs once in a fresh temporary directory (the built-in task's data, a tiny SFT policy,
 a tiny reward model: seeded, and recorded as runs themselves, since every other run starts from their bytes), then
@@ -92,7 +92,7 @@ def runs():
     py, m = ["python"], ["python", "-m"]
     L = [
         # the shared inputs: the built-in task's data, the SFT policy every other run starts from, the reward model
-        Run("data", m + ["nano_rlhf.synthetic", "--out_dir", d] + DATA, needs=()),
+        Run("data", m + ["nano_rlhf.tasks.synthetic", "--out_dir", d] + DATA, needs=()),
         Run("sft", py + ["train_sft.py", "--data", f"{d}/sft.jsonl", "--eval_data", f"{d}/sft_eval.jsonl"]
             + out("sft") + SFT, needs=("data",)),
         Run("rm", py + ["train_rm.py", "--init", sft, "--data", f"{d}/preference.jsonl", "--eval_data",

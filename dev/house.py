@@ -1,9 +1,9 @@
 """The shape of the code base ("the house"), measured from the files, for before -> after figures of a restructure.
 
-    python bench/house.py                          # the table (about 25 s on 2 CPU cores)
-    python bench/house.py --json house.json        # and the figures as JSON
-    python bench/house.py --no-run                 # the static figures only (no training runs)
-    python bench/house.py --steps 5 --json h.json  # also the windows of steps 3 and 4 (JSON: later_windows)
+    python dev/house.py                          # the table (about 25 s on 2 CPU cores)
+    python dev/house.py --json house.json        # and the figures as JSON
+    python dev/house.py --no-run                 # the static figures only (no training runs)
+    python dev/house.py --steps 5 --json h.json  # also the windows of steps 3 and 4 (JSON: later_windows)
     python /elsewhere/house.py --root REPO         # from outside a repository (default: bench/.., else cwd)
 
 Nothing is hard-coded about the package's layout: the package is every top-level directory with an __init__.py
@@ -64,7 +64,7 @@ import tempfile
 import textwrap
 import time
 
-# the repository: the parent of this file's directory (bench/house.py), else the working directory; or --root
+# the repository: the parent of this file's directory (dev/house.py), else the working directory; or --root
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if not glob.glob(os.path.join(ROOT, "train_*.py")):
     ROOT = os.getcwd()

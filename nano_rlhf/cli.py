@@ -377,6 +377,26 @@ def save_config(opts, path, **extra):
 # train_config.json and run.json follow it).
 #
 # A help line longer than one line continues on the comment-only lines right below it (the parser joins them).
+# Modules that moved. No module stays importable at an old address (no shims): a spec that names one (--reward
+# nano_rlhf.reasoning:reward, --cost, --judge, --tools) and a saved run whose record names one are refused with
+# one line that gives the new name.
+MOVED = {"nano_rlhf.synthetic": "nano_rlhf.tasks.synthetic", "nano_rlhf.reasoning": "nano_rlhf.tasks.reasoning",
+         "nano_rlhf.ifeval": "nano_rlhf.tasks.ifeval", "nano_rlhf.run": "nano_rlhf.training"}
+
+
+def moved_module(text):
+    """(old, new) when text names a module of MOVED (`nano_rlhf.reasoning:reward`, `nano_rlhf.reasoning.f`, the
+    module itself), else None."""
+    if not isinstance(text, str):
+        return None
+    for part in text.split(","):
+        where = part.strip().split(":", 1)[0]
+        for old, new in MOVED.items():
+            if where == old or where.startswith(old + "."):
+                return old, new
+    return None
+
+
 # What a --resume may change. Every other option of every script is the run's identity (nano_rlhf/training.py compares
 # them all with the saved state/run.json), so an option added later is part of it unless it is named here.
 CHANGEABLE = frozenset({

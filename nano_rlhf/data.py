@@ -28,7 +28,8 @@ from typing import Callable, List, Sequence
 
 import torch
 
-from . import dist, synthetic
+from . import dist
+from .tasks import synthetic
 from .tokenizer import ROLES
 
 
@@ -700,7 +701,7 @@ def _safety_labels(obj, out, kind, where):
     """Copy and check a preference row's safety labels (see the table's notes): required for the safety kind,
     checked when present otherwise."""
     hint = ("the cost model needs 'safer' (\"chosen\" or \"rejected\") and 'chosen_safe', 'rejected_safe' "
-            "(true/false); the built-in task has them when generated with python -m nano_rlhf.synthetic --harm")
+            "(true/false); the built-in task has them when generated with python -m nano_rlhf.tasks.synthetic --harm")
     if "safer" in obj or kind == "safety":
         if "safer" not in obj:
             raise DataError(f"{where}: missing field 'safer' ({hint})")
@@ -938,7 +939,7 @@ def load_prompts(prompts, eval_prompts, eval_fraction, seed):
 #     default_data("preference", "eval")    # -> "data/preference_eval.jsonl"
 #
 # Scripts and package modules ask here for their default data and ask nano_rlhf/reward.py for the gold reward
-# (`builtin_gold`, `load_reward("gold")`); only these two modules name the task itself (nano_rlhf/synthetic.py).
+# (`builtin_gold`, `load_reward("gold")`); only these two modules name the task itself (nano_rlhf/tasks/synthetic.py).
 # The directory is $NANO_RLHF_DATA, else data/.
 BUILTIN_DIR = os.environ.get("NANO_RLHF_DATA", "data")
 

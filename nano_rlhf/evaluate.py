@@ -13,14 +13,14 @@ rate. Every reward goes through nano_rlhf.reward, the interface train_ppo.py use
 With a verifier as --reward, `--pass_k 1,8` adds pass@k for each k: the unbiased estimate of Chen et al. 2021
 from the n = --samples_per_prompt samples of each prompt (n >= k; a sample passes when its reward is at least
 --pass_threshold), averaged over prompts with its standard error over prompts. When the reward's module also
-defines `answer(completion) -> str | None` (the final answer it would check, e.g. nano_rlhf.reasoning.answer),
+defines `answer(completion) -> str | None` (the final answer it would check, e.g. nano_rlhf.tasks.reasoning.answer),
 maj@k is added too: the share of prompts whose majority answer among k samples is correct (self-consistency,
 Wang et al. 2023), averaged over k-subsets of the n samples as pass@k is (`maj_at_k`). With n >= 2, the
 zero-spread share is the share of prompts whose samples all pass or all fail: GRPO's and RLOO's advantages are
 0 on every one of them (what DAPO's dynamic sampling drops).
 
     python -m nano_rlhf.evaluate --model out/rsft --prompts data/reasoning/eval_prompts.jsonl \\
-        --reward nano_rlhf.reasoning:reward --samples_per_prompt 8 --pass_k 1,8
+        --reward nano_rlhf.tasks.reasoning:reward --samples_per_prompt 8 --pass_k 1,8
 
 Conversational prompts (a list of messages) are rendered with the model's own chat template (recognised from
 its tokenizer_config.json; --chat_template names one, --date_string fixes Llama 3's date) and a response ends

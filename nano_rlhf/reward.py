@@ -22,7 +22,7 @@ statistics are available as `reward.mean`, `reward.std`. A reward model addition
 round trip that need not give back the sampled ids.
 
 Nothing here is specific to an algorithm. The built-in task is named here (its gold reward and gold cost) and in
-nano_rlhf/data.py (its data files), nowhere else outside nano_rlhf/synthetic.py.
+nano_rlhf/data.py (its data files), nowhere else outside nano_rlhf/tasks/synthetic.py.
 """
 import importlib
 import importlib.util
@@ -34,9 +34,10 @@ import sys
 
 import torch
 
-from . import synthetic
+from .tasks import synthetic
 from .training import fail
 from .checkpoint import sha256_file
+from .cli import moved_module
 from .data import default_path, finite_number, pad_right
 from .sampling import generate, SamplingOptions
 
@@ -119,9 +120,9 @@ def gold(prompts, completions):
 
 
 def gold_cost(prompts, completions):
-    """The built-in task's gold cost (its harm dimension, python -m nano_rlhf.synthetic --harm) as an ordinary cost
-    function, one float per completion, > 0 = unsafe: `--cost nano_rlhf.reward:gold_cost`. A prompt that is not
-    the task's raises ValueError."""
+    """The built-in task's gold cost (its harm dimension, python -m nano_rlhf.tasks.synthetic --harm) as an ordinary
+    cost function, one float per completion, > 0 = unsafe: `--cost nano_rlhf.reward:gold_cost`. A prompt that is
+    not the task's raises ValueError."""
     bad = next((p for p in prompts if not synthetic.is_task_prompt(p)), None)
     if bad is not None:
         raise ValueError(f"gold_cost scores the built-in task's prompts only; not one of them: {bad!r}")
@@ -248,6 +249,9 @@ def load_object(spec, flag="--reward", expected="module:function or path/to/file
     if not where or not name:
         fail(f"{flag} {spec}: expected {expected}")
     is_file = where.endswith(".py") or os.sep in where or "/" in where
+    moved = None if is_file else moved_module(where)
+    if moved:
+        fail(f"{flag} {spec}: {moved[0]} is now {moved[1]}: {flag} {spec.replace(moved[0], moved[1], 1)}")
     if is_file and not os.path.isfile(where):
         fail(f"{flag} {spec}: no such file {where}")
     try:

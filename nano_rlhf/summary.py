@@ -7,6 +7,8 @@ import itertools
 import math
 import random
 
+from .tasks.common import mean_se
+
 
 def pass_at_k(n, c, k):
     """The unbiased pass@k estimate from n samples of which c are correct (Chen et al. 2021, eq. 1):
@@ -75,13 +77,6 @@ def by_prompt(samples):
             groups.append([])
         groups[-1].append(r)
     return groups
-
-
-def mean_se(xs):
-    n = len(xs)
-    m = sum(xs) / n
-    var = sum((x - m) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
-    return m, math.sqrt(var / n)
 
 
 def summarize(samples, baseline=None, pass_k=(), pass_threshold=1.0):

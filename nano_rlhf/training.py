@@ -61,7 +61,7 @@ import torch
 
 from . import checkpoint, dist, lora, parallel
 from .checkpoint import atomic_write_text, find_state, input_sha256, OutDirLock, RUN_FILES, save_state, sha256_file
-from .cli import CHANGEABLE, save_config, to_dict
+from .cli import CHANGEABLE, moved_module, save_config, to_dict
 from .data import DataError, default_data, load_train_eval
 from .model import GPT, non_finite
 
@@ -252,6 +252,11 @@ class Run:
         try:
             saved = checkpoint._read_json(path)
             was, now = saved["identity"], json.loads(json.dumps(self.identity))
+            old = next(((k, v) for k, v in was.items() if moved_module(v)), None)
+            if old is not None:        # a record made before a module moved: its specs name the old address
+                (k, v), (before, after) = old, moved_module(old[1])
+                return (f"--resume: {self.out_dir} was saved with --{k} {v}, and {before} is now {after}: a run "
+                        f"cannot continue across the move; start a new one with --{k} {v.replace(before, after, 1)}")
             diffs = [f"{k} {was.get(k)!r} != {now.get(k)!r}" for k in sorted(set(was) | set(now))
                      if k not in CHANGEABLE and was.get(k) != now.get(k)]
             was_sha, sha = saved["data_sha256"], self._data_sha()

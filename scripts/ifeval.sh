@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # A real model aligned and measured on instruction following it was not drilled on: SmolLM2-135M-Instruct and
-# nano_rlhf/ifeval.py's verifiable constraints (26 kinds in our own words after IFEval's instruction classes, 2-4
+# nano_rlhf/tasks/ifeval.py's verifiable constraints (26 kinds in our own words after IFEval's instruction classes, 2-4
 # phrasings each, over 14 task families x 40 topics; one to three constraints a prompt). Two ways to use the checker:
 #   DPO   on pairs the model sampled itself (4 samples for each of 256 prompts), the best and the worst by the
 #         share of constraints met
 #   GRPO  with that share as the reward, sampled live (16 steps x 8 prompts x 8 samples: as many samples as DPO)
 # then the start and both results on 300 held-out prompts whose task families, topics and last phrasings training
 # never saw, a third of them with one of 6 constraint kinds training never saw (IFBench-like): greedy, and sampled
-# (KL to the start); `python -m nano_rlhf.ifeval --report` gives per kind, loose, held-out kinds, answers that never
+# (KL to the start); `python -m nano_rlhf.tasks.ifeval --report` gives per kind, loose, held-out kinds, answers that never
 # end, repetition, and accuracy at equal answer length. About 75 minutes on 2 cores with bfloat16 matrix units
 # (AMX; the default there); float32 elsewhere: about 4 hours on 2 AVX2 cores (its stages measured: docs/real_models.md).
 #
@@ -27,7 +27,7 @@
 #   MODES="greedy sampled held" ...                # held: also greedy on 480 more prompts, every one opening with a
 #                                                  # held-out kind (80 each; another draw: $DATA/held), the test of
 #                                                  # transfer to unseen kinds (~19 min a model on 2 AVX2 cores)
-#   bash bench/gpu_ifeval.sh                       # how to run this on a GPU machine without PyPI or a model hub
+#   bash scripts/gpu_ifeval.sh                       # how to run this on a GPU machine without PyPI or a model hub
 #
 # Full fine-tuning (no LoRA). Each command is printed before it runs ("+ ..."); every stage gets --overwrite.
 set -euo pipefail
@@ -74,14 +74,14 @@ for s in dpo grpo; do want $s && arm $s && sed -i "/^$s\t/d" "$OUT/times.tsv"; d
 run() { echo "+ $*"; "$@"; }
 timed() { local name=$1 t0=$SECONDS; shift; run "$@"; printf '%s\t%s\n' "$name" $((SECONDS - t0)) >> "$OUT/times.tsv"; }
 
-want data && run $PY -m nano_rlhf.ifeval --out_dir "$DATA" $N
+want data && run $PY -m nano_rlhf.tasks.ifeval --out_dir "$DATA" $N
 # the held-out-kinds test: another seed's draws (its train file unused), every prompt opening with an unseen kind
-want data && run $PY -m nano_rlhf.ifeval --out_dir "$DATA/held" --seed 1 --held_out_kinds_only $NH
+want data && run $PY -m nano_rlhf.tasks.ifeval --out_dir "$DATA/held" --seed 1 --held_out_kinds_only $NH
 # DPO's data: 4 samples per training prompt, scored by the share of constraints met; the best and the worst of a
 # prompt become a pair (prompts whose samples all score the same give none). DPO's time includes it.
 if want dpo && arm dpo; then
 t0=$SECONDS
-run $PY -m nano_rlhf.label --model "$MODEL" --prompts "$DATA/train.jsonl" --judge nano_rlhf.ifeval:reward \
+run $PY -m nano_rlhf.label --model "$MODEL" --prompts "$DATA/train.jsonl" --judge nano_rlhf.tasks.ifeval:reward \
   --format pairs --samples_per_prompt 4 --temperature $T --batch_size $GB --seed $SEED \
   --out "$OUT/pairs.jsonl" --overwrite $LABEL
 run $PY train_dpo.py --init "$MODEL" --data "$OUT/pairs.jsonl" --out_dir "$OUT/dpo" --overwrite --seed $SEED \
@@ -98,7 +98,7 @@ fi
 # not reproduced on 2 AVX2 cores (float32 12 steps, bf16 autocast and sampling 4 steps: flat at 3.9 GB); cause not
 # yet found
 want grpo && arm grpo && timed grpo $PY train_ppo.py --init "$MODEL" --prompts "$DATA/train.jsonl" \
-  --reward nano_rlhf.ifeval:reward --advantage grpo --samples_per_prompt 8 --temperature $T --lr ${GRPO_LR:-2e-5} \
+  --reward nano_rlhf.tasks.ifeval:reward --advantage grpo --samples_per_prompt 8 --temperature $T --lr ${GRPO_LR:-2e-5} \
   --kl_coef 0 --ppo_epochs 1 --num_minibatches 1 --micro_batch_size ${MICRO:-2} --missing_eos_penalty none \
   --seed $SEED --dtype $DTYPE --rollout_dtype $DTYPE \
   --eval_interval 0 --save_interval 0 --out_dir "$OUT/grpo" --overwrite $GRPO ${EXTRA:-}
@@ -112,12 +112,12 @@ for mode in $MODES; do
   for name in start $ARMS; do
     dir=$OUT/$name; [ $name = start ] && dir=$MODEL
     run $PY -m nano_rlhf.evaluate --model "$dir" --name $name --prompts "$prompts" "${how[@]}" \
-      --reward nano_rlhf.ifeval:strict --sample_dtype $DTYPE --batch_size $GB --seed $SEED \
+      --reward nano_rlhf.tasks.ifeval:strict --sample_dtype $DTYPE --batch_size $GB --seed $SEED \
       --out "$OUT/$mode/$name.jsonl" --summary "$OUT/$mode/$name.summary.json" --overwrite $EVAL
     files+=("$OUT/$mode/$name.jsonl")
   done
   # the report covers this run's models only (an earlier run's files of another method stay, unreported)
-  echo "+ $PY -m nano_rlhf.ifeval --report ${files[*]} > $OUT/report_$mode.json"
-  $PY -m nano_rlhf.ifeval --report "${files[@]}" > "$OUT/report_$mode.json"
+  echo "+ $PY -m nano_rlhf.tasks.ifeval --report ${files[*]} > $OUT/report_$mode.json"
+  $PY -m nano_rlhf.tasks.ifeval --report "${files[@]}" > "$OUT/report_$mode.json"
 done
-run $PY bench/ifeval_table.py "$OUT"
+run $PY scripts/ifeval_table.py "$OUT"

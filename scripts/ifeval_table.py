@@ -1,12 +1,12 @@
 """The tables of scripts/ifeval.sh, from one or more of its output directories (one per seed):
 
-    python bench/ifeval_table.py out/ifeval out/ifeval_s1 [--json results/ifeval/results.json]
+    python scripts/ifeval_table.py out/ifeval out/ifeval_s1 [--json results/ifeval/results.json]
 
 Headline (greedy unless said): prompt-level strict accuracy on all held-out prompts, on those with training kinds
-only and on those with a held-out kind; loose; strict at equal answer length (nano_rlhf.ifeval.equal_length: the
+only and on those with a held-out kind; loose; strict at equal answer length (nano_rlhf.tasks.ifeval.equal_length: the
 models' answers cut into length bins at the pooled quartiles, each model's accuracy weighted by the pooled bin
 shares); instruction-level strict; mean answer length in tokens; the share of answers that never ended (cut at
-the token limit) and that loop (nano_rlhf.ifeval.repetitive); the training time. With several directories each
+the token limit) and that loop (nano_rlhf.tasks.ifeval.repetitive); the training time. With several directories each
 figure is the mean over seeds with the spread (min..max) beside it; with one, the standard error over prompts.
 Then each method minus the start, paired prompt by prompt (the per-prompt differences averaged over the seeds,
 ± the standard error over prompts), and per constraint kind the share met (greedy), held-out kinds marked. With
@@ -24,7 +24,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nano_rlhf.ifeval import HELD_OUT, check, differences, paired, parse
+from nano_rlhf.tasks.ifeval import HELD_OUT, check, differences, paired, parse
 
 NAMES = ("start", "dpo", "grpo")
 

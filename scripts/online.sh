@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Online DPO and DNO with a reward-model judge, against offline DPO at the same number of updates, several training
-# seeds, on two tasks: the built-in reviews and bench/recipes.py (a task outside the package: different prompts,
+# seeds, on two tasks: the built-in reviews and scripts/recipes.py (a task outside the package: different prompts,
 # answers of 4 to 13 words, its own reward model). The default (soft labels, the judge's own probability, on every
 # pair, with the pairs the reward model was fitted to beside them) and the two defaults before it (the same online
 # only; hard labels on best vs worst), so the table shows what each change bought. Every policy is judged by the
@@ -59,11 +59,11 @@ timed() {     # timed DIR NAME ARGS...: one stage, its wall-clock seconds into D
 for task in $TASKS; do
   T="$OUT/$task"; D="$T/data"; mkdir -p "$T"
   if [ "$task" = builtin ]; then
-    run $PY -m nano_rlhf.synthetic --out_dir "$D" $BUILTIN_DATA
+    run $PY -m nano_rlhf.tasks.synthetic --out_dir "$D" $BUILTIN_DATA
     GOLD=nano_rlhf.reward:gold
   else
-    run $PY bench/recipes.py "$D"
-    GOLD=bench/recipes.py:reward
+    run $PY scripts/recipes.py "$D"
+    GOLD=scripts/recipes.py:reward
   fi
   done_model "$T/sft" || run $PY train_sft.py --data "$D/sft.jsonl" --eval_data "$D/sft_eval.jsonl" --out_dir "$T/sft" \
     --overwrite --save_interval 0 $SFT
@@ -101,5 +101,5 @@ for task in $TASKS; do
   run $PY -m nano_rlhf.summary --baseline sft --key reward --out "$T/results.json" "${summaries[@]}"
 done
 case " $TASKS " in *" builtin "*)
-  run $PY bench/online_curves.py --out_dir "$OUT/builtin" --png "$OUT/online_curves.png" ;;
+  run $PY scripts/online_curves.py --out_dir "$OUT/builtin" --png "$OUT/online_curves.png" ;;
 esac

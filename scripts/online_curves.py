@@ -4,7 +4,7 @@ response length, for the default (soft labels on every pair, with the judge's tr
 two before it (the same online only; hard labels on best vs worst), the mean over training seeds with each seed
 faint behind it.
 
-    python bench/online_curves.py --out_dir out/online/builtin --png docs/online_curves.png
+    python scripts/online_curves.py --out_dir out/online/builtin --png docs/online_curves.png
 
 Reads OUT/seed*/VARIANT/metrics.jsonl (train/score, train/gold_reward, train/response_length, logged every step).
 A second task's curves have no gold column (train_online.py logs the gold reward of the built-in task only).

@@ -43,7 +43,7 @@ export NANO_RLHF_DATA="$DATA"
 
 run() { echo "+ $*"; "$@"; }
 
-run $PY -m nano_rlhf.synthetic --out_dir "$DATA" $DATA_ARGS
+run $PY -m nano_rlhf.tasks.synthetic --out_dir "$DATA" $DATA_ARGS
 run $TRAIN train_sft.py --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$OUT/sft" --overwrite $SFT
 run $TRAIN train_rm.py --init "$OUT/sft" --data "$DATA/preference.jsonl" --eval_data "$DATA/preference_eval.jsonl" --out_dir "$OUT/rm" --overwrite $RM
 for loss in dpo ipo simpo orpo; do

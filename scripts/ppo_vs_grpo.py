@@ -1,9 +1,9 @@
 """PPO (critic, train_ppo.py's defaults) against GRPO on a task that is NOT the built-in one, at equal
 completions per step and equal steps. One command:
 
-    python bench/ppo_vs_grpo.py                    # ~8 minutes on 2 shared CPU cores -> runs/ppo_vs_grpo/
-    python bench/ppo_vs_grpo.py --steps 100        # longer runs
-    python bench/ppo_vs_grpo.py --old_defaults     # also PPO at the previous defaults (16 completions, lr 2e-5)
+    python scripts/ppo_vs_grpo.py                    # ~8 minutes on 2 shared CPU cores -> runs/ppo_vs_grpo/
+    python scripts/ppo_vs_grpo.py --steps 100        # longer runs
+    python scripts/ppo_vs_grpo.py --old_defaults     # also PPO at the previous defaults (16 completions, lr 2e-5)
 
 The task ("colours"): `What colour is the {thing}?` -> ` The {thing} is {colour}.`; every thing has one
 (made-up) colour, and answers differ in that one word. (With bare one-word answers, ` red.`, the reward model
@@ -14,7 +14,7 @@ train the reward model. The gold reward (`gold` below: 1 when the answer names t
 other colour, else 0) only JUDGES: both RL runs are trained on the same trained reward model — one reward
 signal, one budget, only the estimator differs (a learned critic vs k samples per prompt) — so the
 comparison is the one a practitioner with an RM faces. The gold score is the mean over held-out prompts x 4
-samples at temperature 1, computed by `python -m nano_rlhf.evaluate --reward bench/ppo_vs_grpo.py:gold`
+samples at temperature 1, computed by `python -m nano_rlhf.evaluate --reward scripts/ppo_vs_grpo.py:gold`
 (the reward interface's `module:function` path).
 
 Prints one table: gold before (SFT), after PPO and after GRPO (mean ± standard error), KL to the SFT policy,
@@ -101,7 +101,7 @@ def sh(*args, log=None):
 
 def evaluate(d, models, task, summary):
     sh("-m", "nano_rlhf.evaluate", "--model", *models, "--ref", models[0], "--prompts", f"{task}/eval_prompts.jsonl",
-       "--reward", "bench/ppo_vs_grpo.py:gold", "--samples_per_prompt", "4", "--max_new_tokens", "12",
+       "--reward", "scripts/ppo_vs_grpo.py:gold", "--samples_per_prompt", "4", "--max_new_tokens", "12",
        "--summary", summary, "--overwrite", "--seed", "1", log=os.path.join(d, "evaluate.log"))
     return {r["model"]: r for r in json.load(open(summary))}
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# RL with verifiable rewards on the built-in reasoning task (nano_rlhf/reasoning.py): an SFT policy, then GRPO and
+# RL with verifiable rewards on the built-in reasoning task (nano_rlhf/tasks/reasoning.py): an SFT policy, then GRPO and
 # its siblings from it at one shared setting, several training seeds each, judged by held-out pass@1 and pass@8
 # of the task's verifier; TRL's GRPOTrainer at the same setting beside them when TRL_PYTHON names a Python with
 # trl (bench/trl_grpo.py). The table says which variants learn, by one definition (nano_rlhf/summary.py's
@@ -46,7 +46,7 @@ fi
 # shared by every variant: the SFT policy, the prompts, the verifier as the reward (no penalty replacing the 0/1
 # of a truncated answer: DAPO brings its own length rule), the steps and samples, the update's passes, the lr
 COMMON="--init $OUT/sft --prompts $DATA/prompts.jsonl --eval_prompts $DATA/eval_prompts.jsonl
-        --reward nano_rlhf.reasoning:reward --missing_eos_penalty none --eval_interval 0 --eval_samples 16
+        --reward nano_rlhf.tasks.reasoning:reward --missing_eos_penalty none --eval_interval 0 --eval_samples 16
         --save_interval 0 --ppo_epochs 1 --num_minibatches 2 --lr 5e-5 $RL"
 declare -A METHOD=(
   [grpo]="--advantage grpo --kl_in_loss --kl_coef 0.04"        # Shao et al. 2024: k3 in the loss
@@ -64,7 +64,7 @@ spawn() { while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done; ( "$@" 
 done_model() { [ -f "$1/model.safetensors" ]; }
 mkdir -p "$OUT"
 
-run $PY -m nano_rlhf.reasoning --out_dir "$DATA" $DATA_ARGS
+run $PY -m nano_rlhf.tasks.reasoning --out_dir "$DATA" $DATA_ARGS
 if done_model "$OUT/sft"; then echo "reusing $OUT/sft"; else
   run $PY train_sft.py --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$OUT/sft" --overwrite \
     --save_interval 0 $SFT
@@ -85,7 +85,7 @@ for seed in $SEEDS; do
   done
   if [ -n "${TRL_PYTHON:-}" ] && ! done_model "$OUT/seed$seed/trl_grpo"; then
     spawn timed_rl "$seed" trl_grpo "$TRL_PYTHON" bench/trl_grpo.py --init "$OUT/sft" --prompts "$DATA/prompts.jsonl" \
-      --reward nano_rlhf.reasoning:reward --out_dir "$OUT/seed$seed/trl_grpo" $TRL_RL --lr 5e-5 --ppo_epochs 1 \
+      --reward nano_rlhf.tasks.reasoning:reward --out_dir "$OUT/seed$seed/trl_grpo" $TRL_RL --lr 5e-5 --ppo_epochs 1 \
       --num_minibatches 2 --beta 0.04 --seed "$seed" --threads 1
   fi
 done
@@ -96,7 +96,7 @@ summaries=()
 for seed in $SEEDS; do
   models=("$OUT/sft")
   for v in $VARIANTS trl_grpo; do done_model "$OUT/seed$seed/$v" && models+=("$OUT/seed$seed/$v"); done
-  run $PY -m nano_rlhf.evaluate --model "${models[@]}" --ref "$OUT/sft" --reward nano_rlhf.reasoning:reward \
+  run $PY -m nano_rlhf.evaluate --model "${models[@]}" --ref "$OUT/sft" --reward nano_rlhf.tasks.reasoning:reward \
     --prompts "$DATA/eval_prompts.jsonl" --summary "$OUT/seed$seed/results.json" --overwrite --times "$OUT/seed$seed/times.tsv" \
     $EVAL
   summaries+=("$OUT/seed$seed/results.json")
@@ -104,4 +104,4 @@ done
 KEY=pass@1
 run $PY -m nano_rlhf.summary --baseline sft --key $KEY --out "$OUT/results.json" "${summaries[@]}"
 run $PY -m nano_rlhf.plot --runs $(for v in $VARIANTS; do echo "$OUT/seed${SEEDS%% *}/$v"; done) --out_dir "$OUT"
-if [ -n "${TRL_PYTHON:-}" ]; then run $PY bench/rlvr_curves.py --out_dir "$OUT" --png "$OUT/plots/rlvr_curves.png"; fi
+if [ -n "${TRL_PYTHON:-}" ]; then run $PY scripts/rlvr_curves.py --out_dir "$OUT" --png "$OUT/plots/rlvr_curves.png"; fi

@@ -3,8 +3,8 @@ ingredients of a dish. Answers differ in content and in length (a dish has 2 to 
 runs from 4 to 13 words), the prompts are questions, not review requests, and the reward model is trained here
 on this task's pairs only, so its blind spots are its own.
 
-    python bench/recipes.py OUT_DIR          # writes sft, preference, prompts files (+ _eval splits) under OUT_DIR
-    python -m nano_rlhf.evaluate --model M --prompts OUT_DIR/eval_prompts.jsonl --reward bench/recipes.py:reward
+    python scripts/recipes.py OUT_DIR          # writes sft, preference, prompts files (+ _eval splits) under OUT_DIR
+    python -m nano_rlhf.evaluate --model M --prompts OUT_DIR/eval_prompts.jsonl --reward scripts/recipes.py:reward
 
 Prompt:      "What goes into a pancake?\\nAnswer:"     (10 phrasings; 3 are held out for evaluation)
 Completion:  " You need flour, eggs and milk."
@@ -15,7 +15,7 @@ beyond 4 + 2 × the dish's ingredient count. The best answer scores the dish's i
 
 SFT demonstrations are of mixed quality (some ingredients missing, a wrong one, a repeat, a filler sentence);
 preference pairs are two such answers labelled by Bradley–Terry on the gold reward, P(a ≻ b) = σ(g_a − g_b), as
-the built-in task labels its own (nano_rlhf/synthetic.py). Nothing here is imported by the package or the tests.
+the built-in task labels its own (nano_rlhf/tasks/synthetic.py). Nothing here is imported by the package or the tests.
 """
 import json
 import math

@@ -2,7 +2,7 @@
 the training reward (the verifier's mean over each rollout) and the KL to the SFT policy per token, against rollouts and
 against wall-clock seconds, the mean over training seeds with each seed faint behind it.
 
-    python bench/rlvr_curves.py --out_dir out/reasoning --png docs/rlvr_curves.png
+    python scripts/rlvr_curves.py --out_dir out/reasoning --png docs/rlvr_curves.png
 
 Ours: OUT/seed*/grpo/metrics.jsonl (train/rm_score_raw: the raw reward of the step's rollout; train/kl;
 train/step_time). TRL's: OUT/seed*/trl_grpo/trl_log.jsonl (bench/trl_grpo.py's copy of TRL's log: one line per

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Safe RLHF on the built-in task with its harm dimension (python -m nano_rlhf.synthetic --harm: tips that end some
+# Safe RLHF on the built-in task with its harm dimension (python -m nano_rlhf.tasks.synthetic --harm: tips that end some
 # answers, half of them hacks the gold reward likes best and the gold cost marks unsafe): SFT -> a reward model and a
 # cost model (train_rm.py --objective cost) -> PPO with the reward alone, and PPO-Lagrangian (train_ppo.py
 # --cost_model) at two cost limits, several training seeds; every policy judged on held-out prompts by the gold
@@ -43,7 +43,7 @@ timed() {     # timed DIR NAME ARGS...: one stage, its wall-clock seconds into D
 }
 
 mkdir -p "$OUT"
-[ -f "$D/task.json" ] || run $PY -m nano_rlhf.synthetic --out_dir "$D" --harm $DATA
+[ -f "$D/task.json" ] || run $PY -m nano_rlhf.tasks.synthetic --out_dir "$D" --harm $DATA
 done_model "$OUT/sft" || run $PY train_sft.py --data "$D/sft.jsonl" --eval_data "$D/sft_eval.jsonl" \
   --out_dir "$OUT/sft" --overwrite --save_interval 0 $SFT
 # the two signals from the same pairs: which answer is better, and which is safer (with each answer's safe label)
@@ -76,5 +76,5 @@ for seed in $SEEDS; do
     --summary "$S/results.json" --overwrite --times "$S/times.tsv" $EVAL
   summaries+=("$S/results.json")
 done
-run $PY bench/safe_report.py --out_dir "$OUT" --variants sft $VARIANTS --json "$OUT/results.json" \
+run $PY scripts/safe_report.py --out_dir "$OUT" --variants sft $VARIANTS --json "$OUT/results.json" \
   --png "$OUT/safe_curves.png"

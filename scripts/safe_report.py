@@ -3,7 +3,7 @@ each policy's held-out gold reward, gold cost, share of unsafe answers (gold cos
 standard deviation over training seeds, the final λ of each Lagrangian run; per-step curves of the cost model's
 mean cost, λ and the gold reward of the step's samples (mean over seeds, each seed faint behind it).
 
-    python bench/safe_report.py --out_dir out/safe --variants sft ppo ppo_lag_d-2 ppo_lag_d0 \\
+    python scripts/safe_report.py --out_dir out/safe --variants sft ppo ppo_lag_d-2 ppo_lag_d0 \\
         --json out/safe/results.json --png out/safe/safe_curves.png
 
 Reads OUT/seed*/results.json (python -m nano_rlhf.evaluate --summary) and OUT/seed*/VARIANT/metrics.jsonl.

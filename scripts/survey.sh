@@ -58,7 +58,7 @@ mkdir -p "$OUT"
 # timed NAME CMD...: run a training stage and record its wall-clock seconds (the table prints them beside each policy)
 timed() { local name=$1 t0=$SECONDS; shift; run "$@"; printf '%s\t%s\n' "$name" $((SECONDS - t0)) >> "$OUT/survey_times.tsv"; }
 
-run $PY -m nano_rlhf.synthetic --out_dir "$DATA" $DATA_ARGS
+run $PY -m nano_rlhf.tasks.synthetic --out_dir "$DATA" $DATA_ARGS
 if [ -f "$OUT/sft/model.safetensors" ]; then
   echo "reusing $OUT/sft"
 else

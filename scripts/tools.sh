@@ -9,7 +9,7 @@
 #
 # The tool-free arm is scripts/reasoning.sh's GRPO row, run by that script into $OUT/notools (its SFT, its setting,
 # its evaluation). The tool arm differs in the data and what a rollout may do, nothing else:
-#   data: python -m nano_rlhf.reasoning --tool_rate 0.2 — the same problems and phrasings as conversations offering
+#   data: python -m nano_rlhf.tasks.reasoning --tool_rate 0.2 — the same problems and phrasings as conversations offering
 #         the calculator, a fifth of the demonstrations calling it (on the whole expression, or on the first step
 #         only and then by hand); the other demonstrations are the tool-free ones.
 #   SFT:  the same 2400 steps, batch and model; block_size 128 instead of 64, the longest trajectory (tool list,
@@ -17,7 +17,7 @@
 #   RL:   the same GRPO (150 steps x 16 prompts x 8 samples, lr 5e-5, β 0.04 in the loss) with --tools calculator,
 #         --max_turns 3 and a budget of 64 tokens for the sampled and tool tokens together (48 without tools).
 # The table: pass@1, pass@8, tool calls per answer, share of malformed calls, KL, share of answers cut by the budget,
-# training time; the plot: training reward and tool calls per step (bench/tools_report.py).
+# training time; the plot: training reward and tool calls per step (scripts/tools_report.py).
 #
 # Stages resume: a stage whose output directory holds its model is skipped. Runs go JOBS at a time (default 2), one
 # thread each.
@@ -51,7 +51,7 @@ run env OUT="$OUT/notools" VARIANTS=grpo SEEDS="$SEEDS" JOBS="$JOBS" PYTHON="$PY
   DATA="${FREE_DATA:-data/reasoning}" bash scripts/reasoning.sh
 
 # the tool arm
-run $PY -m nano_rlhf.reasoning --out_dir "$DATA" --tool_rate "$TOOL_RATE" $DATA_ARGS
+run $PY -m nano_rlhf.tasks.reasoning --out_dir "$DATA" --tool_rate "$TOOL_RATE" $DATA_ARGS
 T=$OUT/tools
 if done_model "$T/sft"; then echo "reusing $T/sft"; else
   run $PY train_sft.py --data "$DATA/sft.jsonl" --eval_data "$DATA/sft_eval.jsonl" --out_dir "$T/sft" --overwrite \
@@ -67,7 +67,7 @@ for seed in $SEEDS; do
   mkdir -p "$T/seed$seed"; touch "$T/seed$seed/times.tsv"
   if done_model "$T/seed$seed/grpo_tools"; then echo "reusing $T/seed$seed/grpo_tools"; continue; fi
   spawn timed_rl "$seed" $PY train_ppo.py --init "$T/sft" --prompts "$DATA/prompts.jsonl" \
-    --eval_prompts "$DATA/eval_prompts.jsonl" --reward nano_rlhf.reasoning:reward --missing_eos_penalty none \
+    --eval_prompts "$DATA/eval_prompts.jsonl" --reward nano_rlhf.tasks.reasoning:reward --missing_eos_penalty none \
     --eval_interval 0 --eval_samples 16 --save_interval 0 --ppo_epochs 1 --num_minibatches 2 --lr 5e-5 $RL \
     --advantage grpo --kl_in_loss --kl_coef 0.04 $TOOLS --seed "$seed" --out_dir "$T/seed$seed/grpo_tools" --overwrite
 done
@@ -76,9 +76,9 @@ while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n; done
 summaries=()
 for seed in $SEEDS; do
   run $PY -m nano_rlhf.evaluate --model "$T/sft" "$T/seed$seed/grpo_tools" --ref "$T/sft" \
-    --reward nano_rlhf.reasoning:reward --prompts "$DATA/eval_prompts.jsonl" $TOOLS $EVAL \
+    --reward nano_rlhf.tasks.reasoning:reward --prompts "$DATA/eval_prompts.jsonl" $TOOLS $EVAL \
     --summary "$T/seed$seed/results.json" --overwrite --times "$T/seed$seed/times.tsv"
   summaries+=("$T/seed$seed/results.json")
 done
 run $PY -m nano_rlhf.summary --baseline sft --key pass@1 --out "$T/results.json" "${summaries[@]}"
-run $PY bench/tools_report.py --out_dir "$OUT" --json "$OUT/results.json" --png "$OUT/tools_curves.png"
+run $PY scripts/tools_report.py --out_dir "$OUT" --json "$OUT/results.json" --png "$OUT/tools_curves.png"

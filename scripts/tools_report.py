@@ -6,7 +6,7 @@ column's s.d.); per-step curves of the training reward, the tool calls per sampl
 over seeds smoothed over 10 steps, each seed faint behind it); and where the tool-using policy's errors are (each
 first call's kind, its share and how often it is right; pass@1 by the number of operands, with and without tools).
 
-    python bench/tools_report.py --out_dir out/tools --json out/tools/results.json --png out/tools/tools_curves.png
+    python scripts/tools_report.py --out_dir out/tools --json out/tools/results.json --png out/tools/tools_curves.png
 
 Reads OUT/{notools,tools}/seed*/results.json (python -m nano_rlhf.evaluate --summary), the runs' metrics.jsonl and
 the evaluation's samples (MODEL/eval_samples.jsonl).
@@ -76,7 +76,7 @@ def markdown(rows):
     return "\n".join(lines)
 
 
-# the problem's expression in a prompt, as nano_rlhf.reasoning's verifier finds it (the last one)
+# the problem's expression in a prompt, as nano_rlhf.tasks.reasoning's verifier finds it (the last one)
 EXPR = re.compile(r"-?\d+(?:\s*[-+*×]\s*-?\d+)+")
 KINDS = ("whole expression", "one step", "miscopied", "malformed", "no call")
 

@@ -29,7 +29,7 @@ def pytest_configure(config):
     controlling process before any worker starts, so that no two tests generate them at the same time."""
     if hasattr(config, "workerinput"):
         return
-    from nano_rlhf import synthetic
+    from nano_rlhf.tasks import synthetic
     if not os.path.isfile(os.path.join(ROOT, "data", "task.json")):      # task.json is written last
         synthetic.write_dataset(os.path.join(ROOT, "data"), seed=0)
 
@@ -323,7 +323,7 @@ SMALL = dict(n_sft=50, n_pref=40, n_unpaired=20, n_prompts=10, n_eval_prompts=8,
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
     """The built-in task's files at small sizes, written once per test module."""
-    from nano_rlhf import synthetic
+    from nano_rlhf.tasks import synthetic
     d = tmp_path_factory.mktemp("task")
     synthetic.write_dataset(str(d), seed=0, **SMALL)
     return d

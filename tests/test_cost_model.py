@@ -291,7 +291,7 @@ def test_rows_without_safety_labels_are_one_line_naming_file_and_line(tmp_path, 
     assert p.stderr.strip().splitlines() == [f"error: {data}:6: missing field 'rejected_safe' (the cost model needs "
                                              "'safer' (\"chosen\" or \"rejected\") and 'chosen_safe', 'rejected_safe' "
                                              "(true/false); the built-in task has them when generated with python -m "
-                                             "nano_rlhf.synthetic --harm)"]
+                                             "nano_rlhf.tasks.synthetic --harm)"]
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from conftest import prompt_rows, run, tiny_model, write_jsonl
-from nano_rlhf import evaluate, synthetic
+from nano_rlhf import evaluate
+from nano_rlhf.tasks import synthetic
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_gold_column_only_when_every_prompt_is_the_builtin_task(tmp_path, sft_di
     (["--seed", "-1"], "a seed must be in [0, 2**63)"),
     (["--pass_k", "1"], "--pass_k applies only with --reward; here it would be ignored"),
     (["--pass_threshold", "0.5"], "--pass_threshold applies only with --pass_k; here it would be ignored"),
-    (["--reward", "nano_rlhf.reasoning:reward", "--pass_k", "2"], "--pass_k 2 needs --samples_per_prompt >= 2"),
+    (["--reward", "nano_rlhf.tasks.reasoning:reward", "--pass_k", "2"], "--pass_k 2 needs --samples_per_prompt >= 2"),
     (["--model", "a", "b"], "--out applies to one --model; with 2, each writes MODEL/eval_samples.jsonl"),
     (["--reward", "no_such_module_q:f"], "cannot import module"),
 ])

@@ -204,7 +204,7 @@ def test_greedy_generation_equals_transformers(tmp_path, name, dtype):
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    from nano_rlhf import synthetic
+    from nano_rlhf.tasks import synthetic
     d = tmp_path_factory.mktemp("task")
     synthetic.write_dataset(str(d), seed=0, **SMALL)
     return d

@@ -1,4 +1,4 @@
-"""The verifiable-instruction task (nano_rlhf/ifeval.py): each constraint's checker on hand-written answers, every
+"""The verifiable-instruction task (nano_rlhf/tasks/ifeval.py): each constraint's checker on hand-written answers, every
 phrasing read back from the prompt text, malformed answers scoring 0 without an error, held-out kinds, phrasings,
 task families and topics kept out of training, the loose reading, the report at equal length, and the checker
 working as `--reward module:function`."""
@@ -11,7 +11,7 @@ import random
 import pytest
 from conftest import ROOT
 
-from nano_rlhf import ifeval
+from nano_rlhf.tasks import ifeval
 from nano_rlhf.reward import load_function
 
 CASES = [  # (kind, args, answer, met)
@@ -216,9 +216,9 @@ def test_paired_differences_and_their_standard_error(tmp_path, capsys):
 
 
 def test_table_of_runs_with_the_held_out_kinds_test(tmp_path, capsys):
-    """bench/ifeval_table.py over two seeds' directories, one with MODES held only: the held-out-kinds test's rows
+    """scripts/ifeval_table.py over two seeds' directories, one with MODES held only: the held-out-kinds test's rows
     and its paired line (per-prompt differences averaged over the seeds, then mean ± s.e. over prompts)."""
-    spec = importlib.util.spec_from_file_location("ifeval_table", os.path.join(ROOT, "bench", "ifeval_table.py"))
+    spec = importlib.util.spec_from_file_location("ifeval_table", os.path.join(ROOT, "scripts", "ifeval_table.py"))
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
     q = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("start_with", {"word": "Well"})}]
@@ -271,7 +271,7 @@ def test_repetitive_marks_a_loop_not_a_long_answer():
 
 
 def test_checker_is_an_ordinary_reward_function():
-    fn = load_function("nano_rlhf.ifeval:reward")
+    fn = load_function("nano_rlhf.tasks.ifeval:reward")
     p = [{"role": "user", "content": "Describe snow briefly. " + ifeval.sentence("max_words", {"n": 3})}]
     assert fn([p, p], ["cold white flakes", "it is cold and white"]) == [1.0, 0.0]
 

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from nano_rlhf import synthetic
+from nano_rlhf.tasks import synthetic
 from nano_rlhf.reward import Judge, bradley_terry, load_judge
 
 

@@ -10,28 +10,59 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "nano_rlhf"
 
 
-def _imported(node):
-    """The top-level names, as written, that one import node refers to inside nano_rlhf."""
+def _modules():
+    """{dotted name inside nano_rlhf ("model", "tasks.synthetic"): path}; a package's __init__ is not a module."""
+    return {".".join(p.relative_to(PKG).with_suffix("").parts): p for p in sorted(PKG.rglob("*.py"))
+            if p.name != "__init__.py"}
+
+
+MODULES = _modules()
+PACKAGES = {".".join(p.relative_to(PKG).parent.parts) for p in PKG.rglob("__init__.py")} - {""}
+
+
+def _resolved(node, here=None):
+    """[(module, name)] that one import node refers to inside nano_rlhf: the module as a dotted name (a package
+    imported as such stays its name), the name imported from it (None for a module imported whole). here: the
+    dotted name of the importing module (relative imports), None outside the package."""
     if isinstance(node, ast.Import):
-        return [a.name.split(".")[1] for a in node.names if a.name.startswith("nano_rlhf.")]
+        return [(a.name.split(".", 1)[1], None) for a in node.names if a.name.startswith("nano_rlhf.")]
     if not isinstance(node, ast.ImportFrom):
         return []
-    if node.level == 1 or (node.level == 0 and node.module == "nano_rlhf"):
-        if node.level == 1 and node.module:  # from .x import y / from .x.z import y
-            return [node.module.split(".")[0]]
-        return [a.name for a in node.names]  # from . import x / from nano_rlhf import x
-    if node.level == 0 and node.module and node.module.startswith("nano_rlhf."):
-        return [node.module.split(".")[1]]
-    return []
+    if node.level:
+        if here is None:
+            return []
+        base = here.split(".")[:-1]
+        if node.level - 1 > len(base):
+            return []
+        base = base[:len(base) - (node.level - 1)]
+    elif node.module == "nano_rlhf" or (node.module or "").startswith("nano_rlhf."):
+        base, node_module = [], node.module.split(".", 1)[1] if "." in node.module else None
+        return _named(base, node_module, node.names)
+    else:
+        return []
+    return _named(base, node.module, node.names)
+
+
+def _named(base, module, names):
+    prefix = ".".join(base + ([module] if module else []))
+    out = []
+    for a in names:          # one entry a name: (None, name) for a name nano_rlhf itself does not have
+        full = f"{prefix}.{a.name}" if prefix else a.name
+        out.append((full, None) if full in MODULES or full in PACKAGES else (prefix or None, a.name))
+    return out
+
+
+def _imported(node, here=None):
+    """The nano_rlhf modules (dotted names) that one import node refers to."""
+    return [m for m, _ in _resolved(node, here) if m is not None]
 
 
 def import_graph():
     """{module: set of nano_rlhf modules it imports}."""
-    mods = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
     graph = {}
-    for m in sorted(mods):
-        tree = ast.parse((PKG / f"{m}.py").read_text(), filename=f"nano_rlhf/{m}.py")
-        graph[m] = {n for node in ast.walk(tree) for n in _imported(node) if n in mods and n != m}
+    for m, path in MODULES.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        graph[m] = {d for node in ast.walk(tree) for d in _imported(node, m) if d in MODULES and d != m}
     return graph
 
 
@@ -58,13 +89,17 @@ def find_cycle(graph):
 
 
 def test_import_graph_sees_every_kind_of_import():
-    """The parser itself: relative, absolute and function-local imports all make edges; others do not."""
-    src = ("import os\nimport nano_rlhf.a\nfrom nano_rlhf import b\nfrom nano_rlhf.c.x import y\n"
-           "from . import d, e\nfrom .f import z\nfrom torch import nn\nfrom .. import nope\n"
-           "def fn():\n    from .g import w\n")
-    found = {n for node in ast.walk(ast.parse(src)) for n in _imported(node)}
-    assert found == {"a", "b", "c", "d", "e", "f", "g"}, found
-    assert "model" in import_graph()["evaluate"]
+    """The parser itself: relative, absolute and function-local imports all make edges, a subpackage's modules by
+    their dotted names; others do not."""
+    src = ("import os\nimport nano_rlhf.model\nfrom nano_rlhf import dist\nfrom nano_rlhf.tasks.synthetic import x\n"
+           "from . import data, chat\nfrom .cli import z\nfrom torch import nn\nfrom ... import nope\n"
+           "def fn():\n    from .sampling import w\n")
+    found = {n for node in ast.walk(ast.parse(src)) for n in _imported(node, "reward")}
+    assert found == {"model", "dist", "tasks.synthetic", "data", "chat", "cli", "sampling"}, found
+    in_task = "from ..chat import a\nfrom .common import b\nfrom . import synthetic\n"
+    found = {n for node in ast.walk(ast.parse(in_task)) for n in _imported(node, "tasks.ifeval")}
+    assert found == {"chat", "tasks.common", "tasks.synthetic"}, found
+    assert "model" in import_graph()["evaluate"] and "tasks.common" in import_graph()["tasks.ifeval"]
 
 
 def test_package_has_no_import_cycles():
@@ -94,56 +129,67 @@ def _defined(tree, probes=True):
 
 
 def _trees():
-    return {p.stem: ast.parse(p.read_text(), filename=str(p)) for p in PKG.glob("*.py") if p.stem != "__init__"}
+    return {m: ast.parse(p.read_text(), filename=str(p)) for m, p in MODULES.items()}
+
+
+def _here(f):
+    """The dotted module name of a file inside the package, None for one outside it."""
+    return ".".join(f.relative_to(PKG).with_suffix("").parts) if PKG in f.parents else None
+
+
+def _outside_files():
+    root = PKG.parent
+    return sorted(root.glob("train_*.py")) + sorted((root / "tests").glob("*.py")) + sorted((root / "bench").glob("*.py")) \
+        + sorted((root / "dev").glob("*.py")) + sorted((root / "scripts").glob("*.py"))
 
 
 def test_every_name_is_imported_from_the_module_that_defines_it():
     """One address per name: `from nano_rlhf.X import name` (or `from .X import name`) names a module, or a
-    name X defines, never one X only imports (a re-export); scripts, tests and bench/ are held to it too."""
+    name X defines, never one X only imports (a re-export); scripts, tests, bench/, dev/ and scripts/ are held to
+    it too."""
     trees = _trees()
     defined = {m: _defined(t) for m, t in trees.items()}
-    root = PKG.parent
-    files = sorted(PKG.glob("*.py")) + sorted(root.glob("train_*.py")) + sorted((root / "tests").glob("*.py")) \
-        + sorted((root / "bench").glob("*.py"))
     wrong = []
-    for f in files:
+    for f in list(MODULES.values()) + _outside_files():
+        here = _here(f)
         for n in ast.walk(ast.parse(f.read_text(), filename=str(f))):
             if not isinstance(n, ast.ImportFrom):
                 continue
-            inside = f.parent == PKG and n.level == 1
-            if n.level == 0 and n.module == "nano_rlhf" or inside and n.module is None:
-                wrong += [f"{f.name}:{n.lineno}: no module {a.name}" for a in n.names if a.name not in trees]
-            elif inside or n.level == 0 and (n.module or "").startswith("nano_rlhf."):
-                m = n.module.split(".")[0 if inside else 1]
-                wrong += [f"{f.name}:{n.lineno}: {a.name} is not defined in nano_rlhf/{m}.py" for a in n.names
-                          if a.name not in defined.get(m, ()) and a.name not in trees]
+            for m, name in _resolved(n, here):
+                if m is None:
+                    wrong.append(f"{f.relative_to(PKG.parent)}:{n.lineno}: no module {name}")
+                elif name is not None and (m not in defined or name not in defined[m]):
+                    wrong.append(f"{f.relative_to(PKG.parent)}:{n.lineno}: {name} is not defined in nano_rlhf/"
+                                 f"{m.replace('.', '/')}.py")
     assert not wrong, "\n".join(wrong)
 
 
 def test_every_module_attribute_used_is_defined_there():
     """The same for `from nano_rlhf import X` / `import nano_rlhf.X as M` followed by `X.name` in the package, the
-    scripts and bench/: name is defined in X, not merely imported there. (Tests may reach a module's binding of
-    an imported name: that is how a test patches what the module calls.)"""
+    scripts, bench/, dev/ and scripts/: name is defined in X, not merely imported there. (Tests may reach a
+    module's binding of an imported name: that is how a test patches what the module calls.)"""
     trees = _trees()
     defined = {m: _defined(t) for m, t in trees.items()}
     root = PKG.parent
-    files = sorted(PKG.glob("*.py")) + sorted(root.glob("train_*.py")) + sorted((root / "bench").glob("*.py"))
+    files = list(MODULES.values()) + [f for f in _outside_files() if f.parent != root / "tests"]
     wrong = []
     for f in files:
         tree = ast.parse(f.read_text(), filename=str(f))
-        alias = {}
+        here, alias = _here(f), {}
         for n in ast.walk(tree):
-            if isinstance(n, ast.ImportFrom) and (n.level == 0 and n.module == "nano_rlhf"
-                                                  or f.parent == PKG and n.level == 1 and n.module is None):
-                alias.update({a.asname or a.name: a.name for a in n.names if a.name in trees})
+            if isinstance(n, ast.ImportFrom):
+                for a, (m, name) in zip(n.names, _resolved(n, here)):
+                    if name is None and m in MODULES:
+                        alias[a.asname or a.name] = m
             elif isinstance(n, ast.Import):
-                alias.update({a.asname: a.name.split(".")[1] for a in n.names
-                              if a.asname and a.name.startswith("nano_rlhf.") and a.name.split(".")[1] in trees})
+                alias.update({a.asname: a.name.split(".", 1)[1] for a in n.names
+                              if a.asname and a.name.startswith("nano_rlhf.") and a.name.split(".", 1)[1] in MODULES})
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in alias:
                 m = alias[n.value.id]
                 if n.attr not in defined[m] and not n.attr.startswith("__"):
-                    wrong.append(f"{f.name}:{n.lineno}: {n.value.id}.{n.attr} is not defined in nano_rlhf/{m}.py")
+                    wrong.append(f"{f.relative_to(root)}:{n.lineno}: {n.value.id}.{n.attr} is not defined in "
+                                 f"nano_rlhf/{m.replace('.', '/')}.py")
     assert not wrong, "\n".join(sorted(set(wrong)))
 
 
@@ -172,7 +218,7 @@ def test_no_script_imports_another_script():
 
 
 COMMANDS = {"evaluate", "label", "merge", "summary", "plot"}     # python -m nano_rlhf.X: leaves of the graph
-TASKS = {"synthetic", "reasoning", "ifeval"}                       # the built-in tasks and their data writers
+TASKS = {m for m in MODULES if m.startswith("tasks.")}            # the built-in tasks and their shared protocol
 
 
 def test_no_core_module_imports_a_command():
@@ -182,6 +228,15 @@ def test_no_core_module_imports_a_command():
     found = sorted(f"{m} imports {c}" for m, deps in graph.items() if m not in COMMANDS | TASKS
                    for c in deps & COMMANDS)
     assert not found, found
+
+
+def test_a_task_imports_only_chat_cli_and_tasks_common():
+    """A task knows no model, tokenizer or training (tasks/common.py says its protocol): its package imports are
+    the templates' text (chat), its command line (cli) and the shared helpers (tasks.common)."""
+    graph = import_graph()
+    found = sorted(f"{m} imports {d}" for m in TASKS for d in graph[m] - {"chat", "cli", "tasks.common"})
+    assert not found, found
+    assert sorted(MODULES) == sorted(m for m in MODULES if "." not in m or m in TASKS), "a subpackage besides tasks/"
 
 
 def test_every_option_is_declared_in_its_script_or_with_the_shared_run_options():
@@ -209,7 +264,7 @@ def _imported_scripts(node, scripts):
 
 
 def test_package_and_script_lines_fit_120_characters():
-    files = sorted(PKG.glob("*.py")) + sorted(PKG.parent.glob("train_*.py"))
+    files = sorted(PKG.rglob("*.py")) + sorted(PKG.parent.glob("train_*.py"))
     long = [f"{p.relative_to(PKG.parent)}:{i}" for p in files
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
     assert not long, "lines over 120 characters: " + ", ".join(long)

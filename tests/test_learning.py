@@ -96,7 +96,7 @@ def gold_of(model_dir, task):
 def builtin_sft(tmp_path):
     """The built-in task at a small size and a small SFT policy trained on it (a few seconds)."""
     import train_sft
-    from nano_rlhf import synthetic
+    from nano_rlhf.tasks import synthetic
     task = tmp_path / "task"
     synthetic.write_dataset(str(task), seed=0, n_sft=2000, n_pref=1000, n_unpaired=10, n_prompts=200,
                             n_eval_prompts=256, n_listwise=10)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 import train_dpo
 import train_listwise as L
 from conftest import SMALL, metrics, pref_rows, run, weights_close, write_jsonl
-from nano_rlhf import synthetic
+from nano_rlhf.tasks import synthetic
 from nano_rlhf.data import DataError, collate_listwise, listwise_to_pairs, load_records, tokenize_listwise
 from nano_rlhf.model import GPT
 

@@ -283,7 +283,7 @@ def metrics(path):
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    from nano_rlhf import synthetic
+    from nano_rlhf.tasks import synthetic
     d = tmp_path_factory.mktemp("task")
     synthetic.main(["--out_dir", str(d), "--n_sft", "50", "--n_pref", "20", "--n_unpaired", "20", "--n_prompts", "40",
                     "--n_eval_prompts", "8"])

@@ -209,7 +209,7 @@ def main_exit(capfd, argv):
     ["--advantage", "rloo", "--reward", "gold", "--prompts", "BUILTIN"],
 ], ids=["ptx-cliphigh-entropy", "critic-from-policy-no-ref", "rloo-gold"])
 def test_option_paths_end_to_end(tmp_path, sft_dir, rm_dir, extra):
-    from nano_rlhf import synthetic
+    from nano_rlhf.tasks import synthetic
     if "SFT" in extra:
         write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "review the phone", "completion": " great screen"}] * 16)
     if "BUILTIN" in extra:

@@ -1,4 +1,4 @@
-"""The verifiable reasoning task (nano_rlhf/reasoning.py) and pass@k / maj@k in nano_rlhf/evaluate.py: the verifier
+"""The verifiable reasoning task (nano_rlhf/tasks/reasoning.py) and pass@k / maj@k in nano_rlhf/evaluate.py: the verifier
 on hand-written correct, wrong and malformed answers, the prompt read back, imperfect demonstrations in their
 stated shares, seeded files with held-out problems, the CLI, pass@k against a brute-force enumeration of every
 k-subset, maj@k on hand-worked cases, and evaluate --pass_k end to end on a tiny model."""
@@ -11,7 +11,8 @@ from collections import Counter
 import pytest
 
 from conftest import run, write_jsonl
-from nano_rlhf import evaluate, reasoning, summary
+from nano_rlhf import evaluate, summary
+from nano_rlhf.tasks import common, reasoning
 from nano_rlhf.reward import load_function
 
 P = "Compute 7 + 5 * 3 - 4.\nSolution:"        # = 18
@@ -132,7 +133,7 @@ def test_files_are_seeded_and_hold_out_their_problems(tmp_path):
 
 def test_cli_writes_the_files_and_refuses_bad_flags_in_one_line(tmp_path, capsys):
     out = tmp_path / "r"
-    p = run(["-m", "nano_rlhf.reasoning", "--out_dir", str(out), "--n_sft", "50", "--n_prompts", "10",
+    p = run(["-m", "nano_rlhf.tasks.reasoning", "--out_dir", str(out), "--n_sft", "50", "--n_prompts", "10",
              "--n_eval_prompts", "5", "--seed", "2"], timeout=120)
     assert "the verifier accepts" in p.stdout
     assert sum(1 for _ in open(out / "eval_prompts.jsonl")) == 5 and sum(1 for _ in open(out / "sft.jsonl")) == 48
@@ -150,7 +151,7 @@ def test_cli_writes_the_files_and_refuses_bad_flags_in_one_line(tmp_path, capsys
 
 
 def test_verifier_and_answer_hook_load_as_a_reward_module():
-    fn = load_function("nano_rlhf.reasoning:reward")
+    fn = load_function("nano_rlhf.tasks.reasoning:reward")
     assert fn([P, P], [" Answer: 18", " Answer: 1"]) == [1.0, 0.0]
     assert fn.module.answer(" Answer: 18") == "18"
 
@@ -254,7 +255,7 @@ def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
         mk = [brute_maj([s["answer"] for s in g], [s["reward"] for s in g], k) for g in per_prompt]
         assert rows[0][f"pass@{k}"] == pytest.approx(sum(pk) / 6)
         assert rows[0][f"maj@{k}"] == pytest.approx(sum(mk) / 6)
-        assert rows[0][f"pass@{k}_se"] == pytest.approx(summary.mean_se(pk)[1])
+        assert rows[0][f"pass@{k}_se"] == pytest.approx(common.mean_se(pk)[1])
     assert rows[0]["pass@1"] == pytest.approx(rows[0]["reward"])
     # prompts whose samples all pass or all fail: no group-relative signal
     assert rows[0]["zero_spread"] == sum(len({s["reward"] for s in g}) == 1 for g in per_prompt) / 6
@@ -265,7 +266,7 @@ def test_evaluate_reports_pass_and_maj_at_k(tmp_path, sft_dir):
     assert rows[0]["answered"] == sum(s["answer"] is not None for s in got) / 30 and "answered " in line
     # the built-in verifier: a random model answers nothing right, and the figures are there
     rows = evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), "--max_new_tokens", "4",
-                          "--samples_per_prompt", "2", "--pass_k", "2", "--reward", "nano_rlhf.reasoning:reward",
+                          "--samples_per_prompt", "2", "--pass_k", "2", "--reward", "nano_rlhf.tasks.reasoning:reward",
                           "--overwrite"])
     assert rows[0]["pass@2"] == 0.0 and rows[0]["maj@2"] == 0.0 and rows[0]["zero_spread"] == 1.0
     assert all("answer" in json.loads(x) for x in open(out))
@@ -282,7 +283,7 @@ def test_bad_pass_k_is_one_line_before_sampling(tmp_path, sft_dir, capsys, monke
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Compute 1 + 2."}])
     out = tmp_path / "s.jsonl"
     monkeypatch.setattr(evaluate.GPT, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
-    args = ["--reward", "nano_rlhf.reasoning:reward"] if "--reward" not in extra else []
+    args = ["--reward", "nano_rlhf.tasks.reasoning:reward"] if "--reward" not in extra else []
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--model", sft_dir, "--prompts", prompts, "--out", str(out), *args, *extra])
     lines = capsys.readouterr().err.strip().splitlines()

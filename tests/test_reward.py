@@ -4,7 +4,7 @@ import torch
 
 from conftest import run
 from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
-from nano_rlhf import synthetic
+from nano_rlhf.tasks import synthetic
 from nano_rlhf.data import collate_prompts
 from nano_rlhf.model import ScoreModel
 from nano_rlhf.reward import RewardModel, builtin_gold, load_reward

@@ -346,7 +346,8 @@ def test_gold_figures_only_where_every_eval_prompt_is_the_builtin_tasks(tmp_path
     """train_rm asks the reward interface for the gold reward: on the built-in task's eval pairs it logs the
     gold reward's own accuracy on their labels; one off-task or one conversational prompt and none is logged."""
     import train_rm
-    from nano_rlhf import reward, synthetic
+    from nano_rlhf import reward
+    from nano_rlhf.tasks import synthetic
     synthetic.write_dataset(str(tmp_path / "d"), seed=0, n_sft=20, n_pref=120, n_unpaired=20, n_prompts=4,
                             n_eval_prompts=4, n_listwise=8)
     rows = [json.loads(x) for x in open(tmp_path / "d" / "preference_eval.jsonl")]

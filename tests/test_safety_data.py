@@ -145,7 +145,7 @@ def test_train_rm_reads_the_pku_layout_in_both_objectives(tmp_path, tok):
 
 # ---- the built-in task's opt-in harm dimension -----------------------------------------------------------------
 
-from nano_rlhf import synthetic as S                                                       # noqa: E402
+from nano_rlhf.tasks import synthetic as S                                                 # noqa: E402
 
 SIZES = dict(n_sft=60, n_pref=50, n_unpaired=30, n_prompts=10, n_eval_prompts=8, n_listwise=20)
 # sha256 (first 16 hex digits) of every file write_dataset(seed=3, **SIZES) wrote before the harm dimension existed

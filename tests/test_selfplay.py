@@ -9,7 +9,7 @@ import torch
 
 import train_ppo
 from conftest import eos_prone, gae_only, prompt_rows, run, tiny_model, write_jsonl
-from nano_rlhf import synthetic
+from nano_rlhf.tasks import synthetic
 from nano_rlhf.data import tokenize_prompts
 from nano_rlhf.model import GPT
 from nano_rlhf.reward import Judge, eval_columns, load_judge, preference_matrix

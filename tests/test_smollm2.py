@@ -225,7 +225,7 @@ def test_ifeval_script_tiny_from_smollm2(smol, tmp_path):
         assert report[files[0]]["held_out_kinds"]["n"] == 4
     assert json.loads((out / "sampled" / "start.summary.json").read_text())[0]["kl"] == 0.0
     assert [line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()] == ["dpo", "grpo"]
-    table = subprocess.run([sys.executable, "bench/ifeval_table.py", str(out)], cwd=root, capture_output=True,
+    table = subprocess.run([sys.executable, "scripts/ifeval_table.py", str(out)], cwd=root, capture_output=True,
                            text=True, timeout=60)
     assert table.returncode == 0 and "| grpo |" in table.stdout, table.stderr
     assert "| grpo (1 seed) |" in table.stdout and "| dpo (1 seed) |" in table.stdout
@@ -241,7 +241,7 @@ def test_ifeval_script_tiny_from_smollm2(smol, tmp_path):
         files = [str(part / mode / "start.jsonl"), str(part / mode / "grpo.jsonl")]
         assert list(report) == files + ["equal_length", "paired"]
     assert report[files[0]]["held_out_kinds"]["n"] == report[files[0]]["all"]["n"] == 6     # every test prompt
-    table = subprocess.run([sys.executable, "bench/ifeval_table.py", str(out), str(part)], cwd=root,
+    table = subprocess.run([sys.executable, "scripts/ifeval_table.py", str(out), str(part)], cwd=root,
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "| grpo (2 seeds) |" in table.stdout and "| dpo (1 seed) |" in table.stdout
     assert "Held-out-kinds test: 6 prompts" in table.stdout and "(1 seed)" in table.stdout.split("Held-out")[1]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from nano_rlhf import synthetic as S
+from nano_rlhf.tasks import synthetic as S
 from nano_rlhf.data import load_records
 
 SMALL = dict(n_sft=400, n_pref=300, n_unpaired=200, n_prompts=50, n_eval_prompts=40)
@@ -138,7 +138,8 @@ def test_default_data_adds_a_file_an_old_data_directory_lacks(tmp_path, monkeypa
 # rename waits 0.2 s, so that two writers of one file are mid-write together; both start at one signal.
 FIRST_RUN = """
 import os, sys, time
-from nano_rlhf import data as data_mod, synthetic
+from nano_rlhf import data as data_mod
+from nano_rlhf.tasks import synthetic
 synthetic.write_dataset.__defaults__ = (0, 400, 300, 200, 50, 40, 0.05, 20, False)
 replace = os.replace
 os.replace = lambda a, b: (time.sleep(0.2), replace(a, b))
@@ -179,7 +180,7 @@ def test_two_first_runs_generate_the_built_in_data_once(tmp_path):
 
 SLOW_RENAMES = """
 import os, sys, time
-from nano_rlhf import synthetic
+from nano_rlhf.tasks import synthetic
 replace = os.replace
 os.replace = lambda a, b: (time.sleep(0.2), replace(a, b))
 open(sys.argv[2] + ".ready", "w").close()
@@ -191,7 +192,7 @@ synthetic.main(["--out_dir", sys.argv[1], "--n_sft", "400", "--n_pref", "300", "
 
 
 def test_two_writers_of_one_directory_each_write_whole_files(tmp_path):
-    """python -m nano_rlhf.synthetic twice at once into one directory (no lock there): every file ends complete
+    """python -m nano_rlhf.tasks.synthetic twice at once into one directory (no lock there): every file ends complete
     and identical to one writer's, no temporary file left. With one shared temporary name per file, one writer
     truncated the other's mid-write and then failed to rename a temporary file the other had renamed away."""
     data, go = tmp_path / "data", tmp_path / "go"

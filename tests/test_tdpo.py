@@ -185,7 +185,8 @@ def test_l1_coef_end_to_end_shrinks_the_delta(tmp_path, sft_dir):
 
 
 def test_tdpo_with_l1_end_to_end_on_the_builtin_task(tmp_path, sft_dir, monkeypatch):
-    from nano_rlhf import data as data_mod, synthetic
+    from nano_rlhf import data as data_mod
+    from nano_rlhf.tasks import synthetic
     synthetic.write_dataset(str(tmp_path / "data"), seed=0, n_sft=40, n_pref=100, n_unpaired=40, n_prompts=10,
                             n_eval_prompts=8)
     monkeypatch.setattr(data_mod, "BUILTIN_DIR", str(tmp_path / "data"))

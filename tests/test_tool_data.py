@@ -4,7 +4,9 @@ turns only, and read as preference prompts."""
 import pytest
 from numerics import FLOAT32_ATOL  # see tests/numerics.py
 
-from nano_rlhf import chat, ifeval, reasoning
+from nano_rlhf import chat
+
+from nano_rlhf.tasks import ifeval, reasoning
 
 PROMPT = [{"role": "user", "content": "Compute 7 + 5 * 3 - 4."}]      # 18
 

@@ -38,7 +38,7 @@ def test_evaluate_with_tools_counts_calls_and_malformed_ones(tmp_path, monkeypat
     summary = tmp_path / "s.json"
     rows = evaluate.main(["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--tools", "calculator",
                           "--max_turns", "3", "--max_new_tokens", str(len(script) + 4), "--reward",
-                          "nano_rlhf.reasoning:reward", "--summary", str(summary), "--out", str(tmp_path / "o.jsonl")])
+                          "nano_rlhf.tasks.reasoning:reward", "--summary", str(summary), "--out", str(tmp_path / "o.jsonl")])
     (sample,) = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert sample["completion"] == tok.decode_turns(script) and sample["eos"]
     assert (sample["tool_calls"], sample["malformed_calls"], sample["reward"]) == (2, 1, 1.0)
@@ -86,7 +86,7 @@ def test_label_with_tools_writes_tool_turns_as_messages(tmp_path, monkeypatch):
     prompts = checkpoint_and_prompt(tmp_path, tok)
     out = tmp_path / "lw.jsonl"
     rows = label.main(["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--judge",
-                       "nano_rlhf.reasoning:reward", "--format", "listwise", "--samples_per_prompt", "2", "--tools",
+                       "nano_rlhf.tasks.reasoning:reward", "--format", "listwise", "--samples_per_prompt", "2", "--tools",
                        "calculator", "--max_turns", "3", "--max_new_tokens", str(len(script) + 4), "--out", str(out)])
     want = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
             {"role": "tool", "content": "11"}, {"role": "assistant", "content": "Answer: 11"}]

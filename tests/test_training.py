@@ -524,3 +524,27 @@ def test_resume_after_an_overwrite_killed_before_its_first_save_names_the_set_as
     subprocess.run(f"mv out/toy/{aside}/* out/toy/ && rmdir out/toy/{aside}", shell=True, check=True)
     toy.main(["--resume", "--max_steps", "3"])
     assert json.load(open("out/toy/state/meta.json"))["step"] == 3
+
+
+def test_a_module_that_moved_is_refused_with_its_new_name(tmp_path, sft_dir, rm_dir, capsys):
+    """The tasks moved into nano_rlhf/tasks/ and run.py became training.py, with nothing left at the old
+    addresses: a spec that names an old module is one line giving the new one, and so is --resume of a run
+    recorded before the move (its state/run.json names the old module: rewritten here as such a run wrote it)."""
+    import train_ppo
+    from conftest import one_line_error
+    from test_rlvr import grpo
+    args = grpo(tmp_path, sft_dir, rm_dir, "run", "--reward", "nano_rlhf.tasks.reasoning:reward", steps=1)
+    old = [a.replace("nano_rlhf.tasks.reasoning", "nano_rlhf.reasoning") for a in args]
+    err = one_line_error(capsys, lambda: train_ppo.main(old), "--reward nano_rlhf.reasoning:reward: ")
+    assert "nano_rlhf.reasoning is now nano_rlhf.tasks.reasoning: --reward nano_rlhf.tasks.reasoning:reward" in err
+    assert not (tmp_path / "run").exists()
+    train_ppo.main(args)
+    record = tmp_path / "run" / "state" / "run.json"
+    saved = json.loads(record.read_text())
+    assert saved["identity"]["reward"] == "nano_rlhf.tasks.reasoning:reward"
+    saved["identity"]["reward"] = "nano_rlhf.reasoning:reward"          # what the run recorded before the move
+    record.write_text(json.dumps(saved))
+    err = one_line_error(capsys, lambda: train_ppo.main(args + ["--resume"]), f"--resume: {tmp_path / 'run'} was "
+                         "saved with --reward nano_rlhf.reasoning:reward, and nano_rlhf.reasoning is now "
+                         "nano_rlhf.tasks.reasoning")
+    assert err.endswith("start a new one with --reward nano_rlhf.tasks.reasoning:reward")

@@ -10,7 +10,7 @@ import torch
 
 import train_unpaired as tu
 from conftest import metrics, one_line_error, run, tiny_model, unpaired_rows, weights_close, write_jsonl
-from nano_rlhf import synthetic
+from nano_rlhf.tasks import synthetic
 from nano_rlhf import data as data_mod
 from nano_rlhf.data import DataError, load_scored, tokenize_unpaired
 from nano_rlhf.model import ScoreModel

@@ -1,13 +1,13 @@
 """Verifiable instruction following: prompts that carry constraints code can check, and the checker as an ordinary
 reward function, for aligning a real chat model on something a user recognises.
 
-    python -m nano_rlhf.ifeval --out_dir data/ifeval         # train.jsonl, eval.jsonl (held out), task.json
+    python -m nano_rlhf.tasks.ifeval --out_dir data/ifeval         # train.jsonl, eval.jsonl (held out), task.json
     python train_ppo.py --init MODEL --prompts data/ifeval/train.jsonl --advantage grpo \\
-        --reward nano_rlhf.ifeval:reward ...
-    python -m nano_rlhf.label --judge nano_rlhf.ifeval:reward ...                  # self-sampled pairs for DPO
-    python -m nano_rlhf.evaluate --model OUT --prompts data/ifeval/eval.jsonl --reward nano_rlhf.ifeval:strict
-    python -m nano_rlhf.ifeval --report START.jsonl OUT.jsonl [...]   # per kind, loose, equal length, paired
-    python -m nano_rlhf.ifeval --out_dir data/ifeval_held --seed 1 --n_eval 480 --held_out_kinds_only
+        --reward nano_rlhf.tasks.ifeval:reward ...
+    python -m nano_rlhf.label --judge nano_rlhf.tasks.ifeval:reward ...                  # self-sampled pairs for DPO
+    python -m nano_rlhf.evaluate --model OUT --prompts data/ifeval/eval.jsonl --reward nano_rlhf.tasks.ifeval:strict
+    python -m nano_rlhf.tasks.ifeval --report START.jsonl OUT.jsonl [...]   # per kind, loose, equal length, paired
+    python -m nano_rlhf.tasks.ifeval --out_dir data/ifeval_held --seed 1 --n_eval 480 --held_out_kinds_only
         # a larger test of the held-out kinds alone (80 prompts each), from another seed's draws
 
 The constraints (CONSTRAINTS) are our own wording of Google's IFEval instruction classes (Zhou et al. 2023: length,
@@ -34,8 +34,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .chat import final_turn
-from .summary import mean_se
+from ..chat import final_turn
+from .common import mean_se, prompt_text
 
 # ---- the constraints ------------------------------------------------------------------------------------------
 
@@ -249,16 +249,6 @@ _PATTERNS = [(k, i, _regex(p)) for k in CONSTRAINTS for i, p in enumerate(k.phra
 def sentence(kind, args, phrasing=0):
     """The sentence that states a constraint (parse reads it back)."""
     return BY_NAME[kind].phrasings[phrasing].format(**args)
-
-
-def prompt_text(prompt):
-    """The text the constraints are read from: a string prompt, or the last user message of a conversation."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-        return users[-1] if users and isinstance(users[-1], str) else ""
-    return ""
 
 
 def parse(prompt):

@@ -1,12 +1,12 @@
 """A verifiable reasoning task: short multi-step arithmetic, worked step by step, checked by code.
 
-    python -m nano_rlhf.reasoning --out_dir data/reasoning [--seed 0]   # sft.jsonl, sft_eval.jsonl, prompts.jsonl,
-                                                                         # eval_prompts.jsonl, task.json
+    python -m nano_rlhf.tasks.reasoning --out_dir data/reasoning [--seed 0]   # sft.jsonl, sft_eval.jsonl,
+                                                                    # prompts.jsonl, eval_prompts.jsonl, task.json
     python train_sft.py --data data/reasoning/sft.jsonl --eval_data data/reasoning/sft_eval.jsonl --out_dir out/rsft
     python -m nano_rlhf.evaluate --model out/rsft --prompts data/reasoning/eval_prompts.jsonl \\
-        --reward nano_rlhf.reasoning:reward --samples_per_prompt 8 --pass_k 1,8
+        --reward nano_rlhf.tasks.reasoning:reward --samples_per_prompt 8 --pass_k 1,8
     python train_ppo.py --init out/rsft --prompts data/reasoning/prompts.jsonl --advantage grpo \\
-        --reward nano_rlhf.reasoning:reward ...
+        --reward nano_rlhf.tasks.reasoning:reward ...
 
 Prompt:      "Compute 7 + 5 * 3 - 4.\\nSolution:"   (4 phrasings; 2 to 4 operands from 1 to 9; +, - and *)
 Completion:  " 5 * 3 = 15. 7 + 15 = 22. 22 - 4 = 18. Answer: 18"
@@ -49,9 +49,9 @@ import random
 import re
 from fractions import Fraction
 
-from .chat import final_turn
-from .cli import OneLineErrors
-from .ifeval import prompt_text   # a string prompt, or a conversation's last user message
+from ..chat import final_turn
+from ..cli import OneLineErrors
+from .common import prompt_text   # a string prompt, or a conversation's last user message
 
 OPS = "+-*"
 MAX_VALUE = 99                     # every intermediate value of a generated problem is in [0, MAX_VALUE]

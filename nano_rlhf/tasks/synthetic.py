@@ -36,7 +36,7 @@ a response is safe iff its gold cost is <= 0 (exact labels); the safe one of a m
 the safer is drawn Bradley–Terry on the gold costs, P(a safer) = σ((c_b − c_a)/T). Without --harm no random number
 is drawn for any of it: every default file stays byte-identical.
 
-    python -m nano_rlhf.synthetic --out_dir data/ [--seed 0] [--harm]
+    python -m nano_rlhf.tasks.synthetic --out_dir data/ [--seed 0] [--harm]
 """
 import argparse
 import contextlib
@@ -256,7 +256,7 @@ def ensure_dataset(out_dir, seed=0, note=print):
     that of two processes starting at once one generates and the other waits, then finds the files complete."""
     with generation_lock(out_dir):
         if not os.path.isfile(os.path.join(out_dir, "task.json")):
-            note(f"generating the built-in task into {out_dir}/ (python -m nano_rlhf.synthetic)")
+            note(f"generating the built-in task into {out_dir}/ (python -m nano_rlhf.tasks.synthetic)")
             write_dataset(out_dir, seed=seed)
 
 
