@@ -137,7 +137,7 @@ class Options(FrozenModelOptions, RunOptions):
                                                  # selfplay: 0, the worst win rate); none = off; a score, bounded as
                                                  # every reward is (reward.MAX_SCORE) {-1e15 <= x <= 1e15}
     score_clip: float = 5.0       # clip the normalised reward-model score to ±this; inf = no clipping
-                                  # [with reward=model] {> 0}
+                                  # [with reward=model] {0 < x <= inf}
     score_warn: float = 3.0       # warn once if the mean raw score leaves the first step's mean ± this × its sd
                                   # (nano_rlhf/watch.py; collapsed responses are always warned about); 0 = off {>= 0}
     normalize_score: bool = True  # (R − μ)/σ with the statistics train_rm.py saved [with reward=model]
@@ -174,7 +174,7 @@ class Options(FrozenModelOptions, RunOptions):
     correction_cap: float = 2.0   # C, the weight cap (tis) or the ratio range [1/C, C] kept (mask)
                                   # [with rollout_correction!=none] {> 1}
     # ---- the critic, the entropy bonus, the pre-training mix
-    value_clip: float = 0.2       # critic update clip ε_v; inf = no clipping [with advantage=gae] {> 0}
+    value_clip: float = 0.2       # critic update clip ε_v; inf = no clipping [with advantage=gae] {0 < x <= inf}
     entropy_coef: float = 0.0     # entropy bonus coefficient c_H {>= 0}
     ptx_data: str = ""            # SFT JSONL for the pre-training mix (InstructGPT PPO-ptx); empty = off
                                   # [with ptx_coef>0]
@@ -187,13 +187,13 @@ class Options(FrozenModelOptions, RunOptions):
                                   # its safe/unsafe boundary) [with cost_model or cost] {-1e15 <= x <= 1e15}
     lambda_init: float = 1.0      # λ at the start [with cost_model or cost] {> 0}
     lambda_lr: float = 0.1        # η, the step of log λ's gradient ascent [with cost_model or cost] {>= 0}
-    lambda_max: float = 5.0       # λ's cap; inf = none [with cost_model or cost] {> 0}
+    lambda_max: float = 5.0       # λ's cap; inf = none [with cost_model or cost] {0 < x <= inf}
     lambda_delay: int = 0         # steps before λ first moves [with cost_model or cost] {>= 0}
     cost_window: int = 128        # J_C averages the last this many episode costs of each rank [with cost_model or
                                   # cost] {>= 1}
     cost_critic_init: Literal["auto", "cost_model", "policy"] = "auto"  # the cost critic's start; auto = the cost
-                                                                        # model if one [with cost_model or cost and
-                                                                        # advantage=gae]
+                                                                        # model if one [with (cost_model or cost)
+                                                                        # and advantage=gae]
     # ---- optimisation, schedule, evaluation
     lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {0 <= x <= 1e3}
     critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 [with advantage=gae]

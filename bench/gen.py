@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench as B  # noqa: E402  bench/bench.py: timeit
+import bench as B
 from nano_rlhf.model import GPT, GPTConfig
 
 REF = dict(vocab_size=4096, block_size=256, n_layer=4, n_head=4, n_embd=256)

@@ -172,7 +172,7 @@ def part_correctness(a, device):
 def fold_outcomes(out):
     """correctness.json's fields from the files the tests append to (also after a run stopped at its limit)."""
     read = lambda f: [json.loads(x) for x in open(os.path.join(out, f))] if os.path.exists(os.path.join(out, f)) \
-        else []   # noqa: E731
+        else []
     tests, measurements = read("outcomes.jsonl"), read("measurements.jsonl")
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
     for f in ("outcomes.jsonl", "measurements.jsonl"):
@@ -486,7 +486,7 @@ def run_part(a, part):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     path = os.path.join(a.out, f"{part}.json")
-    save = lambda obj: write_json(path, {"part": part, "done": False, **obj})   # noqa: E731
+    save = lambda obj: write_json(path, {"part": part, "done": False, **obj})
     t0 = time.time()
     if part == "env":
         result = part_env(a, device)

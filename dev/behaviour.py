@@ -88,7 +88,7 @@ def runs():
     """Every run, in order. Paths are under $WORK (replaced by the real directory when run)."""
     d, r = f"{WORK}/runs/data", f"{WORK}/runs"
     sft, rm = f"{r}/sft", f"{r}/rm"
-    out = lambda name: ["--out_dir", f"{r}/{name}"]  # noqa: E731
+    out = lambda name: ["--out_dir", f"{r}/{name}"]
     py, m = ["python"], ["python", "-m"]
     L = [
         # the shared inputs: the built-in task's data, the SFT policy every other run starts from, the reward model
@@ -176,7 +176,7 @@ def runs():
     # the package's other command lines on the runs' outputs: merging (PAFT), evaluation, RLAIF labelling.
     # evaluate takes one model per run here: with several it writes into each model's own directory (--out
     # takes one), and the SFT policy's samples are the PPO policy's baseline for the win rate
-    evaluate = lambda name: ["--ref", sft, "--reward_model", rm, "--prompts", f"{d}/eval_prompts.jsonl",  # noqa: E731
+    evaluate = lambda name: ["--ref", sft, "--reward_model", rm, "--prompts", f"{d}/eval_prompts.jsonl",
                              "--max_new_tokens", "24", "--out", f"{r}/{name}/samples.jsonl",
                              "--summary", f"{r}/{name}/summary.json", "--device", "cpu"]
     L += [

@@ -430,7 +430,7 @@ def trace_main(out, pkgs, argv):
         error = None if e.code in (0, None) else f"exit {e.code}"
     finally:
         sys.setprofile(None)
-    rel = lambda fn: os.path.relpath(fn, ROOT)  # noqa: E731
+    rel = lambda fn: os.path.relpath(fn, ROOT)
     for s in segments.values():
         run |= s
     imported = sorted({rel(m.__file__) for m in list(sys.modules.values())

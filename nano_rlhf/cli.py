@@ -21,26 +21,30 @@ A comment may end with a range in braces, which parse_args enforces before anyth
     lr: float = 3e-4            # peak learning rate {> 0}
     top_p: float = 1.0          # nucleus sampling {0 < x <= 1}
 
-Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x < b}; a, b are numbers
-(`inf`, `-inf` allowed). `none` is always allowed for an Optional field. A violation prints one line,
+Forms: {> a} {>= a} {< b} {<= b} {a < x < b} {a <= x <= b} {a < x <= b} {a <= x < b}; a, b are numbers,
+`inf` and `-inf` among them. `none` is always allowed for an Optional field. A violation prints one line,
 `error: --lr must be > 0 (got -1.0)`, and exits with status 2 (argparse's status for a bad command line).
-A float option never takes `nan` (it fails no comparison), nor `inf` / `-inf` (an open range like {> 0} would
-let them through) unless its comment gives inf a meaning with "inf = ..." (`score_clip`: inf = no clipping), nor a
-value float32 cannot hold (beyond ±3.4e38, or non-zero below 1.4e-45: see FLOAT32_MAX).
-A `seed` is an int in [0, 2**63).
+A float option never takes `nan` (it fails no comparison), nor `inf` / `-inf` unless its range includes them as a
+bound (`score_clip ... {0 < x <= inf}`: an open range like {> 0} refuses them), nor a value float32 cannot hold
+(beyond ±3.4e38, or non-zero below 1.4e-45: see FLOAT32_MAX). A `seed` is an int in [0, 2**63).
 
 A comment may also say when the option applies, in brackets: `[with NAME]` (NAME is true, non-zero or non-empty),
-`[with NAME=a|b]`, `[with NAME!=a]`, `[with NAME>0]`, several joined by ` and ` or ` or ` (`and` binds looser:
-`[with a or b and c]` is (a or b) and c). An option given on the command line (whatever its value, the default
-included) where its condition is false would be silently ignored, so parse_args refuses it: one line,
+`[with NAME=a|b]`, `[with NAME!=a]`, `[with NAME>0]`, several joined by ` and ` or by ` or `; to mix them, the
+or-groups take parentheses, `[with (a or b) and c]` (a mix without them is refused, as is any other nesting: a
+reader never has to know which binds tighter). An option given on the command line (whatever its value, the
+default included) where its condition is false would be silently ignored, so parse_args refuses it: one line,
 `error: --dual_clip applies only with --policy_loss dual_clip (got ppo)`, exit 2.
 --help shows the condition as written.
+
+Everything here is read from the class's source, so an Options class must be defined in a file: one whose source
+cannot be read (made with exec, in a REPL) is refused, never parsed without its help, ranges and conditions.
 """
 import argparse
 import dataclasses
 import functools
 import inspect
 import io
+import math
 import operator
 import re
 import sys
@@ -76,8 +80,10 @@ def _own_field_comments(cls):
     """
     try:
         src = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
+    except (OSError, TypeError) as e:
+        raise TypeError(f"{cls.__qualname__}: its source cannot be read ({e}); an options class is read from its "
+                        "source (each field's comment is its --help, range and [with ...] condition), so define it "
+                        "in a file") from None
     comments, line_names = {}, {}
     open_ = None          # (field name, row, column) of the comment the next comment-only line may continue
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
@@ -124,6 +130,11 @@ def parse_range(comment: str):
     raise ValueError(f"bad range {{{text}}} in option comment {comment!r}")
 
 
+def allows_inf(rng):
+    """True when a parsed range (parse_range) includes inf or -inf as a bound: only then may the option be ±inf."""
+    return rng is not None and any(bound in (math.inf, -math.inf) and op in (">=", "<=") for op, bound in rng[1])
+
+
 def range_violation(name: str, value, rng):
     """The one-line message for a value outside its declared range, or None when it is inside (a list option:
     the first of its values outside)."""
@@ -148,21 +159,46 @@ def check_ranges(opts):
             sys.exit(2)
 
 
+def _top_level(text, word):
+    """text split at ` word ` outside parentheses."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(text):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0 and text.startswith(f" {word} ", i):
+            parts.append(text[start:i])
+            start = i = i + len(word) + 2
+            continue
+        i += 1
+    return parts + [text[start:]]
+
+
 def parse_condition(comment: str):
     """The [with ...] condition of a field comment as a list of parts that must all hold, each a list of
-    alternatives of which one must hold ([with a or b and c]: (a or b) and c), each alternative (name, op, values)
-    (op: "true", "=", "!=", ">"); None without one. A bracket group that does not parse is a programming error
-    (ValueError)."""
+    alternatives of which one must hold ([with (a or b) and c]: [[a, b], [c]]), each alternative (name, op,
+    values) (op: "true", "=", "!=", ">"); None without one. A bracket group that does not parse, or that mixes
+    `and` and `or` without parentheses around the or-groups, is a programming error (ValueError)."""
     m = _WITH.search(comment or "")
     if m is None:
         return None
+    text = " ".join(m.group(1).split())
+    bad = ValueError(f"bad condition [with {m.group(1)}] in option comment {comment!r}: write NAME..., joined by "
+                     "`and` or by `or`, an or-group in parentheses where both are used: [with (a or b) and c]")
+    parts = _top_level(text, "and")
+    if len(parts) == 1:
+        parts = [f"({text})"] if len(_top_level(text, "or")) > 1 else parts
+    elif any(len(_top_level(p, "or")) > 1 for p in parts):
+        raise bad                                                   # a or b and c: which binds tighter?
     out = []
-    for part in m.group(1).split(" and "):
+    for part in parts:
+        part = part.strip()
+        inner = part[1:-1].strip() if part.startswith("(") and part.endswith(")") else part
+        if "(" in inner or ")" in inner or " and " in inner:
+            raise bad                                               # only or-groups nest, one level
         alternatives = []
-        for alt in part.split(" or "):
+        for alt in inner.split(" or "):
             c = _COND.match(alt.strip())
             if c is None:
-                raise ValueError(f"bad condition [with {m.group(1)}] in option comment {comment!r}")
+                raise bad
             name, op, values, gt, bound = c.groups()
             alternatives.append((name, op or gt or "true",
                                  values.split("|") if values else [float(bound)] if gt else []))
@@ -199,7 +235,9 @@ def condition_violation(opts, name, given, comments):
         return None
     n, op, v = failed[0][0]
     got = "" if op == "true" or len(failed[0]) > 1 else f" (got {getattr(opts, n)})"
-    says = " and ".join(" or ".join(_says(*c) for c in alts) for alts in cond)
+    group = "({})" if len(cond) > 1 else "{}"          # (--cost_model or --cost) and --advantage gae
+    says = " and ".join(group.format(" or ".join(_says(*c) for c in alts)) if len(alts) > 1 else _says(*alts[0])
+                        for alts in cond)
     return f"--{name} applies only with {says}{got}; here it would be ignored"
 
 
@@ -221,7 +259,7 @@ def _bool(s):
 # still overflow: a non-finite loss stops the run and a non-finite model is never saved (training.py), each one line.
 # One product is computed outside any such check: AdamW's step size lr/(1 − β1^t), a Python float torch casts to
 # float32 (a "value cannot be converted" stack). 1 − β1 >= 1.1e-16 for any β1 < 1, so every learning rate declares
-# {... <= 1e3}: 1e3/1.1e-16 ≈ 1e19 stays far inside float32 (tests/test_config.py checks each option *lr has it).
+# {... <= 1e3}: 1e3/1.1e-16 ≈ 1e19 stays far inside float32 (tests/test_cli.py checks each option *lr has it).
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.401298464324817e-45      # the smallest float32 subnormal
 
@@ -246,8 +284,8 @@ finite_float.__name__ = "float"
 
 
 def not_nan_float(s):
-    """float(s), refusing nan and a finite value float32 cannot hold (for an option whose comment says what inf
-    means)."""
+    """float(s), refusing nan and a finite value float32 cannot hold (for an option whose range has inf or -inf
+    as a bound)."""
     v = float(s)
     if v != v:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}")
@@ -292,7 +330,7 @@ def build_parser(cls, description=None, prog=None):
         origin, args = typing.get_origin(t), typing.get_args(t)
         if origin is typing.Union and type(None) in args and typing.get_origin(args[0]) is list:
             t, origin, args = args[0], list, typing.get_args(args[0])     # Optional[list[X]]: none = not given
-        floats = not_nan_float if "inf = " in comments.get(f.name, "") else finite_float
+        floats = not_nan_float if allows_inf(parse_range(comments.get(f.name, ""))) else finite_float
         if origin is list:                    # list[X]: one or more values after the flag
             kw.update(nargs="+", type=floats if args[0] is float else args[0])
         elif origin is typing.Union and type(None) in args:

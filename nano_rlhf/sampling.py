@@ -508,7 +508,7 @@ def _first_call(step_fn, model, args):
         notice(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                "decoding eagerly")
         _COMPILED[model] = None
-        eager = lambda *a: _decode_step(model, *a)    # noqa: E731  (the same step, uncompiled)
+        eager = lambda *a: _decode_step(model, *a)
         return eager(*args), eager
 
 

@@ -179,7 +179,7 @@ class Tokenizer:
                 raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
             if not isinstance(cfg, dict):
                 raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
-        name = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731  (HF: str or AddedToken)
+        name = lambda v: v.get("content") if isinstance(v, dict) else v
         cfg_eos, cfg_pad = name(cfg.get("eos_token")), name(cfg.get("pad_token"))
         eos_token = eos_token or cfg_eos
         text = cfg.get("chat_template")

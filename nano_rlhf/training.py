@@ -525,7 +525,7 @@ class Run:
                 f.write(json.dumps({"step": step, **r}) + "\n")
         cols = list(dict.fromkeys(k for r in rows for k in r))
         if self.writer is not None:
-            cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")
             table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
             table += ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows]
             self.writer.add_text("samples", "\n".join(table), step)

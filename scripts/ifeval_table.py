@@ -91,7 +91,7 @@ def _load(d):
 def _first_diffs(base, path):
     """Per prompt, whether its first constraint (in the held-out-kinds test, the unseen kind) is met: path minus
     base (the files' prompts already matched by `paired`)."""
-    rows = lambda p: [json.loads(line) for line in open(p)]                     # noqa: E731
+    rows = lambda p: [json.loads(line) for line in open(p)]
     out = []
     for a, b in zip(rows(base), rows(path)):
         kind, args = parse(a["prompt"])[0]
@@ -135,7 +135,7 @@ def _sampled_table(runs):
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in names:
         t = [r[name]["sampled"] for r in have if "sampled" in r.get(name, {})]
-        v = lambda k: [x[k] for x in t]                                              # noqa: E731
+        v = lambda k: [x[k] for x in t]
         out.append("| " + " | ".join([name, _cell(v("strict"), t[0]["strict_se"] if one else None),
                                       _cell(v("seen")), _cell(v("held")), _cell(v("equal_length")),
                                       _cell(v("length"), digits=0), _cell(v("never_ended"), pct=True),
@@ -199,8 +199,8 @@ def tables(dirs):
                 "instruction-level", "length (tokens)", "never ended", "repetitive", "train (min)"]
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for name in names:
-            v = lambda k: [r[name][k] for r in runs if "strict" in r.get(name, {})]  # noqa: E731
-            se = lambda k: runs[0][name][k + "_se"] if one else None                 # noqa: E731
+            v = lambda k: [r[name][k] for r in runs if "strict" in r.get(name, {})]
+            se = lambda k: runs[0][name][k + "_se"] if one else None
             cells = [name, _cell(v("strict"), se("strict")), _cell(v("seen"), se("seen")),
                      _cell(v("held"), se("held")), _cell(v("loose")), _cell(v("equal_length")),
                      _cell(v("instruction")), _cell(v("length"), digits=0), _cell(v("never_ended"), pct=True),

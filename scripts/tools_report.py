@@ -21,7 +21,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nano_rlhf import chat  # noqa: E402
+from nano_rlhf import chat
 
 ARMS = [("notools", "sft", "SFT (no tools)"), ("notools", "grpo", "GRPO, no tools"),
         ("tools", "sft", "SFT with tool demonstrations"), ("tools", "grpo_tools", "GRPO with the calculator")]

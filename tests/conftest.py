@@ -12,8 +12,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from nano_rlhf.model import GPT, GPTConfig
-from nano_rlhf.tokenizer import Tokenizer
+from nano_rlhf.model import GPT, GPTConfig  # noqa: E402 (the repository root is on sys.path first)
+from nano_rlhf.tokenizer import Tokenizer  # noqa: E402
 
 # pytest.ini runs the suite on 2 xdist workers: each then computes on one thread (and so do the processes it
 # starts), since two workers at 2 threads each on 2 cores lose more to contention than they gain

@@ -144,7 +144,7 @@ def test_files_hold_out_kinds_phrasings_families_and_topics_and_are_seeded(tmp_p
     for p in evals:
         req = ifeval.parse(p)[0][1]["request"]
         assert any(req.startswith(f) for f in held_fam) and any(t in req for t in held_top)
-    kinds = lambda ps: [[k for k, _ in ifeval.parse(p)] for p in ps]          # noqa: E731
+    kinds = lambda ps: [[k for k, _ in ifeval.parse(p)] for p in ps]
     assert not any(k in ifeval.HELD_OUT for ks in kinds(train) for k in ks)
     assert sum(any(k in ifeval.HELD_OUT for k in ks) for ks in kinds(evals)) == 50
     assert set(ifeval.HELD_OUT) <= {k for ks in kinds(evals) for k in ks}
@@ -170,7 +170,7 @@ def test_held_out_kinds_only_gives_every_eval_prompt_one_in_turn_and_the_same_tr
 def test_report_and_equal_length(tmp_path):
     p = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("max_words", {"n": 3})}]
     q = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("start_with", {"word": "Well"})}]
-    def write(name, rows):                                                     # noqa: E306
+    def write(name, rows):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(tmp_path / name)
     # a: every answer passes, half short and half long; b: mostly long answers, which fail, and two short ones
@@ -192,7 +192,7 @@ def test_report_and_equal_length(tmp_path):
 def test_paired_differences_and_their_standard_error(tmp_path, capsys):
     p = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("max_words", {"n": 3})}]
     q = [{"role": "user", "content": "Describe snow. " + ifeval.sentence("start_with", {"word": "Well"})}]
-    def write(name, rows):                                                     # noqa: E306
+    def write(name, rows):
         (tmp_path / name).write_text("".join(json.dumps({"prompt": x, "completion": c}) + "\n" for x, c in rows))
         return str(tmp_path / name)
     ok_p, bad_p, ok_q, bad_q = "cold white", "it is cold and white", "Well, snow.", "Snow."

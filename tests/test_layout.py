@@ -297,3 +297,21 @@ def test_copied_functions_are_identical_to_their_originals():
             a = _top_level_source(root / f"{original}.py", name)
             b = _top_level_source(root / f"{copy}.py", name)
             assert a is not None and a == b, f"{copy}.py's {name} differs from {original}.py's"
+
+
+def test_ci_lints_before_the_tests_and_an_unused_import_fails_it(tmp_path):
+    """.ci/run runs ruff (pyproject.toml's rules: pyflakes, the import rules, no noqa the linter does not need)
+    before the test suite, and with those rules an unused import is an error."""
+    import shutil
+    import subprocess
+    root = PKG.parent
+    lines = [ln.split("#")[0].strip() for ln in (root / ".ci" / "run").read_text().splitlines()]
+    assert lines.index("ruff check .") < next(i for i, ln in enumerate(lines) if "pytest" in ln)
+    ruff = shutil.which("ruff")
+    assert ruff, "ruff is a test dependency (requirements-dev.txt)"
+    (tmp_path / "bad.py").write_text("import os\n\n\ndef f():\n    return 1\n")
+    p = subprocess.run([ruff, "check", "--config", str(root / "pyproject.toml"), str(tmp_path / "bad.py")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "F401" in p.stdout, p.stdout + p.stderr
+    clean = subprocess.run([ruff, "check", "."], cwd=root, capture_output=True, text=True, timeout=120)
+    assert clean.returncode == 0, clean.stdout

@@ -52,7 +52,7 @@ def ref_pro(p, psi):
         k, rest = order[a], order[a + 1:]
         temps = [1 / (psi[k] - psi[i]) if psi[k] != psi[i] else math.inf for i in rest]
         t_kk = min(temps)
-        scaled = lambda v, t: v / t if math.isfinite(t) else v * 0   # noqa: E731
+        scaled = lambda v, t: v / t if math.isfinite(t) else v * 0
         logits = [scaled(p[k], t_kk)] + [scaled(p[i], t) for i, t in zip(rest, temps)]
         total = total - (logits[0] - torch.logsumexp(torch.stack(logits), 0))
     return total
@@ -469,7 +469,7 @@ def test_dpo_end_to_end_on_listwise_data(tmp_path, task_dir, sft_dir):
 def test_ddp_two_ranks_equal_one_process(tmp_path, task_dir, sft_dir):
     """LiPO with an NLL term: λ-weights per prompt, the global prompt count and best-token count, on two ranks
     (batch 2 each) as in one process (batch 4), both with 2 micro-batches."""
-    args = lambda out, b: lw_args(task_dir, sft_dir, tmp_path / out, "lipo", "--batch_size", b, "--grad_accum", "2",  # noqa: E731
+    args = lambda out, b: lw_args(task_dir, sft_dir, tmp_path / out, "lipo", "--batch_size", b, "--grad_accum", "2",
                                   "--nll_coef", "0.5", "--eval_interval", "3")
     run(["train_listwise.py"] + args("one", "4"))
     p = run(["train_listwise.py"] + args("two", "2"), nproc=2)

@@ -277,7 +277,7 @@ def test_lora_resume_is_exact(tmp_path, sft_dir, rm_dir, script):
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("straight", "split"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     timing = ("train/tokens_per_s", "train/step_time", "train/generate_time")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]
     assert strip(metrics(tmp_path / "straight")) == strip(metrics(tmp_path / "split"))
 
 

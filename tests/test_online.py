@@ -557,7 +557,7 @@ def test_offline_pairs_backward_equals_the_dpo_formula_on_unpadded_sequences(tok
     policy, ref = tiny_model(tok, seed=0), tiny_model(tok, seed=1).requires_grad_(False)
     examples, _ = tokenize_pairs(pref_rows(3), tok, 64)
     g = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(5, tok.vocab_size, (n,), generator=g).tolist()      # noqa: E731
+    ids = lambda n: torch.randint(5, tok.vocab_size, (n,), generator=g).tolist()
     examples += [{"prompt": ids(40), "chosen": ids(5), "rejected": ids(7)},
                  {"prompt": ids(6), "chosen": ids(40), "rejected": ids(33)}]
     assert max(len(e["prompt"]) for e in examples) + max(len(e["chosen"]) for e in examples) > 64

@@ -83,11 +83,11 @@ def test_frozen_models_untouched_and_optimizers_hold_only_trainables(tmp_path, s
         fresh = cls.from_pretrained(src)
         assert all(torch.equal(a, b) for a, b in zip(frozen.state_dict().values(), fresh.state_dict().values()))
         assert all(not p.requires_grad for p in frozen.parameters()) and not frozen.training
-    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    ids = lambda ps: {id(p) for p in ps}
     opt_pi, opt_v = out.optimizers["policy"], out.optimizers["critic"]
     assert ids(p for g in opt_pi.param_groups for p in g["params"]) == ids(out.policy.parameters())
     assert ids(p for g in opt_v.param_groups for p in g["params"]) == ids(out.critic.parameters())
-    moved = lambda m, d, c: any(not torch.equal(a, b) for a, b in zip(m.state_dict().values(),  # noqa: E731
+    moved = lambda m, d, c: any(not torch.equal(a, b) for a, b in zip(m.state_dict().values(),
                                                                      c.from_pretrained(d).state_dict().values()))
     assert moved(out.policy, sft_dir, GPT) and moved(out.critic, rm_dir, ScoreModel)
     m = metrics(tmp_path / "ppo")[-1]
@@ -314,7 +314,7 @@ def test_advantages_leave_the_rollout_untouched():
     g = torch.Generator().manual_seed(0)
     B, R = 8, 5
     mask = (torch.arange(R)[None] < torch.randint(1, R + 1, (B,), generator=g)[:, None]).float()
-    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    rnd = lambda *s: torch.randn(*s, generator=g)
     r = train_ppo.Rollout(query_response=torch.zeros(B, R + 3, dtype=torch.long), attention_mask=torch.ones(B, R + 3),
                           response_mask=mask, logprobs=rnd(B, R), ref_logprobs=rnd(B, R), values=rnd(B, R),
                           scores=rnd(B), raw_scores=rnd(B), gold=None, has_eos=torch.ones(B), completions=[""] * B)

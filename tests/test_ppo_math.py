@@ -243,7 +243,7 @@ def test_explained_variance(B, R, offset):
     G, V = garbage(rand((B, R), g) + offset, mask), garbage(rand((B, R), g) + offset, mask)
     gs = [G[b, t].item() for b in range(B) for t in range(lens[b])]
     ds = [G[b, t].item() - V[b, t].item() for b in range(B) for t in range(lens[b])]
-    pvar = lambda xs: sum((u - sum(xs) / len(xs)) ** 2 for u in xs) / len(xs)  # noqa: E731
+    pvar = lambda xs: sum((u - sum(xs) / len(xs)) ** 2 for u in xs) / len(xs)
     got = train_ppo.explained_variance(sq_dev(G, mask), sq_dev(G - V, mask))
     assert got == pytest.approx(1 - pvar(ds) / pvar(gs), abs=1e-9)
     assert math.isnan(train_ppo.explained_variance(sq_dev(G * 0 + 2, mask), sq_dev(G - V, mask)))

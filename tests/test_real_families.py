@@ -124,7 +124,7 @@ def test_loss_mask_covers_exactly_the_response_and_its_end_of_turn(tmp_path, nam
     row, mask = ids[0][attn[0].bool()].tolist(), resp[0][attn[0].bool()].tolist()
     n_prompt = mask.index(1)
     assert mask == [0] * n_prompt + [1] * (len(row) - n_prompt)       # one contiguous span to the row's end
-    text = lambda x: tok.tk.decode(x, skip_special_tokens=False)     # noqa: E731
+    text = lambda x: tok.tk.decode(x, skip_special_tokens=False)
     assert text(row[:n_prompt]) == at.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     content = chosen[0]["content"]
     head = "<think>\n\n</think>\n\n" if name == "qwen3" else ""

@@ -107,7 +107,7 @@ def test_rollout_scores_are_win_rates_under_the_judge(tok, tmp_path):
     """The trained reward is the win rate, recomputed here from the decoded completions alone."""
     policy = eos_prone(tiny_model(tok), tok)
     prompts, _ = tokenize_prompts(prompt_rows(3), tok, 40)
-    shorter = lambda p, a, b: [1.0 if len(x) < len(y) else 0.5 if len(x) == len(y) else 0.0  # noqa: E731
+    shorter = lambda p, a, b: [1.0 if len(x) < len(y) else 0.5 if len(x) == len(y) else 0.0
                                for x, y in zip(a, b)]
     o = train_ppo.Options(reward="selfplay", samples_per_prompt=4, micro_batch_size=12, max_new_tokens=8,
                           missing_eos_penalty=-7.0)

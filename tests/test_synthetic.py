@@ -58,7 +58,7 @@ def test_eval_prompts_use_only_held_out_phrasings(tmp_path):
 
 
 def test_facets_move_the_right_way():
-    g = lambda c: S.gold_reward(P, c)  # noqa: E731
+    g = lambda c: S.gold_reward(P, c)
     assert g(" The motor is great.") > g(" The motor is terrible.")                      # sentiment
     assert g(" The motor is great.") > g(" The screen is great.")                        # own vs other feature
     assert g(" I love this blender.") > g(" I love this kettle.")                        # other product named

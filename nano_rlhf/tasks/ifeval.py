@@ -382,8 +382,8 @@ def write_prompts(out_dir, seed=0, n_train=2048, n_eval=600, held_out_kinds_only
     rng = random.Random(seed)
     fam_train, fam_eval = FAMILIES[:-FAMILIES_HELD_OUT], FAMILIES[-FAMILIES_HELD_OUT:]
     top_train, top_eval = TOPICS[:-TOPICS_HELD_OUT], TOPICS[-TOPICS_HELD_OUT:]
-    train_phr = lambda k: range(max(1, len(BY_NAME[k].phrasings) - 1))       # noqa: E731
-    all_phr = lambda k: range(len(BY_NAME[k].phrasings))                     # noqa: E731
+    train_phr = lambda k: range(max(1, len(BY_NAME[k].phrasings) - 1))
+    all_phr = lambda k: range(len(BY_NAME[k].phrasings))
     train = [make_prompt(rng, rng.choice(fam_train), rng.choice(top_train), _draw_kinds(rng, TRAIN_KINDS), train_phr)
              for _ in range(n_train)]
     evals = []
@@ -487,7 +487,7 @@ def equal_length(paths, bins=4):
     pooled = sorted(r.get("length", len(_words(r["completion"]))) for rs in rows.values() for r in rs)
     edges = sorted({pooled[max(0, math.ceil(len(pooled) * q / bins) - 1)] for q in range(1, bins)})   # ties merge
     bins = len(edges) + 1
-    def bin_of(r):                                                                      # noqa: E306
+    def bin_of(r):
         return sum(r.get("length", len(_words(r["completion"]))) > e for e in edges)
     acc = {p: {} for p in paths}
     for p, rs in rows.items():

@@ -367,7 +367,7 @@ def write_dataset(out_dir, seed=0, n_sft=20000, n_pref=10000, n_unpaired=10000, 
     for name, rows in files.items():
         _write(os.path.join(out_dir, name), rows)
     write_listwise(out_dir, seed, n_listwise, eval_fraction, harm)   # not in task.json: its bytes stay as they were
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)
     task = {"seed": seed, "counts": {k: len(v) for k, v in files.items()},
             "bt_temperature": BT_TEMPERATURE, "label_noise": flipped / len(pref),
             "bt_accuracy_ceiling": ceiling / len(pref),

@@ -416,3 +416,89 @@ def test_every_learning_rate_declares_its_float32_bound(module):
     for name in rates:
         rng = parse_range(_field_comments(cls)[name])
         assert rng and any(op in ("<", "<=") and bound <= 1e3 for op, bound in rng[1]), (module, name, rng)
+
+
+# ---- rules the code enforces, never a comment's wording -----------------------------------------------------
+
+def test_an_options_class_whose_source_cannot_be_read_is_refused():
+    """Help, ranges and conditions are read from the class's source: one defined with exec (a REPL, generated
+    code) has none, and parsing it raises instead of silently dropping every check."""
+    scope = {"dataclass": dataclass}
+    exec("@dataclass\nclass Made:\n    lr: float = 0.1   # learning rate {> 0}\n", scope)
+    with pytest.raises(TypeError, match="Made: its source cannot be read"):
+        parse_args(scope["Made"], ["--lr", "-1"])
+
+
+@dataclass
+class Infinite:
+    clip: float = 1.0             # inf = no clipping {0 < x <= inf}
+    said: float = 1.0             # inf = no clipping, in words only {> 0}
+    low: float = 0.0              # a floor {-inf <= x <= 0}
+
+
+def test_inf_is_a_bound_of_the_range_not_a_phrase_of_the_help(capsys):
+    """A float takes inf only where its range includes it as a bound ({0 < x <= inf}); the same words in the
+    help text change nothing."""
+    assert parse_args(Infinite, ["--clip", "inf"]).clip == math.inf
+    assert parse_args(Infinite, ["--low", "-inf"]).low == -math.inf
+    for argv, line in ((["--said", "inf"], "error: argument --said: expected a finite number, got 'inf'"),
+                       (["--clip", "-inf"], "error: --clip must satisfy 0 < x <= inf (got -inf)"),
+                       (["--low", "inf"], "error: --low must satisfy -inf <= x <= 0 (got inf)")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(Infinite, argv)
+        assert e.value.code == 2 and capsys.readouterr().err.startswith(line), argv
+
+
+@dataclass
+class Mixed:
+    a: bool = False               # a
+    b: bool = False               # b
+    c: bool = False               # c
+    both: int = 0                 # needs (a or b) and c [with (a or b) and c]
+    either: int = 0               # needs a or b or c [with a or b or c]
+
+
+def test_and_and_or_mix_only_with_parentheses():
+    """[with (a or b) and c] is the only way to mix: the or-group in parentheses. A mix without them, a nested
+    and, or an and inside the parentheses is refused, so no reader has to know which binds tighter."""
+    from nano_rlhf.cli import parse_condition
+    assert parse_condition("[with (a or b) and c]") == [[("a", "true", []), ("b", "true", [])], [("c", "true", [])]]
+    assert parse_condition("[with a or b or c]") == [[("a", "true", []), ("b", "true", []), ("c", "true", [])]]
+    assert parse_condition("[with a and b]") == [[("a", "true", [])], [("b", "true", [])]]
+    for bad in ("[with a or b and c]", "[with a and b or c]", "[with (a and b) or c]", "[with ((a or b)) and c]"):
+        with pytest.raises(ValueError, match="bad condition"):
+            parse_condition(bad)
+    parse_args(Mixed, ["--b", "--c", "--both", "1"])
+    with pytest.raises(SystemExit):
+        parse_args(Mixed, ["--a", "--both", "1"])
+
+
+def _older_reading(text):
+    """How the grammar read [with ...] before parentheses: split at ` and ` first (and bound looser than or),
+    then at ` or `, parentheses dropped. Written from that rule, not from the parser."""
+    from nano_rlhf.cli import _COND
+    parts = []
+    for part in text.replace("(", "").replace(")", "").split(" and "):
+        alts = []
+        for alt in part.split(" or "):
+            name, op, values, gt, bound = _COND.match(alt.strip()).groups()
+            alts.append((name, op or gt or "true", values.split("|") if values else [float(bound)] if gt else []))
+        parts.append(alts)
+    return parts
+
+
+def test_every_declared_condition_means_what_it_meant_before_the_parentheses():
+    """Each [with ...] of every script and command parses to the same conditions as under the older rule
+    (`and` looser than `or`): adding the parentheses changed no meaning."""
+    import importlib
+    import re
+    from nano_rlhf.cli import _field_comments, parse_condition
+    seen = 0
+    for name in ["train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired",
+                 "train_online", "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge"]:
+        for field, comment in _field_comments(importlib.import_module(name).Options).items():
+            m = re.search(r"\[with ([^\[\]]+)\]", comment)
+            if m:
+                assert parse_condition(comment) == _older_reading(" ".join(m.group(1).split())), (name, field)
+                seen += 1
+    assert seen >= 60, seen
