@@ -238,7 +238,8 @@ def main(argv=None):
     run = training.open_run(opts, "sft", **run_record(opts, data_path),
                             show=["train/loss", "eval/loss", "train/lr", "train/grad_norm"])
     with input_errors():
-        tok = training.tokenizer(opts, run, train=lambda: train_tokenizer(records, opts))
+        scratch = not (opts.tokenizer or opts.init)      # then a BPE trained on the data, saved with the model
+        tok = training.tokenizer(opts, run, made=train_tokenizer(records, opts) if scratch else None)
         model = build_model(opts, tok)
         run.identity.update(lora.attach(model, opts, opts.init))   # --lora_r: adapters, the base frozen
         max_length = training_length(opts.max_length, model.cfg.block_size, opts.init or "the new model")

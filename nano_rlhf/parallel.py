@@ -166,7 +166,7 @@ class Offloaded:
 
     # Why plain .to() both ways: a frozen model's weights never change, so the copy home is redundant and a
     # pinned CPU copy would let the visit be an asynchronous host-to-device copy (pin_memory + non_blocking).
-    # Both wait for a GPU session that can measure them; on an H100 this path gave bit-identical weights to
+    # Neither is measured on a GPU yet; on an H100 this path gave bit-identical weights to
     # keeping the reference on the device (tests/test_gpu.py::test_offload_frozen_gives_the_same_run).
     @classmethod
     def register(cls, model, device):

@@ -811,14 +811,14 @@ def train_eval_records(opts, kind):
     return records, eval_records, data_path, eval_path or f"the --eval_fraction split of {data_path}"
 
 
-def tokenizer(opts, run, train=None, policy=True):
+def tokenizer(opts, run, made=None, policy=True):
     """The tokenizer --tokenizer names (else --init's tokenizer.json), with --eos_token, --pad_token,
-    --chat_template and --date_string applied; train() makes one instead when neither is given (train_sft.py
-    trains one on its data); policy=False lets --init be a reward model (train_rm.py). What it resolved ("auto"
-    to a template, an empty --date_string to a date) enters
-    the run's identity: a --resume must render the data to the same tokens."""
-    if train is not None and not (opts.tokenizer or getattr(opts, "init", "")):
-        tok = train()
+    --chat_template and --date_string applied, or `made`, one the script made itself (train_sft.py trains one on
+    its data when neither is given); policy=False lets --init be a reward model (train_rm.py). What it resolved
+    ("auto" to a template, an empty --date_string to a date) enters the run's identity: a --resume must render
+    the data to the same tokens."""
+    if made is not None:
+        tok = made
     else:
         tok = load_tokenizer(opts.tokenizer, getattr(opts, "init", ""), opts.eos_token, opts.pad_token,
                              opts.chat_template, opts.date_string, policy)

@@ -81,16 +81,15 @@ def test_wrap_takes_the_scripts_adamw_settings(tok):
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
 
 
-def test_tokenizer_is_recorded_and_trained_only_without_tokenizer_or_init(tok, tmp_path):
+def test_tokenizer_is_loaded_or_the_script_s_own_and_recorded_either_way(tok, tmp_path):
     path = str(tmp_path / "tokenizer.json")
     tok.save(path)
     run = type("R", (), {"identity": {}})()
-    made = []
-    got = training.tokenizer(Toy(tokenizer=path), run, train=lambda: made.append(1))
-    assert not made and got.vocab_size == tok.vocab_size
+    got = training.tokenizer(Toy(tokenizer=path), run)
+    assert got is not tok and got.vocab_size == tok.vocab_size
     assert run.identity == {"chat_template": got.chat_template, "date_string": got.date_string}
     run.identity.clear()
-    assert training.tokenizer(Toy(), run, train=lambda: got) is got and run.identity["chat_template"] == got.chat_template
+    assert training.tokenizer(Toy(), run, made=got) is got and run.identity["chat_template"] == got.chat_template
 
 
 def test_save_then_resume_restores_models_optimizers_and_data_order(tok, tmp_path):
