@@ -96,6 +96,7 @@ def toy(tmp_path, monkeypatch):
     path.write_text(TOY)
     spec = importlib.util.spec_from_file_location("toy", path)
     mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "toy", mod)       # its Options' source is read through its module (cli.py)
     spec.loader.exec_module(mod)
     monkeypatch.chdir(tmp_path)
     mod.path = str(path)
