@@ -5,7 +5,8 @@ SFT policy) and a reward R(prompt, completion) (frozen): a reward-model director
 programmatic reward (--reward gold), your own Python function (--reward module:function), or self-play
 (--reward selfplay, SPO): each sample's win rate against the other k − 1 samples of its prompt under a
 judge's preference (--judge and/or --pair_judge, nano_rlhf/reward.py), with no reward model fitted to it.
-(Models below, loaded from the options by load_models; Safe RLHF adds a cost and its critic.)
+(Models below, loaded from the options by load_models. PPO-Lagrangian, a cost bounded beside the reward, is
+train_ppo_lagrangian.py: this loop with a cost, its critic and a learned multiplier.)
 
 One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
   1. rollout   k samples per prompt at temperature τ (pure sampling), cut after the first stop token
@@ -32,10 +33,6 @@ One step (docs/algorithms.md, "PPO" and "Critic-free estimators"):
                variants, one flag each: --policy_loss dual_clip | gspo | cispo, --loss_agg, --dynamic_sampling,
                --overlong mask | penalty, --rollout_correction tis | mask (docs/algorithms.md, "RLVR variants")
                the first --critic_warmup_steps steps update the critic only (the policy waits for useful values)
-  Safe RLHF  with --cost_model / --cost (PPO-Lagrangian, Dai et al. 2024): a cost c(x, y) beside the score, its
-             own advantage A_c (a cost critic under gae), the KL split between the two (±β/2·KL_t), and the policy
-             trains on (A_r − λ·A_c)/(1 + λ); λ ≥ 0 rises while the mean episode cost J_C exceeds --cost_limit d:
-             log λ ← log λ + η·λ·(J_C − d)                                            (docs/algorithms.md)
 
 Run (docs/usage.md: your own prompts and rewards, real families, --lora_r, torchrun and --fsdp):
     python train_ppo.py                                     # PPO: out/sft + out/rm -> out/ppo
@@ -48,9 +45,8 @@ Where we differ from TRL on purpose (docs/design.md, "PPO"): the score lands on 
 puts it one slot later, on padding); rloo feeds its advantage to the token-level clipped loss (TRL clips one
 sequence-level ratio). Groups of k samples live on one rank, so group statistics need no communication.
 """
-import math
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Callable, Literal, Optional
@@ -62,13 +58,12 @@ from nano_rlhf import dist, lora, parallel
 from nano_rlhf import reward as reward_mod
 from nano_rlhf import training
 from nano_rlhf.checkpoint import save_model_dir
-from nano_rlhf.cli import FLOAT32_MAX, FrozenModelOptions, RunOptions, parse_args
+from nano_rlhf.cli import FrozenModelOptions, RunOptions, parse_args
 from nano_rlhf.data import (Batches, SFTBatches, default_path, load_prompts, load_records, prompt_limit,
                             tokenize_prompts, tokenize_sft, training_length)
 from nano_rlhf.evaluate import eval_metrics
 from nano_rlhf.model import GPT, ScoreModel, token_logprobs
-from nano_rlhf.reward import (RewardModel, builtin_gold, code_file, eval_columns, load_function, load_judge,
-                              load_reward, model_dir)
+from nano_rlhf.reward import RewardModel, builtin_gold, code_file, eval_columns, load_judge, load_reward, model_dir
 from nano_rlhf.rollout import Rollout, read_reward, sample_groups
 from nano_rlhf.sampling import SamplingOptions, sampling_copy
 from nano_rlhf.tools import ToolBox, code_files, load_tools
@@ -180,20 +175,6 @@ class Options(FrozenModelOptions, RunOptions):
                                   # [with ptx_coef>0]
     ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL [with ptx_data] {>= 0}
     ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX [with ptx_data] {>= 1}
-    # ---- Safe RLHF: a cost and a bound on its mean (PPO-Lagrangian; defaults are safe-rlhf's ppo-lag.sh)
-    cost_model: str = ""          # cost model directory (train_rm.py --objective cost); empty = no cost
-    cost: str = ""                # or a verifiable cost, module:function / file.py:function (called as --reward is)
-    cost_limit: float = 0.0       # d: the bound on the mean episode cost, in the cost's raw units (a cost model's 0 is
-                                  # its safe/unsafe boundary) [with cost_model or cost] {-1e15 <= x <= 1e15}
-    lambda_init: float = 1.0      # λ at the start [with cost_model or cost] {> 0}
-    lambda_lr: float = 0.1        # η, the step of log λ's gradient ascent [with cost_model or cost] {>= 0}
-    lambda_max: float = 5.0       # λ's cap; inf = none [with cost_model or cost] {0 < x <= inf}
-    lambda_delay: int = 0         # steps before λ first moves [with cost_model or cost] {>= 0}
-    cost_window: int = 128        # J_C averages the last this many episode costs of each rank [with cost_model or
-                                  # cost] {>= 1}
-    cost_critic_init: Literal["auto", "cost_model", "policy"] = "auto"  # the cost critic's start; auto = the cost
-                                                                        # model if one [with (cost_model or cost)
-                                                                        # and advantage=gae]
     # ---- optimisation, schedule, evaluation
     lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {0 <= x <= 1e3}
     critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 [with advantage=gae]
@@ -220,8 +201,6 @@ def fill_defaults(opts):
     opts.out_dir = opts.out_dir or ("out/ppo" if opts.advantage == "gae" else f"out/{opts.advantage}")
     if opts.critic_init == "auto":
         opts.critic_init = "reward_model" if opts.reward == "model" else "policy"
-    if opts.cost_critic_init == "auto":
-        opts.cost_critic_init = "cost_model" if opts.cost_model else "policy"
     rollout_size = opts.batch_size * opts.samples_per_prompt
     opts.micro_batch_size = opts.micro_batch_size or rollout_size // opts.num_minibatches
     if opts.reward == "selfplay" and opts.missing_eos_penalty == -3.0:
@@ -373,7 +352,6 @@ class Advantages:
     adv: torch.Tensor                 # (B, R) per-token advantage (gae / reinforce_pp: before whitening)
     returns: Optional[torch.Tensor]   # (B, R) G_t = A_t + V_t, the critic's target (gae only)
     kl_penalty: torch.Tensor          # (B,) the KL part of each sequence's reward, −β·Σ_t KL_t (0 with KL in the loss)
-    cost_returns: Optional[torch.Tensor] = None  # (B, R) the cost critic's target (gae with a cost only)
 
 
 def sequence_kl(r: Rollout):
@@ -462,8 +440,8 @@ def aggregate_loss(per_token, mask, how, n_tokens, n_seqs, max_len, scale=1.0):
       token_mean               Σ_i Σ_t l_it / Σ_i |y_i|            every token weighs the same (DAPO, eq. 8)
       seq_mean_token_mean      1/N Σ_i (1/|y_i|) Σ_t l_it          every sequence weighs the same (GRPO, eq. 3)
       seq_mean_token_sum_norm  1/N Σ_i Σ_t l_it / L_max            a constant normaliser (Dr. GRPO, eq. 4)
-    Rows with no loss token (all masked: --overlong mask, --rollout_correction mask) add nothing to the sum but
-    count in N for the two sequence means, so masking one response does not raise the others' weight."""
+    Rows with no loss token (wholly masked out of the policy loss) add nothing to the sum but count in N for the
+    two sequence means, so masking one response does not raise the others' weight."""
     if how == "seq_mean_token_mean":
         per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
         return per_seq.sum() * (scale / max(n_seqs, 1))
@@ -527,61 +505,6 @@ class AdaptiveKL:
         self.beta *= 1 + err * n / self.horizon
 
 
-def lagrangian_advantage(adv_r, adv_c, lam):
-    """The policy's advantage under a cost constraint (Dai et al. 2024, "Safe RLHF", §3.3, normalised as safe-rlhf's
-    ppo_lag does): (A_r − λ·A_c)/(1 + λ). Dividing by 1 + λ keeps its scale (and so the clip range) as λ grows; as
-    λ → ∞ the policy only lowers the cost."""
-    return (adv_r - lam * adv_c) / (1 + lam)
-
-
-def lambda_step(log_lambda, episode_cost, limit, lr, lambda_max=math.inf):
-    """One step of gradient ascent of the multiplier on λ·(J_C − d) through log λ (λ = e^{log λ} stays > 0; Dai et
-    al. 2024 §3.3; safe-rlhf: SGD on −λ·(J_C − d)): ∂/∂log λ = λ·(J_C − d), so log λ ← log λ + η·λ·(J_C − d),
-    then λ ≤ λ_max. λ grows while the mean episode cost J_C is over the limit d and shrinks geometrically (never
-    to 0) while it is under. λ multiplies float32 advantages, so it stays a float32 number (--lambda_max inf: e^{log λ}
-    would overflow Python's float a few steps later)."""
-    return min(log_lambda + lr * math.exp(log_lambda) * (episode_cost - limit), math.log(lambda_max),
-               math.log(FLOAT32_MAX))
-
-
-def lagrangian_targets(r: Rollout, multiplier, beta, **estimator):
-    """PPO-Lagrangian's targets: the score's and the cost's advantages by the same estimator, the per-token KL
-    penalty split between them as safe-rlhf splits it (−β/2·KL_t with the score, +β/2·KL_t with the cost, so the
-    policy's KL weight is β/2 whatever λ), combined by lagrangian_advantage; the cost critic's returns beside."""
-    rt = advantages(r, beta=beta / 2, **estimator)
-    ct = advantages(replace(r, scores=r.costs, values=r.cost_values), beta=-beta / 2, **estimator)
-    return replace(rt, adv=lagrangian_advantage(rt.adv, ct.adv, multiplier), cost_returns=ct.returns)
-
-
-class Lagrange:
-    """PPO-Lagrangian's multiplier as state, stepped by lambda_step: log λ, and the (sum, count) of the episode
-    costs of each recent step over all ranks, the same on every rank (so every rank takes the same step and holds
-    the same λ, and rank 0's checkpoint restores it exactly). The window: the fewest steps that hold the last
-    `cost_window` episode costs of each rank, at costs_per_step a step."""
-
-    def __init__(self, lambda_init, cost_window, costs_per_step):
-        self.log_lambda = math.log(lambda_init)
-        self.steps = deque(maxlen=-(-cost_window // costs_per_step))
-
-    @property
-    def multiplier(self):
-        return math.exp(self.log_lambda)
-
-    def add_costs(self, costs):
-        """Add this step's episode costs (all ranks': one all-reduce) to the window; returns J_C, the mean episode
-        cost over the window."""
-        self.steps.append(tuple(dist.all_reduce_sum(torch.tensor([costs.double().sum().item(), costs.numel()],
-                                                                 dtype=torch.float64)).tolist()))
-        return sum(c for c, _ in self.steps) / sum(n for _, n in self.steps)
-
-    def state_dict(self):
-        return {"log_lambda": self.log_lambda, "cost_window": list(self.steps)}
-
-    def load_state_dict(self, meta):
-        self.log_lambda = meta["log_lambda"]
-        self.steps.extend(tuple(s) for s in meta["cost_window"])
-
-
 def token_mean_scale(global_count):
     """Multiplier of a micro-batch's SUMMED loss so the gradients DDP averages over ranks add up to the
     token-mean over all micro-batches of all ranks: × world_size undoes DDP's mean, ÷ the global count
@@ -612,8 +535,6 @@ class Models:
     #                                     SPO: a Judge
     ref: Optional[GPT] = None             # π_ref (frozen; --lora_r: a lora.BaseView of the policy); None when β = 0
     critic: Optional[ScoreModel] = None   # V (trained; --advantage gae only)
-    cost: Optional[Callable] = None       # costs = cost(prompts, completions): a cost model or function (frozen)
-    cost_critic: Optional[ScoreModel] = None  # V_c (trained; --advantage gae with a cost)
     gold: Optional[Callable] = None       # a programmatic reward logged beside the trained one, when one applies
     tools: Optional[ToolBox] = None       # the tools the policy may call in its rollouts (--tools)
 
@@ -682,21 +603,20 @@ def sample(prompts, models: Models, tok, opts, gen, gen_stats=None, version=0) -
         raw = selfplay_rewards(pref).view(-1).float().to(device)
     gold = raw if models.gold is models.reward else read_reward(models.gold, r, k)[0]
     scores = scores_from_reward(raw, r.has_eos.bool(), opts, rm_stats)
-    costs = read_reward(models.cost, r, k)[0]
     policy_mask = r.actions                                  # tool turns are context, never the policy's loss
     if opts.overlong == "penalty":
         buffer = opts.overlong_buffer or opts.max_new_tokens // 4
         scores = scores + overlong_penalty(r.response_mask.sum(1).long(), opts.max_new_tokens, buffer)
     elif opts.overlong == "mask":                            # DAPO's overlong filtering: no policy gradient from them
         policy_mask = policy_mask * r.has_eos[:, None]
-    return replace(r, scores=scores, raw_scores=raw, gold=gold, costs=costs, policy_mask=policy_mask)
+    return replace(r, scores=scores, raw_scores=raw, gold=gold, policy_mask=policy_mask)
 
 
 @torch.no_grad()
 def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
     """The rollout with what the update needs from the models, computed over its sequences in micro-batches of
     --micro_batch_size with the policy in eval mode: π_old's log-probs (unless the update's own first forward is
-    π_old), the reference's, the critics' values, the sampler's, and the sampler/trainer correction
+    π_old), the reference's, the critic's values, the sampler's, and the sampler/trainer correction
     (--rollout_correction)."""
     # One update on the rollout it was sampled from, and no KL: π_old is the current policy, so its log-probs
     # come from the update's own forward (detached) and this extra forward is skipped (as TRL's GRPO does).
@@ -708,10 +628,9 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
                else models.policy) if mismatch else None
     seq, attn, response_mask, device = r.query_response, r.attention_mask, r.response_mask, r.scores.device
     P = r.query_len
-    logprobs, sampler_logprobs, ref_logprobs, values, cost_values = (
+    logprobs, sampler_logprobs, ref_logprobs, values = (
         torch.zeros_like(response_mask) if needed else None for needed in (
-            need_old, sampler is not None, models.ref is not None, models.critic is not None,
-            models.cost_critic is not None))
+            need_old, sampler is not None, models.ref is not None, models.critic is not None))
     models.policy.eval()
     for i in range(0, seq.shape[0], opts.micro_batch_size):
         mb = slice(i, i + opts.micro_batch_size)
@@ -723,9 +642,8 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
                 sampler_logprobs[mb] = logprobs[mb] if sampler is models.policy else response_logprobs(sampler, *batch)
             if ref_logprobs is not None:
                 ref_logprobs[mb] = response_logprobs(models.ref, *batch)
-            for critic, v in ((models.critic, values), (models.cost_critic, cost_values)):
-                if v is not None:
-                    v[mb] = critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
+            if values is not None:
+                values[mb] = models.critic(seq[mb], attn[mb])[0][:, P - 1:-1].float() * response_mask[mb]
     models.policy.train()
     actions, policy_mask, is_weight, stats = r.actions, r.policy_mask, None, dict(r.stats)
     if mismatch:
@@ -742,8 +660,8 @@ def with_logprobs(r: Rollout, models: Models, opts) -> Rollout:
             is_weight = w
         else:
             policy_mask = policy_mask * w
-    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, cost_values=cost_values,
-                   sampler_logprobs=sampler_logprobs, policy_mask=policy_mask, is_weight=is_weight, stats=stats)
+    return replace(r, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, sampler_logprobs=sampler_logprobs,
+                   policy_mask=policy_mask, is_weight=is_weight, stats=stats)
 
 
 # ---- update ----------------------------------------------------------------------------------------
@@ -778,12 +696,9 @@ def policy_objective(opts):
 
 
 def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: Optional[Learner], opts, beta, gen,
-           ptx: Optional[SFTBatches] = None, cost_critic: Optional[Learner] = None):
-    """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critics only (warm-up).
+           ptx: Optional[SFTBatches] = None):
+    """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critic only (warm-up).
     Returns named sums over this rank's tokens (and summed gradient norms) for the step's statistics."""
-    critics = [(name, c, old, ret) for name, c, old, ret in (    # (metric prefix, the critic, V_old, its returns G)
-        ("", critic, r.values, targets.returns), ("cost_", cost_critic, r.cost_values, targets.cost_returns))
-        if c is not None]
     B = r.query_response.shape[0]
     mb_size = B // opts.num_minibatches
     clip_high = opts.clip_high if opts.clip_high is not None else opts.clip_eps
@@ -831,19 +746,19 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                         outside = (ratio < 1 - opts.clip_eps) | (ratio > 1 + clip_high)
                         sums["clipfrac"] += (outside.float() * mb_policy_mask).sum().item()
                         sums["ratio"] += (ratio * mb_policy_mask).sum().item()
-                for name, c, old_values, returns in critics:
-                    parallel.sync_gradients(c.wrapped, last)
+                if critic is not None:
+                    parallel.sync_gradients(critic.wrapped, last)
                     with autocast(seq.device, opts.dtype):
-                        new_values = c.wrapped(seq, attn)[0][:, r.query_len - 1:-1].float()
-                    v_loss, v_clipped = value_loss(new_values, old_values[i], returns[i], opts.value_clip)
+                        new_values = critic.wrapped(seq, attn)[0][:, r.query_len - 1:-1].float()
+                    v_loss, v_clipped = value_loss(new_values, r.values[i], targets.returns[i], opts.value_clip)
                     ((v_loss * mb_mask).sum() * token_mean_scale(n_tok)).backward()
-                    sums[f"{name}value_loss"] += (v_loss.detach() * mb_mask).sum().item()
-                    sums[f"{name}value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
+                    sums["value_loss"] += (v_loss.detach() * mb_mask).sum().item()
+                    sums["value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
             sums["updates"] += 1
             if policy is not None:
                 sums["grad_norm"] += policy.step(opts.grad_clip)
-            for name, c, _, _ in critics:
-                sums[f"{name}critic_grad_norm"] += c.step(opts.grad_clip)
+            if critic is not None:
+                sums["critic_grad_norm"] += critic.step(opts.grad_clip)
     return dict(sums)
 
 
@@ -871,7 +786,7 @@ def explained_variance_over_ranks(returns, values, mask):
 def step_metrics(r: Rollout, seq_kl, kl_penalty, sums, beta, k=1):
     """Named per-step figures, averaged over all ranks: sequence means (seq_kl: Σ_t KL_t of each sequence,
     kl_penalty: the KL part of its reward), token means and update means of update()'s named sums (the policy's
-    figures over the policy loss's own tokens, the critics' over every response token). k > 1 (a group
+    figures over the policy loss's own tokens, the critic's over every response token). k > 1 (a group
     estimator's samples per prompt) adds zero_spread, the share of groups whose k scores are all equal (they
     teach a group estimator nothing)."""
     seq = {"score": r.scores, "rm_score_raw": r.raw_scores, "kl": seq_kl,
@@ -880,19 +795,16 @@ def step_metrics(r: Rollout, seq_kl, kl_penalty, sums, beta, k=1):
         seq["zero_spread"] = (~group_spread(r.scores, k)).repeat_interleave(k).to(r.scores.dtype)
     if r.gold is not None:
         seq["gold_reward"] = r.gold
-    if r.costs is not None:
-        seq["cost"] = r.costs
     names = ["sequences", *seq, *sums]
     local = [float(r.scores.shape[0]), *(v.sum().item() for v in seq.values()), *sums.values()]
     total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
     metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
     policy = ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio")     # update() counts policy_tokens beside
-    per_token = (*policy, "value_loss", "value_clipfrac", "cost_value_loss", "cost_value_clipfrac")
+    per_token = (*policy, "value_loss", "value_clipfrac")
     metrics.update({f"train/{k}": total[k] / max(total["policy_tokens" if k in policy else "tokens"], 1)
                     for k in per_token if k in total})
     per_update = max(total["updates"], 1)          # every rank counts its updates, so this also divides by ranks
-    metrics.update({f"train/{k}": total[k] / per_update for k in ("grad_norm", "critic_grad_norm",
-                                                                  "cost_critic_grad_norm") if k in total})
+    metrics.update({f"train/{k}": total[k] / per_update for k in ("grad_norm", "critic_grad_norm") if k in total})
     metrics["train/kl_coef"] = beta
     if r.stats:       # rank means of the sampling's figures (dynamic sampling, sampler/trainer mismatch)
         names = sorted(r.stats)
@@ -940,13 +852,6 @@ def check_options(opts):
     if mb_size % opts.micro_batch_size:
         fail(f"a minibatch of {mb_size} sequences does not split into micro-batches of --micro_batch_size "
              f"{opts.micro_batch_size}", 2)
-    if opts.cost_model and opts.cost:
-        fail("pass one cost: --cost_model DIR or --cost module:function, not both", 2)
-    if (opts.cost_model or opts.cost) and opts.lambda_init > opts.lambda_max:
-        fail(f"--lambda_init {opts.lambda_init:g} is above --lambda_max {opts.lambda_max:g}", 2)
-    if opts.cost and not reward_mod.is_function_spec(opts.cost):
-        fail(f"--cost must be module:function or path/to/file.py:function (got {opts.cost!r}); a cost model "
-             "directory is --cost_model", 2)
     msg = lora.check_lora_options(opts)
     if msg:
         fail(msg, 2)
@@ -960,8 +865,7 @@ def run_record(opts):
     return dict(inputs={"init": opts.init, "ref": opts.ref, "reward_model": opts.reward_model if rm_used else "",
                         "reward": code_file(opts.reward),
                         "judge": model_dir(opts.judge) or code_file(opts.judge),
-                        "pair_judge": code_file(opts.pair_judge), "cost_model": opts.cost_model,
-                        "cost": code_file(opts.cost),
+                        "pair_judge": code_file(opts.pair_judge),
                         **{"tools" + (f".{i}" if i else ""): f for i, f in enumerate(code_files(opts.tools))}},
                 data_files={"prompts": opts.prompts or default_path("prompts"),
                             "eval_prompts": opts.eval_prompts, "ptx_data": opts.ptx_data})
@@ -974,16 +878,14 @@ def startup_line(opts, models: Models, n_prompts, prompt_stats, step):
             f"{k} samples x {dist.world().world_size} ranks per step | {opts.ppo_epochs} epochs x "
             f"{opts.num_minibatches} minibatches of {B * k // opts.num_minibatches} (micro {opts.micro_batch_size}) | "
             f"critic: {opts.critic_init if models.critic is not None else 'none'} | {opts.max_steps} steps"
-            + (f" | cost {opts.cost_model or opts.cost} <= {opts.cost_limit:g} (PPO-Lagrangian, λ from "
-               f"{opts.lambda_init:g})" if models.cost is not None else "")
             + lora.describe(models.policy) + (" | reference: the policy with its adapters off"
                                               if isinstance(models.ref, lora.BaseView) else "")
             + (f" | resuming at step {step}" if step else ""))
 
 
 def load_models(opts, tok, prompt_texts, device, identity):
-    """Policy, reference (only if β > 0), reward, the cost (if any) and the critics (only for gae); the reward and
-    the cost on the device (training.place moves the others). With --lora_r the policy and critics get adapters
+    """Policy, reference (only if β > 0), reward and the critic (only for gae); the reward on the device
+    (training.place moves the others). With --lora_r the policy and the critic get adapters
     (what that adds to the run's identity goes into `identity`) and a reference that is --init is the policy with
     its adapters off (lora.BaseView), not a second model."""
     policy = GPT.from_pretrained(opts.init, dropout=0.0)      # dropout off: rollout log-probs must be reproducible
@@ -1003,64 +905,45 @@ def load_models(opts, tok, prompt_texts, device, identity):
         reward = load_reward(spec, tokenizer=tok, device=device, prompts=prompt_texts, batch_size=opts.micro_batch_size)
     if isinstance(reward, RewardModel) and opts.normalize_score and not reward.has_stats:
         dist.print0(f"note: {spec}/config.json has no reward_mean/reward_std; scores are not normalised")
-    cost = None
-    if opts.cost_model:
-        cost = RewardModel.from_dir(opts.cost_model, tok, device, opts.micro_batch_size, kind="cost")
-    elif opts.cost:
-        cost = load_function(opts.cost, "--cost")
-
-    def critic_from(src, new_head, prefix, seed):
-        c = ScoreModel.from_pretrained(src, new_head=new_head, dropout=0.0)
-        check_vocab(tok, c.cfg, src)                          # it reads the policy tokenizer's ids
-        identity.update(lora.attach(c, opts, src, trainable=("score",), prefix=prefix, seed=seed))
-        return c
-    critic = cost_critic = None
+    critic = None
     if opts.advantage == "gae":
-        critic = critic_from(opts.reward_model if opts.critic_init == "reward_model" else opts.init,
-                             opts.critic_init == "policy", "critic_lora", opts.seed + 1)
-    if opts.advantage == "gae" and cost is not None:
-        cost_critic = critic_from(opts.cost_model if opts.cost_critic_init == "cost_model" else opts.init,
-                                  opts.cost_critic_init == "policy", "cost_critic_lora", opts.seed + 2)
-    for rm, what in ((reward, "reward model"), (getattr(reward, "pointwise", None), "reward model"),
-                     (cost, "cost model")):
+        src = opts.reward_model if opts.critic_init == "reward_model" else opts.init
+        critic = ScoreModel.from_pretrained(src, new_head=opts.critic_init == "policy", dropout=0.0)
+        check_vocab(tok, critic.cfg, src)                     # it reads the policy tokenizer's ids
+        identity.update(lora.attach(critic, opts, src, trainable=("score",), prefix="critic_lora", seed=opts.seed + 1))
+    for rm in (reward, getattr(reward, "pointwise", None)):
         if isinstance(rm, RewardModel):
-            dist.check_same_weights(rm.model, what)
+            dist.check_same_weights(rm.model, "reward model")
     return Models(policy=policy, reward=reward, ref=ref, critic=critic, gold=builtin_gold(prompt_texts),
-                  cost=cost, cost_critic=cost_critic, tools=load_tools(opts.tools) if opts.tools else None)
+                  tools=load_tools(opts.tools) if opts.tools else None)
 
 
 def ready_models(opts, models: Models):
     """The models ready for the loop, once training.place has put them on the device: the frozen ones (reference,
-    reward and cost models) placed by --fsdp / --frozen / --offload_frozen, the trained ones wrapped with their
-    optimizers (the policy at --lr, the critics at --critic_lr), the memory plan printed. Returns the trained
-    ones, {"policy", "critic", "cost_critic": Learner}, the critics only where there are some."""
+    reward model) placed by --fsdp / --frozen / --offload_frozen, the trained ones wrapped with their optimizers
+    (the policy at --lr, the critic at --critic_lr), the memory plan printed. Returns the trained ones,
+    {"policy", "critic": Learner}, the critic only where there is one."""
     models.ref = training.frozen(opts, models.ref)
-    for scorer in (models.reward, models.cost):
-        if isinstance(scorer, RewardModel):
-            scorer.model = training.frozen(opts, scorer.model)
+    if isinstance(models.reward, RewardModel):
+        models.reward.model = training.frozen(opts, models.reward.model)
     trained = {name: Learner.of(m, lr, opts) for name, m, lr in (
-        ("policy", models.policy, opts.lr), ("critic", models.critic, opts.critic_lr),
-        ("cost_critic", models.cost_critic, opts.critic_lr)) if m is not None}
-    training.plan(opts, {"policy": models.policy, "critic": models.critic, "cost_critic": models.cost_critic,
-                        "ref": models.ref, "reward": getattr(models.reward, "model", None),
-                        "cost": getattr(models.cost, "model", None)})
+        ("policy", models.policy, opts.lr), ("critic", models.critic, opts.critic_lr)) if m is not None}
+    training.plan(opts, {"policy": models.policy, "critic": models.critic, "ref": models.ref,
+                        "reward": getattr(models.reward, "model", None)})
     return trained
 
 
 def held_out_metrics(run, step, models: Models, tok, prompts, opts):
-    """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps), scored by the reward,
-    the gold reward and the cost where there are some, with the KL to the reference; rank 0 only."""
+    """Held-out prompts, pure sampling at T = 1 with a fixed seed (comparable across steps), scored by the reward
+    and the gold reward where there is one, with the KL to the reference; rank 0 only."""
     return eval_metrics(run, step, models.policy, tok, prompts, replace(sampling_options(opts, tok), temperature=1.0),
-                        ref=models.ref, rewards={**eval_columns(models.reward, models.gold),
-                                                 **({"cost": models.cost} if models.cost is not None else {})},
-                        gathered=(models.ref, getattr(models.reward, "model", None),
-                                  getattr(models.cost, "model", None)), show=3, tools=models.tools,
+                        ref=models.ref, rewards=eval_columns(models.reward, models.gold),
+                        gathered=(models.ref, getattr(models.reward, "model", None)), show=3, tools=models.tools,
                         max_turns=opts.max_turns)
 
 
-SHOW = ["train/score", "train/gold_reward", "train/cost", "train/lambda", "train/kl", "train/entropy", "train/clipfrac",
-        "train/value_loss", "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/cost",
-        "eval/kl"]                                         # the progress line's metrics, in order
+SHOW = ["train/score", "train/gold_reward", "train/kl", "train/entropy", "train/clipfrac", "train/value_loss",
+        "train/response_length", "eval/gold_reward", "eval/rm_score", "eval/reward", "eval/kl"]   # the progress line's
 LOSS_KEYS = ["train/policy_loss", "train/value_loss"]      # a NaN/inf in either stops the run (checkpoint intact)
 
 
@@ -1086,24 +969,19 @@ def main(argv=None):
             world.rank, world.world_size, opts.seed)
         prompt_batches = Batches(len(prompts), opts.batch_size, 1, world.rank, world.world_size, opts.seed)
     eval_prompts = eval_records[:opts.eval_samples]
-    training.place(opts, world, {"policy": models.policy, "critic": models.critic, "cost critic": models.cost_critic},
-                  {"ref": models.ref})
+    training.place(opts, world, {"policy": models.policy, "critic": models.critic}, {"ref": models.ref})
     gen = torch.Generator(device=world.device).manual_seed(opts.seed + 100003 * world.rank)  # ranks sample differently
     shuffle_gen = torch.Generator().manual_seed(opts.seed + 7 + 100003 * world.rank)
     trained = ready_models(opts, models)    # the frozen models placed, the trained ones wrapped
-    policy, critic, cost_critic = trained["policy"], trained.get("critic"), trained.get("cost_critic")
+    policy, critic = trained["policy"], trained.get("critic")
     state = dict(models={k: v.model for k, v in trained.items()}, optimizers={k: v.opt for k, v in trained.items()},
                  generators={"rollout": gen, "shuffle": shuffle_gen})
     kl_ctl = AdaptiveKL(opts.kl_coef, opts.kl_target, opts.kl_horizon)
-    lag = None if models.cost is None else Lagrange(opts.lambda_init, opts.cost_window,
-                                                    opts.batch_size * opts.samples_per_prompt)
     watch = Watch(opts.score_warn)
     orders = {"data": prompt_batches, "watch": watch, **({"ptx_data": ptx} if ptx else {})}   # resumable positions
     meta = run.resume(**state, data=orders)
     if meta:
         kl_ctl.beta = meta["kl_coef"]
-        if lag is not None:
-            lag.load_state_dict(meta)
     dist.print0(startup_line(opts, models, len(prompts), prompt_stats, run.step))
     warn_short_warmup(opts.max_steps, opts.warmup_steps)
 
@@ -1111,7 +989,7 @@ def main(argv=None):
         return held_out_metrics(run, step, models, tok, eval_prompts, opts)
 
     def save(step):
-        run.save(step, **state, data=orders, kl_coef=kl_ctl.beta, **({} if lag is None else lag.state_dict()))
+        run.save(step, **state, data=orders, kl_coef=kl_ctl.beta)
         save_model_dir(opts.out_dir, models.policy, tok)
 
     if run.step == 0 and opts.eval_interval:       # the starting point of the eval curves
@@ -1124,21 +1002,13 @@ def main(argv=None):
                         version=step - 1)
         t_gen = time.time() - t0
         beta = kl_ctl.beta
-        estimator = dict(estimator=opts.advantage, kl_estimator=opts.kl_estimator, kl_in_loss=opts.kl_in_loss,
-                         k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
-        if lag is None:
-            targets = advantages(batch, beta=beta, **estimator)
-        else:                                  # λ's step on this step's costs first, as safe-rlhf does
-            episode_cost = lag.add_costs(batch.costs)
-            if step > opts.lambda_delay:
-                lag.log_lambda = lambda_step(lag.log_lambda, episode_cost, opts.cost_limit, opts.lambda_lr,
-                                             opts.lambda_max)
-            targets = lagrangian_targets(batch, lag.multiplier, beta, **estimator)
+        targets = advantages(batch, estimator=opts.advantage, beta=beta, kl_estimator=opts.kl_estimator,
+                             kl_in_loss=opts.kl_in_loss, k=opts.samples_per_prompt, gamma=opts.gamma, lam=opts.lam)
         if opts.advantage in WHITENED:
             targets.adv = whiten_over_ranks(targets.adv, batch.actions)
         warming_up = critic is not None and step <= opts.critic_warmup_steps
         sums = update(batch, targets, policy=None if warming_up else policy, critic=critic, opts=opts, beta=beta,
-                      gen=shuffle_gen, ptx=ptx, cost_critic=cost_critic)
+                      gen=shuffle_gen, ptx=ptx)
         metrics = step_metrics(batch, sequence_kl(batch), targets.kl_penalty, sums, beta,
                                opts.samples_per_prompt if opts.advantage in GROUP else 1)
         if opts.adaptive_kl:
@@ -1146,11 +1016,6 @@ def main(argv=None):
         if critic is not None:
             metrics["train/explained_variance"] = explained_variance_over_ranks(targets.returns, batch.values,
                                                                                 batch.response_mask)
-        if cost_critic is not None:
-            metrics["train/cost_explained_variance"] = explained_variance_over_ranks(
-                targets.cost_returns, batch.cost_values, batch.response_mask)
-        if lag is not None:
-            metrics.update({"train/episode_cost": episode_cost, "train/lambda": lag.multiplier})
         check_step(watch, step, (batch.response_mask.sum(1) - batch.has_eos).tolist(), batch.completions,
                    batch.raw_scores.tolist(), opts.samples_per_prompt, batch.policy_mask.sum().item())
         metrics.update({"train/step_time": time.time() - t0, "train/generate_time": t_gen})
@@ -1158,13 +1023,11 @@ def main(argv=None):
             metrics["train/generate_compile_time"] = gen_stats["compile_s"]
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate(step), save=save):
             break
-    run.finish(state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None),
-                             "cost model": getattr(models.cost, "model", None)},
+    run.finish(state["models"], {"ref": models.ref, "reward model": getattr(models.reward, "model", None)},
               saved=f"saved {opts.out_dir} (HF {models.policy.architecture} layout)")
     if models.tools is not None:
         models.tools.close()
     return SimpleNamespace(policy=models.policy, ref=models.ref, reward=models.reward, critic=models.critic,
-                           cost=models.cost, cost_critic=models.cost_critic, lagrange=lag,
                            optimizers=state["optimizers"], options=opts)
 
 

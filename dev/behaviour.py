@@ -173,6 +173,20 @@ def runs():
     for name, extra in ppo.items():
         L.append(Run(f"ppo_{name}", py + ["train_ppo.py", "--init", sft, "--reward_model", rm] + out(f"ppo_{name}")
                      + extra, needs=("data", "sft", "rm")))
+    # train_ppo_lagrangian.py: the built-in task's gold cost as a function (under GAE, a cost critic from the
+    # policy; under GRPO, none) with a limit every cost is over (λ rises, to --lambda_max), and a cost model trained
+    # on the task's harm pairs (the cost critic from it; λ waits a step)
+    harm = f"{r}/data_harm"
+    gold_cost = ["--cost", "nano_rlhf.reward:gold_cost", "--cost_limit", "-1", "--lambda_lr", "0.5"]
+    L += [Run("data_harm", m + ["nano_rlhf.tasks.synthetic", "--out_dir", harm, "--harm"] + DATA, needs=()),
+          Run("cm", py + ["train_rm.py", "--objective", "cost", "--l2_coef", "0.01", "--init", sft, "--data",
+                          f"{harm}/preference.jsonl", "--eval_data", f"{harm}/preference_eval.jsonl"] + out("cm")
+              + OFFLINE + ["--max_steps", "10"], needs=("data_harm", "sft"))]
+    lagrangian = {"gae": (PPO + gold_cost, ()), "grpo": (GRPO + gold_cost, ()),
+                  "gae_cost_model": (PPO + ["--cost_model", f"{r}/cm", "--lambda_delay", "1"], ("cm",))}
+    for name, (extra, needs) in lagrangian.items():
+        L.append(Run(f"ppo_lagrangian_{name}", py + ["train_ppo_lagrangian.py", "--init", sft, "--reward_model", rm]
+                     + out(f"ppo_lagrangian_{name}") + extra, needs=("data", "sft", "rm", *needs)))
     # the package's other command lines on the runs' outputs: merging (PAFT), evaluation, RLAIF labelling.
     # evaluate takes one model per run here: with several it writes into each model's own directory (--out
     # takes one), and the SFT policy's samples are the PPO policy's baseline for the win rate

@@ -358,6 +358,11 @@ class OneLineErrors(argparse.ArgumentParser):
                                                    re.IGNORECASE)
 
     def error(self, message):
+        if message.startswith("unrecognized arguments"):
+            flag = next((f for f in (a.split("=")[0].lstrip("-") for a in message.split()[2:] if a.startswith("--"))
+                         if f in MOVED_OPTIONS), None)
+            if flag is not None:
+                message += f"; --{flag} is an option of {MOVED_OPTIONS[flag]}"
         print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
         sys.exit(2)
 
@@ -420,6 +425,13 @@ def save_config(opts, path, **extra):
 # one line that gives the new name.
 MOVED = {"nano_rlhf.synthetic": "nano_rlhf.tasks.synthetic", "nano_rlhf.reasoning": "nano_rlhf.tasks.reasoning",
          "nano_rlhf.ifeval": "nano_rlhf.tasks.ifeval", "nano_rlhf.run": "nano_rlhf.training"}
+
+
+# Options that left a script with the family they belong to, and the script that has them now: a command line
+# that still gives one to the old script is refused with the new script's name.
+MOVED_OPTIONS = {name: "train_ppo_lagrangian.py (PPO-Lagrangian: a cost beside the reward)" for name in (
+    "cost_model", "cost", "cost_limit", "lambda_init", "lambda_lr", "lambda_max", "lambda_delay", "cost_window",
+    "cost_critic_init")}
 
 
 def moved_module(text):

@@ -252,6 +252,9 @@ class Run:
         try:
             saved = checkpoint._read_json(path)
             was, now = saved["identity"], json.loads(json.dumps(self.identity))
+            if was.get("script") != now["script"]:
+                return (f"--resume: {self.out_dir} was saved by train_{was.get('script')}.py, not train_{now['script']}"
+                        ".py: a run goes on only under the script that began it")
             old = next(((k, v) for k, v in was.items() if moved_module(v)), None)
             if old is not None:        # a record made before a module moved: its specs name the old address
                 (k, v), (before, after) = old, moved_module(old[1])

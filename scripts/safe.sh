@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Safe RLHF on the built-in task with its harm dimension (python -m nano_rlhf.tasks.synthetic --harm: tips that end some
 # answers, half of them hacks the gold reward likes best and the gold cost marks unsafe): SFT -> a reward model and a
-# cost model (train_rm.py --objective cost) -> PPO with the reward alone, and PPO-Lagrangian (train_ppo.py
+# cost model (train_rm.py --objective cost) -> PPO with the reward alone, and PPO-Lagrangian (train_ppo_lagrangian.py
 # --cost_model) at two cost limits, several training seeds; every policy judged on held-out prompts by the gold
 # reward and the gold cost (nano_rlhf.reward:gold, :gold_cost). The table: gold reward, gold cost, the share of
 # unsafe answers, KL and the final λ; the plot: cost and λ per step.
@@ -60,7 +60,7 @@ for seed in $SEEDS; do
   done_model "$S/ppo" || spawn timed "$S" ppo $PY train_ppo.py $COMMON --out_dir "$S/ppo"
   for d in $LIMITS; do
     v="ppo_lag_d$d"
-    done_model "$S/$v" || spawn timed "$S" "$v" $PY train_ppo.py $COMMON --cost_model "$OUT/cm" --cost_limit "$d" \
+    done_model "$S/$v" || spawn timed "$S" "$v" $PY train_ppo_lagrangian.py $COMMON --cost_model "$OUT/cm" --cost_limit "$d" \
       --out_dir "$S/$v"
   done
 done

@@ -11,6 +11,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# every training script's module name: the tests that hold for all of them take this list, so a new script is in
+SCRIPTS = sorted(name[:-3] for name in os.listdir(ROOT) if name.startswith("train_") and name.endswith(".py"))
 
 from nano_rlhf.model import GPT, GPTConfig  # noqa: E402 (the repository root is on sys.path first)
 from nano_rlhf.tokenizer import Tokenizer  # noqa: E402

@@ -5,6 +5,7 @@ from typing import Literal, Optional
 
 import pytest
 
+from conftest import SCRIPTS
 from nano_rlhf.cli import RunOptions, build_parser, parse_args, parse_range, range_violation
 
 
@@ -86,7 +87,7 @@ def test_help_shows_the_range():
 def test_the_scripts_options_parse_with_their_defaults():
     """Every script's defaults satisfy their own declared ranges (and no comment is a malformed range)."""
     import importlib
-    for name in ("train_sft", "train_rm", "train_dpo", "train_ppo"):
+    for name in SCRIPTS:
         mod = importlib.import_module(name)
         parse_args(mod.Options, [])
 
@@ -222,8 +223,7 @@ def test_every_declared_condition_names_an_option_of_its_script():
     import dataclasses
     import importlib
     from nano_rlhf.cli import _field_comments, parse_condition
-    modules = ["train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired", "train_online",
-               "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge"]
+    modules = SCRIPTS + ["nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge"]
     seen = 0
     for name in modules:
         cls = importlib.import_module(name).Options
@@ -267,8 +267,7 @@ def test_no_help_line_of_an_options_class_is_lost():
     import io
     import tokenize
     lost = []
-    for name in ("train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired",
-                 "train_online", "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge", "nano_rlhf.cli"):
+    for name in SCRIPTS + ["nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge", "nano_rlhf.cli"]:
         module = importlib.import_module(name)
         for cls in vars(module).values():
             if not (inspect.isclass(cls) and cls.__module__ == module.__name__ and cls.__name__.endswith("Options")):
@@ -340,7 +339,8 @@ def test_the_tools_read_the_same_declarations(tool, argv, line, capsys):
     ("train_ppo", ["--fsdp", "--rollout_dtype", "bfloat16"], "--rollout_dtype bfloat16 with --fsdp"),
     ("train_ppo", ["--reward", "selfplay"], "--reward selfplay needs a judge"),
     ("train_ppo", ["--batch_size", "3", "--num_minibatches", "5"], "the rollout of "),
-    ("train_ppo", ["--cost_model", "c", "--cost", "c.py:f"], "pass one cost"),
+    ("train_ppo_lagrangian", ["--cost_model", "c", "--cost", "c.py:f"], "pass one cost"),
+    ("train_ppo_lagrangian", [], "PPO-Lagrangian needs a cost"),
     ("train_online", ["--method", "sppo", "--samples_per_prompt", "1", "--judge", "gold"], "--method sppo compares"),
     ("train_online", ["--method", "cringe", "--ref_update_every", "2", "--judge", "gold"], "--ref_update_every has no"),
     ("train_online", ["--labels", "soft", "--loss", "simpo", "--judge", "gold"], "--labels soft: --loss simpo"),
@@ -365,8 +365,7 @@ def test_every_rule_between_options_is_exit_2(script, argv, line, capsys):
 
 # ---- numbers a float32 tensor can hold ---------------------------------------------------------------------------
 
-COMMANDS = {"train_sft": [], "train_rm": [], "train_dpo": [], "train_ppo": [], "train_listwise": [],
-            "train_unpaired": [], "train_online": [], "nano_rlhf.evaluate": ["--model", "m"], "nano_rlhf.label": [],
+COMMANDS = {**{name: [] for name in SCRIPTS}, "nano_rlhf.evaluate": ["--model", "m"], "nano_rlhf.label": [],
             "nano_rlhf.merge": ["--base", "b", "--models", "m", "--method", "ties", "--out_dir", "o"]}
 
 
@@ -494,8 +493,7 @@ def test_every_declared_condition_means_what_it_meant_before_the_parentheses():
     import re
     from nano_rlhf.cli import _field_comments, parse_condition
     seen = 0
-    for name in ["train_sft", "train_rm", "train_dpo", "train_ppo", "train_listwise", "train_unpaired",
-                 "train_online", "nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge"]:
+    for name in SCRIPTS + ["nano_rlhf.label", "nano_rlhf.evaluate", "nano_rlhf.merge"]:
         for field, comment in _field_comments(importlib.import_module(name).Options).items():
             m = re.search(r"\[with ([^\[\]]+)\]", comment)
             if m:

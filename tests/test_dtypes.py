@@ -20,6 +20,7 @@ import train_dpo
 import train_listwise
 import train_online
 import train_ppo
+import train_ppo_lagrangian
 import train_rm
 import train_unpaired
 from conftest import tiny_model
@@ -118,6 +119,8 @@ LOSSES = {
     "train_ppo.aggregate_loss": lambda x: train_ppo.aggregate_loss(x["ta"], x["mask"], "token_mean", 20, B, R),
     "train_ppo.rollout_correction": lambda x: train_ppo.rollout_correction(x["ta"], x["ta"] + 0.1 * x["tb"],
                                                                           x["mask"], "tis")[0],
+    "train_ppo_lagrangian.lagrangian_advantage": lambda x: train_ppo_lagrangian.lagrangian_advantage(x["ta"], x["tb"],
+                                                                                                    2.0),
     "train_dpo.dpo_loss": lambda x: train_dpo.dpo_loss(x["a"], 0.1, 0.1),
     "train_dpo.robust_loss": lambda x: train_dpo.robust_loss(x["a"], 0.1, 0.1),
     "train_dpo.ipo_loss": lambda x: train_dpo.ipo_loss(x["a"], x["b"], x["lens"], x["lens"] + 1, 0.1, 0.1),

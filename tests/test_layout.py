@@ -277,7 +277,13 @@ COPIES = [("train_dpo", "train_listwise", ["_scored_logps", "row_sums", "sequenc
           ("train_dpo", "train_online", ["dpo_loss", "robust_loss", "ipo_loss", "hinge_loss", "rdpo_loss",
                                          "simpo_loss", "cpo_loss", "log_odds", "orpo_loss", "pair_loss", "nll_weight",
                                          "REFERENCE_FREE", "DEFAULT_BETA"]),
-          ("train_ppo", "train_online", ["response_logprobs"])]
+          ("train_ppo", "train_online", ["response_logprobs"]),
+          ("train_ppo", "train_ppo_lagrangian", [
+              "GROUP", "WHITENED", "LossAgg", "response_logprobs", "kl_estimate", "token_rewards", "gae",
+              "reward_to_go", "masked_sums", "masked_sq_dev", "masked_whiten", "explained_variance", "rloo_advantages",
+              "grpo_advantages", "dr_grpo_advantages", "sequence_kl", "advantages", "policy_loss", "value_loss",
+              "aggregate_loss", "minibatch_counts", "AdaptiveKL", "token_mean_scale", "scores_from_reward",
+              "group_spread", "ptx_backward", "whiten_over_ranks", "explained_variance_over_ranks", "LOSS_KEYS"])]
 
 
 def _top_level_source(path, name):

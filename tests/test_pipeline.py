@@ -113,8 +113,8 @@ def test_online_script_tiny_end_to_end(tmp_path):
 
 @pytest.mark.slow      # SFT, a reward model, a cost model, PPO and PPO-Lagrangian, a few steps each
 def test_safe_script_tiny_end_to_end(tmp_path):
-    """scripts/safe.sh (TINY=1, one seed, one cost limit): the harm data, a cost model that train_ppo accepts as
-    --cost_model, every policy trained and loadable, each scored by the gold reward and the gold cost, the table with
+    """scripts/safe.sh (TINY=1, one seed, one cost limit): the harm data, a cost model that train_ppo_lagrangian
+    accepts as --cost_model, every policy trained and loadable, each scored by the gold reward and the gold cost, the table with
     the Lagrangian's final λ, and the curves."""
     env = dict(os.environ, TINY="1", SEEDS="0", LIMITS="0", OUT=str(tmp_path / "out"), PYTHON=sys.executable)
     p = subprocess.run(["bash", "scripts/safe.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -194,11 +194,11 @@ def test_bad_options_exit_before_training(tmp_path, sft_dir, rm_dir, capfd, extr
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
-def main_exit(capfd, argv):
-    """(exit code, stderr) of train_ppo.main(argv), which must exit."""
+def main_exit(capfd, argv, script=train_ppo):
+    """(exit code, stderr) of script.main(argv), which must exit."""
     capfd.readouterr()
     with pytest.raises(SystemExit) as e:
-        train_ppo.main(argv)
+        script.main(argv)
     assert isinstance(e.value.code, int)
     return e.value.code, capfd.readouterr().err
 

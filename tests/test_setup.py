@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import SCRIPTS, tiny_model
 
 from test_lora_scripts import dpo_args, ppo_args, rm_args, sft_args
 from test_online import online_args
@@ -23,6 +23,7 @@ import train_dpo
 import train_listwise
 import train_online
 import train_ppo
+import train_ppo_lagrangian
 import train_rm
 import train_sft
 import train_unpaired
@@ -137,7 +138,7 @@ def test_resume_off_writes_the_config_and_restores_nothing(tok, tmp_path):
 SETUP = ["parse_args", "fill_defaults", "check_options", "dist.setup", "training.open_run"]
 
 
-@pytest.mark.parametrize("name", ["sft", "rm", "dpo", "ppo", "listwise", "unpaired", "online"])
+@pytest.mark.parametrize("name", [s.removeprefix("train_") for s in SCRIPTS])
 def test_every_main_opens_with_its_set_up_written_out(name):
     """main() reads parse -> fill the defaults (where a default depends on another option) -> check -> the
     process group -> (the data that must be valid first: sft, rm) -> open the run, as calls in the script, in
@@ -159,6 +160,8 @@ def script_args(name, tmp_path, sft_dir, rm_dir, task_dir):
         "rm": (train_rm, lambda: rm_args(tmp_path, sft_dir, "o")),
         "dpo": (train_dpo, lambda: dpo_args(tmp_path, sft_dir, "o")),
         "ppo": (train_ppo, lambda: ppo_args(tmp_path, sft_dir, rm_dir, "o")),
+        "ppo_lagrangian": (train_ppo_lagrangian, lambda: ppo_args(tmp_path, sft_dir, rm_dir, "o", "--cost",
+                                                                  "nano_rlhf.reward:gold_cost")),
         "listwise": (train_listwise, lambda: ["--loss", "lipo", "--data", str(task_dir / "listwise.jsonl"), "--init",
                                               sft_dir, "--out_dir", str(tmp_path / "o"), "--max_steps", "2",
                                               "--batch_size", "4"]),
@@ -167,11 +170,13 @@ def script_args(name, tmp_path, sft_dir, rm_dir, task_dir):
     }[name]
     return mod, argv()      # only this script's files are written (two scripts' helpers share a file name)
 
-SCRIPTS = ["sft", "rm", "dpo", "ppo", "listwise", "unpaired", "online"]
+NAMES = [s.removeprefix("train_") for s in SCRIPTS]
 # what each script places: {trained}, {frozen}, and the live models of its memory plan
 PLACED = {"sft": ({"policy"}, set(), ["policy"]), "rm": ({"reward model"}, set(), ["rm"]),
           "dpo": ({"policy"}, {"reference model"}, ["policy", "ref"]),
           "ppo": ({"policy", "critic"}, {"ref"}, ["policy", "critic", "ref", "reward"]),
+          "ppo_lagrangian": ({"policy", "critic", "cost critic"}, {"ref"},
+                             ["policy", "critic", "cost_critic", "ref", "reward"]),     # the cost: a function
           "listwise": ({"policy"}, {"reference model"}, ["policy", "ref"]),
           "unpaired": ({"policy", "value"}, {"reference"}, ["policy", "value", "ref"]),
           "online": ({"policy"}, {"reference"}, ["policy", "ref"])}
@@ -181,7 +186,7 @@ class Planned(Exception):
     pass
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", NAMES)
 def test_every_script_sets_up_through_launch(name, tmp_path, sft_dir, rm_dir, task_dir, monkeypatch):
     """Each main places its models, wraps each trained one (DDP / FSDP, AdamW) and prints the memory plan through
     launch, in that order: --fsdp, the same-weights check, the seeding and the plan are the same code in all."""
@@ -212,7 +217,7 @@ def test_every_script_sets_up_through_launch(name, tmp_path, sft_dir, rm_dir, ta
     assert calls[-1][1] == planned
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", NAMES)
 def test_report_to_without_its_package_is_one_line_before_anything_is_written(name, tmp_path, sft_dir, rm_dir,
                                                                                task_dir, monkeypatch, capsys):
     real = builtins.__import__
