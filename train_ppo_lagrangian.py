@@ -91,6 +91,18 @@ class Options(FrozenModelOptions, RunOptions):
     eval_prompts: str = ""        # held-out prompts; empty = built-in task's, or split --eval_fraction off --prompts
     eval_fraction: float = 0.05   # share of --prompts held out for evaluation when no --eval_prompts {0 < x < 1}
     out_dir: str = ""             # output directory; empty = out/ppo_lagrangian (gae) or out/<advantage>_lagrangian
+    # ---- the cost and the bound on its mean (defaults are safe-rlhf's ppo-lag.sh)
+    cost_model: str = ""          # cost model directory (train_rm.py --objective cost); one of it and --cost
+    cost: str = ""                # or a verifiable cost, module:function / file.py:function (called as --reward is)
+    cost_limit: float = 0.0       # d: the bound on the mean episode cost, in the cost's raw units (a cost model's 0 is
+                                  # its safe/unsafe boundary) {-1e15 <= x <= 1e15}
+    lambda_init: float = 1.0      # λ at the start {> 0}
+    lambda_lr: float = 0.1        # η, the step of log λ's gradient ascent {>= 0}
+    lambda_max: float = 5.0       # λ's cap; inf = none {0 < x <= inf}
+    lambda_delay: int = 0         # steps before λ first moves {>= 0}
+    cost_window: int = 128        # J_C averages the last this many episode costs of each rank {>= 1}
+    cost_critic_init: Literal["auto", "cost_model", "policy"] = "auto"  # the cost critic's start; auto = the cost
+                                                                        # model if one [with advantage=gae]
     # ---- the rollout
     batch_size: int = 8           # prompts per device per step {>= 1}
     samples_per_prompt: int = 8   # k completions per prompt (8 x 8 = 64 completions a step, every estimator) {>= 1}
@@ -144,18 +156,6 @@ class Options(FrozenModelOptions, RunOptions):
                                   # [with ptx_coef>0]
     ptx_coef: float = 0.0         # γ_ptx, weight of the PTX NLL [with ptx_data] {>= 0}
     ptx_batch_size: int = 8       # SFT sequences per device per minibatch for PTX [with ptx_data] {>= 1}
-    # ---- the cost and the bound on its mean (defaults are safe-rlhf's ppo-lag.sh)
-    cost_model: str = ""          # cost model directory (train_rm.py --objective cost); one of it and --cost
-    cost: str = ""                # or a verifiable cost, module:function / file.py:function (called as --reward is)
-    cost_limit: float = 0.0       # d: the bound on the mean episode cost, in the cost's raw units (a cost model's 0 is
-                                  # its safe/unsafe boundary) {-1e15 <= x <= 1e15}
-    lambda_init: float = 1.0      # λ at the start {> 0}
-    lambda_lr: float = 0.1        # η, the step of log λ's gradient ascent {>= 0}
-    lambda_max: float = 5.0       # λ's cap; inf = none {0 < x <= inf}
-    lambda_delay: int = 0         # steps before λ first moves {>= 0}
-    cost_window: int = 128        # J_C averages the last this many episode costs of each rank {>= 1}
-    cost_critic_init: Literal["auto", "cost_model", "policy"] = "auto"  # the cost critic's start; auto = the cost
-                                                                        # model if one [with advantage=gae]
     # ---- optimisation, schedule, evaluation
     lr: float = 2e-4              # policy learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 1e-6 {0 <= x <= 1e3}
     critic_lr: float = 1e-4       # critic learning rate; GPT-2-124M: 1e-5, 0.5-1.5B models: 5e-6 [with advantage=gae]
@@ -172,7 +172,7 @@ class Options(FrozenModelOptions, RunOptions):
     eval_interval: int = 20       # evaluate on held-out prompts every N steps (and at the end); 0 = end only {>= 0}
     eval_samples: int = 128       # held-out prompts sampled per evaluation {>= 1}
     save_interval: int = 50       # checkpoint every N steps (and at the end); 0 = only at the end {>= 0}
-    lora_r: int = 0               # LoRA rank for the policy and the critic (its score head trains fully); the reference
+    lora_r: int = 0               # LoRA rank for the policy and both critics (a score head trains fully); the reference
                                   # is then the policy with adapters off; 0 = off {>= 0}
 
 
