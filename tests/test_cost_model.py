@@ -247,22 +247,28 @@ def test_a_model_directory_of_the_other_kind_is_refused(tmp_path, sft_dir, rm_di
     assert not cost.has_stats and cost.mean == 0.0 and cost.std == 1.0          # costs are read raw
 
 
-def test_train_ppo_takes_a_cost_model_directory_and_refuses_the_other_kind(tmp_path, sft_dir, rm_dir, capfd, tok):
-    """--cost_model reads a cost model raw (its own critic starts from it); a reward model given as --cost_model,
-    or a cost model as --reward_model, stops the run in one line before any work."""
+def test_ppo_lagrangian_takes_a_cost_model_directory_and_refuses_the_other_kind(tmp_path, sft_dir, rm_dir, capfd,
+                                                                                tok):
+    """train_ppo_lagrangian's --cost_model reads a cost model raw (its own critic starts from it); a reward model
+    given as --cost_model, or a cost model as train_ppo's or its --reward_model, stops the run in one line before
+    any work."""
     import train_ppo
+    import train_ppo_lagrangian
     from conftest import metrics
     from test_ppo import main_exit, ppo_args
     cost_dir = tmp_path / "cm"
     score_model(tok, seed=3).save_pretrained(str(cost_dir), score_kind="cost")
     tok.save(str(cost_dir / "tokenizer.json"))
-    for argv, message in ((ppo_args(tmp_path, sft_dir, rm_dir, "a", "--cost_model", rm_dir),
-                           f"error: {rm_dir} is not a cost model"),
-                          (ppo_args(tmp_path, sft_dir, str(cost_dir), "b"), f"error: {cost_dir} is a cost model")):
-        code, err = main_exit(capfd, argv)
+    for script, argv, message in (
+            (train_ppo_lagrangian, ppo_args(tmp_path, sft_dir, rm_dir, "a", "--cost_model", rm_dir),
+             f"error: {rm_dir} is not a cost model"),
+            (train_ppo, ppo_args(tmp_path, sft_dir, str(cost_dir), "b"), f"error: {cost_dir} is a cost model"),
+            (train_ppo_lagrangian, ppo_args(tmp_path, sft_dir, str(cost_dir), "b", "--cost_model", str(cost_dir)),
+             f"error: {cost_dir} is a cost model")):
+        code, err = main_exit(capfd, argv, script)
         errors = [x for x in err.splitlines() if x.startswith("error")]
         assert code == 1 and len(errors) == 1 and errors[0].startswith(message), err
-    train_ppo.main(ppo_args(tmp_path, sft_dir, rm_dir, "c", "--cost_model", str(cost_dir), steps=1))
+    train_ppo_lagrangian.main(ppo_args(tmp_path, sft_dir, rm_dir, "c", "--cost_model", str(cost_dir), steps=1))
     assert "train/cost" in metrics(tmp_path / "c")[-1]
 
 
