@@ -74,7 +74,7 @@ from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions, parse_args
 from nano_rlhf.data import (Batches, collate_pairs, default_data, is_listwise_file, listwise_to_pairs, load_records,
                             split_off, tokenize_pairs, training_length)
-from nano_rlhf.model import GPT, LOGITS_BUDGET, token_logprobs, upcast
+from nano_rlhf.model import GPT, chunk_rows, token_logprobs, upcast
 from nano_rlhf.training import (autocast, check_device, check_vocab, derive_max_steps, fail, input_errors,
                                 load_reference, lr_at, set_lr)
 
@@ -179,10 +179,11 @@ def _chunk_kl(h_pi, h_ref, w_pi, w_ref):
 
 def token_kl(hidden_pi, hidden_ref, weight_pi, weight_ref, chunk_size=None):
     """(N, C) policy and reference hidden states at the same N positions -> (N,) float32 KL(π_ref ‖ π_θ) over the
-    whole vocabulary at each position. Chunked and recomputed in backward like model.token_logprobs: the two
-    (N, V) logit tensors are never held at once beyond chunk_size positions; chunked == unchunked."""
+    whole vocabulary at each position. Chunked within model.token_logprobs' budget (two rows of logits a position)
+    and each chunk recomputed in backward by torch's checkpoint, so the two (N, V) logit tensors are never held
+    at once beyond chunk_size positions; chunked == unchunked."""
     if chunk_size is None:
-        chunk_size = max(1, LOGITS_BUDGET // (2 * weight_pi.shape[0]))
+        chunk_size = chunk_rows(2 * weight_pi.shape[0], hidden_pi.device)
     if hidden_pi.shape[0] <= chunk_size:
         return _chunk_kl(hidden_pi, hidden_ref, weight_pi, weight_ref)
     grad = torch.is_grad_enabled() and (hidden_pi.requires_grad or weight_pi.requires_grad)

@@ -34,7 +34,7 @@ def alternate(variants, reps):
 
 
 def logprobs(reps):
-    """token_logprobs forward + backward at vocab 49,152 and 151,936: chunks of LOGITS_BUDGET elements (each
+    """token_logprobs forward + backward at vocab 49,152 and 151,936: chunks of the default budget (each
     remade in backward) against one chunk holding every position. Weights at a trained model's scale."""
     out = {}
     for V in (49152, 151936):

@@ -735,30 +735,138 @@ def _chunk_logprobs(h, weight, targets, temperature, with_entropy):
     return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp,)
 
 
-LOGITS_BUDGET = 1 << 25   # elements of float32 logits held at once by token_logprobs (128 MiB)
+# The budget of the log-prob operator: bytes of float32 logits one chunk of positions holds. None = the device's
+# default (logits_budget); --logits_budget sets it for a run (training.open_run).
+LOGITS_BUDGET = None
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=None, with_entropy=False):
+def set_logits_budget(n_bytes):
+    """This process's log-prob budget in bytes; 0 = the device's default."""
+    global LOGITS_BUDGET
+    LOGITS_BUDGET = int(n_bytes) or None
+
+
+def logits_budget(device):
+    """Bytes of float32 logits token_logprobs holds at once: 128 MiB on a CPU; on CUDA min(2 GiB, 2% of the
+    device's *total* memory), so that a resumed run on the same GPU chunks exactly as the run it resumes (free
+    memory would vary with what else the process holds)."""
+    if LOGITS_BUDGET is not None:
+        return LOGITS_BUDGET
+    if device.type == "cuda":
+        return min(2 << 30, torch.cuda.get_device_properties(device).total_memory // 50)
+    return 128 << 20
+
+
+def chunk_rows(n_columns, device):
+    """How many positions' float32 rows of n_columns fit in logits_budget(device) (at least one)."""
+    return max(1, logits_budget(device) // (4 * n_columns))
+
+
+def output_multiple(device):
+    """The row multiple the output layer is padded to for its matrix product: 128 on CUDA, where a vocabulary
+    that is no multiple of 8 (GPT-2's 50,257) sends cuBLAS to kernels at a quarter of the speed
+    (docs/benchmarks.md); 1 (no padding) elsewhere."""
+    return 128 if device.type == "cuda" else 1
+
+
+def padded_rows(weight, dtype, multiple):
+    """(V, C) output weight -> (V', C) in dtype, V' = V rounded up to `multiple` with zero rows appended: one
+    cast and one copy for a whole batch of positions. The logits of the padded rows are not the model's: every
+    caller slices them off ([..., :V]) before any softmax."""
+    w = weight.to(dtype)
+    extra = -weight.shape[0] % multiple
+    return F.pad(w, (0, 0, 0, extra)) if extra else w
+
+
+def _scaled_logits(h, w, n_vocab, temperature):
+    """(n, C) hidden states, (V', C) padded weight -> (n, V) float32 logits / temperature (padded columns off)."""
+    z = upcast(F.linear(h, w)[:, :n_vocab])
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """token_logprobs over many chunks of positions, with the memory of one. The forward keeps, per position,
+    only the logsumexp of its logits and its target's log-prob (and its entropy): N floats each. The backward
+    recomputes each chunk's logits from the hidden states and the output weight, which is cast (and padded) once
+    for the whole call, and sums the weight's gradient over the chunks in one float32 buffer.
+
+    With z = logits / τ, p = softmax(z), lp_t = z_t − logsumexp(z) and H = −Σ_v p_v log p_v:
+        ∂lp_t/∂z = onehot(t) − p,        ∂H/∂z = −p ⊙ (log p + H),        ∂z/∂logits = 1/τ."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, chunk, multiple):
+        device = hidden.device.type
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else torch.promote_types(hidden.dtype, weight.dtype))
+        with torch.autocast(device, enabled=False):
+            w = padded_rows(weight, dtype, multiple)
+            n, V = hidden.shape[0], weight.shape[0]
+            lse = hidden.new_empty(n, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+            lp, ent = torch.empty_like(lse), (torch.empty_like(lse) if with_entropy else None)
+            for s in range(0, n, chunk):
+                z = _scaled_logits(hidden[s:s + chunk].to(dtype), w, V, temperature)
+                t = targets[s:s + chunk, None]
+                logp = z.log_softmax(-1)            # one fused pass; logsumexp(z) = z_t − log p_t
+                lp[s:s + chunk] = logp.gather(-1, t).squeeze(-1)
+                lse[s:s + chunk] = z.gather(-1, t).squeeze(-1) - lp[s:s + chunk]
+                if with_entropy:
+                    ent[s:s + chunk] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, w, targets, lse, *(() if ent is None else (ent,)))
+        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
+        return (lp, ent) if with_entropy else lp
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent=None):
+        hidden, weight, w, targets, lse, *ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        n, V, tau, chunk = hidden.shape[0], weight.shape[0], ctx.temperature, ctx.chunk
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                             device=weight.device) if need_w else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                h = hidden[s:s + chunk].to(ctx.dtype)
+                g = g_lp[s:s + chunk, None]
+                logp = _scaled_logits(h, w, V, tau).sub_(lse[s:s + chunk, None])
+                p = logp.exp()
+                if ent:             # + g_H · ∂H/∂z
+                    d = logp.add_(ent[0][s:s + chunk, None]).mul_(p).mul_(-g_ent[s:s + chunk, None])
+                    d.sub_(p.mul_(g))
+                else:
+                    d = p.mul_(-g)
+                d.scatter_add_(-1, targets[s:s + chunk, None], g)          # + g · onehot(t)
+                if tau != 1.0:
+                    d.div_(tau)
+                d = d.to(ctx.dtype)
+                if w.shape[0] > V:
+                    d = F.pad(d, (0, w.shape[0] - V))       # the padded columns get no gradient
+                if need_h:
+                    grad_h[s:s + chunk] = d @ w
+                if need_w:
+                    grad_w.add_(d.t() @ h)
+        if need_w:
+            grad_w = grad_w[:V].to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=None, with_entropy=False, pad_to=None):
     """(N, C) final hidden states, (V, C) output weight, (N,) targets -> (N,) float32 log_softmax(hidden @
-    weight.T / temperature) at targets, and (N,) entropies with with_entropy=True.
+    weight.T / temperature) at targets, and (N,) entropies with with_entropy=True. Every script's log-probs
+    (SFT's NLL, DPO's sequence log-probs, PPO/GRPO's token log-probs, evaluation) come from here.
 
-    Why chunks: with a real vocabulary (49k-152k) the (N, V) logits are the largest tensors of a step. Computing
-    them chunk_size positions at a time, and recomputing each chunk in backward (checkpoint), bounds the peak by
-    (chunk_size, V) in forward and backward; the result equals the unchunked computation. chunk_size=None takes
-    as many positions as fit in LOGITS_BUDGET elements; when one chunk holds every position nothing is
-    recomputed (a small vocabulary pays nothing for the bound)."""
+    Why chunks: with a real vocabulary (49k-152k) the (N, V) logits are the largest tensors of a step. When they
+    fit in one chunk of chunk_size positions (default: chunk_rows, the budget logits_budget; every built-in task)
+    the computation is the plain one. Otherwise _TokenLogprobs computes them chunk_size positions at a time and
+    recomputes each chunk in backward, so the peak is one chunk's; the result equals the plain computation to
+    rounding. pad_to: the row multiple of the output layer's product (default output_multiple: 128 on CUDA, 1
+    on a CPU); the padded columns never reach the softmax."""
     if chunk_size is None:
-        chunk_size = max(1, LOGITS_BUDGET // weight.shape[0])
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if hidden.shape[0] <= chunk_size:   # one chunk: the plain computation, no recompute
+        chunk_size = chunk_rows(weight.shape[0], hidden.device)
+    multiple = output_multiple(hidden.device) if pad_to is None else pad_to
+    if hidden.shape[0] <= chunk_size and weight.shape[0] % multiple == 0:     # the plain computation
         out = _chunk_logprobs(hidden, weight, targets, temperature, with_entropy)
         return out if with_entropy else out[0]
-    parts = []
-    for s in range(0, hidden.shape[0], chunk_size):
-        args = (hidden[s:s + chunk_size], weight, targets[s:s + chunk_size], temperature, with_entropy)
-        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args))
-    out = [torch.cat(p) for p in zip(*parts)]
-    return tuple(out) if with_entropy else out[0]
+    return _TokenLogprobs.apply(hidden, weight, targets, float(temperature), with_entropy, chunk_size, multiple)
 
 
 class ScoreModel(_Pretrained):

@@ -63,7 +63,7 @@ from . import checkpoint, dist, lora, parallel
 from .checkpoint import atomic_write_text, find_state, input_sha256, OutDirLock, RUN_FILES, save_state, sha256_file
 from .cli import CHANGEABLE, moved_module, save_config, to_dict
 from .data import DataError, default_data, load_train_eval
-from .model import GPT, non_finite
+from .model import GPT, non_finite, set_logits_budget
 
 _current = None          # the live Run of this process (fail aborts it)
 
@@ -555,6 +555,8 @@ def open_run(opts, script, identity=None, inputs=None, data_files=None, max_step
         _current.abort()
     if getattr(opts, "resume", False) and getattr(opts, "overwrite", False):      # a bad command line: exit 2
         fail("--overwrite and --resume contradict each other: --resume continues the run in --out_dir", 2)
+    # the log-prob operator's chunk (nano_rlhf/model.py): part of the run's identity, so a resume chunks alike
+    set_logits_budget(int(getattr(opts, "logits_budget", 0.0) * 2 ** 20))
     run = Run(opts, script, dict(identity or {}), inputs, data_files,
               getattr(opts, "max_steps", 0) if max_steps is None else max_steps, show, loss_keys)
     w = dist.world()

@@ -366,9 +366,9 @@ def test_hidden_states_and_output_weight_give_the_logits():
         assert m.output_weight() is (m.lm_head.weight if untied else m.model.embed_tokens.weight)
 
 
-def test_token_logprobs_default_chunk_follows_the_element_budget(monkeypatch):
-    """chunk_size=None: as many positions as fit in LOGITS_BUDGET elements, so the bound holds for any vocabulary;
-    values and gradients equal the one-chunk computation."""
+def test_token_logprobs_default_chunk_follows_the_budget(monkeypatch):
+    """chunk_size=None: as many positions as fit in LOGITS_BUDGET bytes of float32 logits, so the bound holds for
+    any vocabulary; values and gradients equal the one-chunk computation."""
     import nano_rlhf.model as model_mod
     torch.manual_seed(0)
     N, V_, C = 256, 300, 16
@@ -376,7 +376,7 @@ def test_token_logprobs_default_chunk_follows_the_element_budget(monkeypatch):
     t = torch.randint(0, V_, (N,))
     full = token_logprobs(h, w, t)                          # default budget: one chunk
     g_full = torch.autograd.grad(full.sum(), (h, w))
-    monkeypatch.setattr(model_mod, "LOGITS_BUDGET", 10 * V_)
+    monkeypatch.setattr(model_mod, "LOGITS_BUDGET", 4 * 10 * V_)
 
     def fn():
         token_logprobs(h, w, t).sum().backward()
