@@ -40,10 +40,10 @@ from nano_rlhf import training
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import CompileOption, RunOptions, parse_args
 from nano_rlhf.data import Batches, collate_packed, collate_sft, pack_sft, tokenize_sft, training_length
-from nano_rlhf.model import GPT, GPTConfig, token_logprobs
+from nano_rlhf.model import GPT, GPTConfig, is_right_padded, token_logprobs
 from nano_rlhf.tokenizer import Tokenizer
 from nano_rlhf.training import (autocast, check_device, check_finite, check_vocab, derive_max_steps, fail,
-                                input_errors, load_tokenizer, lr_at, set_lr)
+                                input_errors, load_tokenizer, lr_at, set_lr, step_if_finite)
 
 
 @dataclass
@@ -96,9 +96,12 @@ def sft_nll(model, input_ids, attention_mask, loss_mask, position_ids=None, doc_
     """
     target_mask = loss_mask[:, 1:].bool()                          # (B, T-1): is token t+1 supervised?
     select = F.pad(target_mask, (0, 1))                            # (B, T): the positions that predict them
+    # as flat indices b·T + t, found where loss_mask is: train_step keeps it on the CPU, so that a GPU step
+    # selects its positions without a host read (a mask would have to be counted first)
+    positions = select.flatten().nonzero().squeeze(1).to(input_ids.device)                        # (N,)
     packed = {} if doc_ids is None else {"position_ids": position_ids, "doc_ids": doc_ids}
-    hidden = model(input_ids, attention_mask, select=select, return_hidden=True, **packed)          # (N, C)
-    targets = input_ids[:, 1:][target_mask]                        # (N,)
+    hidden = model(input_ids, attention_mask, select=positions, return_hidden=True, **packed)       # (N, C)
+    targets = input_ids.flatten()[positions + 1]          # (N,) token t+1 (select's last column is never set)
     return -token_logprobs(hidden, dist.unwrap(model).output_weight(), targets).sum(), targets.numel()
 
 
@@ -176,22 +179,29 @@ def train_step(ddp, optimizer, micro_batches, opts, step):
     world_size because DDP averages gradients over ranks."""
     world, t0 = dist.world(), time.time()
     n_loss_tokens = max(1, dist.all_reduce_sum(sum(int(mb[2][:, 1:].sum()) for mb in micro_batches)))
-    nll_sum, n_tokens = 0.0, 0
+    nll_sum, n_tokens = torch.zeros((), dtype=torch.float64, device=world.device), 0
     for j, mb in enumerate(micro_batches):
-        # (ids, attn, loss mask) or, packed, (ids, attn, loss mask, position ids, example ids)
-        ids, attn, lm, *packed = (t.to(world.device) for t in mb)
+        # (ids, attn, loss mask) or, packed, (ids, attn, loss mask, position ids, example ids), on the CPU: what
+        # the host decides from them (the token count, the positions, whether a mask is needed) costs no read
+        ids, attn, lm, *packed = mb
+        n_tokens += int(attn.sum())
+        if not packed and is_right_padded(attn):
+            attn = None                                  # causal attention never lets a real token see a pad
+        # copied even on a CPU, so the step's device tensors are never the host's (tests/test_host_reads.py)
+        ids, attn, *packed = (t if t is None else t.to(world.device, non_blocking=True, copy=True)
+                              for t in (ids, attn, *packed))
         parallel.sync_gradients(ddp, j == len(micro_batches) - 1)    # all-reduce gradients on the last one only
         with autocast(world.device, opts.dtype):
             nll, _ = sft_nll(ddp, ids, attn, lm, *packed)
         (nll * world.world_size / n_loss_tokens).backward()
-        nll_sum += nll.item()
-        n_tokens += int(attn.sum())
+        nll_sum += nll.detach()
     loss = dist.all_reduce_sum(nll_sum) / n_loss_tokens
-    check_finite(loss, step, opts.out_dir)             # never apply a non-finite update
-    grad_norm = parallel.clip_grad_norm(ddp.parameters(), opts.grad_clip)
-    check_finite(grad_norm, step, opts.out_dir, "gradient norm")
-    optimizer.step()
+    grad_norm = parallel.clipped_grad_norm(ddp.parameters(), opts.grad_clip)
+    step_if_finite(optimizer, loss.isfinite() & grad_norm.isfinite())     # never apply a non-finite update
     optimizer.zero_grad(set_to_none=True)
+    loss, grad_norm = torch.stack([loss, grad_norm.double()]).tolist()    # the step's one read from the device
+    check_finite(loss, step, opts.out_dir)
+    check_finite(grad_norm, step, opts.out_dir, "gradient norm")
     tokens_per_s = dist.all_reduce_sum(n_tokens) / max(time.time() - t0, 1e-9)
     return {"train/loss": loss, "train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s}
 

@@ -42,8 +42,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-PARTS = ("env", "correctness", "sft", "grpo", "rollout")
-LIMITS = {"env": 40, "correctness": 170, "sft": 150, "grpo": 120, "rollout": 200}   # seconds per part on a GPU
+PARTS = ("train", "rollout", "grpo", "correctness")
+# Each part's plan: what it runs and the device seconds expected for each (builds and compiles included), so
+# that a part fits one short command on a GPU lent for minutes. The dry run prints the plans; a part planned
+# over MAX_PART_S is refused before anything runs. A part's time limit is its plan plus a quarter.
+PLAN = {
+    "train": [("process start, CUDA init, imports", 15), ("env and the matmul probe", 15),
+              ("output-layer probe: 3 vocabularies x 3 sides x 11 calls", 30),
+              ("SFT gpt2-124m, ours and HF alternated, 13 steps each, profile", 20), ("SFT smollm2-135m", 20),
+              ("SFT qwen2.5-0.5b", 25), ("SFT gpt2-124m --compile (compile ~45 s)", 60),
+              ("DPO gpt2-124m, live reference", 15), ("correctness subset (TRAIN_TESTS)", 50)],
+    "rollout": [("process start", 15), ("eager and compiled engine (compile ~40 s)", 75),
+                ("HF generate, default and static cache (compile ~40 s)", 90)],
+    "grpo": [("process start, model save", 25), ("2 GRPO steps at qwen2.5-0.5b", 80)],
+    "correctness": [("the whole GPU suite, pytest -m gpu", 170)],
+}
+MAX_PART_S = 270           # 4.5 minutes: a part and a rerun fit the 15 minutes of device time a task is lent
+LIMITS = {part: 1.25 * sum(s for _, s in items) for part, items in PLAN.items()}
+# what each train row is expected to reach (the study's estimates, docs/benchmarks.md), beside what it measured
+EXPECTED = {("sft", "gpt2-124m", "nano_rlhf"): {"mfu": 0.25, "vs_hf": 1.9},
+            ("sft", "gpt2-124m", "nano_rlhf --compile"): {"mfu": 0.33, "vs_hf": 2.5},
+            ("sft", "smollm2-135m", "nano_rlhf"): {"vs_hf": 1.1},
+            ("sft", "qwen2.5-0.5b", "nano_rlhf"): {"vs_hf": 1.0},
+            ("dpo", "gpt2-124m", "nano_rlhf dpo"): {"vs_hf": 1.5}}
 
 # model shapes (random weights): GPTConfig fields, with the HF config class and its fields
 SHAPES = {
@@ -58,9 +79,10 @@ SHAPES = {
 TINY_SHAPE = dict(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=64)
 SFT_BATCH = {"gpt2-124m": (16, 1024), "smollm2-135m": (16, 1024), "qwen2.5-0.5b": (8, 1024)}
 
-# bf16 dense peak FLOP/s (no sparsity) by device name, from NVIDIA's data sheets
-PEAKS = [("H200", 989.4e12), ("H100 PCIe", 756.5e12), ("H100", 989.4e12), ("A100", 312e12), ("L40S", 362e12),
-         ("A10G", 70e12), ("L4", 121e12)]
+# bf16 dense peak FLOP/s (no sparsity) by device name, from NVIDIA's data sheets; the first name contained in
+# the device's wins, so the NVL and PCIe cards (lower clocks and power) come before the SXM names
+PEAKS = [("H200 NVL", 835e12), ("H100 NVL", 835e12), ("H100 PCIe", 756.5e12), ("H200", 989.4e12),
+         ("H100", 989.4e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12), ("L4", 121e12)]
 
 
 def write_json(path, obj):
@@ -150,9 +172,14 @@ def matmul_probe(device, tiny):
 
 # ---- correctness ------------------------------------------------------------------------------------------
 
-def part_correctness(a, device):
-    """pytest -m gpu on the device; each test's outcome (tests/conftest.py writes outcomes.jsonl as tests end)
-    and the tests' own measurements folded into one JSON."""
+# what the train part checks after its rows: the paths its issue changed (log-probs, the SFT and DPO steps, resume)
+TRAIN_TESTS = "chunked or parity or script_steps or resume"
+
+
+def part_correctness(a, device, subset=""):
+    """pytest -m gpu on the device (only the tests `subset` selects, a -k expression, when given); each test's
+    outcome (tests/conftest.py writes outcomes.jsonl as tests end) and the tests' own measurements folded into
+    one JSON."""
     outcomes, meas = (os.path.join(a.out, f) for f in ("outcomes.jsonl", "measurements.jsonl"))
     for f in (outcomes, meas):
         if os.path.exists(f):
@@ -160,7 +187,7 @@ def part_correctness(a, device):
     env = dict(os.environ, NANO_RLHF_TEST_DEVICE=str(device), NANO_RLHF_GPU_OUT=a.out,
                CUBLAS_WORKSPACE_CONFIG=":4096:8",    # deterministic cuBLAS (the resume test); set before CUDA starts
                PYTHONPATH=ROOT)
-    k = " and ".join(f"({x})" for x in (a.k, "not compiled" if a.no_compile else "") if x)
+    k = " and ".join(f"({x})" for x in (a.k, subset, "not compiled" if a.no_compile else "") if x)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-n", "0", "-q", "-rfE", "-p",
            "no:cacheprovider"] + (["-k", k] if k else [])
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -216,110 +243,249 @@ def flops_per_token(cfg, n_params, T):
 
 
 def kernel_profile(fn, device, top=15):
-    """Where one call's device time goes: the top kernels by self time (ms) and their share (torch.profiler)."""
+    """Where one call's device time goes: the top kernels by time (ms) and their share, and busy = the kernels'
+    time / the call's wall time (below ~0.9 the step waits on the host). On CUDA only the kernel rows count (a
+    CPU op's device time repeats its kernels'); on a CPU, the ops' self time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()                              # the profiled call is not the first
+    sync(device)
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         fn()
         sync(device)
-    events = prof.key_averages()
-    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    total = sum(getattr(e, attr, 0) for e in events) or 1
-    rows = sorted(events, key=lambda e: -getattr(e, attr, 0))[:top]
-    return {"total_ms": round(total / 1e3, 2),
-            "top": [[e.key[:90], round(getattr(e, attr, 0) / 1e3, 2), round(getattr(e, attr, 0) / total, 3)]
-                    for e in rows]}
+        wall = time.perf_counter() - t0
+    if cuda:
+        events = [(e.name, e.device_time_total) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    per = {}
+    for name, us in events:
+        per[name] = per.get(name, 0) + us
+    total = sum(per.values()) or 1
+    rows = sorted(per.items(), key=lambda kv: -kv[1])[:top]
+    return {"kernel_ms": round(total / 1e3, 2), "wall_ms": round(wall * 1e3, 2),
+            "busy": round(total / 1e6 / wall, 3) if cuda else None,
+            "top": [[k[:90], round(us / 1e3, 2), round(us / total, 3)] for k, us in rows]}
 
 
-def part_sft(a, device, save):
+def step_rows(device, make_sides, steps, warmup):
+    """Median seconds a step of each side, the sides alternated step by step (A B A B ...) after `warmup` steps
+    each, so that a clock or thermal drift falls on both alike. make_sides: {side: step function}."""
+    times = {k: [] for k in make_sides}
+    for _ in range(warmup):
+        for fn in make_sides.values():
+            fn()
+    for _ in range(steps):
+        for k, fn in make_sides.items():
+            sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            times[k].append(time.perf_counter() - t)
+    return {k: (statistics.median(v), v) for k, v in times.items()}
+
+
+def host_reads_of(fn, device):
+    """Run fn under torch.cuda.set_sync_debug_mode("error"): None when it synchronised nowhere, else the error's
+    first line (on a CPU: "not checked")."""
+    import torch
+    if device.type != "cuda":
+        return "not checked (CPU)"
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return None
+    except RuntimeError as e:
+        return str(e).splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def head_probe(device, tiny):
+    """The output layer alone, forward + backward of the log-probs of 16,384 positions (8,192 at Qwen) under bf16
+    autocast: the plain one-chunk computation (whole float32 logits), and the operator in its chunks, padded
+    (CUDA's default) and not. ms a call and peak memory."""
+    import torch
+    from nano_rlhf import model as M
+    out = {}
+    shapes = {"gpt2 50257": (16384, 768, 50257), "smollm2 49152": (16384, 576, 49152),
+              "qwen2.5 151936": (8192, 896, 151936)}
+    for name, (n, c, v) in shapes.items():
+        if tiny:
+            n, c, v = 256, 64, 1001
+        h0 = torch.randn(n, c, device=device)
+        w = (0.02 * torch.randn(v, c, device=device)).requires_grad_()
+        t = torch.randint(0, v, (n,), device=device)
+
+        def call(chunk, pad):
+            def fn():
+                w.grad = None
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    M.token_logprobs(h0.clone().requires_grad_(), w, t, chunk_size=chunk, pad_to=pad).sum().backward()
+            return fn
+        chunk = M.chunk_rows(v, device) if not tiny else 64
+        sides = {"one chunk (plain)": call(n, 1), "operator": call(chunk, 1), "operator, padded": call(chunk, 128)}
+        row = {}
+        for side, fn in sides.items():
+            try:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                med, _ = step_rows(device, {side: fn}, 2 if tiny else 10, 1)[side]
+                row[side] = {"ms": round(med * 1e3, 2)}
+                if device.type == "cuda":
+                    row[side]["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+            except Exception as e:      # the plain side can run out of memory at Qwen's vocabulary
+                row[side] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        out[name] = row
+    return out
+
+
+def part_train(a, device, save):
+    """The probes, then SFT at three shapes and DPO, each against a bare HF loop of the same work in this process,
+    the two alternated step by step; then the correctness subset of what this part measures."""
     import torch
     import transformers
 
-    from nano_rlhf.training import adamw, autocast
+    import train_dpo
+    import train_sft
+    from nano_rlhf.data import collate_pairs
     from nano_rlhf.model import GPT
-    from train_sft import sft_nll
+    from nano_rlhf.training import adamw, autocast
     transformers.logging.set_verbosity_error()
+    result = {"env": part_env(a, device)}
+    save(result)
+    result["head"] = head_probe(device, a.tiny)
+    save(result)
     peak, _ = device_peak(device)
-    rows = []
-    warmup, repeats = (1, 2) if a.tiny else (3, 8)
-    for shape in [x for x in a.shapes.split(",") if x] or SHAPES:
+    ceiling = result["env"]["matmul_tflops"].get("gpt2 mlp 16384x768x3072")
+    rows = result["rows"] = []
+    steps, warmup = (2, 1) if a.tiny else (10, 3)
+    opts = train_sft.Options(dtype="bfloat16", grad_clip=1.0)
+
+    def finish(row, model_cfg, n_params, tokens, hf_s, flops_factor=1.0):
+        """MFU against the datasheet and against the measured matmul ceiling, the ratio to HF."""
+        row["tokens_per_s"] = round(tokens / row["s_per_step"])
+        if peak:
+            flops = flops_factor * flops_per_token(model_cfg, n_params, row["batch"][1]) * row["tokens_per_s"]
+            row["mfu"] = round(flops / peak, 4)
+            if ceiling:
+                row["share_of_matmul_ceiling"] = round(flops / (ceiling * 1e12), 4)
+        if hf_s:
+            row["vs_hf"] = round(hf_s / row["s_per_step"], 3)
+
+    def build(shape, side, compiled=False):
         cfg = our_config(shape, a.tiny)
-        B, T = (2, 32) if a.tiny else SFT_BATCH[shape]
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(2, cfg.vocab_size, (B, T), generator=g).to(device)
-        mask = torch.ones_like(ids)
-
-        def ours_step(model, opt):
-            def step():
-                with autocast(device, "bfloat16"):
-                    nll, n = sft_nll(model, ids, mask, mask)
-                (nll / n).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            return step
-
-        def hf_step(model, opt):
-            def step():
-                with autocast(device, "bfloat16"):
-                    loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            return step
-
-        def measure(side, build, make_step, profile=False):
-            torch.manual_seed(0)
-            row = {"shape": shape, "side": side, "batch": [B, T], "dtype": "bfloat16 autocast"}
-            try:
-                model, n_params = build()
-                opt = adamw(model, 1e-4, 0.1)
-                t0 = time.perf_counter()
-                step = make_step(model, opt)
-                step()
-                sync(device)
-                row["first_step_s"] = round(time.perf_counter() - t0, 3)     # compile, allocator warm-up
-                s, ts = timed(step, device, warmup, repeats)
-                tok_s = B * T / s
-                row.update(s_per_step=round(s, 4), tokens_per_s=round(tok_s), times=[round(t, 4) for t in ts])
-                if peak:
-                    row["mfu"] = round(flops_per_token(cfg, n_params, T) * tok_s / peak, 4)
-                if device.type == "cuda":
-                    row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
-                if profile:
-                    row["profile"] = kernel_profile(step, device)
-                del model, opt, step
-            except Exception as e:        # one failing row must not lose the others
-                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-            rows.append(row)
-            save({"rows": rows})
-            return row
-
-        def ours(compiled=False):
-            m = GPT(cfg).to(device).train()
-            n = m.num_params() - (cfg.block_size * cfg.n_embd if cfg.model_type == "gpt2" else 0)
-            return (torch.compile(m) if compiled else m), n
-
-        def hf():
+        torch.manual_seed(0)
+        wpe = cfg.block_size * cfg.n_embd if cfg.model_type == "gpt2" else 0
+        if side == "hf":
             m = transformers.AutoModelForCausalLM.from_config(hf_config(cfg), attn_implementation="sdpa")
             m = m.to(device).train()
-            wpe = cfg.block_size * cfg.n_embd if cfg.model_type == "gpt2" else 0
-            return m, sum(p.numel() for p in m.parameters()) - wpe
+            return cfg, m, sum(p.numel() for p in m.parameters()) - wpe
+        m = GPT(cfg).to(device).train()
+        return cfg, (torch.compile(m) if compiled else m), m.num_params() - wpe
 
-        mine = measure("nano_rlhf", ours, ours_step, profile=shape == "gpt2-124m")
-        # compiling takes tens of seconds a shape: the MFU target's shape only, and not in the dry run
-        comp = measure("nano_rlhf --compile", lambda: ours(True), ours_step) \
-            if shape == "gpt2-124m" and not a.no_compile else {}
-        base = measure("hf bare loop", hf, hf_step)
-        for r in (mine, comp):
-            if "tokens_per_s" in r and "tokens_per_s" in base:
-                r["vs_hf"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-        save({"rows": rows})
-    return {"rows": rows}
+    def sft_sides(shape, compiled):
+        cfg, ours, n = build(shape, "ours", compiled)
+        _, hf, _ = build(shape, "hf")
+        B, T = (2, 32) if a.tiny else SFT_BATCH[shape]
+        ids = torch.randint(2, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        o_opt, h_opt, ids_d = adamw(ours, 1e-4, 0.1), adamw(hf, 1e-4, 0.1), ids.to(device)
+        counter = iter(range(10 ** 9))
+
+        def ours_step():            # the script's own step: one host read, the step's figures
+            train_sft.train_step(ours, o_opt, [(ids, mask, mask)], opts, next(counter))
+
+        def hf_step():
+            with autocast(device, "bfloat16"):
+                loss = hf(input_ids=ids_d, labels=ids_d).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+            h_opt.step()
+            h_opt.zero_grad(set_to_none=True)
+        return cfg, n, (B, T), {"nano_rlhf" + (" --compile" if compiled else ""): ours_step, "hf bare loop": hf_step}
+
+    def dpo_sides(shape):
+        """4 pairs (8 at full size) of prompt 128 + response 384: policy forward and backward on both rows, the
+        live reference's forward. HF's side: the same loss written by hand over its logits."""
+        cfg, ours, n = build(shape, "ours")
+        _, ref, _ = build(shape, "ours")
+        _, hf, _ = build(shape, "hf")
+        _, hf_ref, _ = build(shape, "hf")
+        for m in (ref, hf_ref):
+            m.eval().requires_grad_(False)
+        pairs, P, R = (2, 8, 16) if a.tiny else (8, 128, 384)
+        g = torch.Generator().manual_seed(0)
+        ex = [{"prompt": torch.randint(2, cfg.vocab_size, (P,), generator=g).tolist(),
+               "chosen": torch.randint(2, cfg.vocab_size, (R,), generator=g).tolist(),
+               "rejected": torch.randint(2, cfg.vocab_size, (R,), generator=g).tolist()} for _ in range(pairs)]
+        ids, attn, resp, _ = (x.to(device) if torch.is_tensor(x) else x for x in collate_pairs(ex, 1))
+        dopts = train_dpo.Options(loss="dpo", beta=0.1, dtype="bfloat16")
+        o_opt, h_opt = adamw(ours, 1e-4, 0.1), adamw(hf, 1e-4, 0.1)
+        batch = train_dpo.Batch(ids, attn, resp, None, pairs, pairs * R)
+
+        def ours_step():
+            stats = train_dpo.micro_step(dopts, ours, ref, batch)
+            (stats["loss"] / pairs).backward()
+            torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
+            o_opt.step()
+            o_opt.zero_grad(set_to_none=True)
+
+        def seq_logps(model):
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            return (lp * resp[:, 1:]).sum(1)
+
+        def hf_step():
+            with autocast(device, "bfloat16"):
+                s = seq_logps(hf)
+                with torch.no_grad():
+                    r = seq_logps(hf_ref)
+            h = (s - r).view(2, -1)
+            loss = -torch.nn.functional.logsigmoid(0.1 * (h[0] - h[1])).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+            h_opt.step()
+            h_opt.zero_grad(set_to_none=True)
+        return cfg, n, (2 * pairs, P + R), {"nano_rlhf dpo": ours_step, "hf bare loop dpo": hf_step}
+
+    shapes = [x for x in a.shapes.split(",") if x] or list(SHAPES)
+    plan = [("sft", s, False) for s in shapes] + [("sft", "gpt2-124m", True)] * (not a.no_compile) + \
+        [("dpo", "gpt2-124m", False)]
+    for kind, shape, compiled in plan:
+        group = []
+        try:
+            cfg, n, (B, T), sides = sft_sides(shape, compiled) if kind == "sft" else dpo_sides(shape)
+            ours_name = next(iter(sides))
+            reads = host_reads_of(sides[ours_name], device) if kind == "sft" else "not checked"
+            timing = step_rows(device, sides, steps, warmup)
+            hf_s = timing[[k for k in sides if k.startswith("hf")][0]][0]
+            for side, (med, ts) in timing.items():
+                row = {"shape": shape, "kind": kind, "side": side, "batch": [B, T], "dtype": "bfloat16 autocast",
+                       "s_per_step": round(med, 4), "times": [round(x, 4) for x in ts]}
+                # DPO: the reference's forward counts 2N a token beside the policy's 6N (a third of the work)
+                finish(row, cfg, n, B * T, None if side.startswith("hf") else hf_s, 4 / 3 if kind == "dpo" else 1.0)
+                if side == ours_name:
+                    row["host_reads"] = reads
+                    if shape != "qwen2.5-0.5b" and not compiled:
+                        row["profile"] = kernel_profile(sides[side], device)
+                group.append(row)
+            if device.type == "cuda":
+                group[0]["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+        except Exception as e:          # one failing row must not lose the others
+            group = [{"shape": shape, "kind": kind, "error": f"{type(e).__name__}: {str(e)[:400]}"}]
+        rows.extend(group)
+        save(result)
+        sides = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+    result["correctness"] = part_correctness(a, device, subset=TRAIN_TESTS)
+    return result
 
 
 # ---- one GRPO step -----------------------------------------------------------------------------------------
@@ -488,14 +654,42 @@ def run_part(a, part):
     path = os.path.join(a.out, f"{part}.json")
     save = lambda obj: write_json(path, {"part": part, "done": False, **obj})
     t0 = time.time()
-    if part == "env":
-        result = part_env(a, device)
-    elif part == "correctness":
+    if part == "correctness":
         result = part_correctness(a, device)
     else:
-        result = {"sft": part_sft, "grpo": part_grpo, "rollout": part_rollout}[part](a, device, save)
-    write_json(path, {"part": part, "done": True, "seconds": round(time.time() - t0, 1), **result})
-    return 1 if part == "correctness" and result["returncode"] != 0 else 0
+        result = {"train": part_train, "grpo": part_grpo, "rollout": part_rollout}[part](a, device, save)
+    write_json(path, {"part": part, "done": True, "seconds": round(time.time() - t0, 1),
+                      "planned_s": sum(s for _, s in PLAN[part]), **result})
+    tests = result if part == "correctness" else result.get("correctness")
+    return 1 if tests and tests["returncode"] != 0 else 0
+
+
+def table(out):
+    """The measured rows of the parts in OUT, at most 20 lines: what the reply of a GPU command keeps."""
+    lines = []
+    path = os.path.join(out, "train.json")
+    if os.path.exists(path):
+        r = json.load(open(path))
+        env = r.get("env", {})
+        lines.append(f"train: {env.get('device')} | matmul TFLOP/s {env.get('matmul_tflops')}")
+        for name, sides in r.get("head", {}).items():
+            lines.append(f"  head {name}: " + ", ".join(f"{k} {v.get('ms', v.get('error', '?'))} ms"
+                                                       for k, v in sides.items()))
+        for row in r.get("rows", []):
+            if "error" in row:
+                lines.append(f"  {row['kind']} {row['shape']}: {row['error'][:80]}")
+                continue
+            exp = EXPECTED.get((row["kind"], row["shape"], row["side"]), {})
+            lines.append(f"  {row['kind']} {row['shape']} {row['side']}: {row['s_per_step'] * 1e3:.1f} ms, "
+                         f"MFU {row.get('mfu')} (exp {exp.get('mfu')}), x HF {row.get('vs_hf')} "
+                         f"(exp {exp.get('vs_hf')})" + (f", host reads {row['host_reads']}" if "host_reads" in row
+                                                        else ""))
+    path = os.path.join(out, "rollout.json")
+    if os.path.exists(path):
+        for row in json.load(open(path)).get("rows", []):
+            lines.append(f"rollout {row['side'][:40]}: {row.get('new_tokens_per_s')} tok/s, x HF static "
+                         f"{row.get('vs_hf_static')}")
+    return lines[:20]
 
 
 def main(argv=None):
@@ -522,9 +716,17 @@ def main(argv=None):
             print(f"error: --device {a.device}: no CUDA GPU is available here (use --device cpu --tiny for the "
                   "dry run)", file=sys.stderr)
             return 2
+    over = [p for p in only if sum(s for _, s in PLAN[p]) > MAX_PART_S]
+    if over:
+        print(f"error: part(s) {', '.join(over)} planned over {MAX_PART_S} s of device time: split them",
+              file=sys.stderr)
+        return 2
     os.makedirs(a.out, exist_ok=True)
     if a.part:
         return run_part(a, a.part)
+    for part in only:
+        print(f"{part}: planned {sum(s for _, s in PLAN[part])} s of device time (" +
+              "; ".join(f"{what} {s}" for what, s in PLAN[part]) + ")", flush=True)
     failed = []
     for part in only:
         t0 = time.time()
@@ -542,14 +744,17 @@ def main(argv=None):
             failed.append(part)
             path = os.path.join(a.out, f"{part}.json")
             prev = json.load(open(path)) if os.path.exists(path) else {"part": part}
-            if part == "correctness" and not os.path.exists(path):    # stopped: what the tests wrote so far
+            if part == "correctness" and "counts" not in prev:      # stopped: what the tests wrote so far
                 prev.update(fold_outcomes(a.out))
+            if part == "train" and "correctness" not in prev:
+                prev["correctness"] = fold_outcomes(a.out)
             write_json(path, {**prev, "done": False, "process_error": tail})
         verdict = "ok" if ok else "FAILED"
         if part == "correctness" and os.path.exists(os.path.join(a.out, "correctness.json")):
             c = json.load(open(os.path.join(a.out, "correctness.json")))
             verdict += f" {c.get('counts')}"
         print(f"{part}: {verdict} ({time.time() - t0:.0f} s)", flush=True)
+    print("\n".join(table(a.out)))
     return 1 if failed else 0
 
 

@@ -694,9 +694,13 @@ class GPT(_Pretrained):
         return self.trunk.embedding.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
     def hidden_states(self, input_ids, attention_mask=None, position_ids=None, select=None, doc_ids=None):
-        """Final hidden states (B, T, C), or (N, C) at the positions of the (B, T) bool `select` (row-major)."""
+        """Final hidden states (B, T, C), or (N, C) at the positions of `select`: a (B, T) bool mask (row-major
+        order), or the (N,) flat indices b·T + t of those positions (no host read on a GPU: a mask's selection
+        must first count its positions)."""
         h = self.trunk(input_ids, attention_mask, position_ids, doc_ids)
-        return h if select is None else h[select]
+        if select is None:
+            return h
+        return h[select] if select.dtype == torch.bool else h.flatten(0, 1)[select]
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, select=None, return_hidden=False,
                 doc_ids=None):

@@ -218,10 +218,15 @@ def gathered(*models):
 def clip_grad_norm(parameters, max_norm):
     """clip_grad_norm_ over DDP or FSDP parameters -> the pre-clip global norm as a float (FSDP: the norm of
     the sharded gradients, reduced over ranks)."""
+    return clipped_grad_norm(parameters, max_norm).item()
+
+
+def clipped_grad_norm(parameters, max_norm):
+    """clip_grad_norm's norm as a 0-dim tensor on the device: clipping reads nothing back to the host."""
     norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm or float("inf"))
     if DTensor is not None and isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    return norm.item()
+    return norm
 
 
 def plain_copy(model):

@@ -20,32 +20,64 @@ def gpu_module():
     return mod
 
 
-@pytest.mark.slow      # the whole check at tiny shapes, every part in its own process: ~30 s on 2 cores
+@pytest.mark.slow      # the whole check at tiny shapes, every part in its own process: ~90 s on 2 cores
 def test_dry_run_on_the_cpu(tmp_path):
     out = tmp_path / "gpu"
     p = subprocess.run([sys.executable, "bench/gpu.py", str(out), "--device", "cpu", "--tiny", "--no_compile"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
-    parts = {name: json.loads((out / f"{name}.json").read_text()) for name in gpu_module().PARTS}
+    gpu = gpu_module()
+    for part in gpu.PARTS:            # each part's plan printed before it runs
+        assert f"{part}: planned {sum(s for _, s in gpu.PLAN[part])} s of device time" in p.stdout
+    parts = {name: json.loads((out / f"{name}.json").read_text()) for name in gpu.PARTS}
     assert all(r["done"] for r in parts.values()), parts
-    assert parts["env"]["versions"]["torch"] == torch.__version__
+    train = parts["train"]
+    assert train["env"]["versions"]["torch"] == torch.__version__
+    assert set(train["head"]) == {"gpt2 50257", "smollm2 49152", "qwen2.5 151936"}
+    assert all("ms" in side for row in train["head"].values() for side in row.values()), train["head"]
+    rows = train["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    assert {(r["kind"], r["side"]) for r in rows} == {("sft", "nano_rlhf"), ("sft", "hf bare loop"),
+                                                      ("dpo", "nano_rlhf dpo"), ("dpo", "hf bare loop dpo")}
+    assert all(len(r["times"]) >= 2 and r["tokens_per_s"] > 0 for r in rows)
+    assert "top" in rows[0]["profile"] and rows[0]["host_reads"] == "not checked (CPU)"
+    sub = train["correctness"]
+    assert sub["counts"]["failed"] == 0 and sub["counts"]["passed"] >= 5, sub["counts"]
+    assert "chunked_logprobs" in {m["name"] for m in sub["measurements"]}
     c = parts["correctness"]
     assert c["counts"]["failed"] == 0 and c["counts"]["passed"] >= 30, c["counts"]
     names = {m["name"] for m in c["measurements"]}
     assert {"fsdp2_world1", "bf16_sampler_vs_trainer", "chunked_logprobs", "resume/grpo"} <= names
-    sft = parts["sft"]["rows"]
-    assert {r["side"] for r in sft} == {"nano_rlhf", "hf bare loop"} and all("tokens_per_s" in r for r in sft), sft
-    assert "profile" in sft[0]
     assert parts["grpo"]["step_s"] and 0 < parts["grpo"]["rollout_share"] < 1
     sides = {r["side"]: r for r in parts["rollout"]["rows"]}
     assert len(sides) == 3 and all("new_tokens_per_s" in r for r in sides.values()), sides
-    # the check never writes more files than a GPU machine's command brings back (8)
+    # the table last, at most 20 lines; the check never writes more files than a GPU command brings back (8)
+    assert "sft gpt2-124m nano_rlhf:" in p.stdout and len(gpu.table(str(out))) <= 20
     assert len(os.listdir(out)) <= 8
 
 
+def test_every_part_fits_a_short_gpu_command(tmp_path, capsys, monkeypatch):
+    """Each part's plan is at most 4.5 minutes of device time (builds and compiles included), and one planned
+    over it is refused in one line before anything runs."""
+    gpu = gpu_module()
+    assert all(sum(s for _, s in items) <= gpu.MAX_PART_S for items in gpu.PLAN.values()), gpu.PLAN
+    monkeypatch.setitem(gpu.PLAN, "grpo", [("too much", gpu.MAX_PART_S + 1)])
+    assert gpu.main([str(tmp_path / "o"), "--device", "cpu", "--only", "grpo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: part(s) grpo planned over 270 s") and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_peaks_match_the_nvl_cards_first():
+    gpu = gpu_module()
+    peak = lambda name: next(p for k, p in gpu.PEAKS if k in name)
+    assert peak("NVIDIA H200 NVL") == peak("NVIDIA H100 NVL") == 835e12
+    assert peak("NVIDIA H200") == peak("NVIDIA H100 80GB HBM3") == 989.4e12 and peak("NVIDIA H100 PCIe") == 756.5e12
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--only", "sft,speed"], "error: --only: unknown part(s) speed; the parts are env, correctness, sft, grpo, "
-                              "rollout"),
+    (["--only", "train,speed"], "error: --only: unknown part(s) speed; the parts are train, rollout, grpo, "
+                                "correctness"),
     (["--device", "cuda"], "error: --device cuda: no CUDA GPU is available here"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, monkeypatch, argv, message):

@@ -22,7 +22,9 @@ class FakeLM:
 
     def __call__(self, ids, attn, select=None, return_hidden=False):
         assert return_hidden
-        return self.logits if select is None else self.logits[select]
+        if select is None:
+            return self.logits
+        return self.logits[select] if select.dtype == torch.bool else self.logits.flatten(0, 1)[select]
 
     def output_weight(self):
         return torch.eye(self.logits.shape[-1])

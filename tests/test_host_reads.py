@@ -1,0 +1,103 @@
+"""At most one host read per optimizer step: what a GPU step must not wait for, counted on a CPU.
+
+A host read is an op whose result the host needs before it can go on: .item(), bool() and int() of a tensor
+(aten._local_scalar_dense), a boolean mask's selection and nonzero (the count of positions decides the shape),
+torch.equal. On CUDA each is a synchronisation; on a CPU it costs nothing, so `HostReads` counts them. It counts
+only reads of tensors the device would hold: what the host holds (the micro-batches, and whatever is computed
+from them alone before they are copied to the device) may be read freely, since on a GPU it never leaves
+the CPU. (torch.cuda.set_sync_debug_mode("error") checks the same on the GPU: bench/gpu.py.)"""
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from conftest import tiny_config
+from nano_rlhf import dist
+from nano_rlhf.model import GPT
+
+READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "allclose"}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts host reads of device tensors. Host tensors: those given (`host`), those made from Python values
+    (torch.tensor) and every output of an op whose tensor inputs are all host tensors, except a copy to a
+    device (aten._to_copy with a device: the script's copy to the device)."""
+
+    def __init__(self, host):
+        super().__init__()
+        self.host = {id(t) for t in host}
+        self.keep = list(host)          # ids stay unique while the tensors live
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        to_device = name == "_to_copy" and "device" in (kwargs or {})
+        made_by_host = name == "lift_fresh"                     # torch.tensor(python value): on the CPU
+        on_host = made_by_host or (bool(tensors) and all(id(t) in self.host for t in tensors) and not to_device)
+        bool_index = name == "index" and any(t.dtype == torch.bool for t in tensors[1:])
+        if not on_host and (name in READS or bool_index):
+            self.reads.append(name)
+        if on_host:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.host.add(id(t))
+                    self.keep.append(t)
+        return out
+
+
+def fused_adamw(model):
+    """What training.adamw gives on CUDA: the fused AdamW, which skips a non-finite step on the device."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+def test_the_counter_can_fail():
+    h = torch.ones(3)
+    d = h.to("cpu", copy=True)
+    with HostReads([h]) as m:
+        float(h.sum())                   # the host's own tensor: free
+        d[d > 0].sum()                   # a boolean selection on the device: a read
+        float(d.sum())                   # a read
+    assert m.reads == ["index", "_local_scalar_dense"]
+
+
+def test_sft_step_reads_the_host_once():
+    import train_sft
+    from nano_rlhf.data import collate_sft
+    dist.setup("cpu")
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    V = model.cfg.vocab_size
+    examples = [(torch.randint(1, V, (n,)).tolist(), [0] * 3 + [1] * (n - 3)) for n in (9, 12, 7, 11)]
+    micro = [collate_sft(examples[:2], 0), collate_sft(examples[2:], 0)]
+    opts = type("O", (), {"dtype": "float32", "grad_clip": 1.0, "out_dir": "unused"})()
+    opt = fused_adamw(model)
+    train_sft.train_step(model, opt, micro, opts, 0)           # the first step makes AdamW's state
+    with HostReads([t for mb in micro for t in mb]) as m:
+        metrics = train_sft.train_step(model, opt, micro, opts, 1)
+    # none inside; the one read is the .tolist() of the loss and the gradient norm at the end (no op on a CPU)
+    assert m.reads == [], m.reads
+    assert metrics["train/loss"] > 0
+
+
+def test_a_non_finite_step_is_skipped_on_the_device_then_refused(tmp_path):
+    """An infinite weight makes the loss non-finite: the fused AdamW's step is skipped by the device flag (no
+    weight, moment or step count moves), then the run stops with one line naming the step."""
+    import pytest
+    import train_sft
+    from nano_rlhf.data import collate_sft
+    dist.setup("cpu")
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    micro = [collate_sft([(list(range(1, 9)), [0, 0, 0] + [1] * 5)], 0)]
+    opts = type("O", (), {"dtype": "float32", "grad_clip": 1.0, "out_dir": str(tmp_path)})()
+    opt = fused_adamw(model)
+    train_sft.train_step(model, opt, micro, opts, 0)
+    with torch.no_grad():
+        model.trunk.blocks[0].mlp.c_fc.weight[0, 0] = float("inf")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    with pytest.raises(SystemExit):
+        train_sft.train_step(model, opt, micro, opts, 1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(m[k], opt.state[p][k]) for m, p in zip(moments, model.parameters()) for k in m)
