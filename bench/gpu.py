@@ -1,30 +1,34 @@
-"""The GPU check: correctness first, then speed, in one command of a few minutes on one GPU.
+"""The GPU check, in parts of at most 4.5 minutes of device time each (one short command on a lent GPU apiece).
 
-    python bench/gpu.py OUT                    # everything, ~4 minutes on one H100 (JSON into OUT as it goes)
-    python bench/gpu.py OUT --only rollout     # one part again (env, correctness, sft, grpo, rollout)
+    python bench/gpu.py OUT --only train       # the probes, the training rows, their correctness subset
+    python bench/gpu.py OUT --only rollout     # one part (train, rollout, grpo, correctness)
     python bench/gpu.py OUT --only correctness -k "resume or lora"    # some correctness tests again
-    python bench/gpu.py OUT --device cpu --tiny   # the dry run tests/test_gpu_check.py does on every CI run
+    python bench/gpu.py OUT --device cpu --tiny --no_compile   # the dry run tests/test_gpu_check.py does in CI
 
-Each part runs in its own process (a crash or a hang in one loses none of the others) under its own time limit,
-and writes its JSON into OUT when it ends; the speed parts rewrite theirs after every row, so a run stopped at
-its time limit still returns what finished. It needs nothing from the network and only what a GPU machine
-without one has (torch >= 2.3, transformers, safetensors, tokenizers, numpy, pytest; peft and TRL are not
-used); the versions found go into env.json.
+Each part prints its plan (PLAN: what it runs, the device seconds expected for each) and is refused before
+anything runs if the plan exceeds MAX_PART_S; it runs in its own process (a crash or a hang in one loses none of
+the others) under its plan's time limit, and rewrites its JSON into OUT after every row, so a run stopped at its
+limit still returns what finished. A table of at most 20 lines ends the output. It needs nothing from the network
+and only what a GPU machine without one has (torch >= 2.3, transformers, safetensors, tokenizers, numpy, pytest;
+peft and TRL are not used); the versions found go into train.json.
 
-Parts, in order:
-  env          device, versions, peak bf16 dense FLOP/s used for MFU                       -> env.json
-  correctness  `pytest -m gpu tests/test_gpu.py` on the device (its measurements too)      -> correctness.json
-  sft          one SFT step (the script's: sft_nll with chunked float32 log-probs, backward, clip, AdamW), bf16
-               autocast, at GPT-2-124M, SmolLM2-135M and Qwen2.5-0.5B shapes (random weights): tokens/s and MFU
-               (nanoGPT's estimate_mfu: 6N + 12·L·H·Q·T FLOPs a token) against a bare HF transformers loop
-               (model(ids, labels=ids).loss, backward, clip, AdamW) of the same shape, batch and dtype  -> sft.json
+Parts:
+  train        the device, versions, bf16 peak and a matrix-product probe; the output layer alone (log-probs
+               forward + backward at 3 vocabularies: the plain one-chunk computation against the log-prob
+               operator, padded and not); one SFT step at GPT-2-124M, SmolLM2-135M and Qwen2.5-0.5B shapes (random
+               weights; train_sft.train_step, bf16 autocast) and one DPO step at GPT-2 (live reference), each
+               against a bare HF transformers loop of the same work in this process, the two alternated step by
+               step (A B A B), median of 10 steps after 3: tokens/s, MFU (nanoGPT's estimate_mfu: 6N + 12·L·H·Q·T
+               FLOPs a token; DPO's reference forward 2N more) against the datasheet and the measured matmul
+               ceiling, peak memory, the host reads of our SFT step, a kernel-only profile; then the correctness
+               tests of those paths (TRAIN_TESTS)                                        -> train.json
+  rollout      64 prompts x 8 samples x 256 new tokens (no stop token: every row runs to the end) at SmolLM2-135M
+               shape in bf16: the rollout engine (prefix shared, eager and compiled; compile time apart) against
+               HF `generate` with its default cache and with cache_implementation="static"  -> rollout.json
   grpo         train_ppo.py --advantage grpo at Qwen2.5-0.5B shape, bf16, 16 prompts x 8 samples x 128 new
                tokens: seconds a step and the share of rollout and update (the second step; the first warms up)
                                                                                          -> grpo.json
-  rollout      64 prompts x 8 samples x 256 new tokens (no stop token: every row runs to the end) at SmolLM2-135M
-               shape in bf16: the rollout engine (prefix shared, eager and compiled; compile time apart) against
-               HF `generate` with its default cache and with cache_implementation="static"
-                                                                                         -> rollout.json
+  correctness  `pytest -m gpu tests/test_gpu.py` on the device (its measurements too)      -> correctness.json
 Timing: torch.cuda.synchronize() around each timed call (only here: the scripts never synchronise for timing),
 median of the timed repeats after warm-up calls.
 """

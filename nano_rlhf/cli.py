@@ -478,8 +478,8 @@ class RunOptions:
     device: str = "auto"          # cpu, cuda, cuda:N, or auto
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast (weights and log-softmax stay float32)
     grad_checkpoint: bool = False # recompute each block's activations in backward (activation memory for compute)
-    logits_budget: float = 0.0    # MiB of float32 logits the log-probs hold at once (a chunk of positions, recomputed
-                                  # in backward); 0 = 128 on a CPU, min(2048, 1/50 of the GPU memory) on CUDA {0 <= x <= 1e7}
+    logits_budget: float = 0.0    # MiB of float32 logits the log-probs hold at once (a chunk of positions, remade
+                                  # in backward); 0 = 128 on a CPU, min(2048, 1/50 of the GPU) on CUDA {0 <= x <= 1e7}
     fsdp: bool = False            # shard weights, gradients and AdamW state over the ranks (FSDP2; under torchrun)
     log_interval: int = 10        # print and log every N steps {>= 1}
     eval_interval: int = 100      # evaluate every N steps (and at the end); 0 = only at the end {>= 0}

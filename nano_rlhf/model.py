@@ -832,12 +832,12 @@ class _TokenLogprobs(torch.autograd.Function):
                 h = hidden[s:s + chunk].to(ctx.dtype)
                 g = g_lp[s:s + chunk, None]
                 logp = _scaled_logits(h, w, V, tau).sub_(lse[s:s + chunk, None])
-                p = logp.exp()
                 if ent:             # + g_H · ∂H/∂z
+                    p = logp.exp()
                     d = logp.add_(ent[0][s:s + chunk, None]).mul_(p).mul_(-g_ent[s:s + chunk, None])
                     d.sub_(p.mul_(g))
-                else:
-                    d = p.mul_(-g)
+                else:               # in place: one (chunk, V) buffer
+                    d = logp.exp_().mul_(-g)
                 d.scatter_add_(-1, targets[s:s + chunk, None], g)          # + g · onehot(t)
                 if tau != 1.0:
                     d.div_(tau)
@@ -846,8 +846,10 @@ class _TokenLogprobs(torch.autograd.Function):
                     d = F.pad(d, (0, w.shape[0] - V))       # the padded columns get no gradient
                 if need_h:
                     grad_h[s:s + chunk] = d @ w
-                if need_w:
-                    grad_w.add_(d.t() @ h)
+                if need_w and grad_w.dtype == d.dtype:
+                    grad_w.addmm_(d.t(), h)                  # into the buffer: no (V, C) temporary
+                elif need_w:
+                    grad_w.add_(d.t() @ h)                   # a bf16 product summed in float32
         if need_w:
             grad_w = grad_w[:V].to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None

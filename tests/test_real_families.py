@@ -174,15 +174,15 @@ def test_saved_llama_tokenizer_renders_the_run_date_in_transformers(tmp_path):
 
 
 def test_chunked_logits_give_the_same_losses(tmp_path, family, monkeypatch):
-    """response_logprobs goes through token_logprobs: with a budget of 3 positions per chunk (each chunk
+    """response_logprobs goes through token_logprobs: with --logits_budget at 3 positions per chunk (each chunk
     recomputed in backward by the log-prob operator), the losses and gradient norms equal the one-chunk run's."""
     _, init = family
     one = train_dpo.main(dpo_args(tmp_path, init, "one"))
     calls = []
     real = model_mod._scaled_logits
     monkeypatch.setattr(model_mod, "_scaled_logits", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(model_mod, "LOGITS_BUDGET", 4 * 3 * one.policy.cfg.vocab_size)
-    train_dpo.main(dpo_args(tmp_path, init, "chunked"))
+    mib = 4 * 3 * one.policy.cfg.vocab_size / 2 ** 20            # 3 rows of float32 logits
+    train_dpo.main(dpo_args(tmp_path, init, "chunked", "dpo", "--logits_budget", repr(mib)))
     assert len(calls) > 10                                   # chunks of 3 positions, recomputed in backward
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "chunked")
     for key in ("train/loss", "train/grad_norm", "train/reward_margin"):
