@@ -20,8 +20,8 @@ Parts:
                against a bare HF transformers loop of the same work in this process, the two alternated step by
                step (A B A B), median of 10 steps after 3: tokens/s, MFU (nanoGPT's estimate_mfu: 6N + 12·L·H·Q·T
                FLOPs a token; DPO's reference forward 2N more) against the datasheet and the measured matmul
-               ceiling, peak memory, the host reads of our SFT step, a kernel-only profile; then the correctness
-               tests of those paths (TRAIN_TESTS)                                        -> train.json
+               ceiling, the memory a step adds, the host syncs of our SFT step, a kernel-only profile; then the
+               correctness tests of those paths (TRAIN_TESTS)                            -> train.json
   rollout      64 prompts x 8 samples x 256 new tokens (no stop token: every row runs to the end) at SmolLM2-135M
                shape in bf16: the rollout engine (prefix shared, eager and compiled; compile time apart) against
                HF `generate` with its default cache and with cache_implementation="static"  -> rollout.json
@@ -293,19 +293,25 @@ def step_rows(device, make_sides, steps, warmup):
 
 
 def host_reads_of(fn, device):
-    """Run fn under torch.cuda.set_sync_debug_mode("error"): None when it synchronised nowhere, else the error's
-    first line (on a CPU: "not checked")."""
+    """The host synchronisations of one call of fn (after a first, warming call), counted under
+    torch.cuda.set_sync_debug_mode("warn"): {"count": n, "first": the first warnings}. Our SFT step is meant to
+    make exactly one, the read of its loss and gradient norm after the update. On a CPU: "not checked"."""
+    import warnings
+
     import torch
     if device.type != "cuda":
         return "not checked (CPU)"
-    torch.cuda.set_sync_debug_mode("error")
+    fn()
+    sync(device)
+    torch.cuda.set_sync_debug_mode("warn")
     try:
-        fn()
-        return None
-    except RuntimeError as e:
-        return str(e).splitlines()[0][:200]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fn()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message).splitlines()[0][:160] for w in seen if "synchroniz" in str(w.message)]
+    return {"count": len(syncs), "first": syncs[:3]}
 
 
 def head_probe(device, tiny):
@@ -477,9 +483,15 @@ def part_train(a, device, save):
                     row["host_reads"] = reads
                     if shape != "qwen2.5-0.5b" and not compiled:
                         row["profile"] = kernel_profile(sides[side], device)
+                if device.type == "cuda":       # both sides' models live in this process: what one step adds
+                    sync(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    before = torch.cuda.memory_allocated(device)
+                    sides[side]()
+                    sync(device)
+                    row["step_added_gib"] = round((torch.cuda.max_memory_allocated(device) - before) / 2 ** 30, 2)
+                    row["resident_gib"] = round(before / 2 ** 30, 2)
                 group.append(row)
-            if device.type == "cuda":
-                group[0]["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
         except Exception as e:          # one failing row must not lose the others
             group = [{"shape": shape, "kind": kind, "error": f"{type(e).__name__}: {str(e)[:400]}"}]
         rows.extend(group)
@@ -684,10 +696,11 @@ def table(out):
                 lines.append(f"  {row['kind']} {row['shape']}: {row['error'][:80]}")
                 continue
             exp = EXPECTED.get((row["kind"], row["shape"], row["side"]), {})
+            reads = row.get("host_reads")
+            syncs = f", host syncs {reads['count']} (exp 1)" if isinstance(reads, dict) else ""
             lines.append(f"  {row['kind']} {row['shape']} {row['side']}: {row['s_per_step'] * 1e3:.1f} ms, "
                          f"MFU {row.get('mfu')} (exp {exp.get('mfu')}), x HF {row.get('vs_hf')} "
-                         f"(exp {exp.get('vs_hf')})" + (f", host reads {row['host_reads']}" if "host_reads" in row
-                                                        else ""))
+                         f"(exp {exp.get('vs_hf')}){syncs}")
     path = os.path.join(out, "rollout.json")
     if os.path.exists(path):
         for row in json.load(open(path)).get("rows", []):

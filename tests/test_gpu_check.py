@@ -20,7 +20,7 @@ def gpu_module():
     return mod
 
 
-@pytest.mark.slow      # the whole check at tiny shapes, every part in its own process: ~90 s on 2 cores
+@pytest.mark.slow      # the whole check at tiny shapes, every part in its own process: 1-2.5 min on 2 cores
 def test_dry_run_on_the_cpu(tmp_path):
     out = tmp_path / "gpu"
     p = subprocess.run([sys.executable, "bench/gpu.py", str(out), "--device", "cpu", "--tiny", "--no_compile"],
