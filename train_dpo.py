@@ -74,7 +74,7 @@ from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import CompileOption, FrozenModelOptions, RunOptions, parse_args
 from nano_rlhf.data import (Batches, collate_pairs, default_data, is_listwise_file, listwise_to_pairs, load_records,
                             split_off, tokenize_pairs, training_length)
-from nano_rlhf.model import GPT, chunk_rows, token_logprobs, upcast
+from nano_rlhf.model import GPT, chunk_rows, is_right_padded, token_logprobs, upcast
 from nano_rlhf.training import (autocast, check_device, check_vocab, derive_max_steps, fail, input_errors,
                                 load_reference, lr_at, set_lr)
 
@@ -146,29 +146,31 @@ def _scored_logps(model, input_ids, attention_mask, response_mask):
     wrapped model's forward is hooked for the gradient all-reduce.
     """
     scored = response_mask[:, 1:].bool()                             # (B, T-1): is token t+1 scored?
-    hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)  # (N, C)
-    targets = input_ids[:, 1:][scored]                               # (N,), N = scored.sum()
+    # the positions as flat indices b·T + t, found where the mask is (a CPU mask: no host read on a GPU)
+    positions = F.pad(scored, (0, 1)).flatten().nonzero().squeeze(1).to(input_ids.device)           # (N,)
+    hidden = model(input_ids, attention_mask, select=positions, return_hidden=True)                 # (N, C)
+    targets = input_ids.flatten()[positions + 1]                     # (N,) token t+1, N = scored.sum()
     return token_logprobs(hidden, dist.unwrap(model).output_weight(), targets), scored
 
 
 def token_logps(model, input_ids, attention_mask, response_mask):
     """log π(y_t | x, y_<t) of every response token, (B, T−1): column t scores token t+1; 0 elsewhere."""
     logp, scored = _scored_logps(model, input_ids, attention_mask, response_mask)
-    return torch.zeros(scored.shape, device=logp.device, dtype=logp.dtype).masked_scatter(scored, logp)
+    return torch.zeros(scored.shape, device=logp.device, dtype=logp.dtype).masked_scatter(scored.to(logp.device), logp)
 
 
 def row_sums(values, scored):
     """(N,) values at the scored positions of a (B, T−1) mask -> (B,) per-row sums.
     index_add, not a (B, T−1) .sum(1): it adds each row's tokens one by one, in order, so a row's sum does not
     depend on how many rows share the batch or how long they are (a pairwise sum's last bits would)."""
-    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
+    rows = scored.nonzero()[:, 0].to(values.device)                 # each value's row, in row-major order
     return torch.zeros(len(scored), device=values.device, dtype=values.dtype).index_add(0, rows, values)
 
 
 def sequence_logps(model, input_ids, attention_mask, response_mask):
     """S = Σ_t log π(y_t | x, y_<t) per row (B,), and the response lengths |y| (B,)."""
     logp, scored = _scored_logps(model, input_ids, attention_mask, response_mask)
-    return row_sums(logp, scored), scored.sum(1).float()
+    return row_sums(logp, scored), scored.sum(1).float().to(logp.device)
 
 
 def _chunk_kl(h_pi, h_ref, w_pi, w_ref):
@@ -199,17 +201,17 @@ def sequence_logps_and_kl(policy, ref, input_ids, attention_mask, response_mask)
     D_SeqKL(x, y; π_ref‖π_θ) = Σ_t KL(π_ref(·|x, y_<t) ‖ π_θ(·|x, y_<t)) (B,), summed over the response
     positions (the ones whose token is scored, as in sequence_logps). The reference runs without grad."""
     scored = response_mask[:, 1:].bool()
-    select = F.pad(scored, (0, 1))
-    targets = input_ids[:, 1:][scored]
-    h_pi = policy(input_ids, attention_mask, select=select, return_hidden=True)
+    positions = F.pad(scored, (0, 1)).flatten().nonzero().squeeze(1).to(input_ids.device)   # as in _scored_logps
+    targets = input_ids.flatten()[positions + 1]
+    h_pi = policy(input_ids, attention_mask, select=positions, return_hidden=True)
     w_pi = dist.unwrap(policy).output_weight()
     with torch.no_grad():
-        h_ref = ref(input_ids, attention_mask, select=select, return_hidden=True)
+        h_ref = ref(input_ids, attention_mask, select=positions, return_hidden=True)
         w_ref = ref.output_weight()
         s_ref = row_sums(token_logprobs(h_ref, w_ref, targets), scored)
     s_pi = row_sums(token_logprobs(h_pi, w_pi, targets), scored)
     kl = row_sums(token_kl(h_pi, h_ref, w_pi, w_ref), scored)
-    return s_pi, scored.sum(1).float(), s_ref, kl
+    return s_pi, scored.sum(1).float().to(s_pi.device), s_ref, kl
 
 
 # ---- the losses: per example, (B,) --------------------------------------------------------------
@@ -306,13 +308,15 @@ def nll_weight(opts):
 
 @dataclass
 class Batch:
-    """One micro-batch on the device: 2B rows, the chosen rows then the rejected ones (one forward for both)."""
+    """One micro-batch: 2B rows, the chosen rows then the rejected ones (one forward for both). The ids on the
+    device; the response mask on the CPU, where the positions it selects are found without a host read."""
     ids: torch.Tensor                     # (rows, T) right-padded
-    attn: torch.Tensor                    # (rows, T) attention mask
-    resp: torch.Tensor                    # (rows, T) response mask
+    attn: Optional[torch.Tensor]          # (rows, T) attention mask; None when no row has padding inside it
+    resp: torch.Tensor                    # (rows, T) response mask, on the CPU
     ref_logps: Optional[torch.Tensor]     # (rows,) precomputed S_ref; None = a live reference, or none needed
     n_items: int                          # pairs
     n_chosen_tokens: int                  # tokens of y_w, the NLL's denominator
+    n_tokens: int = 0                     # real tokens, for tokens/s
 
 
 # the per-example reference log-probs that --precompute_ref stores in each example
@@ -320,13 +324,17 @@ REF_KEYS = ("ref_chosen", "ref_rejected")
 
 
 def make_batch(examples, opts, pad_id, device):
-    """Collate examples into a Batch on the device (with the reference log-probs when precomputed)."""
+    """Collate examples into a Batch (with the reference log-probs when precomputed). What the host needs to know is
+    decided here, on the CPU copy: the token count, and whether a mask is needed (right-padded rows need none:
+    causal attention never lets a real token see a later pad)."""
     ids, attn, resp, _ = collate_pairs(examples, pad_id)
     ref_logps = None                 # precomputed S_ref of the chosen rows, then the rejected ones
     if REF_KEYS[0] in examples[0]:
         ref_logps = torch.tensor([e[k] for k in REF_KEYS for e in examples], device=device)
-    return Batch(ids.to(device), attn.to(device), resp.to(device), ref_logps=ref_logps,
-                 n_items=len(examples), n_chosen_tokens=sum(len(e["chosen"]) for e in examples))
+    mask = None if is_right_padded(attn) else attn.to(device, non_blocking=True, copy=True)
+    return Batch(ids.to(device, non_blocking=True, copy=True), mask, resp, ref_logps=ref_logps,
+                 n_items=len(examples), n_chosen_tokens=sum(len(e["chosen"]) for e in examples),
+                 n_tokens=int(attn.sum()))
 
 
 def policy_and_ref_logps(opts, policy, ref, batch):
@@ -377,12 +385,13 @@ def zero_sums(opts):
 
 
 def add_to(sums, stats, batch):
-    """Accumulate a micro-batch's named sums and counts into `sums` (Python floats: float64, detached)."""
+    """Accumulate a micro-batch's named sums (float64 on the device, detached: read once a step) and counts (on
+    the host) into `sums`."""
     for k, v in stats.items():
-        sums[k] += float(v.detach())
+        sums[k] = sums[k] + v.detach().double()
     sums["items"] += batch.n_items
     sums["chosen_tokens"] += batch.n_chosen_tokens
-    sums["tokens"] += int(batch.attn.sum())
+    sums["tokens"] += batch.n_tokens
 
 
 def means(totals):
@@ -431,7 +440,8 @@ def evaluate(opts, policy, ref, examples, pad_id, device):
 def add_l1_grad(policy, init_params, coef):
     """Add the gradient of coef·Σ|θ − θ_init| (coef·sign(θ − θ_init)) to the policy's gradients, after the
     all-reduce: weights are identical on every rank, so the term is too and needs no collective (a second
-    backward through DDP's hooks would). Returns Σ|θ − θ_init| for the log."""
+    backward through DDP's hooks would). Returns Σ|θ − θ_init| for the log (a 0-dim tensor, read with the step's
+    figures)."""
     params = list(policy.parameters())
     with torch.enable_grad():
         leaves = [p.detach().requires_grad_(True) for p in params]
@@ -440,7 +450,35 @@ def add_l1_grad(policy, init_params, coef):
     with torch.no_grad():
         for p, g in zip(params, grads):
             p.grad = coef * g if p.grad is None else p.grad.add_(g, alpha=coef)
-    return float(delta.detach())
+    return delta.detach()
+
+
+def train_step(opts, ddp, policy, ref, optimizer, micro, n_items, init_params=None):
+    """Forward/backward over this rank's micro-batches (Batch), then one optimizer step -> (the step's means,
+    the gradient norm, Σ|θ − θ_init| before the update (0 without --l1_coef), the step's tokens on all ranks).
+    The objective is the mean over the step's n_items pairs (all ranks) of the loss, plus w · the token-mean
+    NLL(y_w) over all ranks' chosen tokens. The device is read once, after the update: the step's sums, the
+    gradient norm and Σ|θ − θ_init| together."""
+    nll_w = nll_weight(opts)
+    # the step's denominators, over all ranks, before any backward: items, and chosen tokens for the NLL
+    n_chosen = max(dist.all_reduce_sum(float(sum(b.n_chosen_tokens for b in micro))), 1)
+    sums = zero_sums(opts)
+    for j, batch in enumerate(micro):
+        parallel.sync_gradients(ddp, j == len(micro) - 1)      # gradients all-reduced once, on the last one
+        stats = micro_step(opts, ddp, ref, batch)
+        objective = stats["loss"] / n_items                        # mean over the step's items ...
+        if nll_w:                                                   # ... + w · token-mean NLL(y_w)
+            objective = objective + nll_w * stats["nll"] / n_chosen
+        (objective * dist.ddp_scale()).backward()                   # DDP averages over ranks: undo it
+        add_to(sums, stats, batch)
+    totals = dist.all_reduce_sum(dist.stacked(sums.values()))           # on the device, read below
+    l1 = add_l1_grad(policy, init_params, opts.l1_coef) if opts.l1_coef else totals.new_zeros(())
+    grad_norm = parallel.clipped_grad_norm(policy.parameters(), opts.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    *totals, grad_norm, l1 = torch.cat([totals, grad_norm.double()[None], l1.double()[None]]).tolist()  # one read
+    totals = dict(zip(sums, totals))
+    return {f"train/{k}": v for k, v in means(totals).items()}, grad_norm, l1, totals["tokens"]
 
 
 # ---- set-up -------------------------------------------------------------------------------------
@@ -600,32 +638,16 @@ def main(argv=None):
         run.save(step, {"policy": policy}, {"policy": optimizer}, data={"data": batches})
         save_model_dir(opts.out_dir, policy, tok)
 
-    nll_w = nll_weight(opts)
     for step in range(run.step + 1, max_steps + 1):           # step = optimizer steps done after this one
         t0 = time.time()
         lr = lr_at(step - 1, max_steps, opts.lr, opts.warmup_steps, "linear")
         set_lr(optimizer, lr)
         micro = [make_batch([train[i] for i in idx], opts, tok.pad_id, world.device) for idx in batches.next_step()]
-        # the step's denominators, over all ranks, before any backward: items, and chosen tokens for the NLL
-        n_items = batches.global_batch
-        n_chosen = max(dist.all_reduce_sum(float(sum(b.n_chosen_tokens for b in micro))), 1)
-        sums = zero_sums(opts)
-        for j, batch in enumerate(micro):
-            parallel.sync_gradients(ddp, j == len(micro) - 1)      # gradients all-reduced once, on the last one
-            stats = micro_step(opts, ddp, ref, batch)
-            objective = stats["loss"] / n_items                        # mean over the step's items ...
-            if nll_w:                                                   # ... + w · token-mean NLL(y_w)
-                objective = objective + nll_w * stats["nll"] / n_chosen
-            (objective * dist.ddp_scale()).backward()                   # DDP averages over ranks: undo it
-            add_to(sums, stats, batch)
-        totals = dist.all_reduce_sums(sums)
-        l1 = add_l1_grad(policy, init_params, opts.l1_coef) if opts.l1_coef else None
-        grad_norm = parallel.clip_grad_norm(policy.parameters(), opts.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        metrics = {**{f"train/{k}": v for k, v in means(totals).items()}, "train/lr": lr, "train/grad_norm": grad_norm,
-                   "train/tokens_per_s": totals["tokens"] / max(time.time() - t0, 1e-9)}
-        if l1 is not None:
+        means_, grad_norm, l1, tokens = train_step(opts, ddp, policy, ref, optimizer, micro, batches.global_batch,
+                                                   init_params)
+        metrics = {**means_, "train/lr": lr, "train/grad_norm": grad_norm,
+                   "train/tokens_per_s": tokens / max(time.time() - t0, 1e-9)}
+        if opts.l1_coef:
             metrics["train/l1_delta"] = l1          # Σ|θ − θ_init| before this step's update
         if run.end_of_step(step, metrics, evaluate=lambda: evaluate_gathered(opts, policy, ref, evals, tok.pad_id,
                                                                              world.device), save=save):

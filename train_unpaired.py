@@ -191,8 +191,10 @@ def _scored_logps(model, input_ids, attention_mask, response_mask):
     wrapped model's forward is hooked for the gradient all-reduce.
     """
     scored = response_mask[:, 1:].bool()                             # (B, T-1): is token t+1 scored?
-    hidden = model(input_ids, attention_mask, select=F.pad(scored, (0, 1)), return_hidden=True)  # (N, C)
-    targets = input_ids[:, 1:][scored]                               # (N,), N = scored.sum()
+    # the positions as flat indices b·T + t, found where the mask is (a CPU mask: no host read on a GPU)
+    positions = F.pad(scored, (0, 1)).flatten().nonzero().squeeze(1).to(input_ids.device)           # (N,)
+    hidden = model(input_ids, attention_mask, select=positions, return_hidden=True)                 # (N, C)
+    targets = input_ids.flatten()[positions + 1]                     # (N,) token t+1, N = scored.sum()
     return token_logprobs(hidden, dist.unwrap(model).output_weight(), targets), scored
 
 
@@ -200,14 +202,14 @@ def row_sums(values, scored):
     """(N,) values at the scored positions of a (B, T−1) mask -> (B,) per-row sums.
     index_add, not a (B, T−1) .sum(1): it adds each row's tokens one by one, in order, so a row's sum does not
     depend on how many rows share the batch or how long they are (a pairwise sum's last bits would)."""
-    rows = torch.arange(len(scored), device=scored.device)[:, None].expand_as(scored)[scored]
+    rows = scored.nonzero()[:, 0].to(values.device)                 # each value's row, in row-major order
     return torch.zeros(len(scored), device=values.device, dtype=values.dtype).index_add(0, rows, values)
 
 
 def sequence_logps(model, input_ids, attention_mask, response_mask):
     """S = Σ_t log π(y_t | x, y_<t) per row (B,), and the response lengths |y| (B,)."""
     logp, scored = _scored_logps(model, input_ids, attention_mask, response_mask)
-    return row_sums(logp, scored), scored.sum(1).float()
+    return row_sums(logp, scored), scored.sum(1).float().to(logp.device)
 
 
 # ---- log-probs and values (sequence_logps: train_dpo.py's gather) ------------------------------

@@ -435,6 +435,7 @@ def part_train(a, device, save):
                "rejected": torch.randint(2, cfg.vocab_size, (R,), generator=g).tolist()} for _ in range(pairs)]
         ids, attn, resp, _ = (x.to(device) if torch.is_tensor(x) else x for x in collate_pairs(ex, 1))
         dopts = train_dpo.Options(loss="dpo", beta=0.1, dtype="bfloat16")
+        train_dpo.fill_defaults(dopts)
         o_opt, h_opt = adamw(ours, 1e-4, 0.1), adamw(hf, 1e-4, 0.1)
         batch = train_dpo.Batch(ids, attn, resp, None, pairs, pairs * R)
 

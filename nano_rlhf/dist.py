@@ -296,8 +296,16 @@ def all_reduce_sum(x):
 
 
 def all_reduce_sums(named):
-    """{name: this rank's sum} -> {name: the sum over ranks}, in one all-reduce (float64)."""
-    return dict(zip(named, all_reduce_sum(torch.tensor(list(named.values()), dtype=torch.float64)).tolist()))
+    """{name: this rank's sum, a number or a 0-dim tensor} -> {name: the sum over ranks, a float}, in one
+    all-reduce (float64) and one read from the device."""
+    return dict(zip(named, all_reduce_sum(stacked(named.values())).tolist()))
+
+
+def stacked(values):
+    """Numbers and 0-dim tensors -> one float64 tensor on the tensors' device (the numbers copied there)."""
+    values = list(values)
+    device = next((v.device for v in values if torch.is_tensor(v)), torch.device("cpu"))
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in values])
 
 
 def all_reduce_max(x):

@@ -699,6 +699,10 @@ class FakeLM:
         assert select is not None, "sequence_logps must pass select="
         # through forward (what DDP hooks), for the hidden states that token_logprobs takes
         assert return_hidden, "response_logprobs must call forward(..., return_hidden=True)"
+        if select.dtype != torch.bool:        # flat indices b·T + t, ascending: recorded as the same positions' mask
+            mask = torch.zeros(input_ids.numel(), dtype=torch.bool)
+            mask[select] = True
+            select = mask.view(input_ids.shape)
         self.calls.append(dict(ids=input_ids, attn=attention_mask, select=select.clone()))
         return self.full[select]
 

@@ -133,3 +133,31 @@ def test_fused_adamw_equals_foreach_and_their_states_resume_either_way():
         straight = train(saved_by, 12)
         for k, v in resumed[0].items():
             torch.testing.assert_close(v, straight[0][k], rtol=1e-5, atol=1e-6)
+
+
+def test_dpo_step_reads_the_host_once():
+    """train_dpo.train_step (sigmoid loss, live reference, an NLL term, the L1 term): no read of the device before
+    the one read of the step's sums, gradient norm and L1 distance at the end. make_batch keeps the response
+    masks on the CPU (the host's), the ids copied to the device."""
+    import train_dpo
+    dist.setup("cpu")
+    torch.manual_seed(0)
+    policy, ref = GPT(tiny_config()), GPT(tiny_config())
+    ref.requires_grad_(False)
+    V = policy.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ex = [{"prompt": torch.randint(2, V, (4,), generator=g).tolist(),
+           "chosen": torch.randint(2, V, (n,), generator=g).tolist(),
+           "rejected": torch.randint(2, V, (n + 2,), generator=g).tolist()} for n in (3, 6, 5, 4)]
+    opts = train_dpo.Options(nll_coef=0.5, l1_coef=0.01)
+    train_dpo.fill_defaults(opts)
+    opt = fused_adamw(policy)
+    init = [p.detach().clone() for p in policy.parameters()]
+
+    micro = [train_dpo.make_batch(ex[:2], opts, 0, torch.device("cpu")),
+             train_dpo.make_batch(ex[2:], opts, 0, torch.device("cpu"))]
+    train_dpo.train_step(opts, policy, policy, ref, opt, micro, 4, init)
+    with HostReads([b.resp for b in micro]) as m:
+        means, grad_norm, l1, tokens = train_dpo.train_step(opts, policy, policy, ref, opt, micro, 4, init)
+    assert m.reads == [], m.reads
+    assert grad_norm > 0 and l1 > 0 and tokens > 0 and 0 <= means["train/reward_accuracy"] <= 1
