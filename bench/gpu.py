@@ -20,7 +20,7 @@ Parts:
                against a bare HF transformers loop of the same work in this process, the two alternated step by
                step (A B A B), median of 10 steps after 3: tokens/s, MFU (nanoGPT's estimate_mfu: 6N + 12·L·H·Q·T
                FLOPs a token; DPO's reference forward 2N more) against the datasheet and the measured matmul
-               ceiling, the memory a step adds, the host syncs of our SFT step, a kernel-only profile; then the
+               ceiling, the memory a step adds, the host syncs of our SFT and DPO steps, a kernel profile; then the
                correctness tests of those paths (TRAIN_TESTS)                            -> train.json
   rollout      64 prompts x 8 samples x 256 new tokens (no stop token: every row runs to the end) at SmolLM2-135M
                shape in bf16: the rollout engine (prefix shared, eager and compiled; compile time apart) against
@@ -433,18 +433,14 @@ def part_train(a, device, save):
         ex = [{"prompt": torch.randint(2, cfg.vocab_size, (P,), generator=g).tolist(),
                "chosen": torch.randint(2, cfg.vocab_size, (R,), generator=g).tolist(),
                "rejected": torch.randint(2, cfg.vocab_size, (R,), generator=g).tolist()} for _ in range(pairs)]
-        ids, attn, resp, _ = (x.to(device) if torch.is_tensor(x) else x for x in collate_pairs(ex, 1))
+        ids, _, resp, _ = (x.to(device) if torch.is_tensor(x) else x for x in collate_pairs(ex, 1))
         dopts = train_dpo.Options(loss="dpo", beta=0.1, dtype="bfloat16")
         train_dpo.fill_defaults(dopts)
         o_opt, h_opt = adamw(ours, 1e-4, 0.1), adamw(hf, 1e-4, 0.1)
-        batch = train_dpo.Batch(ids, attn, resp, None, pairs, pairs * R)
+        batch = train_dpo.make_batch(ex, dopts, 1, device)
 
-        def ours_step():
-            stats = train_dpo.micro_step(dopts, ours, ref, batch)
-            (stats["loss"] / pairs).backward()
-            torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
-            o_opt.step()
-            o_opt.zero_grad(set_to_none=True)
+        def ours_step():            # the script's own step: one host read, the step's figures
+            train_dpo.train_step(dopts, ours, ours, ref, o_opt, [batch], pairs)
 
         def seq_logps(model):
             logits = model(input_ids=ids).logits[:, :-1].float()
@@ -472,7 +468,7 @@ def part_train(a, device, save):
         try:
             cfg, n, (B, T), sides = sft_sides(shape, compiled) if kind == "sft" else dpo_sides(shape)
             ours_name = next(iter(sides))
-            reads = host_reads_of(sides[ours_name], device) if kind == "sft" else "not checked"
+            reads = host_reads_of(sides[ours_name], device)
             timing = step_rows(device, sides, steps, warmup)
             hf_s = timing[[k for k in sides if k.startswith("hf")][0]][0]
             for side, (med, ts) in timing.items():
