@@ -302,10 +302,12 @@ def all_reduce_sums(named):
 
 
 def stacked(values):
-    """Numbers and 0-dim tensors -> one float64 tensor on the tensors' device (the numbers copied there)."""
+    """Numbers and 0-dim tensors -> one float64 tensor on the tensors' device. The numbers are copied there
+    without blocking: a copy from pageable memory is staged at once and waits for nothing on the device."""
     values = list(values)
     device = next((v.device for v in values if torch.is_tensor(v)), torch.device("cpu"))
-    return torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in values])
+    return torch.stack([v.to(torch.float64) if torch.is_tensor(v)
+                        else torch.tensor(float(v), dtype=torch.float64).to(device, non_blocking=True) for v in values])
 
 
 def all_reduce_max(x):
