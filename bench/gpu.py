@@ -1,4 +1,4 @@
-"""The GPU check, in parts of at most 4.5 minutes of device time each (one short command on a lent GPU apiece).
+"""The GPU check, in parts of at most 4.5 minutes of device time each (one GPU, no network, a few minutes a command).
 
     python bench/gpu.py OUT --only train       # the probes, the training rows, their correctness subset
     python bench/gpu.py OUT --only rollout     # one part (train, rollout, grpo, correctness)
@@ -48,8 +48,9 @@ sys.path.insert(0, ROOT)
 
 PARTS = ("train", "rollout", "grpo", "correctness")
 # Each part's plan: what it runs and the device seconds expected for each (builds and compiles included), so
-# that a part fits one short command on a GPU lent for minutes. The dry run prints the plans; a part planned
-# over MAX_PART_S is refused before anything runs. A part's time limit is its plan plus a quarter.
+# that a part fits one short command on a GPU machine that allows a few minutes a command. The dry run prints
+# the plans; a part planned over MAX_PART_S is refused before anything runs. A part's time limit is its plan
+# plus a quarter.
 PLAN = {
     "train": [("process start, CUDA init, imports", 15), ("env and the matmul probe", 15),
               ("output-layer probe: 3 vocabularies x 3 sides x 11 calls", 30),
@@ -61,7 +62,7 @@ PLAN = {
     "grpo": [("process start, model save", 25), ("2 GRPO steps at qwen2.5-0.5b", 80)],
     "correctness": [("the whole GPU suite, pytest -m gpu", 170)],
 }
-MAX_PART_S = 270           # 4.5 minutes: a part and a rerun fit the 15 minutes of device time a task is lent
+MAX_PART_S = 270           # 4.5 minutes: a part and a rerun fit in 15 minutes of device time
 LIMITS = {part: 1.25 * sum(s for _, s in items) for part, items in PLAN.items()}
 # what each train row is expected to reach (the study's estimates, docs/benchmarks.md), beside what it measured
 EXPECTED = {("sft", "gpt2-124m", "nano_rlhf"): {"mfu": 0.25, "vs_hf": 1.9},
