@@ -142,15 +142,14 @@ def _scored_logps(model, input_ids, attention_mask, response_mask):
     the first response token is predicted from the last prompt position. Prompt and padding are never scored.
     Only the needed positions' hidden states are kept (select=...), and token_logprobs makes their logits in
     chunks (a real vocabulary's (N, V) logits would be the largest tensor of the step); log-softmax in float32.
-    The hidden states come through forward(return_hidden=True), not hidden_states(): under DDP only the
-    wrapped model's forward is hooked for the gradient all-reduce.
+    The log-probs come out of the model's forward (targets=...): under DDP only the wrapped model's forward is
+    hooked for the gradient all-reduce, and --compile compiles the forward with its output layer.
     """
     scored = response_mask[:, 1:].bool()                             # (B, T-1): is token t+1 scored?
     # the positions as flat indices b·T + t, found where the mask is (a CPU mask: no host read on a GPU)
     positions = F.pad(scored, (0, 1)).flatten().nonzero().squeeze(1).to(input_ids.device)           # (N,)
-    hidden = model(input_ids, attention_mask, select=positions, return_hidden=True)                 # (N, C)
     targets = input_ids.flatten()[positions + 1]                     # (N,) token t+1, N = scored.sum()
-    return token_logprobs(hidden, dist.unwrap(model).output_weight(), targets), scored
+    return model(input_ids, attention_mask, select=positions, targets=targets), scored
 
 
 def token_logps(model, input_ids, attention_mask, response_mask):

@@ -86,7 +86,7 @@ from nano_rlhf.cli import FrozenModelOptions, RunOptions, parse_args
 from nano_rlhf.data import (Batches, default_path, load_prompts, load_records, pad_left, prompt_limit,
                             tokenize_pairs, tokenize_prompts, training_length)
 from nano_rlhf.evaluate import eval_metrics
-from nano_rlhf.model import GPT, token_logprobs
+from nano_rlhf.model import GPT
 from nano_rlhf.reward import (LLM, bradley_terry, check_specs, load_judge, model_dir as judge_dir, preference_matrix,
                               symmetric_preference)
 from nano_rlhf.rollout import Rollout, judge_scores, sample_mixture_groups
@@ -280,19 +280,20 @@ def response_logprobs(model, ids, attn, response_mask, temperature, with_entropy
 
     ids = [left-padded prompt (P) | response (R)]; the hidden state at position P−1+t predicts response token t.
     Only those positions go through the output layer, in chunks (token_logprobs: a real vocabulary's logits
-    are the largest tensors of a step), in float32 for the log-softmax. model may be DDP-wrapped: its forward
-    (return_hidden=True) is what DDP hooks, the output weight is read from the bare module.
+    are the largest tensors of a step), in float32 for the log-softmax, inside the model's forward (what DDP
+    hooks and --compile compiles). response_mask and attn may be the host's copies: the positions are then found
+    there, as flat indices, so that a GPU forward waits for no read.
     """
     B, T = ids.shape
-    P = T - response_mask.shape[1]
-    valid = response_mask.bool()
-    sel = torch.zeros_like(ids, dtype=torch.bool)
-    sel[:, P - 1:T - 1] = valid                                  # the predicting positions
-    hidden = model(ids, attn, select=sel, return_hidden=True)    # (N, C)
-    res = token_logprobs(hidden, dist.unwrap(model).output_weight(), ids[:, P:][valid], temperature,
-                         with_entropy=with_entropy)               # log π(y_t) [, H = −Σ p log p]
+    R = response_mask.shape[1]
+    rows, cols = response_mask.nonzero(as_tuple=True)             # the response tokens, row by row
+    positions = (rows * T + (T - R - 1) + cols).to(ids.device, non_blocking=True)   # b·T + P−1+t: predicting
+    at = (rows * R + cols).to(ids.device, non_blocking=True)      # b·R + t: where each goes in the (B, R) output
+    targets = ids.flatten()[positions + 1]                        # y_t
+    res = model(ids, attn, select=positions, targets=targets, temperature=temperature,
+                with_entropy=with_entropy)                        # log π(y_t) [, H = −Σ p log p]
     parts = res if with_entropy else (res,)
-    out = [torch.zeros(response_mask.shape, device=ids.device, dtype=x.dtype).masked_scatter(valid, x) for x in parts]
+    out = [torch.zeros(B * R, device=ids.device, dtype=x.dtype).index_copy_(0, at, x).view(B, R) for x in parts]
     return tuple(out) if with_entropy else out[0]
 
 

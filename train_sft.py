@@ -40,7 +40,7 @@ from nano_rlhf import training
 from nano_rlhf.checkpoint import save_model_dir
 from nano_rlhf.cli import CompileOption, RunOptions, parse_args
 from nano_rlhf.data import Batches, collate_packed, collate_sft, pack_sft, tokenize_sft, training_length
-from nano_rlhf.model import GPT, GPTConfig, is_right_padded, token_logprobs
+from nano_rlhf.model import GPT, GPTConfig, is_right_padded
 from nano_rlhf.tokenizer import Tokenizer
 from nano_rlhf.training import (autocast, check_device, check_finite, check_vocab, derive_max_steps, fail,
                                 input_errors, load_tokenizer, lr_at, set_lr, step_if_finite)
@@ -89,8 +89,8 @@ def sft_nll(model, input_ids, attention_mask, loss_mask, position_ids=None, doc_
     Shift: the hidden state at position t predicts token t+1, so token t+1 is scored iff loss_mask[t+1] = 1;
     the first response token is predicted from the last prompt position. Only those positions' hidden states
     go through the output layer (select=...), in chunks bounded in memory for real vocabularies
-    (token_logprobs), in float32 for the log-softmax whatever the autocast dtype. `model` may be DDP-wrapped:
-    the hidden states come through its forward (return_hidden=True), which is what DDP hooks.
+    (token_logprobs), in float32 for the log-softmax whatever the autocast dtype, inside the model's forward
+    (targets=...): what DDP hooks when `model` is DDP-wrapped, and what --compile compiles whole.
     Packed rows (--packing) pass their per-example positions and example ids as doc_ids: the model then lets each
     example attend only to itself (a block-diagonal causal mask), so its loss is the one it has alone in a row.
     """
@@ -100,9 +100,9 @@ def sft_nll(model, input_ids, attention_mask, loss_mask, position_ids=None, doc_
     # selects its positions without a host read (a mask would have to be counted first)
     positions = select.flatten().nonzero().squeeze(1).to(input_ids.device)                        # (N,)
     packed = {} if doc_ids is None else {"position_ids": position_ids, "doc_ids": doc_ids}
-    hidden = model(input_ids, attention_mask, select=positions, return_hidden=True, **packed)       # (N, C)
     targets = input_ids.flatten()[positions + 1]          # (N,) token t+1 (select's last column is never set)
-    return -token_logprobs(hidden, dist.unwrap(model).output_weight(), targets).sum(), targets.numel()
+    logp = model(input_ids, attention_mask, select=positions, targets=targets, **packed)            # (N,)
+    return -logp.sum(), targets.numel()
 
 
 # ---- data and tokenizer ----------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from .data import default_data
 from .training import check_output_file, check_vocab, fail, load_tokenizer
 from .cli import ChatTemplate, parse_args
 from .data import DataError, load_records, tokenize_prompts
-from .model import GPT, token_logprobs
+from .model import GPT
 from .training import Progress
 from .rollout import sample_groups
 from .sampling import SamplingOptions
@@ -69,15 +69,14 @@ def response_logprobs(model, ids, attn, response_mask, temperature=1.0):
     response (R)]; the hidden state at position P−1+t predicts response token t, and only those positions go through
     the output layer, in chunks (token_logprobs), so a real vocabulary's logits stay bounded."""
     B, T = ids.shape
-    P = T - response_mask.shape[1]
-    valid = response_mask.bool()
-    sel = torch.zeros_like(ids, dtype=torch.bool)
-    sel[:, P - 1:T - 1] = valid                                  # the predicting positions
+    R = response_mask.shape[1]
+    rows, cols = response_mask.nonzero(as_tuple=True)             # the response tokens, row by row
+    positions = (rows * T + (T - R - 1) + cols).to(ids.device)    # b·T + P−1+t: the predicting positions
     # through forward (not hidden_states): module hooks fire — an offloaded frozen model comes to the device,
-    # an FSDP root gathers — and the output weight is read after it
-    hidden = model(ids, attn, select=sel, return_hidden=True)
-    lp = token_logprobs(hidden, model.output_weight(), ids[:, P:][valid], temperature)
-    return torch.zeros(response_mask.shape, device=ids.device, dtype=lp.dtype).masked_scatter(valid, lp)
+    # an FSDP root gathers — and the output layer runs inside it
+    lp = model(ids, attn, select=positions, targets=ids.flatten()[positions + 1], temperature=temperature)
+    return torch.zeros(B * R, device=ids.device, dtype=lp.dtype).index_copy_(0, (rows * R + cols).to(ids.device),
+                                                                           lp).view(B, R)
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ has alone in a row. A (B, T, T) attention_mask (query, key; True/1 = may attend)
 other structure; its positions default to the number of keys each query sees, minus one (= the index inside
 the document for a block-diagonal causal mask).
 """
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from . import sampling
@@ -259,12 +261,33 @@ def config_from_hf(raw, path):
 # residual blocks, and the attention masks with their position ids (right-padded, left-padded, packed documents,
 # a full (B, T, T) mask; the module docstring says what each kind of mask means for a row).
 
-def attend(q, k, v, attn_mask=None, dropout_p=0.0):
+# SDPA's kernels on CUDA for each kind of call, fastest first: the one place they are chosen, per call (sdpa_kernel
+# restores torch's flags after it; no process-wide switch). The GPU check's profile names the kernels that ran.
+# - causal: a full forward with no mask (SFT, DPO and reward batches, right-padded): cuDNN's fused attention, which
+#   the H200 profile shows PyTorch already picks there, 1.7-2.3x flash on Hopper training shapes (transformers
+#   PR #48163); flash next.
+# - masked: a boolean (B, 1, Tq, K) mask (left padding, packing, RL updates). Flash takes no mask. The
+#   memory-efficient kernel first: an RL update's lengths change every step, and cuDNN builds a plan for each new
+#   shape (the first-call cost the check saw, ~50 ms a new key length).
+# - decode: a KV-cache step: torch's own order (None), until the rollout issue measures the engine's.
+# On a CPU torch's choice stands (these flags name CUDA kernels).
+SDPA_BACKENDS = {
+    "causal": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+               SDPBackend.MATH],
+    "masked": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH],
+    "decode": None,
+}
+
+
+def attend(q, k, v, attn_mask=None, dropout_p=0.0, site=None):
     """SDPA over (B, H, Tq, hd) queries and (B, H_kv, Tk, hd) keys/values (grouped-query when H_kv < H).
-    Without a mask it is causal when queries and keys are the same positions."""
+    Without a mask it is causal when queries and keys are the same positions. site: the SDPA_BACKENDS entry
+    (default: "masked" with a mask, else "causal")."""
     causal = attn_mask is None and k.shape[2] == q.shape[2] and q.shape[2] > 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, dropout_p=dropout_p,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    backends = SDPA_BACKENDS[site or ("causal" if attn_mask is None else "masked")] if q.is_cuda else None
+    with sdpa_kernel(backends, set_priority=True) if backends else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, dropout_p=dropout_p,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 def rope_frequencies(cfg):
@@ -507,8 +530,9 @@ class _Trunk(nn.Module):
         if cache_pos + T > self.cfg.block_size:
             raise ValueError(f"sequence of {cache_pos + T} tokens exceeds block_size {self.cfg.block_size}")
         attn_mask = None
+        # a mask may come on the host (the caller's CPU copy): checked there, it costs a GPU forward no read
         if attention_mask is not None and (cached or not is_right_padded(attention_mask)):
-            pos, attn_mask = padding_attention(attention_mask, T)
+            pos, attn_mask = padding_attention(attention_mask.to(input_ids.device, non_blocking=True), T)
             if position_ids is None:
                 position_ids = pos
         if position_ids is None:
@@ -548,7 +572,7 @@ class _Trunk(nn.Module):
             else:
                 k_cache[:, :, cache_pos:end], v_cache[:, :, cache_pos:end] = k, v
                 k_all, v_all = k_cache[:, :, :end], v_cache[:, :, :end]
-            x = x + block.attention.out(attend(q, k_all, v_all, mask))
+            x = x + block.attention.out(attend(q, k_all, v_all, mask, site="decode"))
             x = x + block.mlp(block.norm_2(x))
         return self.final_norm(x)
 
@@ -703,14 +727,18 @@ class GPT(_Pretrained):
         return h[select] if select.dtype == torch.bool else h.flatten(0, 1)[select]
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, select=None, return_hidden=False,
-                doc_ids=None):
-        """(B, T) ids [, (B, T) or (B, T, T) mask] -> (B, T, V) logits; with select (B, T) bool, (N, V) there.
-        doc_ids (B, T): packed documents, each attending only to itself with positions from 0 (module docstring).
-        Why select: scripts pass the positions that predict response tokens, which skips the output layer
-        (a quarter of the FLOPs at vocab 4096) on prompt and padding positions. return_hidden=True returns the
-        final hidden states instead (what token_logprobs takes, so a real vocabulary's logits are made in
-        chunks); it goes through forward so that a DDP-wrapped model can be called for it."""
+                doc_ids=None, targets=None, temperature=1.0, with_entropy=False):
+        """(B, T) ids [, (B, T) or (B, T, T) mask] -> (B, T, V) logits; with select (a (B, T) bool mask or (N,)
+        flat indices), (N, V) there. doc_ids (B, T): packed documents, each attending only to itself with
+        positions from 0 (module docstring). Why select: scripts pass the positions that predict response
+        tokens, which skips the output layer (a quarter of the FLOPs at vocab 4096) on prompt and padding.
+        targets (N,), the token each selected position predicts: the (N,) log-probs of token_logprobs instead
+        (and the entropies, with_entropy=True), so a real vocabulary's logits are made in chunks and the output
+        layer is part of the forward that --compile compiles and DDP hooks. return_hidden=True: the final hidden
+        states (what a full-distribution loss such as TDPO's KL takes)."""
         h = self.hidden_states(input_ids, attention_mask, position_ids, select, doc_ids)
+        if targets is not None:
+            return token_logprobs(h, self.output_weight(), targets, temperature, with_entropy=with_entropy)
         return h if return_hidden else F.linear(h, self.output_weight())
 
     @classmethod

@@ -20,6 +20,7 @@ import types
 import pytest
 import torch
 from numerics import FLOAT32_ATOL  # float32 values of order one: see tests/numerics.py
+from nano_rlhf.model import token_logprobs
 
 from train_dpo import (cpo_loss, dpo_loss, hinge_loss, ipo_loss, log_odds, nll_weight, orpo_loss, rdpo_loss,
                        robust_loss, sequence_logps, simpo_loss, token_logps)
@@ -685,26 +686,29 @@ def test_nll_weight(loss, nll_coef, alpha, want):
 # sequence_logps: shift, float32 log-softmax, selected positions
 # ----------------------------------------------------------------------------------------------------
 class FakeLM:
-    """Stands in for GPT: forward(..., select=, return_hidden=True) returns full_logits[select] (rows in row-major
-    (b, t) order) as the "hidden states", and output_weight() is the identity, so the logits token_logprobs makes
-    of them are exactly full_logits[select]. Records what it was given."""
+    """Stands in for GPT: forward(..., select=, targets=) takes full_logits[select] (rows in row-major (b, t)
+    order) as the "hidden states" and output_weight() is the identity, so the logits token_logprobs makes of them
+    are exactly full_logits[select]; it returns their log-probs at targets, as GPT.forward does. Records what it
+    was given."""
 
     def __init__(self, full_logits):
         self.full = full_logits
         self.calls = []
 
-    def __call__(self, input_ids, attention_mask=None, *args, select=None, return_hidden=False, **kw):
+    def __call__(self, input_ids, attention_mask=None, *args, select=None, targets=None, temperature=1.0,
+                 with_entropy=False, **kw):
         if select is None and args:
             select = args[0]
         assert select is not None, "sequence_logps must pass select="
-        # through forward (what DDP hooks), for the hidden states that token_logprobs takes
-        assert return_hidden, "response_logprobs must call forward(..., return_hidden=True)"
+        # the log-probs come out of forward (what DDP hooks and --compile compiles), the output layer inside it
+        assert targets is not None, "the log-probs must come from forward(..., targets=...)"
         if select.dtype != torch.bool:        # flat indices b·T + t, ascending: recorded as the same positions' mask
             mask = torch.zeros(input_ids.numel(), dtype=torch.bool)
             mask[select] = True
             select = mask.view(input_ids.shape)
         self.calls.append(dict(ids=input_ids, attn=attention_mask, select=select.clone()))
-        return self.full[select]
+        return token_logprobs(self.full[select], self.output_weight(), targets, temperature,
+                              with_entropy=with_entropy)
 
     def output_weight(self):
         return torch.eye(self.full.shape[-1], dtype=self.full.dtype)

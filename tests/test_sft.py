@@ -10,21 +10,22 @@ from safetensors.torch import load_file
 from conftest import WORDS, weights_close, run, sft_rows, tiny_model, write_jsonl
 from numerics import FLOAT32_ATOL, assert_close64
 from nano_rlhf import checkpoint
+from nano_rlhf.model import token_logprobs
 from train_sft import sft_nll
 
 
 class FakeLM:
     """Stands in for the model: its "hidden states" are the rows of a given logits tensor at the selected
-    positions and its output layer is the identity, so the logits are exactly those rows."""
+    positions and its output layer is the identity, so the logits are exactly those rows; forward(targets=...)
+    gives their log-probs through token_logprobs, as GPT.forward does."""
 
     def __init__(self, logits):
         self.logits = logits
 
-    def __call__(self, ids, attn, select=None, return_hidden=False):
-        assert return_hidden
-        if select is None:
-            return self.logits
-        return self.logits[select] if select.dtype == torch.bool else self.logits.flatten(0, 1)[select]
+    def __call__(self, ids, attn, select=None, targets=None):
+        assert targets is not None, "sft_nll must take the log-probs from forward(..., targets=...)"
+        h = self.logits[select] if select.dtype == torch.bool else self.logits.flatten(0, 1)[select]
+        return token_logprobs(h, self.output_weight(), targets)
 
     def output_weight(self):
         return torch.eye(self.logits.shape[-1])
