@@ -442,20 +442,27 @@ def aggregate_loss(per_token, mask, how, n_tokens, n_seqs, max_len, scale=1.0):
       seq_mean_token_mean      1/N Σ_i (1/|y_i|) Σ_t l_it          every sequence weighs the same (GRPO, eq. 3)
       seq_mean_token_sum_norm  1/N Σ_i Σ_t l_it / L_max            a constant normaliser (Dr. GRPO, eq. 4)
     Rows with no loss token (wholly masked out of the policy loss) add nothing to the sum but count in N for the
-    two sequence means, so masking one response does not raise the others' weight."""
+    two sequence means, so masking one response does not raise the others' weight. The counts may be numbers or
+    0-dim tensors on the device (update's: no read); the factor is rounded to the loss's dtype either way."""
     if how == "seq_mean_token_mean":
         per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return per_seq.sum() * (scale / max(n_seqs, 1))
+        return per_seq.sum() * _share(scale, n_seqs, per_seq)
     norm = n_tokens if how == "token_mean" else n_seqs * max_len
-    return (per_token * mask).sum() * (scale / max(norm, 1))
+    return (per_token * mask).sum() * _share(scale, norm, per_token)
+
+
+def _share(scale, count, like):
+    """scale / max(count, 1) in float64, as a 0-dim tensor of like's dtype and device."""
+    count = torch.as_tensor(count, dtype=torch.float64).to(like.device, non_blocking=True)
+    return (scale / count.clamp(min=1)).to(like.dtype)
 
 
 def minibatch_counts(response_mask, policy_mask):
     """This rank's share of a minibatch's normalisers, float64 [response tokens (the critic's), policy-loss tokens
     (truncated or mismatched responses may be masked out of the policy loss), sequences]: every sequence counts,
-    a wholly masked one too, as TRL and verl count N for the sequence-mean aggregations. Summed over ranks."""
-    return torch.tensor([float(response_mask.sum()), float(policy_mask.sum()), float(policy_mask.shape[0])],
-                        dtype=torch.float64)
+    a wholly masked one too, as TRL and verl count N for the sequence-mean aggregations. Summed over ranks. On
+    policy_mask's device (response_mask may be the host's copy): nothing is read back."""
+    return dist.stacked([response_mask.sum(), policy_mask.sum(), policy_mask.shape[0]])
 
 
 def loss_aggregation(opts):
@@ -509,7 +516,10 @@ class AdaptiveKL:
 def token_mean_scale(global_count):
     """Multiplier of a micro-batch's SUMMED loss so the gradients DDP averages over ranks add up to the
     token-mean over all micro-batches of all ranks: × world_size undoes DDP's mean, ÷ the global count
-    (all-reduced beforehand) makes it a mean. The one place this factor is written."""
+    (all-reduced beforehand) makes it a mean. The one place this factor is written. A 0-dim tensor count gives a
+    float32 tensor on its device (no read), a number a number."""
+    if torch.is_tensor(global_count):
+        return (dist.ddp_scale() / global_count.clamp(min=1)).float()
     return dist.ddp_scale() / max(global_count, 1)
 
 
@@ -698,34 +708,37 @@ def policy_objective(opts):
 def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: Optional[Learner], opts, beta, gen,
            ptx: Optional[SFTBatches] = None):
     """--ppo_epochs over shuffled minibatches of the rollout; policy=None trains the critic only (warm-up).
-    Returns named sums over this rank's tokens (and summed gradient norms) for the step's statistics."""
-    B = r.query_response.shape[0]
+    Returns named sums over this rank's tokens (and summed gradient norms) for the step's statistics: 0-dim
+    float64 tensors on the device, which step_metrics reads with everything else in one go. The positions and the
+    padding are found in the rollout's host copy of the mask, so a GPU update reads nothing back."""
+    B, P, device = r.query_response.shape[0], r.query_len, r.query_response.device
     mb_size = B // opts.num_minibatches
     clip_high = opts.clip_high if opts.clip_high is not None else opts.clip_eps
     agg, objective = loss_aggregation(opts), policy_objective(opts)
     policy_mask = r.response_mask if r.policy_mask is None else r.policy_mask
     sums = defaultdict(float)
     for epoch in range(opts.ppo_epochs):
-        order = torch.randperm(B, generator=gen, device="cpu").to(r.query_response.device)
+        order = torch.randperm(B, generator=gen, device="cpu")        # the host's; a copy indexes the device's
+        on_device = order.to(device, non_blocking=True)
         for start in range(0, B, mb_size):
-            idx = order[start:start + mb_size]
-            # the minibatch's global normalisers, over all ranks (aggregate_loss)
-            n_tok, n_pol_tok, n_pol_seq = dist.all_reduce_sum(
-                minibatch_counts(r.response_mask[idx], policy_mask[idx])).tolist()
+            idx = on_device[start:start + mb_size]
+            # the minibatch's global normalisers, over all ranks (aggregate_loss), left on the device
+            host_mask = r.host_attention_mask[order[start:start + mb_size], P:]
+            n_tok, n_pol_tok, n_pol_seq = dist.all_reduce_sum(minibatch_counts(host_mask, policy_mask[idx]))
             if policy is not None and ptx is not None:
                 ptx_backward(policy, ptx, opts)
             micro = list(range(0, len(idx), opts.micro_batch_size))
             for j, ms in enumerate(micro):
-                i = idx[ms:ms + opts.micro_batch_size]
-                seq, attn = r.query_response[i], r.attention_mask[i]
+                i, on_host = idx[ms:ms + opts.micro_batch_size], order[start + ms:start + ms + opts.micro_batch_size]
+                seq, host_attn = r.query_response[i], r.host_attention_mask[on_host]
                 mb_mask, mb_policy_mask = r.response_mask[i], policy_mask[i]      # (b, R): critic's, policy's
                 last = j == len(micro) - 1      # gradients all-reduced on the minibatch's last micro-batch only
-                sums["tokens"] += mb_mask.sum().item()
+                sums["tokens"] += float(host_attn[:, P:].sum())
                 if policy is not None:
                     parallel.sync_gradients(policy.wrapped, last)
                     with autocast(seq.device, opts.dtype):
-                        logp, ent = response_logprobs(policy.wrapped, seq, attn, mb_mask, opts.temperature,
-                                                      with_entropy=True)
+                        logp, ent = response_logprobs(policy.wrapped, seq, host_attn, host_attn[:, P:],
+                                                      opts.temperature, with_entropy=True)
                     old = logp.detach() if r.logprobs is None else r.logprobs[i]
                     pg, ratio = objective(logp, old, targets.adv[i], mb_policy_mask)
                     if r.is_weight is not None:              # --rollout_correction tis
@@ -735,25 +748,25 @@ def update(r: Rollout, targets: Advantages, policy: Optional[Learner], critic: O
                         per_token = per_token + beta * kl_estimate(logp, r.ref_logprobs[i], opts.kl_loss_estimator)
                     aggregate_loss(per_token, mb_policy_mask, agg, n_pol_tok, n_pol_seq, opts.max_new_tokens,
                                    scale=dist.ddp_scale()).backward()
-                    with torch.no_grad():
-                        sums["policy_tokens"] += mb_policy_mask.sum().item()
-                        sums["policy_loss"] += (pg * mb_policy_mask).sum().item()
-                        sums["entropy"] += (ent * mb_policy_mask).sum().item()
+                    with torch.no_grad():         # each a float64 sum on the device (float32 terms, as .item()'s)
+                        sums["policy_tokens"] += mb_policy_mask.sum().double()
+                        sums["policy_loss"] += (pg * mb_policy_mask).sum().double()
+                        sums["entropy"] += (ent * mb_policy_mask).sum().double()
                         # k3 of KL(old‖new)
-                        sums["approx_kl"] += ((ratio - 1 - (logp - old)) * mb_policy_mask).sum().item()
+                        sums["approx_kl"] += ((ratio - 1 - (logp - old)) * mb_policy_mask).sum().double()
                         # clip fraction = tokens whose ratio lies outside [1 − ε, 1 + ε_high] (as OpenAI
                         # baselines / TRL log it), not "the clipped term was the one selected by the max"
                         outside = (ratio < 1 - opts.clip_eps) | (ratio > 1 + clip_high)
-                        sums["clipfrac"] += (outside.float() * mb_policy_mask).sum().item()
-                        sums["ratio"] += (ratio * mb_policy_mask).sum().item()
+                        sums["clipfrac"] += (outside.float() * mb_policy_mask).sum().double()
+                        sums["ratio"] += (ratio * mb_policy_mask).sum().double()
                 if critic is not None:
                     parallel.sync_gradients(critic.wrapped, last)
                     with autocast(seq.device, opts.dtype):
-                        new_values = critic.wrapped(seq, attn)[0][:, r.query_len - 1:-1].float()
+                        new_values = critic.wrapped(seq, r.attention_mask[i])[0][:, P - 1:-1].float()
                     v_loss, v_clipped = value_loss(new_values, r.values[i], targets.returns[i], opts.value_clip)
                     ((v_loss * mb_mask).sum() * token_mean_scale(n_tok)).backward()
-                    sums["value_loss"] += (v_loss.detach() * mb_mask).sum().item()
-                    sums["value_clipfrac"] += (v_clipped.float() * mb_mask).sum().item()
+                    sums["value_loss"] += (v_loss.detach() * mb_mask).sum().double()
+                    sums["value_clipfrac"] += (v_clipped.float() * mb_mask).sum().double()
             sums["updates"] += 1
             if policy is not None:
                 sums["grad_norm"] += policy.step(opts.grad_clip)
@@ -796,8 +809,8 @@ def step_metrics(r: Rollout, seq_kl, kl_penalty, sums, beta, k=1):
     if r.gold is not None:
         seq["gold_reward"] = r.gold
     names = ["sequences", *seq, *sums]
-    local = [float(r.scores.shape[0]), *(v.sum().item() for v in seq.values()), *sums.values()]
-    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
+    local = [r.scores.shape[0], *(v.sum() for v in seq.values()), *sums.values()]
+    total = dict(zip(names, dist.all_reduce_sum(dist.stacked(local)).tolist()))     # the one read
     metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
     policy = ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio")     # update() counts policy_tokens beside
     per_token = (*policy, "value_loss", "value_clipfrac")

@@ -383,20 +383,27 @@ def aggregate_loss(per_token, mask, how, n_tokens, n_seqs, max_len, scale=1.0):
       seq_mean_token_mean      1/N Σ_i (1/|y_i|) Σ_t l_it          every sequence weighs the same (GRPO, eq. 3)
       seq_mean_token_sum_norm  1/N Σ_i Σ_t l_it / L_max            a constant normaliser (Dr. GRPO, eq. 4)
     Rows with no loss token (wholly masked out of the policy loss) add nothing to the sum but count in N for the
-    two sequence means, so masking one response does not raise the others' weight."""
+    two sequence means, so masking one response does not raise the others' weight. The counts may be numbers or
+    0-dim tensors on the device (update's: no read); the factor is rounded to the loss's dtype either way."""
     if how == "seq_mean_token_mean":
         per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return per_seq.sum() * (scale / max(n_seqs, 1))
+        return per_seq.sum() * _share(scale, n_seqs, per_seq)
     norm = n_tokens if how == "token_mean" else n_seqs * max_len
-    return (per_token * mask).sum() * (scale / max(norm, 1))
+    return (per_token * mask).sum() * _share(scale, norm, per_token)
+
+
+def _share(scale, count, like):
+    """scale / max(count, 1) in float64, as a 0-dim tensor of like's dtype and device."""
+    count = torch.as_tensor(count, dtype=torch.float64).to(like.device, non_blocking=True)
+    return (scale / count.clamp(min=1)).to(like.dtype)
 
 
 def minibatch_counts(response_mask, policy_mask):
     """This rank's share of a minibatch's normalisers, float64 [response tokens (the critic's), policy-loss tokens
     (truncated or mismatched responses may be masked out of the policy loss), sequences]: every sequence counts,
-    a wholly masked one too, as TRL and verl count N for the sequence-mean aggregations. Summed over ranks."""
-    return torch.tensor([float(response_mask.sum()), float(policy_mask.sum()), float(policy_mask.shape[0])],
-                        dtype=torch.float64)
+    a wholly masked one too, as TRL and verl count N for the sequence-mean aggregations. Summed over ranks. On
+    policy_mask's device (response_mask may be the host's copy): nothing is read back."""
+    return dist.stacked([response_mask.sum(), policy_mask.sum(), policy_mask.shape[0]])
 
 
 def loss_aggregation(opts):
@@ -475,7 +482,10 @@ class Lagrange:
 def token_mean_scale(global_count):
     """Multiplier of a micro-batch's SUMMED loss so the gradients DDP averages over ranks add up to the
     token-mean over all micro-batches of all ranks: × world_size undoes DDP's mean, ÷ the global count
-    (all-reduced beforehand) makes it a mean. The one place this factor is written."""
+    (all-reduced beforehand) makes it a mean. The one place this factor is written. A 0-dim tensor count gives a
+    float32 tensor on its device (no read), a number a number."""
+    if torch.is_tensor(global_count):
+        return (dist.ddp_scale() / global_count.clamp(min=1)).float()
     return dist.ddp_scale() / max(global_count, 1)
 
 
@@ -688,8 +698,8 @@ def step_metrics(r: Rollout, seq_kl, kl_penalty, sums, beta, k=1):
         seq["gold_reward"] = r.gold
     seq["cost"] = r.costs
     names = ["sequences", *seq, *sums]
-    local = [float(r.scores.shape[0]), *(v.sum().item() for v in seq.values()), *sums.values()]
-    total = dict(zip(names, dist.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()))
+    local = [r.scores.shape[0], *(v.sum() for v in seq.values()), *sums.values()]
+    total = dict(zip(names, dist.all_reduce_sum(dist.stacked(local)).tolist()))     # the one read
     metrics = {f"train/{k}": total[k] / total["sequences"] for k in seq}
     policy = ("policy_loss", "entropy", "approx_kl", "clipfrac", "ratio")     # update() counts policy_tokens beside
     per_token = (*policy, "value_loss", "value_clipfrac", "cost_value_loss", "cost_value_clipfrac")

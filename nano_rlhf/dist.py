@@ -302,12 +302,14 @@ def all_reduce_sums(named):
 
 
 def stacked(values):
-    """Numbers and 0-dim tensors -> one float64 tensor on the tensors' device. The numbers are copied there
-    without blocking: a copy from pageable memory is staged at once and waits for nothing on the device."""
+    """Numbers and 0-dim tensors -> one float64 tensor on the device of the tensors that are not on the host (the
+    host's if none). What the host holds is copied there without blocking: a copy from pageable memory is staged
+    at once and waits for nothing on the device."""
     values = list(values)
-    device = next((v.device for v in values if torch.is_tensor(v)), torch.device("cpu"))
-    return torch.stack([v.to(torch.float64) if torch.is_tensor(v)
-                        else torch.tensor(float(v), dtype=torch.float64).to(device, non_blocking=True) for v in values])
+    devices = [v.device for v in values if torch.is_tensor(v)]
+    device = next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+    return torch.stack([torch.as_tensor(v if torch.is_tensor(v) else float(v), dtype=torch.float64)
+                        .to(device, non_blocking=True) for v in values])
 
 
 def all_reduce_max(x):
@@ -340,8 +342,9 @@ def wrap_ddp(model):
     """DDP for a trainable model when distributed (a plain model otherwise)."""
     if not _CTX.enabled:
         return model
-    ids = [_CTX.local_rank] if _CTX.device.type == "cuda" else None
-    wrapper = DDP(model, device_ids=ids)
+    # device_ids=None: DDP moves no inputs. The scripts copy theirs to the device without blocking, and a mask
+    # kept on the host stays there for the model's padding check (a copy by DDP would make that check a read)
+    wrapper = DDP(model, device_ids=None)
     _DDP_WRAPPERS.add(wrapper)
     return wrapper
 

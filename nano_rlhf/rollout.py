@@ -30,6 +30,8 @@ class Rollout:
     completions: list                     # B decoded response texts
     prompts: list = field(default_factory=list)  # B prompt texts (or messages) as the prompts file gave them
     weight_version: Optional[torch.Tensor] = None  # (B,) long: the optimizer steps the sampling weights had taken
+    host_attention_mask: Optional[torch.Tensor] = None  # attention_mask's copy on the host, which an update finds its
+    #                                                     positions and padding in without a read from the device
     action_mask: Optional[torch.Tensor] = None  # (B, R) the tokens the policy sampled: response_mask with holes at
     #                                             tool turns (their KL and loss are not the policy's); None = it
     tool_results: dict = field(default_factory=dict)  # each answered assistant turn's ids (a tuple) -> the tool
@@ -75,7 +77,7 @@ class Rollout:
                 out[f.name] = [x for v in values for x in v]
             elif values[0] is None:
                 out[f.name] = None
-            elif f.name in ("query_response", "attention_mask"):    # (B, P+R): pad both ends
+            elif f.name in ("query_response", "attention_mask", "host_attention_mask"):   # (B, P+R): pad both ends
                 value = pad_id if f.name == "query_response" else 0
                 out[f.name] = torch.cat([F.pad(v, (P - p.query_len, R - p.response_mask.shape[1]), value=value)
                                          for v, p in zip(values, parts)])
@@ -122,8 +124,9 @@ def sample_groups(prompts, policy, tok, sampling, k, gen, gen_stats=None, tools=
     response_mask = response_mask.float()
     decode = tok.decode if env is None else tok.decode_turns
     completions = [decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())]
-    r = Rollout(query_response=torch.cat([q_ids, resp], 1),
-                attention_mask=torch.cat([q_mask, response_mask.long()], 1), response_mask=response_mask,
+    attention_mask = torch.cat([q_mask, response_mask.long()], 1)
+    r = Rollout(query_response=torch.cat([q_ids, resp], 1), attention_mask=attention_mask,
+                host_attention_mask=attention_mask.cpu(), response_mask=response_mask,
                 has_eos=has_eos.float(), completions=completions,
                 prompts=[p["text"] for p in prompts for _ in range(k)],
                 weight_version=torch.full((len(completions),), version, dtype=torch.long, device=device),
@@ -148,8 +151,9 @@ def sample_mixture_groups(mixture, prompts, prompt_ids, tok, k, temperature, max
                            tok.pad_id)
     prompt_len = q_ids.shape[1]
     resp, response_mask, length, has_eos = cut_at_stop(seq[:, prompt_len:], tok.stop_ids, tok.pad_id)
-    return Rollout(query_response=torch.cat([seq[:, :prompt_len], resp], 1),
-                   attention_mask=torch.cat([q_mask.to(device), response_mask.long()], 1),
+    attention_mask = torch.cat([q_mask.to(device), response_mask.long()], 1)
+    return Rollout(query_response=torch.cat([seq[:, :prompt_len], resp], 1), attention_mask=attention_mask,
+                   host_attention_mask=attention_mask.cpu(),
                    response_mask=response_mask.float(), has_eos=has_eos.float(),
                    completions=[tok.decode(row[:n]) for row, n in zip(resp.tolist(), length.tolist())],
                    prompts=[p["text"] for p in prompts for _ in range(k)])

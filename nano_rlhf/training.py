@@ -889,12 +889,13 @@ class Learner:
         return cls(model, *prepare(opts, model, lr))
 
     def step(self, grad_clip):
-        """Clip the gradient norm (0 = off), step, zero the gradients; returns the pre-clip norm."""
+        """Clip the gradient norm (0 = off), step unless the norm is not finite (step_if_finite: decided on the
+        device), zero the gradients; returns the pre-clip norm, a float64 0-dim tensor on the device (no read)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = parallel.clip_grad_norm(params, grad_clip)
-        self.opt.step()
+        norm = parallel.clipped_grad_norm(params, grad_clip)
+        step_if_finite(self.opt, norm.isfinite())
         self.opt.zero_grad(set_to_none=True)
-        return norm
+        return norm.double()
 
 
 def frozen(opts, model):

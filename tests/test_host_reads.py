@@ -33,7 +33,8 @@ class HostReads(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         to_device = name == "_to_copy" and "device" in (kwargs or {})
-        made_by_host = name == "lift_fresh"                     # torch.tensor(python value): on the CPU
+        # torch.tensor(python value), and the scripts' shuffles (randperm(..., device="cpu")): on the CPU
+        made_by_host = name in ("lift_fresh", "randperm")
         on_host = made_by_host or (bool(tensors) and all(id(t) in self.host for t in tensors) and not to_device)
         bool_index = name == "index" and any(t.dtype == torch.bool for t in tensors[1:])
         if not on_host and (name in READS or bool_index):
@@ -78,6 +79,44 @@ def test_sft_step_reads_the_host_once():
     # none inside; the one read is the .tolist() of the loss and the gradient norm at the end (no op on a CPU)
     assert m.reads == [], m.reads
     assert metrics["train/loss"] > 0
+
+
+def test_grpo_update_reads_the_host_once():
+    """train_ppo's update (GRPO: two minibatches of two micro-batches, two epochs, left-padded prompts, responses
+    of several lengths) reads nothing back: the positions and the padding come from the rollout's host copy of
+    the mask, the loss's normalisers and every logged sum stay on the device, the update is skipped or not by
+    the fused AdamW's device flag. step_metrics then reads them all at once. (The rollout's own reads, in the
+    sampler and with_logprobs, are the rollout issue's.)"""
+    import train_ppo
+    from nano_rlhf.cli import parse_args
+    from nano_rlhf.rollout import Rollout
+    from nano_rlhf.training import Learner
+    dist.setup("cpu")
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    B, P, R = 8, 3, 5
+    attn = torch.ones(B, P + R, dtype=torch.long)
+    attn[::3, 0] = 0                                                  # left-padded prompts
+    for b, n in enumerate((5, 3, 1, 4, 5, 2, 3, 5)):
+        attn[b, P + n:] = 0                                           # responses of n tokens
+    ids = torch.randint(1, model.cfg.vocab_size, (B, P + R)) * attn
+    resp = attn[:, P:].float()
+    r = Rollout(query_response=ids, attention_mask=attn.clone(), host_attention_mask=attn, response_mask=resp,
+                has_eos=torch.ones(B), completions=[""] * B, scores=torch.randn(B), raw_scores=torch.randn(B),
+                policy_mask=resp.clone())
+    opts = parse_args(train_ppo.Options, ["--advantage", "grpo", "--samples_per_prompt", "2", "--batch_size", "4",
+                                          "--num_minibatches", "2", "--micro_batch_size", "2", "--ppo_epochs", "2"])
+    train_ppo.fill_defaults(opts)
+    targets = train_ppo.advantages(r, estimator="grpo", beta=0.0, k=2)
+    policy, gen = Learner(model, model, fused_adamw(model)), torch.Generator().manual_seed(0)
+    train_ppo.update(r, targets, policy, None, opts, 0.0, gen)           # the first makes AdamW's state
+    with HostReads([attn]) as m:
+        sums = train_ppo.update(r, targets, policy, None, opts, 0.0, gen)
+    assert m.reads == [], m.reads
+    with HostReads([attn]) as m:
+        metrics = train_ppo.step_metrics(r, torch.zeros(B), torch.zeros(B), sums, 0.0, 2)
+    assert m.reads == [], m.reads       # the one read is the .tolist() of every figure at the end (no op on a CPU)
+    assert sums["updates"] == 4 and metrics["train/grad_norm"] > 0 and 0 <= metrics["train/clipfrac"] <= 1
 
 
 def test_a_non_finite_step_is_skipped_on_the_device_then_refused(tmp_path):
