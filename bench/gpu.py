@@ -16,12 +16,13 @@ Parts:
   train        the device, versions, bf16 peak and a matrix-product probe; the output layer alone (log-probs
                forward + backward at 3 vocabularies: the plain one-chunk computation against the log-prob
                operator, padded and not); one SFT step at GPT-2-124M, SmolLM2-135M and Qwen2.5-0.5B shapes (random
-               weights; train_sft.train_step, bf16 autocast) and one DPO step at GPT-2 (live reference), each
-               against a bare HF transformers loop of the same work in this process, the two alternated step by
-               step (A B A B), median of 10 steps after 3: tokens/s, MFU (nanoGPT's estimate_mfu: 6N + 12·L·H·Q·T
-               FLOPs a token; DPO's reference forward 2N more) against the datasheet and the measured matmul
-               ceiling, the memory a step adds, the host syncs of our SFT and DPO steps, a kernel profile; then the
-               correctness tests of those paths (TRAIN_TESTS)                            -> train.json
+               weights; train_sft.train_step, bf16 autocast), one DPO step at GPT-2 (live reference) and one GRPO
+               update at GPT-2 and Qwen2.5-0.5B (π_old's forward, two minibatch updates), each against a bare HF
+               transformers loop of the same work in this process, the two alternated step by step (A B A B),
+               median of 10 steps after 3: tokens/s, MFU (nanoGPT's estimate_mfu: 6N + 12·L·H·Q·T FLOPs a token;
+               DPO's reference and GRPO's π_old forward 2N more) against the datasheet and the measured matmul
+               ceiling, the memory a step adds, the host syncs of our steps, a kernel profile with the attention
+               kernels that ran; then the correctness tests of those paths (TRAIN_TESTS)   -> train.json
   rollout      64 prompts x 8 samples x 256 new tokens (no stop token: every row runs to the end) at SmolLM2-135M
                shape in bf16: the rollout engine (prefix shared, eager and compiled; compile time apart) against
                HF `generate` with its default cache and with cache_implementation="static"  -> rollout.json
@@ -35,6 +36,7 @@ median of the timed repeats after warm-up calls.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -53,10 +55,11 @@ PARTS = ("train", "rollout", "grpo", "correctness")
 # plus a quarter.
 PLAN = {
     "train": [("process start, CUDA init, imports", 15), ("env and the matmul probe", 15),
-              ("output-layer probe: 3 vocabularies x 3 sides x 11 calls", 30),
+              ("output-layer probe: 3 vocabularies x 3 sides x 7 calls", 20),
               ("SFT gpt2-124m, ours and HF alternated, 13 steps each, profile", 20), ("SFT smollm2-135m", 20),
               ("SFT qwen2.5-0.5b", 25), ("SFT gpt2-124m --compile (compile ~45 s)", 60),
-              ("DPO gpt2-124m, live reference", 15), ("correctness subset (TRAIN_TESTS)", 50)],
+              ("DPO gpt2-124m, live reference", 15), ("GRPO update gpt2-124m", 10),
+              ("GRPO update qwen2.5-0.5b", 15), ("correctness subset (TRAIN_TESTS)", 50)],
     "rollout": [("process start", 15), ("eager and compiled engine (compile ~40 s)", 75),
                 ("HF generate, default and static cache (compile ~40 s)", 90)],
     "grpo": [("process start, model save", 25), ("2 GRPO steps at qwen2.5-0.5b", 80)],
@@ -69,7 +72,9 @@ EXPECTED = {("sft", "gpt2-124m", "nano_rlhf"): {"mfu": 0.25, "vs_hf": 1.9},
             ("sft", "gpt2-124m", "nano_rlhf --compile"): {"mfu": 0.33, "vs_hf": 2.5},
             ("sft", "smollm2-135m", "nano_rlhf"): {"vs_hf": 1.1},
             ("sft", "qwen2.5-0.5b", "nano_rlhf"): {"vs_hf": 1.0},
-            ("dpo", "gpt2-124m", "nano_rlhf dpo"): {"vs_hf": 1.5}}
+            ("dpo", "gpt2-124m", "nano_rlhf dpo"): {"vs_hf": 1.5},
+            ("grpo_update", "gpt2-124m", "nano_rlhf grpo update"): {"vs_hf": 1.5},
+            ("grpo_update", "qwen2.5-0.5b", "nano_rlhf grpo update"): {"vs_hf": 1.5}}
 
 # model shapes (random weights): GPTConfig fields, with the HF config class and its fields
 SHAPES = {
@@ -271,9 +276,11 @@ def kernel_profile(fn, device, top=15):
         per[name] = per.get(name, 0) + us
     total = sum(per.values()) or 1
     rows = sorted(per.items(), key=lambda kv: -kv[1])[:top]
+    # which SDPA kernels ran (model.SDPA_BACKENDS chose them): cuDNN's, flash's, the memory-efficient fmha's
+    attention = sorted({k[:90] for k in per if re.search(r"attention|fmha|flash|sdpa|cudnn", k, re.I)})
     return {"kernel_ms": round(total / 1e3, 2), "wall_ms": round(wall * 1e3, 2),
             "busy": round(total / 1e6 / wall, 3) if cuda else None,
-            "top": [[k[:90], round(us / 1e3, 2), round(us / total, 3)] for k, us in rows]}
+            "top": [[k[:90], round(us / 1e3, 2), round(us / total, 3)] for k, us in rows], "attention": attention}
 
 
 def step_rows(device, make_sides, steps, warmup):
@@ -345,7 +352,7 @@ def head_probe(device, tiny):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
-                med, _ = step_rows(device, {side: fn}, 2 if tiny else 10, 1)[side]
+                med, _ = step_rows(device, {side: fn}, 2 if tiny else 6, 1)[side]
                 row[side] = {"ms": round(med * 1e3, 2)}
                 if device.type == "cuda":
                     row[side]["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
@@ -461,13 +468,71 @@ def part_train(a, device, save):
             h_opt.zero_grad(set_to_none=True)
         return cfg, n, (2 * pairs, P + R), {"nano_rlhf dpo": ours_step, "hf bare loop dpo": hf_step}
 
+    def grpo_sides(shape):
+        """One GRPO update as train_ppo runs it after sampling, with --num_minibatches 2 so that π_old is a forward
+        of its own: 4 prompts x 8 samples, prompts of 128 (some left-padded), responses of 64-256 tokens,
+        micro-batches of 16; π_old's forward (with_logprobs), two clipped-ratio minibatch updates, the step's
+        figures (step_metrics). HF's side: the same work written by hand over its logits."""
+        import train_ppo
+        from nano_rlhf.cli import parse_args
+        from nano_rlhf.rollout import Rollout
+        from nano_rlhf.training import Learner
+        cfg, ours, n = build(shape, "ours")
+        _, hf, _ = build(shape, "hf")
+        prompts, k, P, R, micro = (2, 4, 8, 16, 4) if a.tiny else (4, 8, 128, 256, 16)
+        B, g = prompts * k, torch.Generator().manual_seed(0)
+        attn = torch.ones(B, P + R, dtype=torch.long)
+        attn[1::2, :P // 8] = 0                                            # left-padded prompts
+        lengths = torch.randint(R // 4, R + 1, (B,), generator=g)
+        attn[:, P:] = (torch.arange(R)[None] < lengths[:, None]).long()   # responses of several lengths
+        ids = torch.randint(2, cfg.vocab_size, (B, P + R), generator=g) * attn
+        resp, scores = attn[:, P:].float(), torch.randn(B, generator=g)
+        gopts = parse_args(train_ppo.Options, ["--advantage", "grpo", "--samples_per_prompt", str(k), "--batch_size",
+                                               str(prompts), "--num_minibatches", "2", "--micro_batch_size",
+                                               str(micro), "--dtype", "bfloat16", "--lr", "1e-6"])
+        train_ppo.fill_defaults(gopts)
+        rollout = Rollout(query_response=ids.to(device), attention_mask=attn.to(device), host_attention_mask=attn,
+                          response_mask=resp.to(device), has_eos=torch.ones(B, device=device), completions=[""] * B,
+                          scores=scores.to(device), raw_scores=scores.to(device), policy_mask=resp.to(device))
+        targets = train_ppo.advantages(rollout, estimator="grpo", beta=0.0, k=k)
+        models, policy = train_ppo.Models(policy=ours, reward=None), Learner(ours, ours, adamw(ours, 1e-6, 0.1))
+        shuffle, h_opt = torch.Generator().manual_seed(0), adamw(hf, 1e-6, 0.1)
+        ids_d, attn_d, resp_d, adv_d = ids.to(device), attn.to(device), resp.to(device), targets.adv
+
+        def ours_step():            # the script's own update: no host read inside, one for the step's figures
+            r = train_ppo.with_logprobs(rollout, models, gopts)
+            sums = train_ppo.update(r, targets, policy, None, gopts, 0.0, shuffle)
+            train_ppo.step_metrics(r, torch.zeros(B, device=device), torch.zeros(B, device=device), sums, 0.0, k)
+
+        def hf_logps(rows):
+            logits = hf(input_ids=ids_d[rows], attention_mask=attn_d[rows]).logits[:, P - 1:-1].float()
+            return logits.log_softmax(-1).gather(-1, ids_d[rows, P:, None]).squeeze(-1) * resp_d[rows]
+
+        def hf_step():
+            with torch.no_grad(), autocast(device, "bfloat16"):
+                old = torch.cat([hf_logps(slice(i, i + micro)) for i in range(0, B, micro)])
+            order = torch.randperm(B, generator=shuffle).to(device)
+            for half in order.view(2, -1):
+                n_tok = resp_d[half].sum()
+                for rows in half.view(-1, micro):
+                    with autocast(device, "bfloat16"):
+                        lp = hf_logps(rows)
+                    ratio, adv = (lp - old[rows]).exp(), adv_d[rows]
+                    pg = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+                    ((pg * resp_d[rows]).sum() / n_tok).backward()
+                torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+                h_opt.step()
+                h_opt.zero_grad(set_to_none=True)
+        return cfg, n, (B, P + R), {"nano_rlhf grpo update": ours_step, "hf bare loop grpo update": hf_step}
+
     shapes = [x for x in a.shapes.split(",") if x] or list(SHAPES)
     plan = [("sft", s, False) for s in shapes] + [("sft", "gpt2-124m", True)] * (not a.no_compile) + \
-        [("dpo", "gpt2-124m", False)]
+        [("dpo", "gpt2-124m", False), ("grpo_update", "gpt2-124m", False), ("grpo_update", "qwen2.5-0.5b", False)]
+    make = {"dpo": dpo_sides, "grpo_update": grpo_sides}
     for kind, shape, compiled in plan:
         group = []
         try:
-            cfg, n, (B, T), sides = sft_sides(shape, compiled) if kind == "sft" else dpo_sides(shape)
+            cfg, n, (B, T), sides = sft_sides(shape, compiled) if kind == "sft" else make[kind](shape)
             ours_name = next(iter(sides))
             reads = host_reads_of(sides[ours_name], device)
             timing = step_rows(device, sides, steps, warmup)
@@ -475,8 +540,8 @@ def part_train(a, device, save):
             for side, (med, ts) in timing.items():
                 row = {"shape": shape, "kind": kind, "side": side, "batch": [B, T], "dtype": "bfloat16 autocast",
                        "s_per_step": round(med, 4), "times": [round(x, 4) for x in ts]}
-                # DPO: the reference's forward counts 2N a token beside the policy's 6N (a third of the work)
-                finish(row, cfg, n, B * T, None if side.startswith("hf") else hf_s, 4 / 3 if kind == "dpo" else 1.0)
+                # DPO's reference forward and the GRPO update's π_old forward count 2N a token beside the 6N
+                finish(row, cfg, n, B * T, None if side.startswith("hf") else hf_s, 1.0 if kind == "sft" else 4 / 3)
                 if side == ours_name:
                     row["host_reads"] = reads
                     if shape != "qwen2.5-0.5b" and not compiled:
@@ -690,6 +755,8 @@ def table(out):
             lines.append(f"  head {name}: " + ", ".join(f"{k} {v.get('ms', v.get('error', '?'))} ms"
                                                        for k, v in sides.items()))
         for row in r.get("rows", []):
+            if row.get("side", "").startswith("hf"):      # its time is in our row's "x HF"
+                continue
             if "error" in row:
                 lines.append(f"  {row['kind']} {row['shape']}: {row['error'][:80]}")
                 continue

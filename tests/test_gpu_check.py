@@ -38,9 +38,13 @@ def test_dry_run_on_the_cpu(tmp_path):
     rows = train["rows"]
     assert not [r for r in rows if "error" in r], rows
     assert {(r["kind"], r["side"]) for r in rows} == {("sft", "nano_rlhf"), ("sft", "hf bare loop"),
-                                                      ("dpo", "nano_rlhf dpo"), ("dpo", "hf bare loop dpo")}
+                                                      ("dpo", "nano_rlhf dpo"), ("dpo", "hf bare loop dpo"),
+                                                      ("grpo_update", "nano_rlhf grpo update"),
+                                                      ("grpo_update", "hf bare loop grpo update")}
     assert all(len(r["times"]) >= 2 and r["tokens_per_s"] > 0 for r in rows)
     assert "top" in rows[0]["profile"] and rows[0]["host_reads"] == "not checked (CPU)"
+    grpo = [r for r in rows if r["side"] == "nano_rlhf grpo update" and r["shape"] == "gpt2-124m"][0]
+    assert "attention" in grpo["profile"] and grpo["vs_hf"] > 0
     sub = train["correctness"]
     assert sub["counts"]["failed"] == 0 and sub["counts"]["passed"] >= 5, sub["counts"]
     assert "chunked_logprobs" in {m["name"] for m in sub["measurements"]}
