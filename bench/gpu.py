@@ -16,7 +16,8 @@ Parts:
   train        the device, versions, bf16 peak and a matrix-product probe; the output layer alone (log-probs
                forward + backward at 3 vocabularies: the plain one-chunk computation against the log-prob
                operator, padded and not); one SFT step at GPT-2-124M, SmolLM2-135M and Qwen2.5-0.5B shapes (random
-               weights; train_sft.train_step, bf16 autocast), one DPO step at GPT-2 (live reference) and one GRPO
+               weights; train_sft.train_step, bf16 autocast; GPT-2 also at 32 x 1024, and against HF with its
+               vocabulary padded to a multiple of 64), one DPO step at GPT-2 (live reference) and one GRPO
                update at GPT-2 and Qwen2.5-0.5B (π_old's forward, two minibatch updates), each against a bare HF
                transformers loop of the same work in this process, the two alternated step by step (A B A B),
                median of 10 steps after 3: tokens/s, MFU (nanoGPT's estimate_mfu: 6N + 12·L·H·Q·T FLOPs a token;
@@ -56,8 +57,10 @@ PARTS = ("train", "rollout", "grpo", "correctness")
 PLAN = {
     "train": [("process start, CUDA init, imports", 15), ("env and the matmul probe", 15),
               ("output-layer probe: 3 vocabularies x 3 sides x 7 calls", 20),
-              ("SFT gpt2-124m, ours and HF alternated, 13 steps each, profile", 20), ("SFT smollm2-135m", 20),
-              ("SFT qwen2.5-0.5b", 25), ("SFT gpt2-124m --compile (compile ~45 s)", 60),
+              ("SFT gpt2-124m, ours, HF and HF with its vocabulary padded, 13 steps each, profile", 25),
+              ("SFT smollm2-135m", 20),
+              ("SFT qwen2.5-0.5b", 25), ("SFT gpt2-124m --compile (compile ~45 s)", 45),
+              ("SFT gpt2-124m at 32 x 1024", 15),
               ("DPO gpt2-124m, live reference", 15), ("GRPO update gpt2-124m", 10),
               ("GRPO update qwen2.5-0.5b", 15), ("correctness subset (TRAIN_TESTS)", 50)],
     "rollout": [("process start", 15), ("eager and compiled engine (compile ~40 s)", 75),
@@ -72,6 +75,7 @@ EXPECTED = {("sft", "gpt2-124m", "nano_rlhf"): {"mfu": 0.25, "vs_hf": 1.9},
             ("sft", "gpt2-124m", "nano_rlhf --compile"): {"mfu": 0.33, "vs_hf": 2.5},
             ("sft", "smollm2-135m", "nano_rlhf"): {"vs_hf": 1.1},
             ("sft", "qwen2.5-0.5b", "nano_rlhf"): {"vs_hf": 1.0},
+            ("sft_32", "gpt2-124m", "nano_rlhf"): {"mfu": 0.25, "vs_hf": 1.9},
             ("dpo", "gpt2-124m", "nano_rlhf dpo"): {"vs_hf": 1.5},
             ("grpo_update", "gpt2-124m", "nano_rlhf grpo update"): {"vs_hf": 1.5},
             ("grpo_update", "qwen2.5-0.5b", "nano_rlhf grpo update"): {"vs_hf": 1.5}}
@@ -406,26 +410,36 @@ def part_train(a, device, save):
         m = GPT(cfg).to(device).train()
         return cfg, (torch.compile(m) if compiled else m), m.num_params() - wpe
 
-    def sft_sides(shape, compiled):
+    def sft_sides(shape, compiled, batch=None, padded_hf=False):
+        """One SFT step at the shape's batch (or `batch`); padded_hf adds HF's loop on the same model with its
+        vocabulary padded to a multiple of 64 (resize_token_embeddings), the fair version of HF's side."""
         cfg, ours, n = build(shape, "ours", compiled)
-        _, hf, _ = build(shape, "hf")
-        B, T = (2, 32) if a.tiny else SFT_BATCH[shape]
+        hfs = {"hf bare loop": build(shape, "hf")[1]}
+        if padded_hf:
+            hfs["hf bare loop, vocab padded to 64"] = build(shape, "hf")[1]
+            hfs["hf bare loop, vocab padded to 64"].resize_token_embeddings(cfg.vocab_size, pad_to_multiple_of=64)
+        B, T = batch or ((2, 32) if a.tiny else SFT_BATCH[shape])
         ids = torch.randint(2, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
-        o_opt, h_opt, ids_d = adamw(ours, 1e-4, 0.1), adamw(hf, 1e-4, 0.1), ids.to(device)
+        o_opt, ids_d = adamw(ours, 1e-4, 0.1), ids.to(device)
         counter = iter(range(10 ** 9))
 
         def ours_step():            # the script's own step: one host read, the step's figures
             train_sft.train_step(ours, o_opt, [(ids, mask, mask)], opts, next(counter))
 
-        def hf_step():
-            with autocast(device, "bfloat16"):
-                loss = hf(input_ids=ids_d, labels=ids_d).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-            h_opt.step()
-            h_opt.zero_grad(set_to_none=True)
-        return cfg, n, (B, T), {"nano_rlhf" + (" --compile" if compiled else ""): ours_step, "hf bare loop": hf_step}
+        def hf_loop(hf):
+            h_opt = adamw(hf, 1e-4, 0.1)
+
+            def hf_step():
+                with autocast(device, "bfloat16"):
+                    loss = hf(input_ids=ids_d, labels=ids_d).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+                h_opt.step()
+                h_opt.zero_grad(set_to_none=True)
+            return hf_step
+        return cfg, n, (B, T), {"nano_rlhf" + (" --compile" if compiled else ""): ours_step,
+                                **{name: hf_loop(hf) for name, hf in hfs.items()}}
 
     def dpo_sides(shape):
         """4 pairs (8 at full size) of prompt 128 + response 384: policy forward and backward on both rows, the
@@ -526,23 +540,31 @@ def part_train(a, device, save):
         return cfg, n, (B, P + R), {"nano_rlhf grpo update": ours_step, "hf bare loop grpo update": hf_step}
 
     shapes = [x for x in a.shapes.split(",") if x] or list(SHAPES)
+    # GPT-2 also at twice the batch, and against HF with its vocabulary padded (the issue's fair HF side)
     plan = [("sft", s, False) for s in shapes] + [("sft", "gpt2-124m", True)] * (not a.no_compile) + \
-        [("dpo", "gpt2-124m", False), ("grpo_update", "gpt2-124m", False), ("grpo_update", "qwen2.5-0.5b", False)]
-    make = {"dpo": dpo_sides, "grpo_update": grpo_sides}
+        [("sft_32", "gpt2-124m", False), ("dpo", "gpt2-124m", False), ("grpo_update", "gpt2-124m", False),
+         ("grpo_update", "qwen2.5-0.5b", False)]
+    make = {"sft": lambda shape, compiled: sft_sides(shape, compiled, padded_hf=shape == "gpt2-124m" and not compiled),
+            "sft_32": lambda shape, _: sft_sides(shape, False, (4, 32) if a.tiny else (32, 1024)),
+            "dpo": lambda shape, _: dpo_sides(shape), "grpo_update": lambda shape, _: grpo_sides(shape)}
     for kind, shape, compiled in plan:
         group = []
         try:
-            cfg, n, (B, T), sides = sft_sides(shape, compiled) if kind == "sft" else make[kind](shape)
+            cfg, n, (B, T), sides = make[kind](shape, compiled)
             ours_name = next(iter(sides))
             reads = host_reads_of(sides[ours_name], device)
             timing = step_rows(device, sides, steps, warmup)
-            hf_s = timing[[k for k in sides if k.startswith("hf")][0]][0]
+            hf_s = timing[next(k for k in sides if k.startswith("hf"))][0]      # HF as shipped (the first)
+            padded = timing.get("hf bare loop, vocab padded to 64")
             for side, (med, ts) in timing.items():
                 row = {"shape": shape, "kind": kind, "side": side, "batch": [B, T], "dtype": "bfloat16 autocast",
                        "s_per_step": round(med, 4), "times": [round(x, 4) for x in ts]}
                 # DPO's reference forward and the GRPO update's π_old forward count 2N a token beside the 6N
-                finish(row, cfg, n, B * T, None if side.startswith("hf") else hf_s, 1.0 if kind == "sft" else 4 / 3)
+                finish(row, cfg, n, B * T, None if side.startswith("hf") else hf_s,
+                       4 / 3 if kind in ("dpo", "grpo_update") else 1.0)
                 if side == ours_name:
+                    if padded:
+                        row["vs_hf_padded_vocab"] = round(padded[0] / row["s_per_step"], 3)
                     row["host_reads"] = reads
                     if shape != "qwen2.5-0.5b" and not compiled:
                         row["profile"] = kernel_profile(sides[side], device)
@@ -763,9 +785,10 @@ def table(out):
             exp = EXPECTED.get((row["kind"], row["shape"], row["side"]), {})
             reads = row.get("host_reads")
             syncs = f", host syncs {reads['count']} (exp 1)" if isinstance(reads, dict) else ""
+            padded = f", x HF padded {row['vs_hf_padded_vocab']} (exp 1.5)" if "vs_hf_padded_vocab" in row else ""
             lines.append(f"  {row['kind']} {row['shape']} {row['side']}: {row['s_per_step'] * 1e3:.1f} ms, "
                          f"MFU {row.get('mfu')} (exp {exp.get('mfu')}), x HF {row.get('vs_hf')} "
-                         f"(exp {exp.get('vs_hf')}){syncs}")
+                         f"(exp {exp.get('vs_hf')}){padded}{syncs}")
     path = os.path.join(out, "rollout.json")
     if os.path.exists(path):
         for row in json.load(open(path)).get("rows", []):

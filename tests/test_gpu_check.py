@@ -38,6 +38,8 @@ def test_dry_run_on_the_cpu(tmp_path):
     rows = train["rows"]
     assert not [r for r in rows if "error" in r], rows
     assert {(r["kind"], r["side"]) for r in rows} == {("sft", "nano_rlhf"), ("sft", "hf bare loop"),
+                                                      ("sft", "hf bare loop, vocab padded to 64"),
+                                                      ("sft_32", "nano_rlhf"), ("sft_32", "hf bare loop"),
                                                       ("dpo", "nano_rlhf dpo"), ("dpo", "hf bare loop dpo"),
                                                       ("grpo_update", "nano_rlhf grpo update"),
                                                       ("grpo_update", "hf bare loop grpo update")}
@@ -45,6 +47,7 @@ def test_dry_run_on_the_cpu(tmp_path):
     assert "top" in rows[0]["profile"] and rows[0]["host_reads"] == "not checked (CPU)"
     grpo = [r for r in rows if r["side"] == "nano_rlhf grpo update" and r["shape"] == "gpt2-124m"][0]
     assert "attention" in grpo["profile"] and grpo["vs_hf"] > 0
+    assert [r for r in rows if r["shape"] == "gpt2-124m" and r["side"] == "nano_rlhf"][0]["vs_hf_padded_vocab"] > 0
     sub = train["correctness"]
     assert sub["counts"]["failed"] == 0 and sub["counts"]["passed"] >= 5, sub["counts"]
     assert "chunked_logprobs" in {m["name"] for m in sub["measurements"]}
