@@ -509,4 +509,4 @@ class FrozenModelOptions:
 @dataclass
 class CompileOption:
     """For the scripts whose trained model runs only full-sequence forwards (no sampling with it)."""
-    compile: bool = False         # torch.compile the model being trained
+    compile: bool = False         # torch.compile the model being trained: its forward with the output layer, one graph
